@@ -1,0 +1,88 @@
+"""Typed errors of mlxkv: every one is a :class:`CacheError`.
+
+The seed-compatible methods keep the seed's return contracts (``None``,
+``False``, ``ValueError``); everything new raises one of these. Each error
+carries its facts as attributes, so callers can act on them without parsing
+the message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "CacheError",
+    "DoubleFree",
+    "DuplicateRequest",
+    "InvalidInput",
+    "OutOfBlocks",
+    "UnknownRequest",
+]
+
+
+class CacheError(Exception):
+    """Base class of every error mlxkv raises on purpose."""
+
+
+class InvalidInput(CacheError, ValueError):
+    """An argument was rejected before any state changed.
+
+    Attributes:
+        argument: name of the offending argument.
+        value: the value given (possibly abbreviated).
+    """
+
+    def __init__(self, argument: str, value: Any, reason: str) -> None:
+        self.argument = argument
+        self.value = value
+        self.reason = reason
+        super().__init__(f"invalid {argument}={_abbrev(value)}: {reason}")
+
+
+class OutOfBlocks(CacheError, ValueError):
+    """Not enough free blocks, even after evicting every evictable one.
+
+    Subclasses ``ValueError`` because the seed's ``get_new_blocks`` raises
+    ``ValueError`` in this case; seed-era ``except ValueError`` keeps working.
+
+    Attributes:
+        requested: how many blocks were asked for.
+        available: how many could have been had (free, counting evictable).
+    """
+
+    def __init__(self, requested: int, available: int) -> None:
+        self.requested = requested
+        self.available = available
+        super().__init__(f"asked for {requested} blocks, only {available} available")
+
+
+class UnknownRequest(CacheError, KeyError):
+    """A request id that holds nothing here (never seen, or already released)."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        super().__init__(request_id)
+
+    def __str__(self) -> str:
+        return f"unknown request {self.request_id!r}"
+
+
+class DuplicateRequest(CacheError):
+    """A request id that is already in use was used to start another request."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        super().__init__(f"request {request_id!r} is already active")
+
+
+class DoubleFree(CacheError):
+    """A block was released by someone who holds no reference to it."""
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        super().__init__(f"block {block_id} released while not referenced")
+
+
+def _abbrev(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

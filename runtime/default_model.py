@@ -1,0 +1,258 @@
+"""The built-in model: small mlx-lm models with deterministic random weights.
+
+No weights can be downloaded where mlxkv is built and tested, so the project
+writes its own models: a ``config.json``, a ``model.safetensors`` with weights
+drawn from a seeded generator, and a byte-level ``tokenizer.json``, all in the
+mlx-lm directory format. They are then loaded with ``mlx_lm.load`` -- the same
+code path as any real model -- so everything downstream is exercised for real.
+
+A written model directory is immutable: :func:`ensure_model` writes it once,
+atomically (to a temporary sibling, then ``rename``), and later calls reuse it.
+The directory name includes a digest of the spec, so a changed spec never reads
+a stale directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+import attrs
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "ModelSpec",
+    "TINY_HYBRID",
+    "TINY_LLAMA",
+    "TINY_SLIDING_LLAMA",
+    "default_cache_dir",
+    "ensure_model",
+    "write_model",
+]
+
+#: Special tokens appended after the 256 byte tokens.
+_SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<|pad|>")
+_BYTE_VOCAB = 256
+
+
+@attrs.frozen(kw_only=True)
+class ModelSpec:
+    """What to write: an mlx-lm ``model_type`` and its architecture fields.
+
+    ``config`` holds the fields of the model's ``ModelArgs`` except
+    ``model_type`` and ``vocab_size`` (the vocabulary is always the byte-level
+    tokenizer's). ``seed`` makes the weights deterministic.
+    """
+
+    name: str
+    model_type: str
+    config: Mapping[str, Any] = attrs.field(converter=lambda c: dict(sorted(c.items())))
+    seed: int = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return _BYTE_VOCAB + len(_SPECIAL_TOKENS)
+
+    def full_config(self) -> dict[str, Any]:
+        return {
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "bos_token_id": _BYTE_VOCAB,
+            "eos_token_id": _BYTE_VOCAB + 1,
+            **self.config,
+        }
+
+    def digest(self) -> str:
+        blob = json.dumps(
+            {"config": self.full_config(), "seed": self.seed, "format": 1},
+            sort_keys=True,
+        )
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def _llama(**overrides: Any) -> dict[str, Any]:
+    base = {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": True,
+    }
+    base.update(overrides)
+    return base
+
+
+#: The smallest useful model: fast enough for property and parity tests.
+TINY_LLAMA = ModelSpec(name="tiny-llama", model_type="llama", config=_llama())
+
+#: Llama whose odd layers use sliding-window attention (``RotatingKVCache``).
+TINY_SLIDING_LLAMA = ModelSpec(
+    name="tiny-sliding-llama",
+    model_type="llama",
+    config=_llama(
+        num_hidden_layers=2,
+        layer_types=["full_attention", "sliding_attention"],
+        sliding_window=512,
+    ),
+)
+
+#: A hybrid model: attention layers (``KVCache``) next to short-convolution
+#: layers whose recurrent state lives in an ``ArraysCache``.
+TINY_HYBRID = ModelSpec(
+    name="tiny-hybrid-lfm2",
+    model_type="lfm2",
+    config={
+        "hidden_size": 64,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 32768,
+        "norm_eps": 1e-5,
+        "conv_bias": False,
+        "conv_L_cache": 3,
+        "block_dim": 64,
+        "block_ff_dim": 128,
+        "block_multiple_of": 16,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_auto_adjust_ff_dim": False,
+        "full_attn_idxs": [1],
+        "rope_theta": 10000.0,
+        "tie_embedding": True,
+    },
+)
+
+#: The model ``mlxkv run`` uses unless given ``--model``: Llama geometry with
+#: grouped-query attention, big enough that a 2k-token prefill is measurable.
+DEFAULT_MODEL = ModelSpec(
+    name="mlxkv-default-llama",
+    model_type="llama",
+    config=_llama(
+        hidden_size=128,
+        num_hidden_layers=4,
+        intermediate_size=256,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+    ),
+)
+
+
+def default_cache_dir() -> Path:
+    """Where models are written: ``$MLXKV_CACHE_DIR``, else ``~/.cache/mlxkv``."""
+    env = os.environ.get("MLXKV_CACHE_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg) / "mlxkv" if xdg else Path.home() / ".cache" / "mlxkv"
+
+
+def ensure_model(spec: ModelSpec = DEFAULT_MODEL, cache_dir: Path | None = None) -> Path:
+    """Return the directory of ``spec``'s model, writing it first if missing.
+
+    Args:
+        spec: the model to write.
+        cache_dir: parent directory; defaults to :func:`default_cache_dir`.
+
+    Returns:
+        A directory that ``mlx_lm.load`` accepts.
+    """
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = root / f"{spec.name}-{spec.digest()}"
+    if (target / "config.json").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{spec.name}-", dir=root))
+    try:
+        write_model(spec, staging)
+        try:
+            staging.rename(target)
+        except OSError:
+            # Another process won the race and wrote the same immutable model.
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def write_model(spec: ModelSpec, directory: Path) -> None:
+    """Write ``spec`` in the mlx-lm format into ``directory`` (which must exist).
+
+    The weights come from the model's own initialisers under a seeded MLX
+    generator, so the same spec always writes the same bytes.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    directory = Path(directory)
+    config = spec.full_config()
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(spec.seed)
+    model = model_class(args_class.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    # Scale the random init down so activations stay in a sane range and
+    # logits are not dominated by a single token.
+    weights = {k: (v * 0.5 if v.ndim > 1 else v).astype(mx.float32) for k, v in weights.items()}
+    mx.eval(weights)
+    mx.save_safetensors(str(directory / "model.safetensors"), weights)
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    _write_tokenizer(directory)
+
+
+def _write_tokenizer(directory: Path) -> None:
+    """A byte-level tokenizer: one token per byte, no merges, three specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    byte_to_unicode = pre_tokenizers.ByteLevel.alphabet()
+    # ``alphabet()`` is unordered; give every byte a stable id equal to its value.
+    mapping = _bytes_to_unicode()
+    assert set(mapping.values()) == set(byte_to_unicode), "byte alphabet mismatch"
+    vocab = {mapping[b]: b for b in range(_BYTE_VOCAB)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(list(_SPECIAL_TOKENS))
+    tokenizer.save(str(directory / "tokenizer.json"))
+    bos, eos, pad = _SPECIAL_TOKENS
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": eos,
+        "pad_token": pad,
+        "add_bos_token": False,
+        "model_max_length": 32768,
+        "chat_template": (
+            "{% for m in messages %}<|begin_of_text|>{{ m['role'] }}: "
+            "{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|begin_of_text|>assistant: {% endif %}"
+        ),
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    (directory / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": bos, "eos_token": eos, "pad_token": pad}, indent=2)
+    )
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable-character table (ByteLevel's alphabet)."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    table: dict[int, str] = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(_BYTE_VOCAB):
+        if b not in table:
+            table[b] = chr(_BYTE_VOCAB + extra)
+            extra += 1
+    return table

@@ -1,0 +1,64 @@
+"""Parent-chained block hashing."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mlxkv.cache import InvalidInput, compute_block_hash, hash_block_chain
+
+tokens = st.lists(st.integers(0, 2**32 - 1), max_size=300)
+
+
+class TestHashBlockChain:
+    @given(tokens, st.integers(1, 40))
+    def test_matches_blockwise_compute(self, token_ids, block_size):
+        """The one-pass chain equals hashing each full block after its parent."""
+        chain = hash_block_chain(token_ids, block_size, extra_keys=("salt",))
+        parent = None
+        for i, h in enumerate(chain):
+            block = token_ids[i * block_size : (i + 1) * block_size]
+            parent = compute_block_hash(parent, block, ("salt",) if i == 0 else None)
+            assert h == parent
+        assert len(chain) == len(token_ids) // block_size
+
+    @given(tokens, st.integers(1, 16))
+    def test_extension_continues_chain(self, token_ids, block_size):
+        """Hashing a tail from the last parent gives the rest of the full chain."""
+        full = hash_block_chain(token_ids, block_size, extra_keys=(7,))
+        k = len(full) // 2
+        head = full[:k]
+        tail = hash_block_chain(
+            token_ids[k * block_size :], block_size, parent_hash=head[-1] if head else None,
+            extra_keys=None if head else (7,),
+        )
+        assert head + tail == full
+
+    def test_position_matters(self):
+        """The same block content after different parents hashes differently."""
+        a = hash_block_chain([1, 2, 3, 4], 2)
+        b = hash_block_chain([3, 4, 3, 4], 2)
+        assert a[1] != b[1]
+
+    def test_extra_keys_namespace_every_block(self):
+        """Different salts share no block hash, even for identical tokens."""
+        a = hash_block_chain(list(range(8)), 2, extra_keys=("tenant-a",))
+        b = hash_block_chain(list(range(8)), 2, extra_keys=("tenant-b",))
+        assert not set(a) & set(b)
+
+    def test_types_kept_apart(self):
+        """Extra keys '1' and 1 are different namespaces."""
+        assert compute_block_hash(None, [1], ("1",)) != compute_block_hash(None, [1], (1,))
+
+    @pytest.mark.parametrize("bad", [[-1], [2**32], [1.5], ["a"]])
+    def test_bad_tokens_rejected(self, bad):
+        """Token ids outside [0, 2**32) are refused with InvalidInput."""
+        with pytest.raises(InvalidInput):
+            hash_block_chain(bad, 1)
+
+    @pytest.mark.parametrize("size", [0, -3, 2.0])
+    def test_bad_block_size_rejected(self, size):
+        """A block size that is not a positive int is refused."""
+        with pytest.raises(InvalidInput):
+            hash_block_chain([1, 2], size)
