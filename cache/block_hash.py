@@ -104,15 +104,15 @@ def hash_block_chain(
     data = _token_bytes(token_ids)
     width = block_size * 4
     length_prefix = width.to_bytes(8, "little")
+    sha256 = hashlib.sha256
     chain: list[BlockHash] = []
-    parent = parent_hash
+    parent = parent_hash or ROOT_HASH
     extra = _extra_bytes(extra_keys) if parent_hash is None else b""
     for start in range(0, len(data) - width + 1, width):
-        hasher = hashlib.sha256(parent or ROOT_HASH)
-        hasher.update(length_prefix)
-        hasher.update(data[start : start + width])
-        hasher.update(extra)
-        parent = BlockHash(hasher.digest())
+        # One hashlib call per block: the same bytes compute_block_hash feeds.
+        parent = BlockHash(
+            sha256(b"".join((parent, length_prefix, data[start : start + width], extra))).digest()
+        )
         chain.append(parent)
         extra = b""
     return chain

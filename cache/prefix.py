@@ -27,9 +27,16 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
+from mlxkv.cache.block_prefix import BlockAwarePrefixCache, BlockCacheEntry
 from mlxkv.cache.errors import InvalidInput
 
-__all__ = ["CacheEntry", "PrefixCacheManager", "PrefixCacheStats"]
+__all__ = [
+    "BlockAwarePrefixCache",
+    "BlockCacheEntry",
+    "CacheEntry",
+    "PrefixCacheManager",
+    "PrefixCacheStats",
+]
 
 logger = logging.getLogger(__name__)
 
