@@ -1,1 +1,51 @@
-"""Actors that own the runtime's state; each is driven by typed messages."""
+"""Actors that own the runtime's state; each is driven by typed messages.
+
+One actor per owned piece of state: :class:`BlockAllocatorActor` (blocks,
+references, payloads), :class:`PrefixIndexActor` (hash chains, hints,
+request tables) and :class:`ImageCacheActor` (vision embeddings). Each module
+holds its actor, its messages and a typed handle; :mod:`mlxkv.actors.actor`
+holds the base.
+"""
+
+from mlxkv.actors.actor import Actor, ActorFailed, ActorRef, ActorStatistics, Ask, Tell
+from mlxkv.actors.allocator import (
+    AllocatorStatistics,
+    BlockAllocatorActor,
+    BlockAllocatorHandle,
+    BlockGrant,
+    BlockId,
+)
+from mlxkv.actors.image_cache import (
+    ImageCacheActor,
+    ImageCacheHandle,
+    ImageCacheStatistics,
+    ImageEntry,
+)
+from mlxkv.actors.prefix_index import (
+    PrefixIndexActor,
+    PrefixIndexHandle,
+    PrefixIndexStatistics,
+    RequestId,
+)
+
+__all__ = [
+    "Actor",
+    "ActorFailed",
+    "ActorRef",
+    "ActorStatistics",
+    "AllocatorStatistics",
+    "Ask",
+    "BlockAllocatorActor",
+    "BlockAllocatorHandle",
+    "BlockGrant",
+    "BlockId",
+    "ImageCacheActor",
+    "ImageCacheHandle",
+    "ImageCacheStatistics",
+    "ImageEntry",
+    "PrefixIndexActor",
+    "PrefixIndexHandle",
+    "PrefixIndexStatistics",
+    "RequestId",
+    "Tell",
+]

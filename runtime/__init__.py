@@ -1,8 +1,46 @@
 """mlxkv: a KV-cache runtime for LLM inference on MLX.
 
 Concurrent requests that share a prompt prefix reuse the KV state an earlier
-request computed. The synchronous, seed-compatible cache layer lives in
-:mod:`mlxkv.cache`.
+request computed. :class:`CacheRuntime` is the async entry point; the
+synchronous, seed-compatible cache layer lives in :mod:`mlxkv.cache`, the
+actors in :mod:`mlxkv.actors`.
 """
 
 __version__ = "0.1.0"
+
+from mlxkv.errors import (
+    ActorFailed,
+    CacheError,
+    DoubleFree,
+    DuplicateRequest,
+    InvalidInput,
+    OutOfBlocks,
+    RuntimeClosed,
+    UnknownRequest,
+)
+from mlxkv.runtime import (
+    CacheRuntime,
+    FetchResult,
+    RequestHandle,
+    RuntimeConfig,
+    RuntimeStatistics,
+    StoreResult,
+)
+
+__all__ = [
+    "ActorFailed",
+    "CacheError",
+    "CacheRuntime",
+    "DoubleFree",
+    "DuplicateRequest",
+    "FetchResult",
+    "InvalidInput",
+    "OutOfBlocks",
+    "RequestHandle",
+    "RuntimeClosed",
+    "RuntimeConfig",
+    "RuntimeStatistics",
+    "StoreResult",
+    "UnknownRequest",
+    "__version__",
+]

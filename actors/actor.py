@@ -1,0 +1,481 @@
+"""The actor base: one owner per piece of state, driven by typed messages.
+
+An actor holds one synchronous ``mlxkv.cache`` object and a bounded mailbox
+(an anyio memory object stream). Its loop's only ``await`` is receiving the
+next message; every handler is synchronous, so each message is handled
+atomically and no lock is needed.
+
+Messages are frozen ``attrs`` classes. A :class:`Tell` expects no reply. An
+:class:`Ask` carries a one-shot reply stream that the caller created (buffer
+of one, so the actor's ``send_nowait`` never blocks). Domain errors
+(:class:`~mlxkv.cache.errors.CacheError`) travel back as values and are
+re-raised in the caller; any other exception is a bug and crashes the actor,
+which closes every pending caller's reply stream so that no one hangs.
+
+Cancellation: a caller cancelled while waiting closes its reply stream; the
+actor then finds the reply undeliverable and undoes it itself
+(:meth:`Actor.undo`). If the reply was delivered just before the caller was
+cancelled, the caller finds it with ``receive_nowait`` and sends the same undo
+message, shielded from the cancellation. Either way the state the reply
+granted (blocks, references) is given back exactly once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, ClassVar, Generic, Optional, TypeVar, Union
+
+import anyio
+import attrs
+import structlog
+from anyio.abc import TaskStatus
+from anyio.streams.memory import (
+    MemoryObjectReceiveStream,
+    MemoryObjectSendStream,
+    MemoryObjectStreamStatistics,
+)
+
+from mlxkv.cache.errors import CacheError
+
+__all__ = [
+    "Actor",
+    "ActorFailed",
+    "ActorRef",
+    "ActorStatistics",
+    "Ask",
+    "Failure",
+    "Intercept",
+    "Message",
+    "Tell",
+]
+
+R = TypeVar("R")
+
+
+class ActorFailed(CacheError):
+    """The actor that should answer has stopped (closed, crashed or cancelled).
+
+    Attributes:
+        actor: the actor's name.
+        cause: the exception that crashed the actor, if it crashed.
+    """
+
+    def __init__(self, actor: str, cause: Optional[BaseException] = None) -> None:
+        self.actor = actor
+        self.cause = cause
+        detail = "" if cause is None else f" (crashed: {type(cause).__name__}: {cause})"
+        super().__init__(f"actor {actor!r} is not running{detail}")
+
+
+@attrs.frozen(kw_only=True)
+class Tell:
+    """A message that expects no reply."""
+
+    request_id: Optional[str] = None
+
+
+@attrs.frozen(kw_only=True)
+class Ask(Generic[R]):
+    """A message whose handler's return value (of type ``R``) is sent back."""
+
+    request_id: Optional[str] = None
+    reply: MemoryObjectSendStream[Any] = attrs.field(repr=False, eq=False)
+
+
+#: Anything an actor's mailbox carries.
+Message = Union[Tell, Ask[Any]]
+
+#: Called with ``(actor name, message)`` before each message is handled; what
+#: it raises counts as raised by the handler (a CacheError is answered, any
+#: other exception crashes the actor). For tests and fault injection.
+Intercept = Callable[[str, Message], None]
+
+
+@attrs.frozen
+class Failure:
+    """A domain error travelling back to the caller as a value."""
+
+    error: CacheError
+
+
+@attrs.frozen
+class _Envelope:
+    message: Message
+    enqueued_at: float
+
+
+@attrs.frozen(kw_only=True)
+class ActorStatistics:
+    """What an actor has done, and how full its mailbox is.
+
+    Attributes:
+        name: the actor's name.
+        num_handled: messages handled (answered or not).
+        num_failed: messages answered with a domain error.
+        num_undone: replies given back by the actor because the caller had
+            gone (the caller gives back the others itself).
+        mailbox: anyio's statistics of the mailbox: ``current_buffer_used``
+            never exceeds ``max_buffer_size``; senders beyond it wait
+            (``tasks_waiting_send``).
+    """
+
+    name: str
+    num_handled: int
+    num_failed: int
+    num_undone: int
+    mailbox: MemoryObjectStreamStatistics
+
+
+class Actor:
+    """Base class: a bounded mailbox and a loop that handles one message at a time.
+
+    Subclasses implement :meth:`handle` (synchronous) and, where a reply
+    grants something, :meth:`undo`.
+
+    Owns: its mailbox's receiving end, the state subclasses add, and the
+    exception that crashed it (``None`` while it runs or after a clean stop).
+
+    Invariants:
+        - state owned by the actor is touched only inside :meth:`handle`;
+        - every :class:`Ask` that enters the mailbox gets exactly one of: a
+          reply, a closed reply stream (the caller sees :class:`ActorFailed`),
+          or an undo because the caller went away;
+        - the mailbox holds at most ``mailbox_size`` messages; further senders
+          wait.
+    """
+
+    name: ClassVar[str] = "actor"
+
+    def __init__(
+        self,
+        *,
+        mailbox_size: int = 64,
+        trace: bool = False,
+        intercept: Optional[Intercept] = None,
+    ) -> None:
+        """Create the mailbox; nothing runs until :meth:`run`.
+
+        Args:
+            mailbox_size: messages the mailbox buffers before senders wait.
+            trace: emit one ``message.handled`` event per message.
+            intercept: see :data:`Intercept`.
+
+        Raises:
+            ValueError: ``mailbox_size`` is below 1.
+        """
+        if mailbox_size < 1:
+            raise ValueError("mailbox_size must be at least 1")
+        self._mailbox_in, self._mailbox_out = anyio.create_memory_object_stream[_Envelope](
+            mailbox_size
+        )
+        # Decided once here, not per message: with tracing off no event is built.
+        self._log = structlog.get_logger("mlxkv").bind(actor=self.name)
+        self._trace = self._log if trace else None
+        self._intercept = intercept
+        self._cause: Optional[BaseException] = None
+        self.num_handled = 0
+        self.num_failed = 0
+        self.num_undone = 0
+
+    # -- to implement -----------------------------------------------------
+
+    def handle(self, message: Message) -> Any:
+        """Apply ``message`` to the owned state; return the reply for an Ask.
+
+        Raises:
+            CacheError: a domain error, sent back to the caller; the handler
+                must not have changed any state when it raises one.
+        """
+        raise TypeError(f"{self.name} cannot handle {type(message).__name__}")
+
+    def undo(self, message: Ask[Any], reply: Any) -> Optional[Tell]:
+        """The message that gives back what ``reply`` granted, if anything.
+
+        Must be pure: it is also called in the caller's task, for a reply that
+        reached the caller after it was cancelled.
+        """
+        return None
+
+    # -- running -----------------------------------------------------------
+
+    def ref(self) -> ActorRef:
+        """A handle for sending messages to this actor; close it when done.
+
+        The loop ends once this actor is closed, every ref is closed and the
+        mailbox is drained.
+        """
+        return ActorRef(self.name, self._mailbox_in.clone(), self.undo, self._crash_cause)
+
+    def close(self) -> None:
+        """Close the actor's own sending end; refs already handed out stay open."""
+        self._mailbox_in.close()
+
+    def discard(self) -> None:
+        """Close both ends of the mailbox of an actor that will never run."""
+        self._mailbox_in.close()
+        self._fail_pending()
+        self._mailbox_out.close()
+
+    def _crash_cause(self) -> Optional[BaseException]:
+        return self._cause
+
+    def statistics(self) -> ActorStatistics:
+        """A snapshot of the counters and the mailbox."""
+        return ActorStatistics(
+            name=self.name,
+            num_handled=self.num_handled,
+            num_failed=self.num_failed,
+            num_undone=self.num_undone,
+            mailbox=self._mailbox_out.statistics(),
+        )
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Handle messages until every sender is closed; then return.
+
+        If a handler raises anything but a CacheError, the exception
+        propagates (crashing the task group) after every pending caller's
+        reply stream has been closed and the mailbox refuses new messages.
+        """
+        mailbox = self._mailbox_out
+        receive_nowait = mailbox.receive_nowait
+        current: Optional[_Envelope] = None
+        try:
+            task_status.started()
+            while True:
+                # Messages already queued are handled back to back; the loop
+                # waits (and lets others run) only when the mailbox is empty.
+                try:
+                    current = receive_nowait()
+                except anyio.WouldBlock:
+                    try:
+                        current = await mailbox.receive()
+                    except anyio.EndOfStream:
+                        break
+                except anyio.EndOfStream:
+                    break
+                self._dispatch(current)
+                current = None
+        except BaseException as error:
+            if not isinstance(error, anyio.get_cancelled_exc_class()):
+                self._cause = error
+                self._log.error(
+                    "actor.crashed",
+                    message=None if current is None else type(current.message).__name__,
+                    error=f"{type(error).__name__}: {error}",
+                )
+            raise
+        finally:
+            if current is not None:
+                _close_reply(current.message)
+            # Fail what is still queued *before* closing: once the receiving
+            # end is closed, receive_nowait can no longer reach the buffer and
+            # those callers would wait forever.
+            self._fail_pending()
+            mailbox.close()
+
+    def _dispatch(self, envelope: _Envelope) -> None:
+        message = envelope.message
+        started = time.perf_counter()
+        try:
+            if self._intercept is not None:
+                self._intercept(self.name, message)
+            result: Any = self.handle(message)
+        except CacheError as error:
+            result = Failure(error)
+            self.num_failed += 1
+        self.num_handled += 1
+        undone = False
+        if isinstance(message, Ask):
+            try:
+                message.reply.send_nowait(result)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                # The caller was cancelled before we answered: give it back here.
+                if not isinstance(result, Failure):
+                    compensation = self.undo(message, result)
+                    if compensation is not None:
+                        self.handle(compensation)
+                        self.num_undone += 1
+                        undone = True
+            finally:
+                message.reply.close()
+        elif isinstance(result, Failure):
+            # Nobody waits for a Tell's outcome: a failed one must not vanish.
+            self._log.warning(
+                "message.failed",
+                message=type(message).__name__,
+                request_id=message.request_id,
+                error=f"{type(result.error).__name__}: {result.error}",
+            )
+        if self._trace is not None:
+            done = time.perf_counter()
+            self._trace.info(
+                "message.handled",
+                message=type(message).__name__,
+                request_id=message.request_id,
+                queued_ms=round((started - envelope.enqueued_at) * 1e3, 4),
+                handling_ms=round((done - started) * 1e3, 4),
+                error=type(result.error).__name__ if isinstance(result, Failure) else None,
+                undone=undone,
+            )
+
+    def _fail_pending(self) -> None:
+        """Close the reply stream of every message still queued or being sent."""
+        while True:
+            try:
+                envelope = self._mailbox_out.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                return
+            _close_reply(envelope.message)
+
+    def mailbox_statistics(self) -> MemoryObjectStreamStatistics:
+        """anyio's statistics of the mailbox (buffer use, waiting senders)."""
+        return self._mailbox_out.statistics()
+
+
+def _close_reply(message: Message) -> None:
+    if isinstance(message, Ask):
+        message.reply.close()
+
+
+class ActorRef:
+    """The sending side of an actor's mailbox, as used by handles.
+
+    Sending waits while the mailbox is full (back-pressure) and is a
+    cancellation point; replies are re-raised if they are failures. A ref is
+    a resource: close it (or use it as a context manager) when done, or the
+    actor never sees the end of its mailbox.
+
+    Owns: one clone of the mailbox's sending end.
+
+    Invariants:
+        - every reply an :meth:`ask` receives is either returned to its
+          caller or given back (the actor's undo message, sent shielded);
+        - both ends of an ask's reply stream are closed when the ask ends.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        mailbox: MemoryObjectSendStream[_Envelope],
+        undo: Callable[[Ask[Any], Any], Optional[Tell]],
+        crash_cause: Callable[[], Optional[BaseException]] = lambda: None,
+    ) -> None:
+        self.name = name
+        self._mailbox = mailbox
+        self._undo = undo
+        self._crash_cause = crash_cause
+
+    def clone(self) -> ActorRef:
+        """Another ref to the same actor, closed independently.
+
+        Raises:
+            ActorFailed: this ref is closed.
+        """
+        try:
+            mailbox = self._mailbox.clone()
+        except anyio.ClosedResourceError:
+            raise ActorFailed(self.name) from None
+        return ActorRef(self.name, mailbox, self._undo, self._crash_cause)
+
+    def close(self) -> None:
+        """Stop sending through this ref; idempotent."""
+        self._mailbox.close()
+
+    def __enter__(self) -> ActorRef:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def statistics(self) -> MemoryObjectStreamStatistics:
+        """anyio's statistics of the actor's mailbox."""
+        return self._mailbox.statistics()
+
+    def _failed(self) -> ActorFailed:
+        return ActorFailed(self.name, self._crash_cause())
+
+    async def tell(self, message: Tell) -> None:
+        """Send a message that expects no reply; a cancellation point.
+
+        Raises:
+            ActorFailed: the actor is not running, or this ref is closed.
+        """
+        try:
+            await self._mailbox.send(_Envelope(message, time.perf_counter()))
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            raise self._failed() from None
+
+    async def tell_shielded(self, message: Tell) -> None:
+        """:meth:`tell`, immune to the caller's cancellation (for releases).
+
+        Waits only while the mailbox is full.
+
+        Raises:
+            ActorFailed: the actor is not running, or this ref is closed.
+        """
+        with anyio.CancelScope(shield=True):
+            await self._post(message)
+
+    async def _post(self, message: Message) -> None:
+        """Enqueue ``message``, waiting only while the mailbox is full."""
+        envelope = _Envelope(message, time.perf_counter())
+        try:
+            try:
+                self._mailbox.send_nowait(envelope)
+            except anyio.WouldBlock:
+                await self._mailbox.send(envelope)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            raise self._failed() from None
+
+    async def ask(self, message_type: type[Ask[R]], /, **fields: Any) -> R:
+        """Send ``message_type(**fields, reply=...)`` and wait for the reply.
+
+        If the caller is cancelled at any point, whatever the reply granted is
+        given back: by the actor if it had not answered yet, else from here.
+
+        Returns:
+            The handler's return value.
+
+        Raises:
+            CacheError: the domain error the handler raised.
+            ActorFailed: the actor stopped before answering.
+        """
+        reply_in, reply_out = anyio.create_memory_object_stream[Any](1)
+        # Both ends are closed on every path, including a message type that
+        # rejects ``fields``.
+        with reply_in, reply_out:
+            message = message_type(reply=reply_in, **fields)
+            try:
+                # No checkpoint of its own when the mailbox has room: the
+                # wait for the reply below is the call's cancellation point.
+                await self._post(message)
+                try:
+                    result = await reply_out.receive()
+                except anyio.EndOfStream:
+                    raise self._failed() from None
+            except BaseException:
+                await self._give_back_late_reply(message, reply_out)
+                raise
+        if isinstance(result, Failure):
+            raise result.error
+        return result
+
+    async def _give_back_late_reply(
+        self, message: Ask[Any], reply_out: MemoryObjectReceiveStream[Any]
+    ) -> None:
+        """Undo a reply that landed just before the caller stopped waiting."""
+        try:
+            late = reply_out.receive_nowait()
+        except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+            # No reply yet: closing ``reply_out`` (with no await in between)
+            # makes the actor undo it.
+            return
+        if isinstance(late, Failure):
+            return
+        compensation = self._undo(message, late)
+        if compensation is not None:
+            try:
+                await self.tell_shielded(compensation)
+            except ActorFailed:
+                pass  # the actor is gone, and with it the state to give back

@@ -1,0 +1,836 @@
+"""CacheRuntime: the public, async face of the cache, over three actors.
+
+``async with CacheRuntime(...) as rt:`` starts a :class:`PrefixIndexActor`,
+an :class:`ImageCacheActor` and a :class:`BlockAllocatorActor` in one task
+group. The runtime is the only place that talks to several actors in
+sequence; each of its calls follows one rule so that cancellation, at any
+await, leaves nothing behind:
+
+    Take (cancellable) -> hand over (shielded) -> done.
+
+*Taking* asks one actor for something (a table, block references). If the
+caller is cancelled while asking, the actor-ref machinery gives back whatever
+the reply granted (:meth:`ActorRef.ask`). *Handing over* moves references
+from the caller's hands into the request's table with one shielded
+:class:`Record`/:class:`Adopt`: it either succeeds (the table owns them) or
+raises (the caller still owns them and releases them, shielded). Releasing
+is always shielded. So at every await the owner of each reference is known.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from array import array
+from collections.abc import Iterator, Sequence
+from typing import Any, Optional
+
+import anyio
+import attrs
+from anyio.abc import TaskGroup, TaskStatus
+
+from mlxkv.actors.actor import Actor, ActorFailed, ActorStatistics, Intercept
+from mlxkv.actors.allocator import (
+    AllocatorStatistics,
+    BlockAllocatorActor,
+    BlockAllocatorHandle,
+    BlockGrant,
+    BlockId,
+    Grants,
+)
+from mlxkv.actors.image_cache import (
+    ImageCacheActor,
+    ImageCacheHandle,
+    ImageCacheStatistics,
+)
+from mlxkv.actors.prefix_index import (
+    PrefixIndexActor,
+    PrefixIndexHandle,
+    PrefixIndexStatistics,
+    RequestId,
+    TokenIds,
+)
+from mlxkv.cache.errors import CacheError, InvalidInput, UnknownRequest
+from mlxkv.cache.mllm import images_digest
+from mlxkv.errors import RuntimeClosed
+
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import BaseExceptionGroup
+
+__all__ = [
+    "CacheRuntime",
+    "FetchResult",
+    "RequestHandle",
+    "RuntimeConfig",
+    "RuntimeStatistics",
+    "StoreResult",
+]
+
+
+def _int_at_least(minimum: int) -> Any:
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value.__class__ is not int or value < minimum:
+            raise InvalidInput(attribute.name, value, f"must be an int >= {minimum}")
+
+    return check
+
+
+def _is_bool(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value.__class__ is not bool:
+        raise InvalidInput(attribute.name, value, "must be a bool")
+
+
+@attrs.frozen(kw_only=True)
+class RuntimeConfig:
+    """Everything a :class:`CacheRuntime` is built from; change with ``attrs.evolve``.
+
+    Attributes:
+        block_size: tokens per KV block.
+        max_blocks: blocks in the pool, the null block included (>= 2).
+        mailbox_size: messages each actor buffers before senders wait.
+        image_cache_entries: the most image entries kept.
+        memory_budget: bytes of arrays the image cache may hold (vision
+            embeddings); the KV block pool is bounded by ``max_blocks``.
+        trace: emit one ``message.handled`` event per message handled.
+
+    Raises:
+        InvalidInput: a field is out of range.
+    """
+
+    block_size: int = attrs.field(default=64, validator=_int_at_least(1))
+    max_blocks: int = attrs.field(default=1024, validator=_int_at_least(2))
+    mailbox_size: int = attrs.field(default=64, validator=_int_at_least(1))
+    image_cache_entries: int = attrs.field(default=50, validator=_int_at_least(1))
+    memory_budget: int = attrs.field(default=2 << 30, validator=_int_at_least(1))
+    trace: bool = attrs.field(default=False, validator=_is_bool)
+
+
+@attrs.frozen(kw_only=True)
+class FetchResult:
+    """What a request holds after :meth:`CacheRuntime.fetch` (or ``fork``).
+
+    Attributes:
+        request_id: the request.
+        num_cached_tokens: tokens covered by the cached blocks it now holds.
+        grants: those blocks, in token order, with their payloads.
+        remaining: the request's tokens after the cached blocks: still to
+            compute (and then :meth:`CacheRuntime.store`).
+        vision_embeddings: cached vision-encoder output for the request's
+            images, or None.
+    """
+
+    request_id: RequestId
+    num_cached_tokens: int
+    # Payloads are arrays, whose == is elementwise: not part of equality.
+    grants: tuple[BlockGrant, ...] = attrs.field(eq=False)
+    remaining: tuple[int, ...] = attrs.field(repr=lambda tokens: f"<{len(tokens)} tokens>")
+    vision_embeddings: Any = attrs.field(default=None, eq=False, repr=False)
+
+    @property
+    def payloads(self) -> tuple[Any, ...]:
+        """The cached blocks' payloads, in token order."""
+        return tuple(grant.payload for grant in self.grants)
+
+    @property
+    def block_ids(self) -> tuple[BlockId, ...]:
+        """The cached blocks, in token order."""
+        return tuple(grant.block_id for grant in self.grants)
+
+
+@attrs.frozen(kw_only=True)
+class StoreResult:
+    """What :meth:`CacheRuntime.store` did.
+
+    Attributes:
+        num_blocks: blocks added to the request.
+        num_reused: of those, blocks found cached (the payload given for
+            them was dropped).
+        num_held_blocks: blocks the request holds now.
+    """
+
+    num_blocks: int
+    num_reused: int
+    num_held_blocks: int
+
+
+@attrs.frozen(kw_only=True)
+class RuntimeStatistics:
+    """A snapshot of every actor (each consistent; together, approximately).
+
+    Attributes:
+        allocator: the block pool.
+        index: hints, request tables, hits.
+        images: the image cache.
+        actors: each actor's counters and mailbox.
+        num_calls: calls made to the runtime so far.
+        num_in_flight: calls in progress, this one excluded.
+    """
+
+    allocator: AllocatorStatistics
+    index: PrefixIndexStatistics
+    images: ImageCacheStatistics
+    actors: tuple[ActorStatistics, ...]
+    num_calls: int
+    num_in_flight: int
+
+
+_NO_GRANTS = Grants()
+
+_NEW, _RUNNING, _CLOSING, _CLOSED, _FAILED = "not started", "running", "closing", "closed", "failed"
+
+
+class CacheRuntime:
+    """The KV-cache runtime: one task group of actors, and calls that orchestrate them.
+
+    Owns: the task group, one handle (actor ref) per actor, the lifecycle
+    state, and the count of calls in flight. Cache state belongs to the
+    actors; the runtime holds references only between a take and its
+    hand-over (see the module docstring).
+
+    Invariants:
+        - a call starts only while running; ``num_in_flight`` counts calls
+          between their start and their end;
+        - when every call has ended, every block reference is owned by a
+          request table (checked by :meth:`check_invariants`).
+
+    Example::
+
+        async with CacheRuntime(block_size=16, max_blocks=256) as rt:
+            async with rt.request("r1", prompt_tokens) as req:
+                ...  # compute req.result.remaining, then
+                await req.store(prompt_tokens, payloads)
+    """
+
+    def __init__(
+        self,
+        config: Optional[RuntimeConfig] = None,
+        *,
+        intercept: Optional[Intercept] = None,
+        **overrides: Any,
+    ) -> None:
+        """Describe a runtime; nothing starts until ``async with``.
+
+        Args:
+            config: the configuration (default: ``RuntimeConfig()``).
+            intercept: called with ``(actor name, message)`` before every
+                message is handled, for tests and fault injection: a
+                CacheError it raises is answered as the handler's, anything
+                else crashes the actor.
+            **overrides: ``RuntimeConfig`` fields that replace ``config``'s.
+
+        Raises:
+            InvalidInput: ``config`` is not a RuntimeConfig, an override is
+                not a field, or a value is out of range.
+        """
+        if config is None:
+            config = RuntimeConfig()
+        elif not isinstance(config, RuntimeConfig):
+            raise InvalidInput("config", config, "must be a RuntimeConfig")
+        fields = attrs.fields_dict(RuntimeConfig)
+        for name, value in overrides.items():
+            if name not in fields:
+                raise InvalidInput(name, value, "is not a RuntimeConfig field")
+        self.config = attrs.evolve(config, **overrides) if overrides else config
+        self._intercept = intercept
+        self._state = _NEW
+        self._failure: Optional[BaseException] = None
+        self._task_group: Optional[TaskGroup] = None
+        self._actors: tuple[Actor, ...] = ()
+        self._stopped: tuple[anyio.Event, ...] = ()
+        self._drained: Optional[anyio.Event] = None
+        self._in_flight = 0
+        self._num_calls = 0
+
+    # -- lifecycle --------------------------------------------------------
+
+    async def __aenter__(self) -> CacheRuntime:
+        if self._state is _RUNNING or self._state is _CLOSING:
+            raise InvalidInput("runtime", self._state, "is already entered; enter it once")
+        if self._state is not _NEW:
+            raise RuntimeClosed(self._state)
+        config = self.config
+        common = dict(
+            mailbox_size=config.mailbox_size, trace=config.trace, intercept=self._intercept
+        )
+        # Start order; they are closed in the reverse order.
+        makers = (
+            lambda: BlockAllocatorActor(
+                block_size=config.block_size, max_blocks=config.max_blocks, **common
+            ),
+            lambda: ImageCacheActor(
+                max_entries=config.image_cache_entries, max_bytes=config.memory_budget, **common
+            ),
+            lambda: PrefixIndexActor(
+                block_size=config.block_size, max_hints=4 * config.max_blocks + 1024, **common
+            ),
+        )
+        made: list[Actor] = []
+        try:
+            for make in makers:
+                made.append(make())
+        except BaseException:
+            for actor in made:
+                actor.discard()
+            raise
+        allocator, images, index = made
+        self._actors = (allocator, images, index)
+        self._stopped = tuple(anyio.Event() for _ in self._actors)
+        self._drained = anyio.Event()
+        self._allocator = BlockAllocatorHandle(allocator.ref())
+        self._images = ImageCacheHandle(images.ref())
+        self._index = PrefixIndexHandle(index.ref())
+        for actor in self._actors:
+            actor.close()  # from now on the handles' refs are the only senders
+        task_group = self._task_group = anyio.create_task_group()
+        await task_group.__aenter__()
+        started = 0
+        try:
+            for actor, stopped in zip(self._actors, self._stopped):
+                await task_group.start(self._run_actor, actor, stopped)
+                started += 1
+        except BaseException:
+            self._close_handles()
+            for actor in self._actors[started + 1 :]:
+                actor.discard()
+            self._state = _CLOSED
+            if not await task_group.__aexit__(*sys.exc_info()):
+                raise
+        self._state = _RUNNING
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        if self._state is _RUNNING:
+            self._state = _CLOSING
+        try:
+            if self._in_flight:
+                await self._drained.wait()  # type: ignore[union-attr]
+            self._close_handles()
+            for stopped in self._stopped:
+                await stopped.wait()
+        except BaseException as error:  # cancelled: an actor crashed, or from outside
+            self._close_handles()
+            if exc is None:
+                exc_type, exc, tb = type(error), error, error.__traceback__
+        if self._state is _CLOSING:
+            self._state = _CLOSED
+        return await self._exit_task_group(exc_type, exc, tb)
+
+    async def _exit_task_group(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        task_group = self._task_group
+        assert task_group is not None, "runtime exited without a task group"
+        try:
+            return bool(await task_group.__aexit__(exc_type, exc, tb))
+        except BaseExceptionGroup as group:
+            cause = self._single_cause(group)
+            if cause is None:
+                raise
+        # Raised outside the except clause, so it does not chain to the group.
+        raise cause
+
+    def _single_cause(self, group: BaseExceptionGroup) -> Optional[BaseException]:
+        """The one meaningful exception in ``group``, if there is one.
+
+        Cancellations are the task group's own doing, and RuntimeClosed
+        errors after a crash are consequences of the crash.
+        """
+        cancelled = anyio.get_cancelled_exc_class()
+        leaves = []
+        pending = [group]
+        while pending:
+            for error in pending.pop().exceptions:
+                if isinstance(error, BaseExceptionGroup):
+                    pending.append(error)
+                elif not isinstance(error, cancelled) and not (
+                    self._failure is not None and isinstance(error, RuntimeClosed)
+                ):
+                    leaves.append(error)
+        return leaves[0] if len(leaves) == 1 else None
+
+    async def _run_actor(
+        self, actor: Actor, stopped: anyio.Event, *, task_status: TaskStatus[None]
+    ) -> None:
+        try:
+            await actor.run(task_status=task_status)
+        except BaseException as error:
+            if not isinstance(error, anyio.get_cancelled_exc_class()) and self._failure is None:
+                self._failure = error
+                self._state = _FAILED
+            raise
+        finally:
+            stopped.set()
+
+    def _close_handles(self) -> None:
+        """Close every actor's mailbox, downstream last; idempotent."""
+        self._index.close()
+        self._images.close()
+        self._allocator.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether calls are refused (not started, closing, closed or failed)."""
+        return self._state is not _RUNNING
+
+    @contextlib.contextmanager
+    def _call(self) -> Iterator[None]:
+        """Count a call in flight; refuse it unless running; report a stopped
+        actor as RuntimeClosed."""
+        if self._state is not _RUNNING:
+            raise self._closed_error()
+        self._in_flight += 1
+        self._num_calls += 1
+        try:
+            yield
+        except ActorFailed as error:
+            raise self._closed_error() from error
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight and self._state is not _RUNNING:
+                self._drained.set()  # type: ignore[union-attr]
+
+    def _closed_error(self) -> RuntimeClosed:
+        if self._failure is not None:
+            return RuntimeClosed(_FAILED, self._failure)
+        return RuntimeClosed(_CLOSED if self._state is _RUNNING else self._state)
+
+    # -- the low-level API --------------------------------------------------
+
+    async def fetch(
+        self,
+        request_id: str,
+        tokens: Sequence[int],
+        *,
+        images: Optional[Sequence[Any]] = None,
+        cache_salt: Optional[str] = None,
+    ) -> FetchResult:
+        """Start a request: take a reference to each cached block of its prefix.
+
+        The request then holds those blocks until :meth:`release`. A hit is
+        exact: blocks match by parent-chained hash over the salt, the ordered
+        images and every token before them.
+
+        Args:
+            request_id: a name not used by any active request.
+            tokens: the prompt's token ids (ints in ``[0, 2**32)``).
+            images: the request's images, in order (paths, URLs, bytes,
+                arrays); they namespace the blocks and are looked up in the
+                image cache.
+            cache_salt: a tenant namespace: requests with different salts
+                never share blocks.
+
+        Returns:
+            What the request now holds and what remains to compute.
+
+        Raises:
+            InvalidInput: a bad argument; nothing changed.
+            DuplicateRequest: ``request_id`` is active.
+            RuntimeClosed: the runtime is not running.
+        """
+        with self._call():
+            request_id = _request_id(request_id)
+            token_ids = _tokens(tokens)
+            salt = _salt(cache_salt)
+            images_key = await _images_key(images)
+            extra_keys = _extra_keys(salt, images_key)
+            match = await self._index.begin(request_id, token_ids, extra_keys)
+            try:
+                entry = None
+                if images_key is not None:
+                    entry = await self._images.lookup(
+                        images_key, cache_salt=salt, request_id=request_id
+                    )
+                grants = _NO_GRANTS
+                if match.num_hinted:
+                    # The whole chain, not just the hinted part: the allocator
+                    # decides, so a hint missing for a cached block costs nothing.
+                    grants = await self._allocator.acquire(match.hashes, request_id=request_id)
+                    await self._hand_over(request_id, 0, grants, hit=True)
+            except BaseException:
+                await self._abandon(request_id)
+                raise
+            num_cached = len(grants.grants) * self.config.block_size
+            return FetchResult(
+                request_id=request_id,
+                num_cached_tokens=num_cached,
+                grants=grants.grants,
+                remaining=tuple(token_ids[num_cached:]),
+                vision_embeddings=None if entry is None else entry.vision_embeddings,
+            )
+
+    async def store(
+        self, request_id: str, tokens: Sequence[int], payloads: Sequence[Any]
+    ) -> StoreResult:
+        """Keep the request's newly computed full blocks; the request holds them.
+
+        A block whose hash is already cached (another request computed it) is
+        shared instead, and its given payload dropped. All or nothing.
+
+        Args:
+            request_id: an active request.
+            tokens: the request's whole token sequence so far; it must extend
+                what the request holds and agree with what it was given.
+            payloads: one object per full block of ``tokens`` beyond the
+                blocks the request holds (typically that block's KV slices).
+
+        Returns:
+            What was added.
+
+        Raises:
+            InvalidInput: bad tokens or the wrong number of payloads; nothing
+                changed.
+            UnknownRequest: the request is not active.
+            OutOfBlocks: the new blocks do not fit; nothing changed.
+            RuntimeClosed: the runtime is not running.
+        """
+        with self._call():
+            request_id = _request_id(request_id)
+            token_ids = _tokens(tokens)
+            if not isinstance(payloads, (list, tuple)):
+                raise InvalidInput("payloads", payloads, "must be a list or tuple")
+            payloads = tuple(payloads)
+            extension = await self._index.extend(request_id, token_ids, len(payloads))
+            if not extension.hashes:
+                return StoreResult(num_blocks=0, num_reused=0, num_held_blocks=extension.start)
+            grants = await self._allocator.store_blocks(
+                extension.hashes, payloads, request_id=request_id
+            )
+            held = await self._hand_over(
+                request_id,
+                extension.start,
+                grants,
+                tail=extension.tail,
+                tail_hashes=extension.tail_hashes,
+            )
+            return StoreResult(
+                num_blocks=len(grants.grants), num_reused=grants.num_reused, num_held_blocks=held
+            )
+
+    async def fork(self, source_id: str, request_id: str) -> FetchResult:
+        """Start ``request_id`` holding the same blocks and tokens as ``source_id``.
+
+        Blocks are shared (one more reference each), never copied: stored
+        blocks are immutable, and each request stores its own new blocks.
+
+        Args:
+            source_id: an active request.
+            request_id: a name not used by any active request.
+
+        Returns:
+            What the new request holds and what remains to compute.
+
+        Raises:
+            InvalidInput: bad ids, or ``source_id`` changed meanwhile.
+            UnknownRequest: ``source_id`` is not active.
+            DuplicateRequest: ``request_id`` is active.
+            RuntimeClosed: the runtime is not running.
+        """
+        with self._call():
+            source_id = _request_id(source_id)
+            request_id = _request_id(request_id)
+            snapshot = await self._index.snapshot(source_id, request_id)
+            grants = _NO_GRANTS
+            if snapshot.block_ids:
+                grants = await self._allocator.retain(
+                    tuple(zip(snapshot.block_ids, snapshot.hashes)), request_id=request_id
+                )
+            try:
+                await self._index.adopt(request_id, snapshot, grants.grants)
+            except BaseException:
+                await self._allocator.release(
+                    grants.block_ids, reannounce=grants.evicted, request_id=request_id
+                )
+                raise
+            await self._index.forget(grants.evicted, request_id=request_id)
+            return FetchResult(
+                request_id=request_id,
+                num_cached_tokens=len(grants.grants) * self.config.block_size,
+                grants=grants.grants,
+                remaining=tuple(snapshot.tail),
+            )
+
+    async def release(self, request_id: str) -> int:
+        """End a request: drop its table and every reference it holds.
+
+        Shielded from cancellation: once called, it completes. Released
+        blocks stay cached (reusable) until allocation needs them.
+
+        Args:
+            request_id: an active request.
+
+        Returns:
+            How many block references were released.
+
+        Raises:
+            InvalidInput: a bad id.
+            UnknownRequest: the request is not active.
+            RuntimeClosed: the runtime is not running.
+        """
+        with self._call():
+            request_id = _request_id(request_id)
+            with anyio.CancelScope(shield=True):
+                block_ids = await self._index.close_table(request_id)
+                if block_ids:
+                    await self._allocator.release(block_ids, request_id=request_id)
+            return len(block_ids)
+
+    async def evict(self, num_blocks: int) -> int:
+        """Drop the cached content of up to ``num_blocks`` unreferenced blocks, LRU first.
+
+        Args:
+            num_blocks: the most to evict.
+
+        Returns:
+            How many were evicted.
+
+        Raises:
+            InvalidInput: ``num_blocks`` is not a non-negative int.
+            RuntimeClosed: the runtime is not running.
+        """
+        with self._call():
+            eviction = await self._allocator.evict(num_blocks)
+            await self._index.forget(eviction.evicted)
+            return eviction.num_evicted
+
+    async def store_images(
+        self,
+        images: Sequence[Any],
+        vision_embeddings: Any,
+        *,
+        num_image_tokens: int = 0,
+        cache_salt: Optional[str] = None,
+    ) -> None:
+        """Cache the vision encoder's output for these images, in this order.
+
+        Args:
+            images: the images, in order (as given to :meth:`fetch`).
+            vision_embeddings: the encoder's output (copied).
+            num_image_tokens: prompt tokens the images stand for.
+            cache_salt: tenant namespace.
+
+        Raises:
+            InvalidInput: bad images, salt or count; nothing changed.
+            RuntimeClosed: the runtime is not running.
+        """
+        with self._call():
+            salt = _salt(cache_salt)
+            images_key = await _images_key(images)
+            if images_key is None:
+                raise InvalidInput("images", images, "must name at least one image")
+            await self._images.store(
+                images_key, vision_embeddings, num_image_tokens=num_image_tokens, cache_salt=salt
+            )
+
+    async def stats(self) -> RuntimeStatistics:
+        """Collect every actor's statistics.
+
+        Raises:
+            RuntimeClosed: the runtime is not running.
+        """
+        with self._call():
+            allocator = await self._allocator.statistics()
+            index = await self._index.statistics()
+            images = await self._images.statistics()
+            return RuntimeStatistics(
+                allocator=allocator,
+                index=index,
+                images=images,
+                actors=tuple(actor.statistics() for actor in self._actors),
+                num_calls=self._num_calls,
+                num_in_flight=self._in_flight - 1,
+            )
+
+    async def check_invariants(self) -> bool:
+        """Verify every actor's invariants and, when quiet, that references add up.
+
+        Each actor checks its own state. If no other call is in flight or
+        starts meanwhile, it also checks across actors that every block's
+        reference count equals the number of request tables listing it (so
+        with no active request, that no block is referenced).
+
+        Returns:
+            Whether the cross-actor check was made.
+
+        Raises:
+            AssertionError: listing every violation found.
+            RuntimeClosed: the runtime is not running.
+        """
+        with self._call():
+            quiet = self._in_flight == 1
+            calls = self._num_calls
+            index = await self._index.check_invariants()
+            allocator = await self._allocator.check_invariants(index.holdings)
+            images = await self._images.check_invariants()
+            exact = quiet and self._num_calls == calls
+        violations = [*index.violations, *allocator.violations, *images]
+        if exact:
+            violations += allocator.reference_mismatches
+        if violations:
+            raise AssertionError("; ".join(violations))
+        return exact
+
+    def request(
+        self,
+        request_id: str,
+        tokens: Sequence[int],
+        *,
+        images: Optional[Sequence[Any]] = None,
+        cache_salt: Optional[str] = None,
+    ) -> RequestHandle:
+        """A request as an async context manager: fetched on enter, released on exit.
+
+        The release runs on normal exit, on error and on cancellation
+        (shielded). Arguments are those of :meth:`fetch`.
+
+        Returns:
+            The handle; ``handle.result`` is the :class:`FetchResult`.
+        """
+        return RequestHandle(self, request_id, tokens, images=images, cache_salt=cache_salt)
+
+    # -- orchestration helpers -------------------------------------------------
+
+    async def _hand_over(
+        self,
+        request_id: RequestId,
+        start: int,
+        grants: Grants,
+        *,
+        tail: Optional[TokenIds] = None,
+        tail_hashes: tuple = (),
+        hit: bool = False,
+    ) -> int:
+        """Move ``grants`` into the request's table (shielded), or release them."""
+        try:
+            return await self._index.record(
+                request_id,
+                start,
+                grants.grants,
+                tail=tail,
+                tail_hashes=tail_hashes,
+                forget=grants.evicted,
+                hit=hit,
+            )
+        except BaseException:
+            await self._allocator.release(
+                grants.block_ids, reannounce=grants.evicted, request_id=request_id
+            )
+            raise
+
+    async def _abandon(self, request_id: RequestId) -> None:
+        """Close a request whose start failed, releasing what its table held (shielded)."""
+        with anyio.CancelScope(shield=True):
+            try:
+                block_ids = await self._index.close_table(request_id)
+                if block_ids:
+                    await self._allocator.release(block_ids, request_id=request_id)
+            except (UnknownRequest, ActorFailed):
+                pass  # gone already, or the runtime is going down with it
+
+
+class RequestHandle:
+    """One request's scope: fetched on ``__aenter__``, released on ``__aexit__``.
+
+    Owns: nothing but the request id and its fetch result; the request's
+    references live in its table.
+
+    Invariants:
+        - after ``__aexit__`` the request holds nothing: it was released
+          there (shielded, whatever the exit) or explicitly before.
+    """
+
+    def __init__(
+        self,
+        runtime: CacheRuntime,
+        request_id: str,
+        tokens: Sequence[int],
+        *,
+        images: Optional[Sequence[Any]] = None,
+        cache_salt: Optional[str] = None,
+    ) -> None:
+        self._runtime = runtime
+        self.request_id = request_id
+        self._tokens = tokens
+        self._images = images
+        self._cache_salt = cache_salt
+        self.result: Optional[FetchResult] = None
+
+    async def __aenter__(self) -> RequestHandle:
+        self.result = await self._runtime.fetch(
+            self.request_id, self._tokens, images=self._images, cache_salt=self._cache_salt
+        )
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        with anyio.CancelScope(shield=True):
+            try:
+                await self._runtime.release(self.request_id)
+            except (UnknownRequest, RuntimeClosed):
+                pass  # released explicitly already, or gone with the runtime
+
+    async def store(self, tokens: Sequence[int], payloads: Sequence[Any]) -> StoreResult:
+        """:meth:`CacheRuntime.store` for this request."""
+        return await self._runtime.store(self.request_id, tokens, payloads)
+
+    async def fork(self, request_id: str) -> FetchResult:
+        """:meth:`CacheRuntime.fork` of this request into ``request_id``."""
+        return await self._runtime.fork(self.request_id, request_id)
+
+
+# -- validation (before anything is sent) ---------------------------------------
+
+
+def _request_id(value: Any) -> RequestId:
+    if not isinstance(value, str) or not value:
+        raise InvalidInput("request_id", value, "must be a non-empty str")
+    return RequestId(value)
+
+
+def _tokens(tokens: Any) -> TokenIds:
+    if isinstance(tokens, (str, bytes, bytearray, memoryview)):
+        raise InvalidInput("tokens", tokens, "must be a sequence of int token ids")
+    try:
+        # One copy, type- and range-checked at C speed; never mutated after.
+        return array("I", tokens)
+    except (TypeError, OverflowError, ValueError):
+        raise InvalidInput(
+            "tokens", tokens, "must be a sequence of ints in [0, 2**32)"
+        ) from None
+
+
+def _salt(value: Any) -> Optional[str]:
+    if value is not None and not isinstance(value, str):
+        raise InvalidInput("cache_salt", value, "must be a str or None")
+    return value
+
+
+def _extra_keys(salt: Optional[str], images_key: Optional[str]) -> tuple[Any, ...]:
+    keys: tuple[Any, ...] = ()
+    if salt is not None:
+        keys += (("salt", salt),)
+    if images_key is not None:
+        keys += (("images", images_key),)
+    return keys
+
+
+async def _images_key(images: Any) -> Optional[str]:
+    """The order-sensitive digest of ``images``, or None for no images.
+
+    Paths are hashed on a worker thread: reading files must not block the
+    event loop. Anything else (bytes, URLs, arrays) is hashed here, because an
+    unevaluated MLX array can only be evaluated on the thread that built it.
+    """
+    if images is None:
+        return None
+    if isinstance(images, (str, bytes, bytearray, os.PathLike)) or not isinstance(
+        images, Sequence
+    ):
+        raise InvalidInput("images", images, "must be a list of images")
+    if not images:
+        return None
+    try:
+        if any(isinstance(image, (str, os.PathLike)) for image in images):
+            return await anyio.to_thread.run_sync(images_digest, list(images))
+        return images_digest(list(images))
+    except CacheError:
+        raise
+    except Exception as error:  # an image type the hasher cannot read
+        raise InvalidInput("images", images, f"cannot be hashed: {error}") from error

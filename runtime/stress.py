@@ -1,0 +1,422 @@
+"""Stress test of a CacheRuntime: many clients, shared prefixes, faults, checks.
+
+K clients issue random fetch / store / fork / release calls over a few shared
+prompt prefixes, for N operations or T seconds, whichever ends first. Faults
+can be switched on: random cancellations (a deadline that lands anywhere in a
+call), injected errors (a :class:`InjectedFault` raised inside an actor's
+handler before it acts) and a block pool so small that eviction runs all the
+time. Clients run in rounds of ``check_every`` operations; after each round,
+with no call in flight, every invariant is checked, including that block
+references equal what request tables hold. At the end every request is
+released and nothing may stay referenced.
+
+Used by ``mlxkv stress``, ``scripts/stress.py`` and the test suite.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import anyio
+import attrs
+
+from mlxkv.actors.actor import Message
+from mlxkv.cache.errors import CacheError, InvalidInput, OutOfBlocks
+from mlxkv.errors import RuntimeClosed
+from mlxkv.runtime import CacheRuntime
+
+__all__ = ["InjectedFault", "OperationStatistics", "StressConfig", "StressReport", "run_stress"]
+
+_KINDS = ("fetch", "store", "fork", "release")
+
+#: Messages that take or hand over something: where an injected error must be
+#: rolled back. Releasing messages (Close, Release, Discard) are never faulted:
+#: a release that fails is a leak by definition, not a fault to survive.
+_FAULTABLE = frozenset(
+    {"Begin", "Acquire", "StoreBlocks", "Retain", "Snapshot", "Extend", "Record", "Adopt"}
+)
+
+
+class InjectedFault(CacheError):
+    """An error the stress test raised inside a handler, before it acted."""
+
+    def __init__(self, actor: str, message: str) -> None:
+        self.actor = actor
+        self.message = message
+        super().__init__(f"injected fault in {actor} handling {message}")
+
+
+def _rate(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise InvalidInput(attribute.name, value, "must be a number in [0, 1]")
+
+
+def _at_least(minimum: float) -> Any:
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
+            raise InvalidInput(attribute.name, value, f"must be a number >= {minimum}")
+
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class StressConfig:
+    """One stress run.
+
+    Attributes:
+        clients: concurrent clients.
+        operations: the most operations in all.
+        duration: the most seconds.
+        check_every: operations per round; invariants are checked between.
+        seed: seeds the workload (trio still shuffles the scheduling).
+        block_size: tokens per block.
+        max_blocks: blocks in the pool; small values make eviction constant.
+        num_prefixes: shared prompt prefixes the clients draw from.
+        prefix_blocks: full blocks in each shared prefix.
+        max_held: requests a client holds at once.
+        cancel_rate: probability that a call runs under a random deadline.
+        error_rate: probability that a faultable message fails in its handler.
+        backend: ``"asyncio"`` or ``"trio"``.
+    """
+
+    clients: int = attrs.field(default=16, validator=_at_least(1))
+    operations: int = attrs.field(default=20_000, validator=_at_least(1))
+    duration: float = attrs.field(default=10.0, validator=_at_least(0.0))
+    check_every: int = attrs.field(default=1_000, validator=_at_least(1))
+    seed: int = 0
+    block_size: int = attrs.field(default=4, validator=_at_least(1))
+    max_blocks: int = attrs.field(default=512, validator=_at_least(2))
+    num_prefixes: int = attrs.field(default=6, validator=_at_least(1))
+    prefix_blocks: int = attrs.field(default=6, validator=_at_least(0))
+    max_held: int = attrs.field(default=4, validator=_at_least(1))
+    cancel_rate: float = attrs.field(default=0.0, validator=_rate)
+    error_rate: float = attrs.field(default=0.0, validator=_rate)
+    backend: str = attrs.field(default="asyncio")
+
+    @backend.validator
+    def _check_backend(self, attribute: attrs.Attribute, value: Any) -> None:
+        if value not in ("asyncio", "trio"):
+            raise InvalidInput("backend", value, "must be 'asyncio' or 'trio'")
+
+
+@attrs.frozen(kw_only=True)
+class OperationStatistics:
+    """Latency of one kind of operation (completed, cancelled or failed).
+
+    Attributes:
+        kind: ``fetch``, ``store``, ``fork`` or ``release``.
+        count: operations of this kind.
+        p50_ms: median latency.
+        p99_ms: 99th-percentile latency.
+    """
+
+    kind: str
+    count: int
+    p50_ms: float
+    p99_ms: float
+
+
+@attrs.frozen(kw_only=True)
+class StressReport:
+    """What a stress run did and found.
+
+    Attributes:
+        config: the run's configuration.
+        operations: operations issued.
+        seconds: wall time of the workload.
+        per_kind: latency per operation kind.
+        fetches: fetch calls that completed.
+        hits: of those, fetches that got at least one cached block.
+        hit_tokens: cached tokens those fetches got.
+        evictions: cached blocks evicted by the allocator.
+        cancellations: calls that ended cancelled.
+        injected_errors: calls that failed with an injected fault.
+        out_of_blocks: stores refused for lack of blocks.
+        checks: invariant checks passed.
+        leaked_blocks: blocks still referenced after every request ended.
+        open_tables: request tables left after every request ended.
+        violations: everything that went wrong (empty on success).
+    """
+
+    config: StressConfig
+    operations: int
+    seconds: float
+    per_kind: tuple[OperationStatistics, ...]
+    fetches: int
+    hits: int
+    hit_tokens: int
+    evictions: int
+    cancellations: int
+    injected_errors: int
+    out_of_blocks: int
+    checks: int
+    leaked_blocks: int
+    open_tables: int
+    violations: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        """Whether no violation was found."""
+        return not self.violations
+
+    def format(self) -> str:
+        """The human-readable summary."""
+        c = self.config
+        rate = self.operations / self.seconds if self.seconds else 0.0
+        lines = [
+            f"mlxkv stress: {self.operations} operations in {self.seconds:.2f} s"
+            f" ({rate:,.0f} ops/s), {c.clients} clients, backend {c.backend}",
+            f"  pool {c.max_blocks} blocks of {c.block_size} tokens;"
+            f" faults: cancel {c.cancel_rate:.0%}, errors {c.error_rate:.0%}",
+            f"  {'operation':<10}{'count':>8}{'p50 ms':>10}{'p99 ms':>10}",
+        ]
+        for row in self.per_kind:
+            lines.append(f"  {row.kind:<10}{row.count:>8}{row.p50_ms:>10.3f}{row.p99_ms:>10.3f}")
+        share = self.hits / self.fetches if self.fetches else 0.0
+        lines += [
+            f"  hits: {self.hits}/{self.fetches} fetches ({share:.1%}),"
+            f" {self.hit_tokens} cached tokens",
+            f"  evictions: {self.evictions}  cancellations: {self.cancellations}"
+            f"  injected errors: {self.injected_errors}  out of blocks: {self.out_of_blocks}",
+            f"  invariant checks passed: {self.checks}  leaked blocks: {self.leaked_blocks}"
+            f"  open tables: {self.open_tables}",
+            "  violations: " + ("none" if self.ok else f"{len(self.violations)}"),
+        ]
+        lines += [f"    - {violation}" for violation in self.violations[:20]]
+        return "\n".join(lines)
+
+
+@attrs.define
+class _Held:
+    tokens: tuple[int, ...]
+    num_blocks: int
+
+
+@attrs.define
+class _Tally:
+    latencies: dict[str, list[float]] = attrs.field(factory=lambda: {k: [] for k in _KINDS})
+    fetches: int = 0
+    hits: int = 0
+    hit_tokens: int = 0
+    cancellations: int = 0
+    injected_errors: int = 0
+    out_of_blocks: int = 0
+    violations: list[str] = attrs.field(factory=list)
+
+
+class _Client:
+    """One simulated scheduler: holds up to ``max_held`` requests at a time."""
+
+    def __init__(
+        self,
+        number: int,
+        rt: CacheRuntime,
+        config: StressConfig,
+        prefixes: Sequence[tuple[int, ...]],
+        tally: _Tally,
+    ) -> None:
+        self._rng = random.Random(config.seed * 1_000_003 + number)
+        self._rt = rt
+        self._config = config
+        self._prefixes = prefixes
+        self._tally = tally
+        self._name = f"c{number}"
+        self._serial = 0
+        self.held: dict[str, _Held] = {}
+
+    async def run(self, quota: int, deadline: float) -> int:
+        done = 0
+        while done < quota and anyio.current_time() < deadline:
+            await self._step()
+            done += 1
+        return done
+
+    def _new_id(self) -> str:
+        self._serial += 1
+        return f"{self._name}-{self._serial}"
+
+    def _tokens(self, num_tokens: int) -> tuple[int, ...]:
+        rng = self._rng
+        return tuple(rng.randrange(1, 50_000) for _ in range(num_tokens))
+
+    async def _step(self) -> None:
+        rng = self._rng
+        held = self.held
+        roll = rng.random()
+        if not held or (len(held) < self._config.max_held and roll < 0.35):
+            kind = "fetch"
+        elif len(held) >= self._config.max_held or roll < 0.55:
+            kind = "release"
+        elif roll < 0.85:
+            kind = "store"
+        else:
+            kind = "fork"
+        with anyio.CancelScope() as scope:
+            if rng.random() < self._config.cancel_rate:
+                # Typical calls take tens to hundreds of microseconds: the
+                # deadline lands anywhere from before the first await to after
+                # the last.
+                scope.deadline = anyio.current_time() + rng.expovariate(1 / 150e-6)
+            started = time.perf_counter()
+            try:
+                await getattr(self, "_" + kind)()
+            except InjectedFault:
+                self._tally.injected_errors += 1
+            except OutOfBlocks:
+                self._tally.out_of_blocks += 1
+            except RuntimeClosed:
+                raise
+            except Exception as error:  # anything else is a bug in mlxkv
+                self._tally.violations.append(f"{kind}: unexpected {type(error).__name__}: {error}")
+            finally:
+                self._tally.latencies[kind].append(time.perf_counter() - started)
+        if scope.cancelled_caught:
+            self._tally.cancellations += 1
+
+    async def _fetch(self) -> None:
+        rng = self._rng
+        prompt = rng.choice(self._prefixes) + self._tokens(rng.randrange(0, 3 * self._config.block_size))
+        request_id = self._new_id()
+        result = await self._rt.fetch(request_id, prompt)
+        size = self._config.block_size
+        self.held[request_id] = _Held(prompt, result.num_cached_tokens // size)
+        self._tally.fetches += 1
+        if result.num_cached_tokens:
+            self._tally.hits += 1
+            self._tally.hit_tokens += result.num_cached_tokens
+
+    async def _store(self) -> None:
+        request_id = self._rng.choice(list(self.held))
+        request = self.held[request_id]
+        size = self._config.block_size
+        tokens = request.tokens + self._tokens(self._rng.randrange(0, 2 * size))
+        payloads = [(request_id, i) for i in range(request.num_blocks, len(tokens) // size)]
+        result = await self._rt.store(request_id, tokens, payloads)
+        self.held[request_id] = _Held(tokens, result.num_held_blocks)
+
+    async def _fork(self) -> None:
+        source_id = self._rng.choice(list(self.held))
+        request_id = self._new_id()
+        await self._rt.fork(source_id, request_id)
+        self.held[request_id] = attrs.evolve(self.held[source_id])
+
+    async def _release(self) -> None:
+        request_id = self._rng.choice(list(self.held))
+        # Shielded inside: it completes even when the deadline passes.
+        await self._rt.release(request_id)
+        del self.held[request_id]
+
+
+def _faults(rate: float, seed: int) -> Optional[Any]:
+    if rate <= 0:
+        return None
+    rng = random.Random(seed ^ 0x5EED)
+
+    def intercept(actor: str, message: Message) -> None:
+        kind = type(message).__name__
+        if kind in _FAULTABLE and rng.random() < rate:
+            raise InjectedFault(actor, kind)
+
+    return intercept
+
+
+def _quantile(samples: list[float], q: float) -> float:
+    if not samples:
+        return 0.0
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+async def _check(rt: CacheRuntime, violations: list[str], when: str) -> int:
+    try:
+        exact = await rt.check_invariants()
+    except AssertionError as error:
+        violations.append(f"{when}: {error}")
+        return 0
+    if not exact:
+        violations.append(f"{when}: references could not be cross-checked (calls in flight)")
+        return 0
+    return 1
+
+
+async def run_stress(config: StressConfig) -> StressReport:
+    """Run one stress test on the current event loop.
+
+    Args:
+        config: what to run (``config.backend`` is for callers that start
+            the loop; see :func:`mlxkv.cli.main`).
+
+    Returns:
+        The report; ``report.ok`` is False if anything went wrong.
+    """
+    rng = random.Random(config.seed)
+    prefixes = [
+        tuple(rng.randrange(1, 50_000) for _ in range(config.prefix_blocks * config.block_size))
+        for _ in range(config.num_prefixes)
+    ]
+    tally = _Tally()
+    checks = 0
+    operations = 0
+    async with CacheRuntime(
+        block_size=config.block_size,
+        max_blocks=config.max_blocks,
+        intercept=_faults(config.error_rate, config.seed),
+    ) as rt:
+        clients = [_Client(i, rt, config, prefixes, tally) for i in range(config.clients)]
+        started = time.perf_counter()
+        deadline = anyio.current_time() + config.duration
+        while operations < config.operations and anyio.current_time() < deadline:
+            budget = min(config.check_every, config.operations - operations)
+            quotas = [budget // len(clients) + (i < budget % len(clients)) for i in range(len(clients))]
+            done = [0] * len(clients)
+
+            async def drive(i: int) -> None:
+                done[i] = await clients[i].run(quotas[i], deadline)
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(clients)):
+                    tg.start_soon(drive, i)
+            operations += sum(done)
+            checks += await _check(rt, tally.violations, f"after {operations} operations")
+        seconds = time.perf_counter() - started
+        for client in clients:
+            for request_id in list(client.held):
+                await rt.release(request_id)
+            client.held.clear()
+        checks += await _check(rt, tally.violations, "after releasing every request")
+        stats = await rt.stats()
+    leaked = stats.allocator.num_referenced
+    open_tables = stats.index.num_active_requests
+    if leaked:
+        tally.violations.append(f"{leaked} blocks still referenced after every request ended")
+    if open_tables:
+        tally.violations.append(f"{open_tables} request tables left after every request ended")
+    return StressReport(
+        config=config,
+        operations=operations,
+        seconds=seconds,
+        per_kind=tuple(
+            OperationStatistics(
+                kind=kind,
+                count=len(samples),
+                p50_ms=_quantile(samples, 0.5) * 1e3,
+                p99_ms=_quantile(samples, 0.99) * 1e3,
+            )
+            for kind, samples in tally.latencies.items()
+        ),
+        fetches=tally.fetches,
+        hits=tally.hits,
+        hit_tokens=tally.hit_tokens,
+        evictions=stats.allocator.num_evictions,
+        cancellations=tally.cancellations,
+        injected_errors=tally.injected_errors,
+        out_of_blocks=tally.out_of_blocks,
+        checks=checks,
+        leaked_blocks=leaked,
+        open_tables=open_tables,
+        violations=tuple(tally.violations),
+    )

@@ -1,0 +1,35 @@
+"""Every async test of the actor layer runs on asyncio and on trio."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import anyio
+import pytest
+
+from mlxkv.actors.actor import Actor, ActorRef
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """The anyio backend of the test: asyncio, then trio."""
+    return request.param
+
+
+@contextlib.asynccontextmanager
+async def _running(actor: Actor) -> AsyncIterator[ActorRef]:
+    async with anyio.create_task_group() as tg:
+        ref = actor.ref()
+        actor.close()
+        await tg.start(actor.run)
+        try:
+            yield ref
+        finally:
+            ref.close()
+
+
+@pytest.fixture
+def running():
+    """``async with running(actor) as ref``: the actor runs until the block ends."""
+    return _running

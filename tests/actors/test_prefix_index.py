@@ -1,0 +1,191 @@
+"""The prefix index actor: chains, hints and request tables."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlxkv.actors.allocator import BlockGrant, BlockId
+from mlxkv.actors.prefix_index import Begin, Discard, PrefixIndexActor, PrefixIndexHandle
+from mlxkv.cache.block_hash import hash_block_chain
+from mlxkv.cache.errors import DuplicateRequest, InvalidInput, UnknownRequest
+
+BS = 4
+TOKENS = tuple(range(1, 4 * BS + 3))  # 4 full blocks and 2 tokens
+
+
+def grants(hashes, first_id: int = 1) -> tuple[BlockGrant, ...]:
+    return tuple(
+        BlockGrant(block_id=BlockId(first_id + i), block_hash=h, num_tokens=BS)
+        for i, h in enumerate(hashes)
+    )
+
+
+@pytest.fixture
+def index() -> PrefixIndexActor:
+    return PrefixIndexActor(block_size=BS, max_hints=64)
+
+
+class TestBegin:
+    async def test_chain_is_the_block_hash_chain(self, index, running):
+        """Begin hashes every full block once, with the extra keys in the first."""
+        async with running(index) as ref:
+            handle = PrefixIndexHandle(ref)
+            match = await handle.begin("r1", TOKENS, (("salt", "a"),))
+        assert match.hashes == tuple(hash_block_chain(TOKENS, BS, extra_keys=(("salt", "a"),)))
+        assert match.num_hinted == 0
+
+    async def test_recorded_hashes_become_hints(self, index, running):
+        """After a request records blocks, the next one with that prefix is hinted."""
+        async with running(index) as ref:
+            handle = PrefixIndexHandle(ref)
+            match = await handle.begin("r1", TOKENS)
+            await handle.record("r1", 0, grants(match.hashes[:3]))
+            other = await handle.begin("r2", TOKENS[: 2 * BS] + (99,) * 9)
+            stats = await handle.statistics()
+        assert other.num_hinted == 2
+        assert (stats.num_lookups, stats.num_hints, stats.num_active_requests) == (2, 3, 2)
+
+    async def test_duplicate_request_changes_nothing(self, index, running):
+        """Beginning an active request is refused and counts no lookup."""
+        async with running(index) as ref:
+            handle = PrefixIndexHandle(ref)
+            await handle.begin("r1", TOKENS)
+            with pytest.raises(DuplicateRequest):
+                await handle.begin("r1", TOKENS)
+            with pytest.raises(InvalidInput):
+                await handle.begin("", TOKENS)
+            assert (await handle.statistics()).num_lookups == 1
+
+
+class TestRecord:
+    async def test_stale_hint_is_counted_and_forgotten(self, index, running):
+        """A fetch that gets fewer blocks than hinted drops the first missing hint."""
+        async with running(index) as ref:
+            handle = PrefixIndexHandle(ref)
+            match = await handle.begin("r1", TOKENS)
+            await handle.record("r1", 0, grants(match.hashes))
+            again = await handle.begin("r2", TOKENS)
+            assert again.num_hinted == 4
+            await handle.record("r2", 0, grants(again.hashes[:1], 10), hit=True)
+            assert (await handle.begin("r3", TOKENS)).num_hinted == 1
+            stats = await handle.statistics()
+        assert (stats.num_stale_hints, stats.num_hits, stats.num_hit_blocks) == (1, 1, 1)
+
+    async def test_changed_table_is_refused(self, index, running):
+        """A record whose start no longer matches the table changes nothing."""
+        async with running(index) as ref:
+            handle = PrefixIndexHandle(ref)
+            match = await handle.begin("r1", TOKENS)
+            await handle.record("r1", 0, grants(match.hashes[:1]))
+            with pytest.raises(InvalidInput, match="meanwhile"):
+                await handle.record("r1", 0, grants(match.hashes[:1]))
+            with pytest.raises(InvalidInput, match="chain"):
+                await handle.record("r1", 1, grants(match.hashes[2:3]))
+            with pytest.raises(UnknownRequest):
+                await handle.record("nobody", 0, ())
+            assert await handle.close_table("r1") == (1,)
+
+    async def test_forget_drops_hints(self, index, running):
+        """Announced evictions remove hints."""
+        async with running(index) as ref:
+            handle = PrefixIndexHandle(ref)
+            match = await handle.begin("r1", TOKENS)
+            await handle.record("r1", 0, grants(match.hashes))
+            await handle.forget(match.hashes[1:2])
+            assert (await handle.begin("r2", TOKENS)).num_hinted == 1
+            assert (await handle.statistics()).num_forgotten == 1
+
+    async def test_hints_are_bounded(self, running):
+        """Beyond max_hints the oldest hints go first."""
+        index = PrefixIndexActor(block_size=BS, max_hints=3)
+        async with running(index) as ref:
+            handle = PrefixIndexHandle(ref)
+            match = await handle.begin("r1", TOKENS)
+            await handle.record("r1", 0, grants(match.hashes))
+            stats = await handle.statistics()
+            report = await handle.check_invariants()
+        assert stats.num_hints == 3 and report.violations == ()
+
+
+class TestExtend:
+    async def test_store_plan_reuses_the_chain(self, index, running):
+        """Extending reuses the hashes Begin computed and hashes only new blocks."""
+        longer = TOKENS + tuple(range(100, 100 + 2 * BS))
+        async with running(index) as ref:
+            handle = PrefixIndexHandle(ref)
+            match = await handle.begin("r1", TOKENS)
+            await handle.record("r1", 0, grants(match.hashes[:1]))
+            plan = await handle.extend("r1", longer, 5)
+        assert plan.start == 1
+        assert plan.hashes == tuple(hash_block_chain(longer, BS))[1:6]
+        assert tuple(plan.tail) == longer[6 * BS :]
+
+    async def test_disagreeing_tokens_are_refused(self, index, running):
+        """Tokens that contradict the request's, or a wrong payload count, change nothing."""
+        async with running(index) as ref:
+            handle = PrefixIndexHandle(ref)
+            await handle.begin("r1", TOKENS)
+            changed = TOKENS[:5] + (0,) + TOKENS[6:]
+            with pytest.raises(InvalidInput, match="position"):
+                await handle.extend("r1", changed, 4)
+            with pytest.raises(InvalidInput, match="one per new full block"):
+                await handle.extend("r1", TOKENS, 3)
+            with pytest.raises(UnknownRequest):
+                await handle.extend("r2", TOKENS, 4)
+
+    async def test_shorter_store_keeps_the_known_tail(self, index, running):
+        """Storing a prefix of the known tokens keeps the rest as the tail."""
+        async with running(index) as ref:
+            handle = PrefixIndexHandle(ref)
+            match = await handle.begin("r1", TOKENS)
+            plan = await handle.extend("r1", TOKENS[: 2 * BS], 2)
+            assert plan.hashes == match.hashes[:2]
+            await handle.record("r1", 0, grants(plan.hashes), tail=plan.tail, tail_hashes=plan.tail_hashes)
+            rest = await handle.extend("r1", TOKENS, 2)
+        assert rest.hashes == match.hashes[2:]
+
+
+class TestTables:
+    async def test_snapshot_and_adopt_fork_a_table(self, index, running):
+        """A snapshot adopted under a new id lists the same blocks."""
+        async with running(index) as ref:
+            handle = PrefixIndexHandle(ref)
+            match = await handle.begin("r1", TOKENS)
+            given = grants(match.hashes[:2])
+            await handle.record("r1", 0, given)
+            snapshot = await handle.snapshot("r1", "r2")
+            with pytest.raises(DuplicateRequest):
+                await handle.snapshot("r1", "r1")
+            await handle.adopt("r2", snapshot, given)
+            with pytest.raises(DuplicateRequest):
+                await handle.adopt("r2", snapshot, given)
+            report = await handle.check_invariants()
+            assert await handle.close_table("r2") == (1, 2)
+        assert report.holdings == {1: 2, 2: 2}
+
+    async def test_close_returns_the_blocks_once(self, index, running):
+        """Close hands back the table's blocks; a second close is UnknownRequest."""
+        async with running(index) as ref:
+            handle = PrefixIndexHandle(ref)
+            match = await handle.begin("r1", TOKENS)
+            await handle.record("r1", 0, grants(match.hashes[:2]))
+            assert await handle.close_table("r1") == (1, 2)
+            with pytest.raises(UnknownRequest):
+                await handle.close_table("r1")
+
+    async def test_discard_drops_only_empty_tables(self, index, running):
+        """Discard (the undo of Begin) never drops a table that holds blocks."""
+        async with running(index) as ref:
+            handle = PrefixIndexHandle(ref)
+            await handle.begin("empty", TOKENS)
+            match = await handle.begin("full", TOKENS)
+            await handle.record("full", 0, grants(match.hashes[:1]))
+            await handle.discard("empty")
+            await handle.discard("full")
+            assert (await handle.statistics()).num_active_requests == 1
+
+    def test_undo_of_begin_is_discard(self, index):
+        """A Begin reply that nobody received is undone by discarding the table."""
+        message = Begin(request_id="r1", tokens=(), reply=None)
+        assert index.undo(message, None) == Discard(request_id="r1")
+        index.discard()

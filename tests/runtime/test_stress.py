@@ -1,0 +1,74 @@
+"""The stress tool: short runs as tests, with and without faults."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mlxkv import CacheRuntime
+from mlxkv.cli import main
+from mlxkv.stress import StressConfig, run_stress
+
+
+class TestStress:
+    async def test_faults_break_no_invariant(self, anyio_backend):
+        """A 1.5 s run with cancellations, injected errors and a tiny pool leaves every
+        invariant intact."""
+        config = StressConfig(
+            clients=8,
+            operations=1_000_000,
+            duration=1.5,
+            check_every=500,
+            max_blocks=40,
+            cancel_rate=0.15,
+            error_rate=0.05,
+            backend=anyio_backend,
+        )
+        report = await run_stress(config)
+        assert report.ok, report.format()
+        assert report.checks >= 2
+        assert report.cancellations > 0 and report.injected_errors > 0
+        assert report.evictions > 0
+        assert (report.leaked_blocks, report.open_tables) == (0, 0)
+
+    async def test_shared_prefixes_hit(self, anyio_backend):
+        """Without faults, most fetches reuse blocks and every kind of call is measured."""
+        report = await run_stress(
+            StressConfig(clients=8, operations=1_000, duration=4.0, check_every=500, backend=anyio_backend)
+        )
+        assert report.ok, report.format()
+        assert report.hits > report.fetches // 2
+        assert {row.kind for row in report.per_kind if row.count} == {"fetch", "store", "fork", "release"}
+        assert "violations: none" in report.format()
+
+
+class TestCommandLine:
+    def test_stress_succeeds(self, capsys):
+        """``mlxkv stress`` prints the summary and exits 0."""
+        assert main(["stress", "--operations", "300", "--clients", "4", "--faults", "--backend", "trio"]) == 0
+        out = capsys.readouterr().out
+        assert "ops/s" in out and "p99 ms" in out and "violations: none" in out
+
+    def test_stress_json(self, capsys):
+        """``--json`` prints the report as JSON."""
+        assert main(["stress", "--operations", "200", "--clients", "2", "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["operations"] == 200 and report["violations"] == []
+
+    def test_violation_exits_non_zero(self, capsys, monkeypatch):
+        """A violated invariant makes the command exit 1 and name it."""
+
+        async def broken(self):
+            raise AssertionError("planted violation")
+
+        monkeypatch.setattr(CacheRuntime, "check_invariants", broken)
+        assert main(["stress", "--operations", "100", "--clients", "2"]) == 1
+        assert "planted violation" in capsys.readouterr().out
+
+    def test_bad_usage(self, capsys):
+        """An out-of-range option exits 2 with a message."""
+        assert main(["stress", "--cancel-rate", "2"]) == 2
+        assert "cancel_rate" in capsys.readouterr().err
+        with pytest.raises(SystemExit):
+            main(["stress", "--backend", "curio"])
