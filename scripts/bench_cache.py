@@ -310,6 +310,12 @@ def run_subprocess(python: str, name: str, quick: bool, only: str | None) -> dic
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _median_rows(rounds: list[dict[str, float]]) -> dict[str, float]:
+    if not rounds:
+        return {}
+    return {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+
+
 def fmt(name: str, value: float | None) -> str:
     if value is None:
         return "—"
@@ -329,18 +335,26 @@ def main() -> None:
     parser.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON))
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--only", help="run only the suites whose name contains this")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per side (3)")
     args = parser.parse_args()
 
     if args.impl:
         print(json.dumps(run_impl(args.impl, args.quick, args.only)))
         return
 
-    ours = run_subprocess(sys.executable, "mlxkv", args.quick, args.only)
-    theirs: dict[str, float] = {}
-    if Path(args.vllm_python).exists():
-        theirs = run_subprocess(args.vllm_python, "vllm", args.quick, args.only)
-    else:
+    have_vllm = Path(args.vllm_python).exists()
+    if not have_vllm:
         print(f"(no vllm-mlx environment at {args.vllm_python}; see the module docstring)")
+    # Alternate the two implementations round by round and keep each row's
+    # median, so that background load hits both columns alike.
+    our_rounds: list[dict[str, float]] = []
+    their_rounds: list[dict[str, float]] = []
+    for _ in range(args.rounds):
+        our_rounds.append(run_subprocess(sys.executable, "mlxkv", args.quick, args.only))
+        if have_vllm:
+            their_rounds.append(run_subprocess(args.vllm_python, "vllm", args.quick, args.only))
+    ours = _median_rows(our_rounds)
+    theirs = _median_rows(their_rounds)
 
     width = max(len(k) for k in ours) + 2
     print(f"| {'workload':<{width}}| {'mlxkv':>11} | {'vllm-mlx':>11} | ratio |")
