@@ -2,7 +2,9 @@
 
 One actor per owned piece of state: :class:`BlockAllocatorActor` (blocks,
 references, payloads), :class:`PrefixIndexActor` (hash chains, hints,
-request tables) and :class:`ImageCacheActor` (vision embeddings). Each module
+request tables), :class:`ImageCacheActor` (vision embeddings) and
+:class:`ComputeActor` (the model, its tokenizer and the live request caches,
+on one MLX thread). Each module
 holds its actor, its messages and a typed handle; :mod:`mlxkv.actors.actor`
 holds the base.
 """
@@ -14,6 +16,15 @@ from mlxkv.actors.allocator import (
     BlockAllocatorHandle,
     BlockGrant,
     BlockId,
+)
+from mlxkv.actors.compute import (
+    ComputeActor,
+    ComputeFailed,
+    ComputeHandle,
+    ComputeStatistics,
+    ModelInfo,
+    Sampling,
+    Step,
 )
 from mlxkv.actors.image_cache import (
     ImageCacheActor,
@@ -39,13 +50,20 @@ __all__ = [
     "BlockAllocatorHandle",
     "BlockGrant",
     "BlockId",
+    "ComputeActor",
+    "ComputeFailed",
+    "ComputeHandle",
+    "ComputeStatistics",
     "ImageCacheActor",
     "ImageCacheHandle",
     "ImageCacheStatistics",
     "ImageEntry",
+    "ModelInfo",
     "PrefixIndexActor",
     "PrefixIndexHandle",
     "PrefixIndexStatistics",
     "RequestId",
+    "Sampling",
+    "Step",
     "Tell",
 ]

@@ -257,13 +257,7 @@ class Actor:
                 self._dispatch(current)
                 current = None
         except BaseException as error:
-            if not isinstance(error, anyio.get_cancelled_exc_class()):
-                self._cause = error
-                self._log.error(
-                    "actor.crashed",
-                    message=None if current is None else type(current.message).__name__,
-                    error=f"{type(error).__name__}: {error}",
-                )
+            self._record_crash(error, current)
             raise
         finally:
             if current is not None:
@@ -275,28 +269,47 @@ class Actor:
             mailbox.close()
 
     def _dispatch(self, envelope: _Envelope) -> None:
-        message = envelope.message
         started = time.perf_counter()
         try:
             if self._intercept is not None:
-                self._intercept(self.name, message)
-            result: Any = self.handle(message)
+                self._intercept(self.name, envelope.message)
+            result: Any = self.handle(envelope.message)
         except CacheError as error:
             result = Failure(error)
+        self._deliver(envelope, result, started)
+
+    def _deliver(
+        self, envelope: _Envelope, result: Any, started: float, *, abandoned: bool = False
+    ) -> None:
+        """Answer, or undo, one handled message; count it and trace it.
+
+        Args:
+            envelope: the handled message.
+            result: the handler's return value, or a :class:`Failure`.
+            started: ``perf_counter()`` when handling began.
+            abandoned: the caller is known to be gone (its reply is undone
+                by the subclass already); nothing is sent.
+        """
+        message = envelope.message
+        if isinstance(result, Failure):
             self.num_failed += 1
         self.num_handled += 1
         undone = False
         if isinstance(message, Ask):
             try:
+                if abandoned:
+                    raise anyio.BrokenResourceError
                 message.reply.send_nowait(result)
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                 # The caller was cancelled before we answered: give it back here.
-                if not isinstance(result, Failure):
+                if abandoned:
+                    undone = True
+                elif not isinstance(result, Failure):
                     compensation = self.undo(message, result)
                     if compensation is not None:
-                        self.handle(compensation)
-                        self.num_undone += 1
+                        self._apply_undo(compensation)
                         undone = True
+                self.num_undone += undone
             finally:
                 message.reply.close()
         elif isinstance(result, Failure):
@@ -318,6 +331,21 @@ class Actor:
                 error=type(result.error).__name__ if isinstance(result, Failure) else None,
                 undone=undone,
             )
+
+    def _apply_undo(self, compensation: Tell) -> None:
+        """Apply the undo of a reply whose caller is gone (synchronously, here)."""
+        self.handle(compensation)
+
+    def _record_crash(self, error: BaseException, current: Optional[_Envelope]) -> None:
+        """Remember why the loop stopped, unless it was a plain cancellation."""
+        if isinstance(error, anyio.get_cancelled_exc_class()):
+            return
+        self._cause = error
+        self._log.error(
+            "actor.crashed",
+            message=None if current is None else type(current.message).__name__,
+            error=f"{type(error).__name__}: {error}",
+        )
 
     def _fail_pending(self) -> None:
         """Close the reply stream of every message still queued or being sent."""

@@ -19,6 +19,9 @@ the arrow):
   generation never changes them.
 - :class:`Drop` (no reply): forget a request's live cache.
 - :class:`EncodeText` / :class:`DecodeText`: the tokenizer, for convenience.
+- :class:`NewDetokenizer` -> a fresh streaming detokenizer, owned by the
+  caller from then on (text of a generation, token by token, without a
+  message per token).
 - :class:`Describe` -> :class:`ModelInfo`, :class:`Statistics` ->
   :class:`ComputeStatistics`.
 
@@ -99,6 +102,7 @@ __all__ = [
     "Drop",
     "EncodeText",
     "ModelInfo",
+    "NewDetokenizer",
     "Prefill",
     "Sampling",
     "Statistics",
@@ -326,6 +330,11 @@ class DecodeText(Ask[str]):
 
 
 @attrs.frozen(kw_only=True)
+class NewDetokenizer(Ask[Any]):
+    """A fresh mlx-lm ``StreamingDetokenizer``; the caller owns it."""
+
+
+@attrs.frozen(kw_only=True)
 class Describe(Ask[ModelInfo]):
     """Report :class:`ModelInfo`."""
 
@@ -503,6 +512,7 @@ class ComputeActor(Actor):
         super().__init__(mailbox_size=mailbox_size, trace=trace, intercept=intercept)
         self._model = model
         self._tokenizer = tokenizer
+        self._loader: Optional[Callable[[], tuple[Any, Any]]] = None
         self._chunk = prefill_chunk
         self._thread = MLXThread(name="mlxkv-compute", log=self._log)
         self._info: Optional[ModelInfo] = None
@@ -517,6 +527,32 @@ class ComputeActor(Actor):
         self._num_detached_blocks = 0
         self._num_model_errors = 0
         self._num_abandoned = 0
+
+    @classmethod
+    def loading(cls, path: str, **kwargs: Any) -> ComputeActor:
+        """An actor that loads ``path`` with ``mlx_lm.load`` on its MLX thread as it starts.
+
+        Loading there matters for real models: arrays a model builds lazily
+        at construction (rotary tables, say) belong to the loading thread's
+        stream and could not be evaluated on another thread. A load error
+        is raised from :meth:`run` before it reports started.
+
+        Args:
+            path: the model directory.
+            **kwargs: passed to the constructor.
+
+        Returns:
+            The actor, not running yet.
+        """
+        actor = cls(None, None, **kwargs)
+
+        def load() -> tuple[Any, Any]:
+            from mlx_lm import load
+
+            return load(str(path))
+
+        actor._loader = load
+        return actor
 
     @classmethod
     def from_path(cls, path: str, **kwargs: Any) -> ComputeActor:
@@ -545,17 +581,14 @@ class ComputeActor(Actor):
         """
         try:
             self._thread.start()
+            if self._loader is not None:
+                self._model, self._tokenizer = await self._thread.submit(self._loader)
+                self._loader = None
             self._info, self._cold_layout = await self._thread.submit(self._describe_model)
             task_status.started()
             await self._serve()
         except BaseException as error:
-            if not isinstance(error, anyio.get_cancelled_exc_class()):
-                self._cause = error
-                self._log.error(
-                    "actor.crashed",
-                    message=None if self._current is None else type(self._current.message).__name__,
-                    error=f"{type(error).__name__}: {error}",
-                )
+            self._record_crash(error, self._current)
             raise
         finally:
             if self._current is not None:
@@ -602,7 +635,7 @@ class ComputeActor(Actor):
             result = Failure(error)
         self._current = None
         if result is not _LATER:
-            self._answer(envelope, result, started)
+            self._deliver(envelope, result, started)
 
     async def _handle(self, envelope: Any, started: float) -> Any:
         message = envelope.message
@@ -625,55 +658,17 @@ class ComputeActor(Actor):
             case DecodeText():
                 self._check_tokens(message.tokens, allow_empty=True)
                 return self._tokenizer.decode(list(message.tokens))
+            case NewDetokenizer():
+                return self._tokenizer.detokenizer
             case Describe():
                 return self._info
             case Statistics():
                 return self.compute_statistics()
         return self.handle(message)
 
-    def _answer(
-        self, envelope: Any, result: Any, started: float, *, abandoned: bool = False
-    ) -> None:
-        """Deliver ``result`` (or undo it), count it and trace it, as the base does."""
-        message = envelope.message
-        if isinstance(result, Failure):
-            self.num_failed += 1
-        self.num_handled += 1
-        undone = False
-        if isinstance(message, Ask):
-            try:
-                if abandoned:
-                    raise anyio.BrokenResourceError
-                message.reply.send_nowait(result)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                if abandoned:
-                    undone = True  # the caller's prefill was already forgotten
-                elif not isinstance(result, Failure):
-                    compensation = self.undo(message, result)
-                    if compensation is not None:
-                        self._drop_tell(compensation)
-                        undone = True
-                self.num_undone += undone
-            finally:
-                message.reply.close()
-        elif isinstance(result, Failure):
-            self._log.warning(
-                "message.failed",
-                message=type(message).__name__,
-                request_id=message.request_id,
-                error=f"{type(result.error).__name__}: {result.error}",
-            )
-        if self._trace is not None:
-            done = time.perf_counter()
-            self._trace.info(
-                "message.handled",
-                message=type(message).__name__,
-                request_id=message.request_id,
-                queued_ms=round((started - envelope.enqueued_at) * 1e3, 4),
-                handling_ms=round((done - started) * 1e3, 4),
-                error=type(result.error).__name__ if isinstance(result, Failure) else None,
-                undone=undone,
-            )
+    def _apply_undo(self, compensation: Tell) -> None:
+        # Handling here may await the MLX thread; a Drop needs no model work.
+        self._drop_tell(compensation)
 
     def undo(self, message: Ask[Any], reply: Any) -> Optional[Tell]:
         """A prefill's reply created a live cache: its undo drops it."""
@@ -878,7 +873,7 @@ class ComputeActor(Actor):
             # The caller is gone: stop here instead of computing the rest.
             self._num_abandoned += 1
             self._forget(request)
-            self._answer(pending.envelope, None, pending.started, abandoned=True)
+            self._deliver(pending.envelope, None, pending.started, abandoned=True)
             return
         offset = pending.position - (pending.ends[-1] - len(pending.tokens))
         tokens = pending.tokens[offset : offset + pending.ends[0] - pending.position]
@@ -892,11 +887,11 @@ class ComputeActor(Actor):
             )
         except CacheError as error:
             self._forget(request)
-            self._answer(pending.envelope, Failure(error), pending.started)
+            self._deliver(pending.envelope, Failure(error), pending.started)
             return
         result = self._after_chunk(request, chunk)
         if result is not _LATER:
-            self._answer(pending.envelope, result, pending.started)
+            self._deliver(pending.envelope, result, pending.started)
 
     def _after_chunk(self, request: _Request, chunk: _Chunk) -> Any:
         """Book a finished prefill job; the reply if it was the last one."""
@@ -974,7 +969,7 @@ class ComputeActor(Actor):
         pending = request.prefill
         self._forget(request)
         if pending is not None:
-            self._answer(pending.envelope, Failure(UnknownRequest(request_id)), pending.started)
+            self._deliver(pending.envelope, Failure(UnknownRequest(request_id)), pending.started)
 
     # -- statistics ------------------------------------------------------------
 
@@ -1107,6 +1102,10 @@ class ComputeHandle:
             InvalidInput: a token is out of range.
         """
         return await self._ref.ask(DecodeText, tokens=tuple(tokens))
+
+    async def new_detokenizer(self) -> Any:
+        """See :class:`NewDetokenizer`."""
+        return await self._ref.ask(NewDetokenizer)
 
     async def describe(self) -> ModelInfo:
         """See :class:`Describe`."""
