@@ -1,7 +1,9 @@
 """mlxkv: a KV-cache runtime for LLM inference on MLX.
 
 Concurrent requests that share a prompt prefix reuse the KV state an earlier
-request computed. :class:`CacheRuntime` is the async entry point; the
+request computed. :class:`CacheRuntime` is the async entry point
+(``CacheRuntime(model=PATH)`` and :meth:`CacheRuntime.generate` for
+generation); the
 synchronous, seed-compatible cache layer lives in :mod:`mlxkv.cache`, the
 actors in :mod:`mlxkv.actors`.
 """
@@ -18,6 +20,7 @@ from mlxkv.errors import (
     RuntimeClosed,
     UnknownRequest,
 )
+from mlxkv.generation import GeneratedToken, Generation, GenerationReport
 from mlxkv.runtime import (
     CacheRuntime,
     FetchResult,
@@ -34,6 +37,9 @@ __all__ = [
     "DoubleFree",
     "DuplicateRequest",
     "FetchResult",
+    "GeneratedToken",
+    "Generation",
+    "GenerationReport",
     "InvalidInput",
     "OutOfBlocks",
     "RequestHandle",

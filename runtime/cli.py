@@ -2,6 +2,11 @@
 
 Subcommands:
 
+- ``mlxkv run``: the main job -- a concurrent chat-like workload on the
+  built-in model (or ``--model PATH``), with a progress bar on standard error
+  and a report (see :mod:`mlxkv.workload`).
+- ``mlxkv bench``: the end-to-end time-to-first-token benchmark
+  (``scripts/bench_e2e.py``).
 - ``mlxkv stress``: the runtime under concurrent random load, with optional
   faults; exits 1 if any invariant is violated (see :mod:`mlxkv.stress`).
 """
@@ -9,6 +14,8 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import sys
 from collections.abc import Sequence
@@ -85,6 +92,111 @@ def _stress(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _run_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "run",
+        help="run a concurrent chat workload on a model and report cache reuse",
+        description="Concurrent multi-turn requests over shared system prompts on the"
+        " built-in model (written on first use to $MLXKV_CACHE_DIR or ~/.cache/mlxkv)"
+        " or --model PATH; prints a report.",
+    )
+    parser.add_argument("--model", help="an mlx-lm model directory (default: the built-in model)")
+    parser.add_argument("--requests", type=int, default=32, help="requests in all (32)")
+    parser.add_argument(
+        "--system-prompts", type=int, default=4, help="distinct shared system prompts (4)"
+    )
+    parser.add_argument("--turns", type=int, default=2, help="turns per conversation (2)")
+    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight (8)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens per answer (32)")
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=512, help="tokens per system prompt (512)"
+    )
+    parser.add_argument("--user-tokens", type=int, default=48, help="tokens per user turn (48)")
+    parser.add_argument("--block-size", type=int, default=64, help="tokens per block (64)")
+    parser.add_argument("--max-blocks", type=int, default=1024, help="blocks in the pool (1024)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the texts (0)")
+    parser.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
+    parser.add_argument("--json", metavar="FILE", help="also write the report as JSON to FILE")
+    parser.add_argument(
+        "--trace", metavar="FILE", help="write the structured events as JSON lines to FILE"
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress display")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from mlxkv.default_model import DEFAULT_MODEL, ensure_model
+    from mlxkv.workload import Progress, WorkloadConfig, run_workload
+
+    try:
+        model = args.model if args.model else str(ensure_model(DEFAULT_MODEL))
+        config = WorkloadConfig(
+            model=model,
+            requests=args.requests,
+            system_prompts=args.system_prompts,
+            turns=args.turns,
+            concurrency=args.concurrency,
+            max_tokens=args.max_tokens,
+            prompt_tokens=args.prompt_tokens,
+            user_tokens=args.user_tokens,
+            block_size=args.block_size,
+            max_blocks=args.max_blocks,
+            seed=args.seed,
+            trace=args.trace is not None,
+        )
+    except InvalidInput as error:
+        print(f"mlxkv run: {error}", file=sys.stderr)
+        return 2
+    with contextlib.ExitStack() as stack:
+        if args.trace is not None:
+            from mlxkv.tracing import configure
+
+            configure(json=True, file=stack.enter_context(open(args.trace, "w")))
+        progress = None if args.quiet else Progress(config.requests)
+        if progress is not None:
+            stack.callback(progress.close)
+        report = anyio.run(
+            functools.partial(
+                run_workload, config, on_done=None if progress is None else progress.advance
+            ),
+            backend=args.backend,
+        )
+    print(report.format())
+    if args.json is not None:
+        with open(args.json, "w") as out:
+            json.dump(attrs.asdict(report), out, indent=2)
+            out.write("\n")
+    return 0 if report.requests == config.requests else 1
+
+
+def _bench_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="time to first token of a mostly cached 2k prompt vs cold, ideal and vllm-mlx",
+        description="Runs scripts/bench_e2e.py from a source checkout; arguments after"
+        " 'bench' are passed on.",
+    )
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_e2e.py"
+    if not script.is_file():
+        print("mlxkv bench: scripts/bench_e2e.py is not here (needs a source checkout)",
+              file=sys.stderr)
+        return 2
+    saved = sys.argv
+    sys.argv = [str(script), *args.args]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as done:
+        return int(done.code or 0) if not isinstance(done.code, str) else 1
+    finally:
+        sys.argv = saved
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the ``mlxkv`` command line.
 
@@ -96,8 +208,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """
     parser = argparse.ArgumentParser(prog="mlxkv", description="KV-cache runtime for MLX.")
     subparsers = parser.add_subparsers(dest="command", required=True)
+    _run_parser(subparsers)
+    _bench_parser(subparsers)
     _stress_parser(subparsers)
-    args = parser.parse_args(argv)
+    # bench passes every unknown argument on to the script.
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.args = extra
+    if args.command == "run":
+        return _run(args)
+    if args.command == "bench":
+        return _bench(args)
     if args.command == "stress":
         return _stress(args)
     parser.error(f"unknown command {args.command!r}")

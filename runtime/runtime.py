@@ -2,7 +2,9 @@
 
 ``async with CacheRuntime(...) as rt:`` starts a :class:`PrefixIndexActor`,
 an :class:`ImageCacheActor` and a :class:`BlockAllocatorActor` in one task
-group. The runtime is the only place that talks to several actors in
+group. With ``model=`` it also starts a :class:`ComputeActor` that loads the model
+and serves :meth:`CacheRuntime.generate` (see :mod:`mlxkv.generation`).
+The runtime is the only place that talks to several actors in
 sequence; each of its calls follows one rule so that cancellation, at any
 await, leaves nothing behind:
 
@@ -39,6 +41,13 @@ from mlxkv.actors.allocator import (
     BlockId,
     Grants,
 )
+from mlxkv.actors.compute import (
+    ComputeActor,
+    ComputeHandle,
+    ComputeStatistics,
+    ModelInfo,
+    Sampling,
+)
 from mlxkv.actors.image_cache import (
     ImageCacheActor,
     ImageCacheHandle,
@@ -54,6 +63,7 @@ from mlxkv.actors.prefix_index import (
 from mlxkv.cache.errors import CacheError, InvalidInput, UnknownRequest
 from mlxkv.cache.mllm import images_digest
 from mlxkv.errors import RuntimeClosed
+from mlxkv.generation import Generation, make_request, run_generation
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
@@ -81,6 +91,16 @@ def _is_bool(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise InvalidInput(attribute.name, value, "must be a bool")
 
 
+def _model_path(value: Any) -> Optional[str]:
+    if value is None:
+        return None
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value:
+        raise InvalidInput("model", value, "must be a model directory (str or path) or None")
+    return value
+
+
 @attrs.frozen(kw_only=True)
 class RuntimeConfig:
     """Everything a :class:`CacheRuntime` is built from; change with ``attrs.evolve``.
@@ -92,7 +112,11 @@ class RuntimeConfig:
         image_cache_entries: the most image entries kept.
         memory_budget: bytes of arrays the image cache may hold (vision
             embeddings); the KV block pool is bounded by ``max_blocks``.
-        trace: emit one ``message.handled`` event per message handled.
+        trace: emit one ``message.handled`` event per message handled
+            (and one ``generation.finished`` per generation).
+        model: an mlx-lm model directory, loaded by a compute actor so that
+            :meth:`CacheRuntime.generate` works; None (the default) runs the
+            cache without a model.
 
     Raises:
         InvalidInput: a field is out of range.
@@ -104,6 +128,7 @@ class RuntimeConfig:
     image_cache_entries: int = attrs.field(default=50, validator=_int_at_least(1))
     memory_budget: int = attrs.field(default=2 << 30, validator=_int_at_least(1))
     trace: bool = attrs.field(default=False, validator=_is_bool)
+    model: Optional[str] = attrs.field(default=None, converter=_model_path)
 
 
 @attrs.frozen(kw_only=True)
@@ -165,6 +190,7 @@ class RuntimeStatistics:
         actors: each actor's counters and mailbox.
         num_calls: calls made to the runtime so far.
         num_in_flight: calls in progress, this one excluded.
+        compute: the compute actor, or None without a model.
     """
 
     allocator: AllocatorStatistics
@@ -173,6 +199,7 @@ class RuntimeStatistics:
     actors: tuple[ActorStatistics, ...]
     num_calls: int
     num_in_flight: int
+    compute: Optional[ComputeStatistics] = None
 
 
 _NO_GRANTS = Grants()
@@ -241,6 +268,8 @@ class CacheRuntime:
         self._drained: Optional[anyio.Event] = None
         self._in_flight = 0
         self._num_calls = 0
+        self._compute: Optional[ComputeHandle] = None
+        self._model_info: Optional[ModelInfo] = None
 
     # -- lifecycle --------------------------------------------------------
 
@@ -265,6 +294,10 @@ class CacheRuntime:
                 block_size=config.block_size, max_hints=4 * config.max_blocks + 1024, **common
             ),
         )
+        if config.model is not None:
+            # Last: it loads the model as it starts, so a bad model fails
+            # the start after the cheap actors are up, and it closes first.
+            makers += (lambda: ComputeActor.loading(config.model, **common),)
         made: list[Actor] = []
         try:
             for make in makers:
@@ -273,13 +306,15 @@ class CacheRuntime:
             for actor in made:
                 actor.discard()
             raise
-        allocator, images, index = made
-        self._actors = (allocator, images, index)
+        allocator, images, index = made[:3]
+        self._actors = tuple(made)
         self._stopped = tuple(anyio.Event() for _ in self._actors)
         self._drained = anyio.Event()
         self._allocator = BlockAllocatorHandle(allocator.ref())
         self._images = ImageCacheHandle(images.ref())
         self._index = PrefixIndexHandle(index.ref())
+        if len(made) > 3:
+            self._compute = ComputeHandle(made[3].ref())
         for actor in self._actors:
             actor.close()  # from now on the handles' refs are the only senders
         task_group = self._task_group = anyio.create_task_group()
@@ -289,6 +324,8 @@ class CacheRuntime:
             for actor, stopped in zip(self._actors, self._stopped):
                 await task_group.start(self._run_actor, actor, stopped)
                 started += 1
+            if self._compute is not None:
+                self._model_info = await self._compute.describe()
         except BaseException:
             self._close_handles()
             for actor in self._actors[started + 1 :]:
@@ -362,6 +399,8 @@ class CacheRuntime:
 
     def _close_handles(self) -> None:
         """Close every actor's mailbox, downstream last; idempotent."""
+        if self._compute is not None:
+            self._compute.close()
         self._index.close()
         self._images.close()
         self._allocator.close()
@@ -570,7 +609,7 @@ class CacheRuntime:
             with anyio.CancelScope(shield=True):
                 block_ids = await self._index.close_table(request_id)
                 if block_ids:
-                    await self._allocator.release(block_ids, request_id=request_id)
+                    await self._allocator.release(_tail_first(block_ids), request_id=request_id)
             return len(block_ids)
 
     async def evict(self, num_blocks: int) -> int:
@@ -630,6 +669,7 @@ class CacheRuntime:
             allocator = await self._allocator.statistics()
             index = await self._index.statistics()
             images = await self._images.statistics()
+            compute = None if self._compute is None else await self._compute.statistics()
             return RuntimeStatistics(
                 allocator=allocator,
                 index=index,
@@ -637,6 +677,7 @@ class CacheRuntime:
                 actors=tuple(actor.statistics() for actor in self._actors),
                 num_calls=self._num_calls,
                 num_in_flight=self._in_flight - 1,
+                compute=compute,
             )
 
     async def check_invariants(self) -> bool:
@@ -667,6 +708,96 @@ class CacheRuntime:
         if violations:
             raise AssertionError("; ".join(violations))
         return exact
+
+    # -- the high-level API ---------------------------------------------------
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 0.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        seed: Optional[int] = None,
+        images: Optional[Sequence[Any]] = None,
+        cache_salt: Optional[str] = None,
+        request_id: Optional[str] = None,
+    ) -> Generation:
+        """Generate from ``prompt``, reusing every cached block of its prefix.
+
+        Returns at once; the work happens as the result is iterated. It
+        yields one :class:`~mlxkv.generation.GeneratedToken` per token and
+        ends with a :class:`~mlxkv.generation.GenerationReport`. Generation
+        stops at an end-of-sequence token or after ``max_tokens``. The
+        prompt's full blocks (and the generated tokens' ones) are stored for
+        later requests; the request is released on every exit. Use::
+
+            async with rt.generate("Hello", max_tokens=32) as stream:
+                async for record in stream:
+                    ...
+
+        Args:
+            prompt: text (tokenized by the model's tokenizer) or token ids.
+            max_tokens: the most tokens to generate, >= 1.
+            temperature: 0 for greedy decoding, else the sampling temperature.
+            top_p: nucleus sampling; off at 0 or 1.
+            top_k: sample among the ``k`` most likely tokens; off at 0.
+            min_p: drop tokens below ``min_p`` times the top probability.
+            seed: makes sampling reproducible.
+            images: the request's images, in order; for now they only key the
+                cache (see :mod:`mlxkv.generation`).
+            cache_salt: a tenant namespace: requests with different salts
+                never share blocks.
+            request_id: a name not used by any active request (default: a
+                fresh one).
+
+        Returns:
+            The :class:`~mlxkv.generation.Generation` to iterate.
+
+        Raises:
+            InvalidInput: the runtime has no model, or a bad argument (an
+                empty prompt, ``max_tokens`` < 1, a token out of the
+                vocabulary, bad sampling settings); nothing was sent.
+            RuntimeClosed: the runtime is not running (also raised while
+                iterating, if it stops meanwhile).
+            DuplicateRequest: ``request_id`` is active (while iterating).
+        """
+        if self._state is not _RUNNING:
+            raise self._closed_error()
+        if self._compute is None or self._model_info is None:
+            raise InvalidInput("model", None, "the runtime has no model: pass model=PATH")
+        sampling = Sampling(
+            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed
+        )
+        request = make_request(
+            prompt,
+            max_tokens=max_tokens,
+            sampling=sampling,
+            images=images,
+            cache_salt=cache_salt,
+            request_id=request_id,
+            info=self._model_info,
+        )
+        return Generation(run_generation(self, self._compute, self._model_info, request))
+
+    async def tokenize(self, text: str) -> tuple[int, ...]:
+        """The model's token ids for ``text`` (special tokens as its tokenizer adds them).
+
+        Raises:
+            InvalidInput: the runtime has no model, or ``text`` is not a str.
+            RuntimeClosed: the runtime is not running.
+        """
+        with self._call():
+            if self._compute is None:
+                raise InvalidInput("model", None, "the runtime has no model: pass model=PATH")
+            return await self._compute.encode(text)
+
+    @property
+    def model_info(self) -> Optional[ModelInfo]:
+        """What the loaded model is (vocabulary, end tokens, cache layers), or None."""
+        return self._model_info
 
     def request(
         self,
@@ -721,7 +852,7 @@ class CacheRuntime:
             try:
                 block_ids = await self._index.close_table(request_id)
                 if block_ids:
-                    await self._allocator.release(block_ids, request_id=request_id)
+                    await self._allocator.release(_tail_first(block_ids), request_id=request_id)
             except (UnknownRequest, ActorFailed):
                 pass  # gone already, or the runtime is going down with it
 
@@ -773,6 +904,17 @@ class RequestHandle:
     async def fork(self, request_id: str) -> FetchResult:
         """:meth:`CacheRuntime.fork` of this request into ``request_id``."""
         return await self._runtime.fork(self.request_id, request_id)
+
+
+def _tail_first(block_ids: tuple[BlockId, ...]) -> tuple[BlockId, ...]:
+    """A table's blocks in the order they should become evictable: tail first.
+
+    The free queue evicts the block released longest ago. Releasing a chain
+    head first would evict its head first and strand every later block (a
+    hit needs the whole chain before it); tail first keeps the longest
+    reusable prefix, as vLLM does.
+    """
+    return block_ids[::-1]
 
 
 # -- validation (before anything is sent) ---------------------------------------

@@ -1,0 +1,370 @@
+"""The ``mlxkv run`` workload: concurrent chat-like requests over shared system prompts.
+
+``conversations = ceil(requests / turns)`` conversations run concurrently,
+each under one of ``system_prompts`` system prompts (round robin). Turn 1 of
+a conversation is ``system + user_1``; turn n+1 is ``turn n's prompt +
+answer n + user_(n+1)``, so it can reuse the blocks turn n stored (its prompt
+and its answer). At most ``concurrency`` requests are in flight at once.
+
+Prompts are token ids: the system prompts and user messages are text,
+tokenized by the model's tokenizer and cut to length, so the workload runs on
+any mlx-lm model. A request is *cold* when it reused nothing from the cache,
+*warm* otherwise; the report compares their times to first token.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, Optional, TextIO
+
+import anyio
+import attrs
+
+from mlxkv.cache.errors import InvalidInput
+from mlxkv.generation import GenerationReport
+from mlxkv.runtime import CacheRuntime, RuntimeConfig
+
+__all__ = ["Progress", "WorkloadConfig", "WorkloadReport", "run_workload"]
+
+_WORDS = (
+    "cache block prefix token model answer question system user assistant memory "
+    "request stream thread actor latency value policy context window layer batch "
+    "kernel vector matrix schedule review careful precise helpful concise polite "
+    "explain summarize compare translate reason verify cite list format table"
+).split()
+
+
+def _at_least(minimum: int) -> Any:
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise InvalidInput(attribute.name, value, f"must be an int >= {minimum}")
+
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class WorkloadConfig:
+    """One ``mlxkv run``.
+
+    Attributes:
+        model: the mlx-lm model directory.
+        requests: requests in all.
+        system_prompts: distinct shared system prompts.
+        turns: turns per conversation.
+        concurrency: the most requests in flight at once.
+        max_tokens: the most tokens each request generates.
+        prompt_tokens: tokens in each system prompt.
+        user_tokens: tokens in each user message.
+        block_size: tokens per KV block.
+        max_blocks: blocks in the pool.
+        seed: seeds the texts (decoding is greedy).
+        trace: emit the runtime's structured events.
+    """
+
+    model: str
+    requests: int = attrs.field(default=32, validator=_at_least(1))
+    system_prompts: int = attrs.field(default=4, validator=_at_least(1))
+    turns: int = attrs.field(default=2, validator=_at_least(1))
+    concurrency: int = attrs.field(default=8, validator=_at_least(1))
+    max_tokens: int = attrs.field(default=32, validator=_at_least(1))
+    prompt_tokens: int = attrs.field(default=512, validator=_at_least(1))
+    user_tokens: int = attrs.field(default=48, validator=_at_least(1))
+    block_size: int = attrs.field(default=64, validator=_at_least(1))
+    max_blocks: int = attrs.field(default=1024, validator=_at_least(2))
+    seed: int = 0
+    trace: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class WorkloadReport:
+    """What a workload did; every time is in milliseconds unless named otherwise.
+
+    Attributes:
+        model: the model directory.
+        requests: requests completed.
+        cold_requests: of those, requests that reused nothing.
+        warm_requests: requests that reused cached blocks.
+        prompt_tokens: prompt tokens in all.
+        reused_tokens: prompt tokens served from the cache.
+        reused_percent: ``100 * reused_tokens / prompt_tokens``.
+        generated_tokens: tokens generated in all.
+        ttft_cold_p50_ms: median time to first token of cold requests.
+        ttft_cold_p95_ms: its 95th percentile.
+        ttft_warm_p50_ms: median time to first token of warm requests.
+        ttft_warm_p95_ms: its 95th percentile.
+        decode_tokens_per_second: median over requests of their decode rate.
+        throughput_tokens_per_second: generated tokens per second of wall time.
+        blocks_stored: blocks computed and stored.
+        blocks_evicted: cached blocks evicted to make room.
+        blocks_cached: blocks cached at the end.
+        peak_blocks_cached: most blocks cached at once (sampled).
+        block_bytes: bytes of KV in one block.
+        peak_kv_bytes: ``peak_blocks_cached * block_bytes``.
+        peak_mlx_memory_bytes: MLX's peak memory in the process (weights,
+            live caches and blocks).
+        wall_seconds: the workload's duration.
+    """
+
+    model: str
+    requests: int
+    cold_requests: int
+    warm_requests: int
+    prompt_tokens: int
+    reused_tokens: int
+    reused_percent: float
+    generated_tokens: int
+    ttft_cold_p50_ms: Optional[float]
+    ttft_cold_p95_ms: Optional[float]
+    ttft_warm_p50_ms: Optional[float]
+    ttft_warm_p95_ms: Optional[float]
+    decode_tokens_per_second: float
+    throughput_tokens_per_second: float
+    blocks_stored: int
+    blocks_evicted: int
+    blocks_cached: int
+    peak_blocks_cached: int
+    block_bytes: int
+    peak_kv_bytes: int
+    peak_mlx_memory_bytes: int
+    wall_seconds: float
+
+    def format(self) -> str:
+        """The report as aligned text lines."""
+
+        def ms(value: Optional[float]) -> str:
+            return "-" if value is None else f"{value:.1f} ms"
+
+        rows = [
+            ("model", self.model),
+            ("requests", f"{self.requests} ({self.cold_requests} cold, {self.warm_requests} warm)"),
+            ("prompt tokens", f"{self.prompt_tokens}"),
+            ("tokens reused", f"{self.reused_tokens} ({self.reused_percent:.1f}%)"),
+            ("generated tokens", f"{self.generated_tokens}"),
+            ("TTFT cold p50 / p95", f"{ms(self.ttft_cold_p50_ms)} / {ms(self.ttft_cold_p95_ms)}"),
+            ("TTFT warm p50 / p95", f"{ms(self.ttft_warm_p50_ms)} / {ms(self.ttft_warm_p95_ms)}"),
+            ("decode tokens/s", f"{self.decode_tokens_per_second:.1f} per request (median)"),
+            ("throughput", f"{self.throughput_tokens_per_second:.1f} generated tokens/s"),
+            (
+                "blocks",
+                f"{self.blocks_stored} stored, {self.blocks_evicted} evicted,"
+                f" {self.blocks_cached} cached at the end",
+            ),
+            (
+                "peak KV memory",
+                f"{_mib(self.peak_kv_bytes)} ({self.peak_blocks_cached} blocks"
+                f" x {self.block_bytes} B)",
+            ),
+            ("peak MLX memory", _mib(self.peak_mlx_memory_bytes)),
+            ("wall time", f"{self.wall_seconds:.2f} s"),
+        ]
+        width = max(len(name) for name, _ in rows)
+        return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _percentile(values: list[float], q: float) -> Optional[float]:
+    """Nearest-rank percentile; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+class Progress:
+    """A progress line on a stream: a redrawn bar on a terminal, else periodic lines.
+
+    Owns: the counters it shows and when it last printed.
+
+    Invariants:
+        - ``done <= total``; it prints nothing after :meth:`close`.
+    """
+
+    def __init__(self, total: int, stream: TextIO = sys.stderr, *, every: float = 2.0) -> None:
+        self.total = total
+        self.done = 0
+        self.reused = 0
+        self.prompt = 0
+        self._stream = stream
+        self._tty = bool(getattr(stream, "isatty", lambda: False)())
+        self._every = every
+        self._started = time.perf_counter()
+        self._printed = -math.inf
+        self._closed = False
+
+    def advance(self, report: GenerationReport) -> None:
+        """Count one finished request and redraw."""
+        self.done += 1
+        self.reused += report.cached_tokens
+        self.prompt += report.prompt_tokens
+        self._show(final=self.done == self.total)
+
+    def close(self) -> None:
+        """End the progress display."""
+        if not self._closed and self._tty:
+            self._stream.write("\n")
+            self._stream.flush()
+        self._closed = True
+
+    def _show(self, *, final: bool) -> None:
+        if self._closed:
+            return
+        now = time.perf_counter()
+        elapsed = now - self._started
+        share = self.reused / self.prompt * 100 if self.prompt else 0.0
+        status = (
+            f"{self.done}/{self.total} requests, {share:.0f}% prompt tokens reused,"
+            f" {elapsed:.1f} s"
+        )
+        if self._tty:
+            width = 30
+            filled = width * self.done // max(self.total, 1)
+            self._stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {status}")
+            self._stream.flush()
+        elif final or now - self._printed >= self._every:
+            self._printed = now
+            self._stream.write(f"mlxkv run: {status}\n")
+            self._stream.flush()
+
+
+def _text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(words))
+
+
+async def _cut(rt: CacheRuntime, text: str, n: int, rng: random.Random) -> list[int]:
+    """``n`` token ids of ``text``, extended with more random words if short."""
+    tokens = list(await rt.tokenize(text))
+    while len(tokens) < n:
+        tokens += await rt.tokenize(" " + _text(rng, max(8, n // 4)))
+    return tokens[:n]
+
+
+async def run_workload(
+    config: WorkloadConfig, *, on_done: Optional[Callable[[GenerationReport], None]] = None
+) -> WorkloadReport:
+    """Run the workload on a fresh :class:`CacheRuntime` and report.
+
+    Args:
+        config: the workload.
+        on_done: called with each request's report as it finishes (progress).
+
+    Returns:
+        The report.
+    """
+    import mlx.core as mx
+
+    rng = random.Random(config.seed)
+    runtime_config = RuntimeConfig(
+        model=config.model,
+        block_size=config.block_size,
+        max_blocks=config.max_blocks,
+        trace=config.trace,
+    )
+    reports: list[GenerationReport] = []
+    peak_cached = 0
+    num_conversations = math.ceil(config.requests / config.turns)
+    async with CacheRuntime(runtime_config) as rt:
+        systems = [
+            await _cut(
+                rt,
+                f"System prompt {i}: you are a helpful assistant. {_text(rng, config.prompt_tokens)}",
+                config.prompt_tokens,
+                rng,
+            )
+            for i in range(config.system_prompts)
+        ]
+        users = [
+            [
+                await _cut(rt, f"\nUser: {_text(rng, config.user_tokens)}", config.user_tokens, rng)
+                for _ in range(config.turns)
+            ]
+            for _ in range(num_conversations)
+        ]
+        limiter = anyio.CapacityLimiter(config.concurrency)
+        remaining = [config.requests]
+        started = time.perf_counter()
+
+        async def conversation(index: int) -> None:
+            history = list(systems[index % len(systems)])
+            for turn in range(config.turns):
+                if remaining[0] == 0:
+                    return
+                remaining[0] -= 1
+                prompt = history + users[index][turn]
+                async with limiter:
+                    answer: list[int] = []
+                    async with rt.generate(
+                        prompt, max_tokens=config.max_tokens, request_id=f"c{index}-t{turn}"
+                    ) as stream:
+                        async for record in stream:
+                            if isinstance(record, GenerationReport):
+                                reports.append(record)
+                                if on_done is not None:
+                                    on_done(record)
+                            else:
+                                answer.append(record.token)
+                history = prompt + answer
+
+        async def sample_blocks(done: anyio.Event) -> None:
+            nonlocal peak_cached
+            while not done.is_set():
+                stats = await rt.stats()
+                peak_cached = max(peak_cached, stats.allocator.num_cached)
+                with anyio.move_on_after(0.05):
+                    await done.wait()
+
+        finished = anyio.Event()
+        async with anyio.create_task_group() as sampler:
+            sampler.start_soon(sample_blocks, finished)
+            async with anyio.create_task_group() as tg:
+                # Turns of one conversation are sequential; conversations
+                # start in order, so early ones warm the system prompts.
+                for index in range(num_conversations):
+                    tg.start_soon(conversation, index)
+            finished.set()
+        wall = time.perf_counter() - started
+        stats = await rt.stats()
+    peak_cached = max(peak_cached, stats.allocator.num_cached)
+
+    cold = [r.time_to_first_token * 1e3 for r in reports if r.cached_tokens == 0]
+    warm = [r.time_to_first_token * 1e3 for r in reports if r.cached_tokens > 0]
+    prompt_tokens = sum(r.prompt_tokens for r in reports)
+    reused = sum(r.cached_tokens for r in reports)
+    generated = sum(r.generated_tokens for r in reports)
+    stored = sum(r.stored_blocks for r in reports)
+    block_bytes = sum(r.stored_bytes for r in reports) // stored if stored else 0
+    rates = [r.decode_tokens_per_second for r in reports if r.generated_tokens > 1]
+    return WorkloadReport(
+        model=config.model,
+        requests=len(reports),
+        cold_requests=len(cold),
+        warm_requests=len(warm),
+        prompt_tokens=prompt_tokens,
+        reused_tokens=reused,
+        reused_percent=round(100 * reused / prompt_tokens, 2) if prompt_tokens else 0.0,
+        generated_tokens=generated,
+        ttft_cold_p50_ms=_round(_percentile(cold, 50)),
+        ttft_cold_p95_ms=_round(_percentile(cold, 95)),
+        ttft_warm_p50_ms=_round(_percentile(warm, 50)),
+        ttft_warm_p95_ms=_round(_percentile(warm, 95)),
+        decode_tokens_per_second=round(_percentile(rates, 50) or 0.0, 1),
+        throughput_tokens_per_second=round(generated / wall, 1) if wall > 0 else 0.0,
+        blocks_stored=stats.allocator.num_stored,
+        blocks_evicted=stats.allocator.num_evictions,
+        blocks_cached=stats.allocator.num_cached,
+        peak_blocks_cached=peak_cached,
+        block_bytes=block_bytes,
+        peak_kv_bytes=peak_cached * block_bytes,
+        peak_mlx_memory_bytes=int(mx.get_peak_memory()),
+        wall_seconds=round(wall, 3),
+    )
+
+
+def _round(value: Optional[float]) -> Optional[float]:
+    return None if value is None else round(value, 3)

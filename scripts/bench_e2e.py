@@ -1,0 +1,255 @@
+"""End to end: time to first token of a 2048-token prompt whose first 1984 tokens are cached.
+
+Four ways to get the first token of the same prompt on the built-in model:
+
+- cold: ``CacheRuntime.generate`` with nothing cached (a fresh ``cache_salt``
+  per repeat): the whole 2048-token prefill;
+- warm: ``CacheRuntime.generate`` with the first 1984 tokens (31 blocks of
+  64) cached: fetch, reconstruct, prefill the 64 new tokens, sample;
+- ideal: plain mlx-lm on one thread, prefilling the 64 new tokens on a cache
+  that already holds the 1984 (no lookup, no reconstruction; the cache is
+  trimmed back after each repeat);
+- vllm-mlx: vllm-mlx 0.6.0's ``BlockAwarePrefixCache`` ``fetch_cache`` +
+  ``reconstruct_cache`` on the same stored prefix, then the same 64-token
+  prefill, in a child process with the reference environment (vllm-mlx 0.6.0
+  needs ``mlx-lm<0.32``; see ``scripts/bench_cache.py`` for its set-up).
+
+Repeats are interleaved, the order rotated every repeat (so no method
+always follows the heavy cold prefill), and the
+table shows medians and ratios of medians. Parity is checked: the warm and
+vllm-mlx logits at the last prompt position must equal the cold ones within
+1e-4, and the warm greedy token must equal the cold one.
+
+    .venv/bin/python scripts/bench_e2e.py [--repeats 9] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_VLLM_PYTHON = REPO / ".bench" / "vllm" / "bin" / "python"
+PROMPT, CACHED, BLOCK = 2048, 1984, 64
+ATOL = 1e-4
+
+#: The child process: one repeat per "go" line on stdin, one JSON line back.
+CHILD = r"""
+import gc, json, sys, time
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.models.cache import make_prompt_cache
+from vllm_mlx.paged_cache import PagedCacheManager
+from vllm_mlx.prefix_cache import BlockAwarePrefixCache
+
+path, cached, block = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+prompt = json.loads(sys.stdin.readline())
+model, _ = load(path)
+writer = make_prompt_cache(model)
+for start in range(0, cached, 256):
+    model(mx.array(prompt[start:min(start + 256, cached)])[None], cache=writer)
+    mx.eval([c.state for c in writer])
+store = BlockAwarePrefixCache(model, PagedCacheManager(block_size=block, max_blocks=256))
+states = [{"state": c.state, "meta_state": c.meta_state, "class_name": type(c).__name__}
+          for c in writer]
+mx.eval([s["state"] for s in states])
+store.store_cache("writer", prompt[:cached], states)
+del writer
+gc.collect()
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    gc.disable()
+    start = time.perf_counter()
+    table, remaining = store.fetch_cache("reader", prompt)
+    cache = store.reconstruct_cache(table)
+    model(mx.array(remaining[:-1])[None], cache=cache)
+    logits = model(mx.array(remaining[-1:])[None], cache=cache)[0, -1]
+    token = mx.argmax(logits)
+    mx.eval(token, logits)
+    elapsed = time.perf_counter() - start
+    gc.enable()
+    store.release_cache("reader")
+    print(json.dumps({"seconds": elapsed, "cached": len(prompt) - len(remaining),
+                      "token": int(token.item()), "logits": logits.tolist()}), flush=True)
+"""
+
+
+def _prompt() -> list[int]:
+    # Printable bytes of the byte-level tokenizer, in a long non-repeating pattern.
+    return [32 + (i * 37 + (i // 11) ** 2) % 95 for i in range(PROMPT)]
+
+
+class Vllm:
+    """The vllm-mlx child: one timed fetch+reconstruct+prefill per :meth:`repeat`."""
+
+    def __init__(self, python: Path, model: str, prompt: list[int]) -> None:
+        self.proc = subprocess.Popen(
+            [str(python), "-c", CHILD, model, str(CACHED), str(BLOCK)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self._send(json.dumps(prompt))
+        assert self._receive().get("ready"), "the vllm-mlx child did not start"
+
+    def _send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def _receive(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the vllm-mlx child exited")
+        return json.loads(line)
+
+    def repeat(self) -> dict[str, Any]:
+        self._send("go")
+        return self._receive()
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxkv import CacheRuntime
+    from mlxkv.default_model import DEFAULT_MODEL, ensure_model
+
+    model_dir = str(ensure_model(DEFAULT_MODEL))
+    prompt = _prompt()
+    vllm = None
+    if args.vllm_python.is_file():
+        vllm = Vllm(args.vllm_python, model_dir, prompt)
+    else:
+        print(f"no reference environment at {args.vllm_python}: vllm-mlx skipped", file=sys.stderr)
+
+    # The ideal: mlx-lm alone, a cache already holding the cached prefix.
+    model, _ = load(model_dir)
+    ideal_cache = make_prompt_cache(model)
+    for start in range(0, CACHED, 256):
+        model(mx.array(prompt[start : min(start + 256, CACHED)])[None], cache=ideal_cache)
+        mx.eval([c.state for c in ideal_cache])
+
+    def ideal() -> tuple[float, Any]:
+        start = time.perf_counter()
+        model(mx.array(prompt[CACHED:-1])[None], cache=ideal_cache)
+        logits = model(mx.array(prompt[-1:])[None], cache=ideal_cache)[0, -1]
+        token = mx.argmax(logits)
+        mx.eval(token, logits)
+        elapsed = time.perf_counter() - start
+        for layer in ideal_cache:
+            layer.trim(PROMPT - CACHED)
+        return elapsed, logits
+
+    samples: dict[str, list[float]] = {"cold": [], "warm": [], "ideal": [], "vllm-mlx": []}
+    worst: dict[str, float] = {"warm": 0.0, "ideal": 0.0, "vllm-mlx": 0.0}
+    same_token = True
+    async with CacheRuntime(model=model_dir, block_size=BLOCK, max_blocks=4096) as rt:
+
+        async def first(prompt_ids: list[int], salt: str) -> Any:
+            async with rt.generate(prompt_ids, max_tokens=1, cache_salt=salt) as stream:
+                async for record in stream:
+                    pass
+            return stream.report
+
+        await first(prompt[: CACHED + 1], "warm")  # stores the 31 blocks of the prefix
+        kinds = ["cold", "warm", "ideal"] + (["vllm-mlx"] if vllm is not None else [])
+        for i in range(args.warmup + args.repeats):
+            # Rotate the order, so that no method always follows the heavy cold prefill.
+            shift = i % len(kinds)
+            results: dict[str, Any] = {}
+            for kind in kinds[shift:] + kinds[:shift]:
+                if kind == "cold":
+                    results[kind] = await first(prompt, f"cold-{i}")
+                elif kind == "warm":
+                    results[kind] = await first(prompt, "warm")
+                    assert results[kind].cached_tokens == CACHED, results[kind]
+                elif kind == "ideal":
+                    results[kind] = ideal()
+                else:
+                    results[kind] = vllm.repeat()  # type: ignore[union-attr]
+                    assert results[kind]["cached"] == CACHED, results[kind]["cached"]
+            cold, warm = results["cold"], results["warm"]
+            reference = np.array(cold.prompt_logits)
+            diffs = {
+                "warm": np.abs(np.array(warm.prompt_logits) - reference).max(),
+                "ideal": np.abs(np.array(results["ideal"][1]) - reference).max(),
+            }
+            same_token &= warm.tokens[:1] == cold.tokens[:1]
+            if vllm is not None:
+                diffs["vllm-mlx"] = np.abs(np.array(results["vllm-mlx"]["logits"]) - reference).max()
+            if i < args.warmup:
+                continue
+            samples["cold"].append(cold.time_to_first_token)
+            samples["warm"].append(warm.time_to_first_token)
+            samples["ideal"].append(results["ideal"][0])
+            if vllm is not None:
+                samples["vllm-mlx"].append(results["vllm-mlx"]["seconds"])
+            for name, diff in diffs.items():
+                worst[name] = max(worst[name], float(diff))
+    if vllm is not None:
+        vllm.close()
+
+    medians = {name: statistics.median(v) for name, v in samples.items() if v}
+    parity = same_token and all(diff <= ATOL for diff in worst.values())
+    return {
+        "model": model_dir,
+        "prompt_tokens": PROMPT,
+        "cached_tokens": CACHED,
+        "repeats": args.repeats,
+        "median_ms": {name: round(m * 1e3, 3) for name, m in medians.items()},
+        "warm_over_ideal": round(medians["warm"] / medians["ideal"], 3),
+        "cold_over_warm": round(medians["cold"] / medians["warm"], 2),
+        "vllm_over_warm": (
+            round(medians["vllm-mlx"] / medians["warm"], 3) if "vllm-mlx" in medians else None
+        ),
+        "max_logit_diff_vs_cold": {name: float(f"{d:.3g}") for name, d in worst.items()},
+        "parity": parity,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=9, help="timed repeats of each (9)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed repeats first (2)")
+    parser.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    import anyio
+
+    result = anyio.run(bench, args)
+    m = result["median_ms"]
+    rows = [
+        ("cold: full 2048-token prefill", m["cold"], result["cold_over_warm"]),
+        ("warm: mlxkv generate, 1984 cached", m["warm"], 1.0),
+        ("ideal: 64-token prefill on a present cache", m["ideal"], m["ideal"] / m["warm"]),
+    ]
+    if "vllm-mlx" in m:
+        rows.append(("vllm-mlx 0.6.0 fetch+reconstruct+prefill", m["vllm-mlx"], m["vllm-mlx"] / m["warm"]))
+    print(f"{'time to first token (median)':<46} {'ms':>9}  {'/ warm':>7}")
+    for label, ms, ratio in rows:
+        print(f"{label:<46} {ms:9.2f}  {ratio:7.3f}")
+    print(f"warm / ideal = {result['warm_over_ideal']}; parity (|logits - cold| <= {ATOL}):"
+          f" {result['parity']} {result['max_logit_diff_vs_cold']}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if result["parity"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
