@@ -717,7 +717,8 @@ class ComputeActor(Actor):
 
         if not prefix:
             return make_prompt_cache(self._model)
-        cache = kv_state.reconstruct(prefix, extra_tokens=num_new)
+        # The model call that follows evaluates the copy in the same graph.
+        cache = kv_state.reconstruct(prefix, extra_tokens=num_new, evaluate=False)
         if tuple(_layer_key(layer) for layer in cache) != self._cold_layout:
             raise kv_state.NotReconstructable(
                 "the prefix payloads do not match this model's cache layout"
@@ -745,7 +746,10 @@ class ComputeActor(Actor):
         snapshot = None
         if body:
             self._model(mx.array(body)[None], cache=cache)
-            mx.eval([layer.state for layer in cache])
+            if end < total or position + len(body) == snapshot_at:
+                # The job ends here (or a snapshot is taken): make the cache
+                # concrete. Otherwise the final step's eval covers it.
+                mx.eval([layer.state for layer in cache])
             if position + len(body) == snapshot_at:
                 snapshot = _snapshot(cache)
         step = None

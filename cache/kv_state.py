@@ -603,7 +603,9 @@ def num_reconstructable_blocks(payloads: Sequence[Optional[BlockPayload]]) -> in
     return usable
 
 
-def reconstruct(payloads: Sequence[BlockPayload], *, extra_tokens: int = 0) -> list[Any]:
+def reconstruct(
+    payloads: Sequence[BlockPayload], *, extra_tokens: int = 0, evaluate: bool = True
+) -> list[Any]:
     """Build mlx-lm cache objects holding exactly the tokens of ``payloads``.
 
     Each sequence layer's arrays are written with one ``concatenate`` (the
@@ -617,9 +619,12 @@ def reconstruct(payloads: Sequence[BlockPayload], *, extra_tokens: int = 0) -> l
     Args:
         payloads: payloads of blocks ``0..n-1``, in order.
         extra_tokens: tokens the caller will append next (the suffix).
+        evaluate: evaluate the rebuilt arrays before returning. A caller that
+            runs the model on the same thread right away passes False, so the
+            copy is evaluated in one graph with the first model call.
 
     Returns:
-        One evaluated cache object per layer.
+        One cache object per layer (evaluated unless ``evaluate`` is False).
 
     Raises:
         InvalidInput: ``extra_tokens`` is negative.
@@ -674,7 +679,8 @@ def reconstruct(payloads: Sequence[BlockPayload], *, extra_tokens: int = 0) -> l
             layer.keys, layer.values = arrays[:3], arrays[3:]
         layer.offset = num_tokens
         caches.append(layer)
-    mx.eval(fresh)
+    if evaluate:
+        mx.eval(fresh)
     logger.debug("rebuilt %d layers: %d tokens, room for %d", len(caches), num_tokens, capacity)
     return caches
 
