@@ -32,6 +32,7 @@ only evaluated arrays may leave.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional, Union
 
@@ -611,7 +612,8 @@ def reconstruct(
     Each sequence layer's arrays are written with one ``concatenate`` (the
     blocks plus zero padding) into a buffer of :func:`capacity_for` tokens, so
     the prefix is copied once and the first ``update_and_fetch`` of up to
-    ``extra_tokens`` tokens writes in place. A ``RotatingKVCache`` gets room
+    ``extra_tokens`` tokens writes in place. On the CPU, keys and values are
+    copied on two streams (two cores) at once. A ``RotatingKVCache`` gets room
     (up to its ``max_size``) only when ``extra_tokens <= 1``: mlx-lm appends
     several tokens to it by concatenation anyway. Recurrent layers get a copy
     of the last payload's snapshot.
@@ -646,6 +648,7 @@ def reconstruct(
     num_tokens = payloads[-1].end
     capacity = capacity_for(num_tokens, extra_tokens)
 
+    streams = _copy_streams()
     caches: list[Any] = []
     fresh: list[Any] = []
     for i, spec in enumerate(payloads[0].layers):
@@ -663,7 +666,9 @@ def reconstruct(
             # token is written in place, so room for it saves a copy.
             size = num_tokens if extra_tokens > 1 else min(capacity, spec.max_size)
         arrays = tuple(
-            _concat_blocks([p.arrays[i][j] for p in payloads], size - num_tokens)
+            _concat_blocks(
+                [p.arrays[i][j] for p in payloads], size - num_tokens, streams[j % len(streams)]
+            )
             for j in range(len(payloads[0].arrays[i]))
         )
         fresh.extend(arrays)
@@ -685,13 +690,30 @@ def reconstruct(
     return caches
 
 
-def _concat_blocks(parts: list[Any], padding: int) -> Any:
+_THREAD_STREAMS = threading.local()
+
+
+def _copy_streams() -> tuple[Any, ...]:
+    """Streams to spread a rebuild's copies over: the current one, and on the
+    CPU a second one of this thread, so that keys and values are copied on two
+    cores at once (MLX runs each CPU stream on its own worker thread)."""
+    import mlx.core as mx
+
+    if mx.default_device() != mx.cpu:
+        return (None,)
+    second = getattr(_THREAD_STREAMS, "second", None)
+    if second is None:
+        second = _THREAD_STREAMS.second = mx.new_stream(mx.cpu)
+    return (None, second)
+
+
+def _concat_blocks(parts: list[Any], padding: int, stream: Any = None) -> Any:
     import mlx.core as mx
 
     if padding > 0:
         b, h, _, d = parts[0].shape
-        parts = [*parts, mx.zeros((b, h, padding, d), dtype=parts[0].dtype)]
+        parts = [*parts, mx.zeros((b, h, padding, d), dtype=parts[0].dtype, stream=stream)]
     if len(parts) == 1:
         # A one-input concatenate may return a view of that input.
         return mx.array(parts[0])
-    return mx.concatenate(parts, axis=2)
+    return mx.concatenate(parts, axis=2, stream=stream)
