@@ -490,11 +490,6 @@ class BlockAwarePrefixCache:
         if entry is None:
             logger.warning("release_cache(%r): unknown request", request_id)
             return
-        for block in entry.blocks:
-            # Nobody can look up an unhashed block: its payload is dead weight
-            # once its last holder lets go.
-            if block.block_hash is None and block.ref_count == 1:
-                block.cache_data = None
         self.paged_cache.delete_block_table(request_id)
         logger.debug("release_cache(%r): %d blocks", request_id, len(entry.blocks))
 

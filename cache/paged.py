@@ -972,7 +972,7 @@ class PagedCacheManager:
                     _restore(blocks, position)
                     raise DoubleFree(block.block_id)
             else:
-                self.free_block_queue._link_n(freed)
+                self._link_free(freed)
                 return len(freed)
         except (AttributeError, IndexError, TypeError):
             pass
@@ -985,6 +985,18 @@ class PagedCacheManager:
                 if not (skip_null and item is null_block)
             ]
         )
+
+    def _link_free(self, freed: list[CacheBlock]) -> None:
+        """Queue blocks whose last reference just went.
+
+        A block without a hash can never be looked up again, so its payload
+        is dropped now rather than when the block is reused: a released
+        private (partial) block must not hold KV memory.
+        """
+        for block in freed:
+            if block.block_hash is None and block.hash_value is None:
+                block.cache_data = None
+        self.free_block_queue._link_n(freed)
 
     def _forget(self, block: CacheBlock) -> None:
         """Drop every index entry of ``block``, and its payload."""
@@ -1132,6 +1144,8 @@ class PagedCacheManager:
             block.ref_count = count - 1
             return False
         block.ref_count = 0
+        if block.block_hash is None and block.hash_value is None:
+            block.cache_data = None  # unfindable once free: see _link_free
         self.free_block_queue._link_n((block,))
         return True
 

@@ -709,6 +709,37 @@ class TestEvictOnReuse:
         mgr.check_invariants()
 
 
+class TestPayloadOnRelease:
+    @pytest.mark.parametrize("release", ["release", "free_block", "free_block_batch"])
+    def test_unhashed_block_drops_payload_when_freed(self, mgr, release):
+        """A block nobody can look up loses its payload with its last reference."""
+        (block,) = mgr.allocate(1)
+        block.cache_data = "private kv"
+        if release == "free_block":
+            mgr.free_block(block.block_id)
+        else:
+            getattr(mgr, release)([block])
+        assert block.cache_data is None
+        mgr.check_invariants()
+
+    def test_hashed_block_keeps_payload_until_reused(self, mgr):
+        """A cached block stays servable after release: its payload stays."""
+        prompt = tokens(4)
+        (block,) = mgr.allocate(1)
+        mgr.commit(block, hash_block_chain(prompt, BS)[0], num_tokens=BS, cache_data="kv")
+        mgr.release([block])
+        assert block.cache_data == "kv"
+        assert mgr.acquire(hash_block_chain(prompt, BS)) == [block]
+
+    def test_shared_block_keeps_payload_while_referenced(self, mgr):
+        """Dropping one of two references leaves the payload in place."""
+        (block,) = mgr.allocate(1)
+        block.cache_data = "private kv"
+        mgr.increment_ref(block.block_id)
+        mgr.release([block])
+        assert block.cache_data == "private kv"
+
+
 class TestSeedAllocation:
     def test_allocate_block(self, mgr):
         """allocate_block returns one fresh block with one reference."""
