@@ -305,8 +305,7 @@ class BlockAwarePrefixCache:
             request_id, entry, cache_data, layout, tokens, chain, num_tokens, first, keys
         )
 
-    @staticmethod
-    def _add_snapshots(block: CacheBlock, ours: kv_state.BlockPayload) -> None:
+    def _add_snapshots(self, block: CacheBlock, ours: kv_state.BlockPayload) -> None:
         """Give a cached block the recurrent snapshots it lacks and ``ours`` has.
 
         The block's KV slices are kept; the snapshots are the recurrent state
@@ -318,7 +317,7 @@ class BlockAwarePrefixCache:
             theirs if spec.sequential or theirs is not None else mine
             for spec, theirs, mine in zip(cached.layers, cached.arrays, ours.arrays)
         )
-        block.cache_data = attrs.evolve(cached, arrays=arrays)
+        self.paged_cache.fill(block, attrs.evolve(cached, arrays=arrays))
 
     def _drop_partial_tail(self, entry: BlockCacheEntry) -> None:
         """Release a request's trailing partial block: blocks that extend it follow."""
@@ -329,8 +328,6 @@ class BlockAwarePrefixCache:
         table = entry.block_table
         table.block_ids.pop()
         table.num_tokens -= tail.token_count
-        if tail.ref_count == 1:
-            tail.cache_data = None
         self.paged_cache.release([tail])
 
     def _store_blocks(
@@ -430,8 +427,7 @@ class BlockAwarePrefixCache:
                     paged.commit(block, chain[index], num_tokens=size, cache_data=payload)
                 else:
                     # The partial tail: the request's own, never published.
-                    block.cache_data = payload
-                    block.token_count = payload.num_tokens
+                    paged.fill(block, payload, num_tokens=payload.num_tokens)
                     entry.tail_tokens = tuple(tokens[payload.start : payload.end])
             entry.blocks.append(block)
             table.add_block(block.block_id, block.token_count)

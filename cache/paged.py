@@ -710,15 +710,12 @@ class PagedCacheManager:
         Raises:
             InvalidInput: any of the above does not hold; nothing changed.
         """
-        self._check_own(block, "block")
-        if block.ref_count <= 0:
-            raise InvalidInput("block", block, "is not held (ref_count is 0)")
+        self._check_held(block)
         if block.block_hash is not None:
             raise InvalidInput("block", block, "is already committed under a hash")
         if not isinstance(block_hash, bytes):
             raise InvalidInput("block_hash", block_hash, "must be a BlockHash (bytes)")
-        if num_tokens.__class__ is not int or not 0 < num_tokens <= self.block_size:
-            raise InvalidInput("num_tokens", num_tokens, f"must be an int in 1..{self.block_size}")
+        self._check_num_tokens(num_tokens)
         if cache_data is not None:
             block.cache_data = cache_data
         block.token_count = num_tokens
@@ -726,6 +723,42 @@ class PagedCacheManager:
         if self.enable_caching:
             block.block_hash = block_hash
             self.cached_block_hash_to_block.insert(block_hash, block)
+
+    def fill(self, block: CacheBlock, cache_data: Any, *, num_tokens: Optional[int] = None) -> None:
+        """Set the payload of a held block, and its token count if uncommitted.
+
+        A committed block's tokens are fixed by its hash, so only its payload
+        may be replaced, with one for the same tokens (for example the same KV
+        plus a recurrent-state snapshot). An uncommitted block is the holder's
+        private block (a partial tail) and takes any count.
+
+        Args:
+            block: a block of this manager with ``ref_count > 0``, not the null
+                block.
+            cache_data: the new payload.
+            num_tokens: tokens the block holds, in ``1..block_size``; must be
+                omitted or unchanged for a committed block.
+
+        Raises:
+            InvalidInput: any of the above does not hold; nothing changed.
+        """
+        self._check_held(block)
+        if num_tokens is not None:
+            self._check_num_tokens(num_tokens)
+            if block.block_hash is not None and num_tokens != block.token_count:
+                raise InvalidInput("num_tokens", num_tokens, "a committed block's count is fixed")
+            block.token_count = num_tokens
+        block.cache_data = cache_data
+        block.last_access = _next_tick()
+
+    def _check_held(self, block: CacheBlock) -> None:
+        self._check_own(block, "block")
+        if block.ref_count <= 0:
+            raise InvalidInput("block", block, "is not held (ref_count is 0)")
+
+    def _check_num_tokens(self, num_tokens: Any) -> None:
+        if num_tokens.__class__ is not int or not 0 < num_tokens <= self.block_size:
+            raise InvalidInput("num_tokens", num_tokens, f"must be an int in 1..{self.block_size}")
 
     def release(self, blocks: Iterable[Union[CacheBlock, int]]) -> None:
         """Drop one reference per listed block (a block listed twice, two).

@@ -740,6 +740,42 @@ class TestPayloadOnRelease:
         assert block.cache_data == "private kv"
 
 
+class TestFill:
+    def test_private_block_takes_payload_and_count(self, mgr):
+        """An uncommitted held block takes any payload and token count."""
+        (block,) = mgr.allocate(1)
+        mgr.fill(block, "tail kv", num_tokens=3)
+        assert (block.cache_data, block.token_count) == ("tail kv", 3)
+        mgr.check_invariants()
+
+    def test_committed_block_keeps_its_count(self, mgr):
+        """A committed block's payload may be replaced, its token count may not."""
+        (block,) = mgr.allocate(1)
+        mgr.commit(block, hash_block_chain(tokens(4), BS)[0], num_tokens=BS, cache_data="kv")
+        mgr.fill(block, "kv + snapshot")
+        assert block.cache_data == "kv + snapshot"
+        with pytest.raises(InvalidInput):
+            mgr.fill(block, "other", num_tokens=BS - 1)
+        assert (block.cache_data, block.token_count) == ("kv + snapshot", BS)
+
+    @pytest.mark.parametrize("num_tokens", [0, BS + 1, 1.5])
+    def test_bad_count_changes_nothing(self, mgr, num_tokens):
+        """A token count outside 1..block_size is refused before any change."""
+        (block,) = mgr.allocate(1)
+        with pytest.raises(InvalidInput):
+            mgr.fill(block, "kv", num_tokens=num_tokens)
+        assert (block.cache_data, block.token_count) == (None, 0)
+
+    def test_free_block_is_refused(self, mgr):
+        """Only a holder may fill a block."""
+        (block,) = mgr.allocate(1)
+        mgr.release([block])
+        with pytest.raises(InvalidInput):
+            mgr.fill(block, "kv")
+        with pytest.raises(InvalidInput):
+            mgr.fill(mgr.null_block, "kv")
+
+
 class TestSeedAllocation:
     def test_allocate_block(self, mgr):
         """allocate_block returns one fresh block with one reference."""
