@@ -87,6 +87,7 @@ from mlxkv.actors.mlx_thread import MLXThread, MLXThreadStatistics, MLXThreadSto
 from mlxkv.cache import kv_state
 from mlxkv.cache.errors import CacheError, DuplicateRequest, InvalidInput, UnknownRequest
 from mlxkv.cache.kv_state import BlockPayload
+from mlxkv.cache.token_ids import check_token_ids
 
 __all__ = [
     "DEFAULT_PREFILL_CHUNK",
@@ -818,14 +819,8 @@ class ComputeActor(Actor):
         return request
 
     def _check_tokens(self, tokens: Sequence[Any], *, allow_empty: bool = False) -> None:
-        if not tokens and not allow_empty:
-            raise InvalidInput("tokens", tokens, "must hold at least one token")
         vocab = None if self._info is None else self._info.vocab_size
-        for token in tokens:
-            if isinstance(token, bool) or not isinstance(token, int):
-                raise InvalidInput("tokens", token, "must be ints")
-            if token < 0 or (vocab is not None and token >= vocab):
-                raise InvalidInput("tokens", token, f"must be in [0, {vocab})")
+        check_token_ids(tokens, vocab_size=vocab, allow_empty=allow_empty)
 
     async def _start_prefill(self, envelope: Any, started: float) -> Any:
         message: Prefill = envelope.message

@@ -32,6 +32,7 @@ from mlxkv.actors.actor import Actor, ActorRef, Ask, Intercept, Message, Tell
 from mlxkv.actors.allocator import BlockGrant, BlockId
 from mlxkv.cache.block_hash import BlockHash, hash_block_chain
 from mlxkv.cache.errors import DuplicateRequest, InvalidInput, UnknownRequest
+from mlxkv.cache.token_ids import TokenIds, check_token_ids
 
 __all__ = [
     "Adopt",
@@ -57,10 +58,6 @@ __all__ = [
 
 #: A caller-chosen request name, unique among active requests.
 RequestId = NewType("RequestId", str)
-
-#: Token ids as ``array('I')``: compact, sliced and compared at C speed. An
-#: array in a message or a table is never mutated after it is built.
-TokenIds = array
 
 
 @attrs.frozen(kw_only=True)
@@ -343,7 +340,7 @@ class PrefixIndexActor(Actor):
         request_id = _request_id(message.request_id)
         if request_id in self._tables:
             raise DuplicateRequest(request_id)
-        tokens = _token_ids(message.tokens)
+        tokens = check_token_ids(message.tokens)
         hashes = tuple(
             hash_block_chain(tokens, self._block_size, extra_keys=message.extra_keys or None)
         )
@@ -394,7 +391,7 @@ class PrefixIndexActor(Actor):
     def _extend(self, message: Extend) -> Extension:
         table = self._table(message.request_id)
         size = self._block_size
-        tokens = _token_ids(message.tokens)
+        tokens = check_token_ids(message.tokens)
         start = len(table.block_ids)
         held_tokens = start * size
         if len(tokens) < held_tokens:
@@ -527,17 +524,6 @@ class PrefixIndexActor(Actor):
         if table is None:
             raise UnknownRequest(str(request_id))
         return table
-
-
-def _token_ids(tokens: Sequence[int]) -> TokenIds:
-    if tokens.__class__ is array and tokens.typecode == "I":  # type: ignore[attr-defined]
-        return tokens  # type: ignore[return-value]
-    if isinstance(tokens, (str, bytes, bytearray)):
-        raise InvalidInput("tokens", tokens, "must be a sequence of int token ids")
-    try:
-        return array("I", tokens)
-    except (TypeError, OverflowError, ValueError):
-        raise InvalidInput("tokens", tokens, "must be ints in [0, 2**32)") from None
 
 
 def _request_id(value: Any) -> RequestId:

@@ -53,6 +53,7 @@ from mlxkv.actors.actor import ActorFailed
 from mlxkv.actors.compute import ComputeHandle, ModelInfo, Sampling
 from mlxkv.cache import kv_state
 from mlxkv.cache.errors import InvalidInput, OutOfBlocks
+from mlxkv.cache.token_ids import check_token_ids
 
 if TYPE_CHECKING:
     from mlxkv.runtime import CacheRuntime
@@ -200,15 +201,11 @@ def make_request(
     else:
         if isinstance(prompt, (bytes, bytearray, memoryview)) or not isinstance(prompt, Sequence):
             raise InvalidInput("prompt", prompt, "must be a str or a sequence of token ids")
-        checked = tuple(prompt)
-        if not checked:
-            raise InvalidInput("prompt", prompt, "must hold at least one token")
-        vocab = info.vocab_size
-        for token in checked:
-            if isinstance(token, bool) or not isinstance(token, int):
-                raise InvalidInput("prompt", token, "token ids must be ints")
-            if token < 0 or (vocab is not None and token >= vocab):
-                raise InvalidInput("prompt", token, f"token ids must be in [0, {vocab})")
+        checked = tuple(
+            check_token_ids(
+                prompt, argument="prompt", vocab_size=info.vocab_size, allow_empty=False
+            )
+        )
     return GenerationRequest(
         request_id=request_id,
         prompt=checked,

@@ -62,6 +62,7 @@ from mlxkv.actors.prefix_index import (
 )
 from mlxkv.cache.errors import CacheError, InvalidInput, UnknownRequest
 from mlxkv.cache.mllm import images_digest
+from mlxkv.cache.token_ids import check_token_ids
 from mlxkv.errors import RuntimeClosed
 from mlxkv.generation import Generation, make_request, run_generation
 
@@ -467,7 +468,7 @@ class CacheRuntime:
         """
         with self._call():
             request_id = _request_id(request_id)
-            token_ids = _tokens(tokens)
+            token_ids = check_token_ids(tokens)
             salt = _salt(cache_salt)
             images_key = await _images_key(images)
             extra_keys = _extra_keys(salt, images_key)
@@ -523,7 +524,7 @@ class CacheRuntime:
         """
         with self._call():
             request_id = _request_id(request_id)
-            token_ids = _tokens(tokens)
+            token_ids = check_token_ids(tokens)
             if not isinstance(payloads, (list, tuple)):
                 raise InvalidInput("payloads", payloads, "must be a list or tuple")
             payloads = tuple(payloads)
@@ -924,18 +925,6 @@ def _request_id(value: Any) -> RequestId:
     if not isinstance(value, str) or not value:
         raise InvalidInput("request_id", value, "must be a non-empty str")
     return RequestId(value)
-
-
-def _tokens(tokens: Any) -> TokenIds:
-    if isinstance(tokens, (str, bytes, bytearray, memoryview)):
-        raise InvalidInput("tokens", tokens, "must be a sequence of int token ids")
-    try:
-        # One copy, type- and range-checked at C speed; never mutated after.
-        return array("I", tokens)
-    except (TypeError, OverflowError, ValueError):
-        raise InvalidInput(
-            "tokens", tokens, "must be a sequence of ints in [0, 2**32)"
-        ) from None
 
 
 def _salt(value: Any) -> Optional[str]:
