@@ -41,6 +41,7 @@ from mlxkv.cache.errors import CacheError
 __all__ = [
     "Actor",
     "ActorFailed",
+    "ActorHandle",
     "ActorRef",
     "ActorStatistics",
     "Ask",
@@ -507,3 +508,21 @@ class ActorRef:
                 await self.tell_shielded(compensation)
             except ActorFailed:
                 pass  # the actor is gone, and with it the state to give back
+
+
+class ActorHandle:
+    """Base of the typed handles: holds one :class:`ActorRef`.
+
+    Subclasses add one method per message; messages never reach users.
+    """
+
+    def __init__(self, ref: ActorRef) -> None:
+        self._ref = ref
+
+    def close(self) -> None:
+        """Close the underlying ref."""
+        self._ref.close()
+
+    def mailbox_statistics(self) -> MemoryObjectStreamStatistics:
+        """anyio's statistics of the actor's mailbox."""
+        return self._ref.statistics()

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, NewType, Optional
 
 import attrs
 
-from mlxkv.actors.actor import Actor, ActorRef, Ask, Intercept, Message, Tell
+from mlxkv.actors.actor import Actor, ActorHandle, Ask, Intercept, Message, Tell
 from mlxkv.cache.block_hash import BlockHash
 from mlxkv.cache.errors import InvalidInput, OutOfBlocks
 from mlxkv.cache.paged import PagedCacheManager
@@ -430,22 +430,11 @@ class BlockAllocatorActor(Actor):
         return evicted
 
 
-class BlockAllocatorHandle:
+class BlockAllocatorHandle(ActorHandle):
     """Typed calls to a :class:`BlockAllocatorActor`; messages stay inside.
 
     Every call is a cancellation point unless documented otherwise.
     """
-
-    def __init__(self, ref: ActorRef) -> None:
-        self._ref = ref
-
-    def close(self) -> None:
-        """Close the underlying ref."""
-        self._ref.close()
-
-    def mailbox_statistics(self) -> Any:
-        """anyio's statistics of the actor's mailbox."""
-        return self._ref.statistics()
 
     async def acquire(self, hashes: tuple[BlockHash, ...], *, request_id: Optional[str] = None) -> Grants:
         """See :class:`Acquire`.

@@ -75,13 +75,14 @@ from anyio.abc import TaskStatus
 
 from mlxkv.actors.actor import (
     Actor,
-    ActorRef,
+    ActorHandle,
     ActorStatistics,
     Ask,
     Failure,
     Intercept,
     Message,
     Tell,
+    _close_reply,
 )
 from mlxkv.actors.mlx_thread import MLXThread, MLXThreadStatistics, MLXThreadStopped
 from mlxkv.cache import kv_state
@@ -1008,23 +1009,11 @@ def _discard(_result: Any) -> None:
     """Orphan callback: a result nobody waits for holds only references; drop them."""
 
 
-def _close_reply(message: Message) -> None:
-    if isinstance(message, Ask):
-        message.reply.close()
-
-
-class ComputeHandle:
+class ComputeHandle(ActorHandle):
     """Typed calls to a :class:`ComputeActor`; messages stay inside.
 
     Every call is a cancellation point unless documented otherwise.
     """
-
-    def __init__(self, ref: ActorRef) -> None:
-        self._ref = ref
-
-    def close(self) -> None:
-        """Close the underlying ref."""
-        self._ref.close()
 
     async def prefill(
         self,

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import attrs
 
-from mlxkv.actors.actor import Actor, ActorRef, Ask, Intercept, Message
+from mlxkv.actors.actor import Actor, ActorHandle, Ask, Intercept, Message
 from mlxkv.cache.errors import InvalidInput
 from mlxkv.cache.mllm import MLLMPrefixCacheManager
 
@@ -198,19 +198,8 @@ def _key(images_key: str) -> bytes:
     return key
 
 
-class ImageCacheHandle:
+class ImageCacheHandle(ActorHandle):
     """Typed calls to an :class:`ImageCacheActor`; messages stay inside."""
-
-    def __init__(self, ref: ActorRef) -> None:
-        self._ref = ref
-
-    def close(self) -> None:
-        """Close the underlying ref."""
-        self._ref.close()
-
-    def mailbox_statistics(self) -> Any:
-        """anyio's statistics of the actor's mailbox."""
-        return self._ref.statistics()
 
     async def lookup(
         self, images_key: str, *, cache_salt: Optional[str] = None, request_id: Optional[str] = None

@@ -28,7 +28,7 @@ from typing import Any, NewType, Optional
 import anyio
 import attrs
 
-from mlxkv.actors.actor import Actor, ActorRef, Ask, Intercept, Message, Tell
+from mlxkv.actors.actor import Actor, ActorHandle, Ask, Intercept, Message, Tell
 from mlxkv.actors.allocator import BlockGrant, BlockId
 from mlxkv.cache.block_hash import BlockHash, hash_block_chain
 from mlxkv.cache.errors import DuplicateRequest, InvalidInput, UnknownRequest
@@ -532,22 +532,11 @@ def _request_id(value: Any) -> RequestId:
     return RequestId(value)
 
 
-class PrefixIndexHandle:
+class PrefixIndexHandle(ActorHandle):
     """Typed calls to a :class:`PrefixIndexActor`; messages stay inside.
 
     Every call is a cancellation point unless documented otherwise.
     """
-
-    def __init__(self, ref: ActorRef) -> None:
-        self._ref = ref
-
-    def close(self) -> None:
-        """Close the underlying ref."""
-        self._ref.close()
-
-    def mailbox_statistics(self) -> Any:
-        """anyio's statistics of the actor's mailbox."""
-        return self._ref.statistics()
 
     async def begin(
         self, request_id: str, tokens: Sequence[int], extra_keys: tuple[Any, ...] = ()
