@@ -28,7 +28,6 @@ from typing import Any, ClassVar, Generic, Optional, TypeVar, Union
 
 import anyio
 import attrs
-import structlog
 from anyio.abc import TaskStatus
 from anyio.streams.memory import (
     MemoryObjectReceiveStream,
@@ -36,6 +35,7 @@ from anyio.streams.memory import (
     MemoryObjectStreamStatistics,
 )
 
+from mlxkv.actors.event_log import EventLog
 from mlxkv.cache.errors import CacheError
 
 __all__ = [
@@ -71,14 +71,25 @@ class ActorFailed(CacheError):
 
 @attrs.frozen(kw_only=True)
 class Tell:
-    """A message that expects no reply."""
+    """A message that expects no reply.
+
+    ``polled`` marks a message type that callers send periodically
+    (statistics, invariant checks): tracing leaves it out unless asked.
+    """
+
+    polled: ClassVar[bool] = False
 
     request_id: Optional[str] = None
 
 
 @attrs.frozen(kw_only=True)
 class Ask(Generic[R]):
-    """A message whose handler's return value (of type ``R``) is sent back."""
+    """A message whose handler's return value (of type ``R``) is sent back.
+
+    ``polled``: as for :class:`Tell`.
+    """
+
+    polled: ClassVar[bool] = False
 
     request_id: Optional[str] = None
     reply: MemoryObjectSendStream[Any] = attrs.field(repr=False, eq=False)
@@ -153,13 +164,17 @@ class Actor:
         *,
         mailbox_size: int = 64,
         trace: bool = False,
+        trace_polls: bool = False,
         intercept: Optional[Intercept] = None,
     ) -> None:
         """Create the mailbox; nothing runs until :meth:`run`.
 
         Args:
             mailbox_size: messages the mailbox buffers before senders wait.
-            trace: emit one ``message.handled`` event per message.
+            trace: emit one ``message.handled`` event per message (polled
+                messages only with ``trace_polls``), with what the message
+                did (:meth:`outcome`).
+            trace_polls: also trace polled messages (statistics, checks).
             intercept: see :data:`Intercept`.
 
         Raises:
@@ -171,8 +186,9 @@ class Actor:
             mailbox_size
         )
         # Decided once here, not per message: with tracing off no event is built.
-        self._log = structlog.get_logger("mlxkv").bind(actor=self.name)
+        self._log = EventLog(actor=self.name)
         self._trace = self._log if trace else None
+        self._trace_polls = trace_polls
         self._intercept = intercept
         self._cause: Optional[BaseException] = None
         self.num_handled = 0
@@ -197,6 +213,20 @@ class Actor:
         reached the caller after it was cancelled.
         """
         return None
+
+    def outcome(self, message: Message, result: Any) -> dict[str, Any]:
+        """What handling ``message`` did, as trace fields (``granted=3``).
+
+        By default the fields of the message's and the result's
+        ``trace_fields()``, where they have one; actors override it for
+        replies that are plain values.
+        """
+        fields: dict[str, Any] = {}
+        for source in (message, result):
+            summary = getattr(source, "trace_fields", None)
+            if summary is not None:
+                fields.update(summary())
+        return fields
 
     # -- running -----------------------------------------------------------
 
@@ -321,16 +351,18 @@ class Actor:
                 request_id=message.request_id,
                 error=f"{type(result.error).__name__}: {result.error}",
             )
-        if self._trace is not None:
+        if self._trace is not None and (self._trace_polls or not message.polled):
             done = time.perf_counter()
+            failed = isinstance(result, Failure)
             self._trace.info(
                 "message.handled",
                 message=type(message).__name__,
                 request_id=message.request_id,
                 queued_ms=round((started - envelope.enqueued_at) * 1e3, 4),
                 handling_ms=round((done - started) * 1e3, 4),
-                error=type(result.error).__name__ if isinstance(result, Failure) else None,
+                error=type(result.error).__name__ if failed else None,
                 undone=undone,
+                **({} if failed else self.outcome(message, result)),
             )
 
     def _apply_undo(self, compensation: Tell) -> None:
@@ -338,10 +370,16 @@ class Actor:
         self.handle(compensation)
 
     def _record_crash(self, error: BaseException, current: Optional[_Envelope]) -> None:
-        """Remember why the loop stopped, unless it was a plain cancellation."""
+        """Remember why the loop stopped, unless it was a plain cancellation.
+
+        A domain error can escape only from starting (a model that does not
+        load): it is its caller's to report, not logged as a crash.
+        """
         if isinstance(error, anyio.get_cancelled_exc_class()):
             return
         self._cause = error
+        if isinstance(error, CacheError):
+            return
         self._log.error(
             "actor.crashed",
             message=None if current is None else type(current.message).__name__,

@@ -9,11 +9,18 @@ its own stream, evaluates every array in the result, and hands the result back.
 
 Wake-up: the caller takes its event loop's token
 (``anyio.lowlevel.current_token()``) when it submits; when the job is done the
-thread calls ``anyio.from_thread.run_sync(settle, token=token)``, which runs
-``settle`` on the event-loop thread. ``settle`` either sets the caller's
-``anyio.Event`` or, if the caller has stopped waiting, hands the result to the
-job's orphan callback. Both the caller's "I stopped waiting" and ``settle``
-run on the event-loop thread, so exactly one of them decides, without a lock.
+thread schedules ``settle`` on the event-loop thread through the token's
+backend (``run_sync_soon``: asyncio's ``call_soon_threadsafe``, trio's
+``TrioToken.run_sync_soon``) and goes on to the next job without waiting for
+the loop, so a busy loop never stalls MLX work. ``settle`` either sets the
+caller's ``anyio.Event`` or, if the caller has stopped waiting, hands the
+result to the job's orphan callback; it cannot raise. Both the caller's "I
+stopped waiting" and ``settle`` run on the event-loop thread, so exactly one
+of them decides, without a lock. A wake-up can fail only because the loop has
+finished (``anyio.RunFinishedError``): then nobody can be waiting and the
+result is given back from the thread. Any other failure to wake is a bug that
+would leave a caller waiting forever: it kills the thread loudly (logged, and
+every later job fails with :class:`MLXThreadStopped`).
 
 Cancellation: a job that is running cannot be interrupted. A caller cancelled
 while its job is queued or running gets its cancellation at once; the job
@@ -22,7 +29,12 @@ thread), which must give back whatever the result holds.
 
 Shutdown: :meth:`MLXThread.aclose` queues a stop sentinel after the jobs
 already queued (they still run), waits for the thread to reach it and joins
-the thread. A job that raises an ``Exception`` fails only its caller, who gets
+the thread. The thread's last MLX act is ``mx.clear_streams()``: MLX requires
+every thread that used streams to destroy them before it ends, or the process
+can abort at exit (``terminate called without an active exception``). A
+thread still running when the interpreter exits (its runtime was never
+closed) is stopped and joined by an ``atexit`` hook, which also clears the
+main thread's streams. A job that raises an ``Exception`` fails only its caller, who gets
 the exception. Anything else escaping a job (``SystemExit``, a
 ``BaseException`` of MLX's own) kills the thread's ability to run jobs: that
 job's caller and every later one get :class:`MLXThreadStopped`.
@@ -30,19 +42,44 @@ job's caller and every later one get :class:`MLXThreadStopped`.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import traceback
+import weakref
 from collections.abc import Callable
 from typing import Any, Generic, Optional, TypeVar, Union
 
 import anyio
-import anyio.from_thread
 import anyio.lowlevel
 import attrs
-import structlog
+
+from mlxkv.actors.event_log import EventLog
 
 __all__ = ["MLXThread", "MLXThreadStatistics", "MLXThreadStopped", "evaluate_arrays"]
+
+#: Every MLX thread started and not yet joined, for the exit hook.
+_LIVE: weakref.WeakSet[MLXThread] = weakref.WeakSet()
+_EXIT_HOOK: list[bool] = []
+
+
+def _at_exit() -> None:
+    """Stop and join MLX threads nobody closed, then clear this thread's streams.
+
+    Runs from ``atexit`` (on the main thread, before the interpreter tears
+    down MLX's state). Waiting is bounded by the job each thread is running.
+    """
+    for thread in list(_LIVE):
+        thread.close()
+    import mlx.core as mx
+
+    mx.clear_streams()
+
+
+def _register_exit_hook() -> None:
+    if not _EXIT_HOOK:
+        _EXIT_HOOK.append(True)
+        atexit.register(_at_exit)
 
 T = TypeVar("T")
 
@@ -192,7 +229,7 @@ class MLXThread:
             name: the OS thread's name.
             device: the MLX device for the stream; the default device if
                 ``None``.
-            log: a structlog logger for orphan-cleanup failures; a logger
+            log: an :class:`EventLog` for orphan-cleanup failures; one
                 bound to ``component="mlx_thread"`` if ``None``.
         """
         self._queue: queue.SimpleQueue[Union[_Job, _Stop]] = queue.SimpleQueue()
@@ -200,9 +237,7 @@ class MLXThread:
         # must not keep the interpreter from exiting.
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._device = device
-        self._log = log if log is not None else structlog.get_logger("mlxkv").bind(
-            component="mlx_thread"
-        )
+        self._log = log if log is not None else EventLog(component="mlx_thread")
         # Event-loop side only.
         self._closing = False
         self._stop: Optional[_Stop] = None
@@ -224,6 +259,8 @@ class MLXThread:
         """
         if self._closing:
             raise RuntimeError("MLXThread was closed")
+        _register_exit_hook()
+        _LIVE.add(self)
         self._thread.start()
 
     async def __aenter__(self) -> MLXThread:
@@ -371,16 +408,27 @@ class MLXThread:
             stream = mx.new_stream(device)
         except BaseException as error:
             self._crash = error
-        while True:
-            item = self._queue.get()
-            if isinstance(item, _Stop):
-                if item.done is not None:
-                    self._wake(item.done.set, item.token)
-                return
-            if self._crash is not None:
-                self._deliver(item, _Error(MLXThreadStopped(self._crash)))
-                continue
-            self._deliver(item, self._run(item, stream))
+        try:
+            while True:
+                item = self._queue.get()
+                if isinstance(item, _Stop):
+                    stop = item
+                    break
+                if self._crash is not None:
+                    self._deliver(item, _Error(MLXThreadStopped(self._crash)))
+                    continue
+                self._deliver(item, self._run(item, stream))
+        except BaseException as error:  # a wake-up that failed for another reason than the loop's end
+            self._crash = error
+            self._log.error("mlx_thread.crashed", error=f"{type(error).__name__}: {error}")
+            stop = None
+        del stream
+        # Before waking whoever waits for the stop: the thread must be done
+        # with MLX once aclose() returns.
+        mx.clear_streams()
+        _LIVE.discard(self)
+        if stop is not None and stop.done is not None:
+            self._wake(stop.done.set, stop.token)
 
     def _run(self, job: _Job, stream: Any) -> _Outcome:
         import mlx.core as mx
@@ -413,8 +461,16 @@ class MLXThread:
 
     @staticmethod
     def _wake(fn: Callable[..., None], token: anyio.lowlevel.EventLoopToken, *args: Any) -> bool:
+        """Schedule ``fn(*args)`` on the token's event-loop thread without waiting.
+
+        Returns:
+            False if that loop has finished (nobody can be waiting on it).
+
+        Raises:
+            Exception: any other failure to reach the loop (a bug).
+        """
         try:
-            anyio.from_thread.run_sync(fn, *args, token=token)
-        except Exception:
+            token.backend_class.run_sync_soon(fn, args, token.native_token)
+        except anyio.RunFinishedError:
             return False
         return True

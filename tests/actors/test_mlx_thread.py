@@ -220,3 +220,54 @@ class TestMLXThread:
         thread.close()
         assert not thread.running
 
+
+
+class TestTeardown:
+    async def test_the_thread_clears_its_streams_before_it_ends(self, monkeypatch):
+        """The thread's last MLX act is mx.clear_streams(), on the thread itself."""
+        calls: list[str] = []
+        real = mx.clear_streams
+
+        def spy() -> None:
+            calls.append(threading.current_thread().name)
+            real()
+
+        monkeypatch.setattr(mx, "clear_streams", spy)
+        async with MLXThread(name="teardown-probe") as thread:
+            await thread.submit(lambda: mx.arange(4) + 1)
+            assert calls == []
+        assert calls == ["teardown-probe"]
+
+    def test_a_finished_loop_is_not_an_error(self):
+        """Waking a loop that has finished reports False: nobody can be waiting there."""
+
+        async def grab() -> Any:
+            return anyio.lowlevel.current_token()
+
+        token = anyio.run(grab)
+        assert MLXThread._wake(lambda: None, token) is False
+
+    async def test_any_other_failed_wake_up_kills_the_thread_loudly(self, monkeypatch):
+        """A wake-up that fails while the loop lives is a bug: logged as a crash, and every
+        later job fails instead of hanging."""
+        from structlog.testing import capture_logs
+
+        token = anyio.lowlevel.current_token()
+
+        def broken(*args: Any) -> None:
+            raise RuntimeError("cannot reach the loop")
+
+        monkeypatch.setattr(token.backend_class, "run_sync_soon", broken)
+        thread = MLXThread()
+        thread.start()
+        with capture_logs() as logs:
+            with anyio.move_on_after(30):  # the caller cannot be woken: it is given up
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(thread.submit, lambda: mx.array(1))
+                    await anyio.to_thread.run_sync(thread._thread.join, 30)
+                    tg.cancel_scope.cancel()
+        assert not thread.running
+        assert [log["event"] for log in logs] == ["mlx_thread.crashed"]
+        assert "cannot reach the loop" in logs[0]["error"]
+        with pytest.raises(MLXThreadStopped):
+            await thread.submit(lambda: None)
