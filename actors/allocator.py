@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, NewType, Optional
 
 import attrs
 
-from mlxkv.actors.actor import Actor, ActorHandle, Ask, Intercept, Message, Tell
+from mlxkv.actors.actor import Actor, ActorHandle, Ask, Message, Tell
 from mlxkv.cache.block_hash import BlockHash
 from mlxkv.cache.errors import InvalidInput, OutOfBlocks
 from mlxkv.cache.paged import PagedCacheManager
@@ -98,6 +98,10 @@ class Grants:
         """The granted block ids, in order."""
         return tuple(grant.block_id for grant in self.grants)
 
+    def trace_fields(self) -> dict[str, int]:
+        """What the grant gave, for tracing."""
+        return {"granted": len(self.grants), "reused": self.num_reused, "evicted": len(self.evicted)}
+
 
 @attrs.frozen(kw_only=True)
 class Eviction:
@@ -110,6 +114,10 @@ class Eviction:
 
     num_evicted: int
     evicted: tuple[BlockHash, ...] = ()
+
+    def trace_fields(self) -> dict[str, int]:
+        """What was evicted, for tracing."""
+        return {"evicted": self.num_evicted}
 
 
 @attrs.frozen(kw_only=True)
@@ -149,6 +157,10 @@ class Acquire(Ask[Grants]):
 
     hashes: tuple[BlockHash, ...] = attrs.field(converter=tuple)
 
+    def trace_fields(self) -> dict[str, int]:
+        """How many blocks were asked for, for tracing."""
+        return {"asked": len(self.hashes)}
+
 
 @attrs.frozen(kw_only=True)
 class StoreBlocks(Ask[Grants]):
@@ -182,6 +194,10 @@ class Release(Tell):
     block_ids: tuple[BlockId, ...] = attrs.field(converter=tuple)
     reannounce: tuple[BlockHash, ...] = attrs.field(default=(), converter=tuple)
 
+    def trace_fields(self) -> dict[str, int]:
+        """How many references were given back, for tracing."""
+        return {"released": len(self.block_ids)}
+
 
 @attrs.frozen(kw_only=True)
 class Evict(Ask[Eviction]):
@@ -193,6 +209,8 @@ class Evict(Ask[Eviction]):
 @attrs.frozen(kw_only=True)
 class Statistics(Ask[AllocatorStatistics]):
     """Report :class:`AllocatorStatistics`."""
+
+    polled = True
 
 
 @attrs.frozen(kw_only=True)
@@ -213,6 +231,8 @@ class AllocatorReport:
 class CheckInvariants(Ask[AllocatorReport]):
     """Verify the pool; with ``expected_references`` also that every block's
     reference count equals the references listed there (block id -> count)."""
+
+    polled = True
 
     expected_references: Optional[Mapping[BlockId, int]] = None
 
@@ -240,24 +260,21 @@ class BlockAllocatorActor(Actor):
         *,
         block_size: int = 64,
         max_blocks: int = 1024,
-        mailbox_size: int = 64,
-        trace: bool = False,
-        intercept: Optional[Intercept] = None,
+        **options: Any,
     ) -> None:
         """Create the pool.
 
         Args:
             block_size: tokens per block.
             max_blocks: blocks in the pool, the null block included.
-            mailbox_size: see :class:`Actor`.
-            trace: see :class:`Actor`.
-            intercept: see :class:`Actor`.
+            **options: the :class:`Actor` options (``mailbox_size``, ``trace``,
+                ``trace_polls``, ``intercept``).
 
         Raises:
             InvalidInput: ``block_size`` or ``max_blocks`` is out of range.
         """
         self._cache = PagedCacheManager(block_size=block_size, max_blocks=max_blocks)
-        super().__init__(mailbox_size=mailbox_size, trace=trace, intercept=intercept)
+        super().__init__(**options)
         self._unannounced: dict[BlockHash, None] = {}
         self._num_stored = 0
         self._num_reused = 0

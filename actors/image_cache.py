@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import attrs
 
-from mlxkv.actors.actor import Actor, ActorHandle, Ask, Intercept, Message
+from mlxkv.actors.actor import Actor, ActorHandle, Ask, Message
 from mlxkv.cache.errors import InvalidInput
 from mlxkv.cache.mllm import MLLMPrefixCacheManager
 
@@ -88,10 +88,14 @@ class StoreImages(Ask[None]):
 class Statistics(Ask[ImageCacheStatistics]):
     """Report :class:`ImageCacheStatistics`."""
 
+    polled = True
+
 
 @attrs.frozen(kw_only=True)
 class CheckInvariants(Ask[tuple[str, ...]]):
     """Verify the cache; reply with the violations found."""
+
+    polled = True
 
 
 class ImageCacheActor(Actor):
@@ -112,18 +116,15 @@ class ImageCacheActor(Actor):
         *,
         max_entries: int = 50,
         max_bytes: int = 2 << 30,
-        mailbox_size: int = 64,
-        trace: bool = False,
-        intercept: Optional[Intercept] = None,
+        **options: Any,
     ) -> None:
         """Create an empty cache.
 
         Args:
             max_entries: the most entries kept.
             max_bytes: the most bytes of arrays kept.
-            mailbox_size: see :class:`Actor`.
-            trace: see :class:`Actor`.
-            intercept: see :class:`Actor`.
+            **options: the :class:`Actor` options (``mailbox_size``, ``trace``,
+                ``trace_polls``, ``intercept``).
 
         Raises:
             InvalidInput: a bound is not positive.
@@ -131,7 +132,7 @@ class ImageCacheActor(Actor):
         self._cache = MLLMPrefixCacheManager(
             max_entries=max_entries, max_memory_mb=max_bytes / (1 << 20)
         )
-        super().__init__(mailbox_size=mailbox_size, trace=trace, intercept=intercept)
+        super().__init__(**options)
 
     def handle(self, message: Message) -> Any:
         """Dispatch ``message`` to its handler.

@@ -28,7 +28,7 @@ from typing import Any, NewType, Optional
 import anyio
 import attrs
 
-from mlxkv.actors.actor import Actor, ActorHandle, Ask, Intercept, Message, Tell
+from mlxkv.actors.actor import Actor, ActorHandle, Ask, Message, Tell
 from mlxkv.actors.allocator import BlockGrant, BlockId
 from mlxkv.cache.block_hash import BlockHash, hash_block_chain
 from mlxkv.cache.errors import DuplicateRequest, InvalidInput, UnknownRequest
@@ -72,6 +72,10 @@ class PrefixMatch:
     hashes: tuple[BlockHash, ...]
     num_hinted: int
 
+    def trace_fields(self) -> dict[str, int]:
+        """The lookup's result, for tracing."""
+        return {"blocks": len(self.hashes), "hinted": self.num_hinted}
+
 
 @attrs.frozen(kw_only=True)
 class Extension:
@@ -88,6 +92,10 @@ class Extension:
     hashes: tuple[BlockHash, ...]
     tail: TokenIds
     tail_hashes: tuple[BlockHash, ...]
+
+    def trace_fields(self) -> dict[str, int]:
+        """The planned store, for tracing."""
+        return {"held": self.start, "new_blocks": len(self.hashes)}
 
 
 @attrs.frozen(kw_only=True)
@@ -224,15 +232,23 @@ class Forget(Tell):
 
     hashes: tuple[BlockHash, ...] = attrs.field(converter=tuple)
 
+    def trace_fields(self) -> dict[str, int]:
+        """How many hints were announced gone, for tracing."""
+        return {"forgotten": len(self.hashes)}
+
 
 @attrs.frozen(kw_only=True)
 class Statistics(Ask[PrefixIndexStatistics]):
     """Report :class:`PrefixIndexStatistics`."""
 
+    polled = True
+
 
 @attrs.frozen(kw_only=True)
 class CheckInvariants(Ask[IndexReport]):
     """Verify the tables; report the violations and the blocks they hold."""
+
+    polled = True
 
 
 @attrs.define(slots=True)
@@ -268,18 +284,15 @@ class PrefixIndexActor(Actor):
         *,
         block_size: int = 64,
         max_hints: int = 1 << 16,
-        mailbox_size: int = 64,
-        trace: bool = False,
-        intercept: Optional[Intercept] = None,
+        **options: Any,
     ) -> None:
         """Create an empty index.
 
         Args:
             block_size: tokens per block (the allocator's).
             max_hints: the most hints kept; the oldest go first beyond it.
-            mailbox_size: see :class:`Actor`.
-            trace: see :class:`Actor`.
-            intercept: see :class:`Actor`.
+            **options: the :class:`Actor` options (``mailbox_size``, ``trace``,
+                ``trace_polls``, ``intercept``).
 
         Raises:
             InvalidInput: ``block_size`` or ``max_hints`` is below 1.
@@ -287,7 +300,7 @@ class PrefixIndexActor(Actor):
         for argument, value in (("block_size", block_size), ("max_hints", max_hints)):
             if value.__class__ is not int or value < 1:
                 raise InvalidInput(argument, value, "must be an int >= 1")
-        super().__init__(mailbox_size=mailbox_size, trace=trace, intercept=intercept)
+        super().__init__(**options)
         self._block_size = block_size
         self._max_hints = max_hints
         self._hints: dict[BlockHash, None] = {}
@@ -333,6 +346,14 @@ class PrefixIndexActor(Actor):
         if isinstance(message, Begin):
             return Discard(request_id=message.request_id)
         return None
+
+    def outcome(self, message: Message, result: Any) -> dict[str, Any]:
+        """Trace fields; a record says what the table holds, a close what it gave back."""
+        if isinstance(message, Record):
+            return {"recorded": len(message.grants), "held": result}
+        if isinstance(message, Close):
+            return {"released": len(result)}
+        return super().outcome(message, result)
 
     # -- handlers ---------------------------------------------------------
 
