@@ -64,7 +64,6 @@ finish that job and stop.
 from __future__ import annotations
 
 import collections
-import secrets
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, TypeVar
@@ -79,12 +78,12 @@ from mlxkv.actors.actor import (
     ActorStatistics,
     Ask,
     Failure,
-    Intercept,
-    Message,
     Tell,
     _close_reply,
 )
+from mlxkv.actors.sampling import GREEDY, Sampling
 from mlxkv.actors.mlx_thread import MLXThread, MLXThreadStatistics, MLXThreadStopped
+from mlxkv.actors.model_source import ModelLoadError
 from mlxkv.cache import kv_state
 from mlxkv.cache.errors import CacheError, DuplicateRequest, InvalidInput, UnknownRequest
 from mlxkv.cache.kv_state import BlockPayload
@@ -136,60 +135,6 @@ class ComputeFailed(CacheError):
         )
 
 
-def _non_negative(name: str) -> Callable[[Any, Any, Any], None]:
-    def check(_instance: Any, _attribute: Any, value: Any) -> None:
-        if value < 0:
-            raise InvalidInput(name, value, "must be >= 0")
-
-    return check
-
-
-def _unit_interval(name: str) -> Callable[[Any, Any, Any], None]:
-    def check(_instance: Any, _attribute: Any, value: Any) -> None:
-        if not 0.0 <= value <= 1.0:
-            raise InvalidInput(name, value, "must be in [0, 1]")
-
-    return check
-
-
-@attrs.frozen(kw_only=True)
-class Sampling:
-    """How a request picks its next token (mlx-lm's ``make_sampler``).
-
-    Attributes:
-        temperature: 0 for greedy (argmax), else the softmax temperature.
-        top_p: nucleus sampling; off at 0 or 1.
-        top_k: keep the ``k`` most likely tokens; off at 0.
-        min_p: drop tokens below ``min_p`` times the top probability; off at 0.
-        seed: makes a sampling request reproducible: its ``n``-th token is
-            drawn from a generator seeded with ``(seed, n)``, whatever other
-            requests run in between.
-    """
-
-    temperature: float = attrs.field(default=0.0, validator=_non_negative("temperature"))
-    top_p: float = attrs.field(default=0.0, validator=_unit_interval("top_p"))
-    top_k: int = attrs.field(default=0, validator=_non_negative("top_k"))
-    min_p: float = attrs.field(default=0.0, validator=_unit_interval("min_p"))
-    seed: Optional[int] = None
-
-    @property
-    def greedy(self) -> bool:
-        """Whether the argmax is taken (no randomness at all)."""
-        return self.temperature == 0.0
-
-    def make_sampler(self) -> Callable[[Any], Any]:
-        """mlx-lm's sampler for these settings (built once per request)."""
-        from mlx_lm.sample_utils import make_sampler
-
-        return make_sampler(
-            temp=self.temperature, top_p=self.top_p, min_p=self.min_p, top_k=self.top_k
-        )
-
-
-#: Argmax sampling, the default.
-GREEDY = Sampling()
-
-
 @attrs.frozen(kw_only=True)
 class Step:
     """Reply to :class:`Prefill` and :class:`DecodeStep`.
@@ -223,6 +168,14 @@ class ModelInfo:
             reconstructable up to a block that carries a state snapshot,
             see :class:`Prefill` ``block_size``.
         prefill_chunk: tokens per prefill chunk.
+        max_context: the most tokens a request may hold (prompt and
+            answer): the config's ``max_position_embeddings``, or None if
+            it does not say.
+        kv_bytes_per_token: bytes of KV one token takes across the
+            sequence layers (attention keys and values).
+        state_bytes: bytes of one snapshot of every recurrent layer's state
+            (0 without recurrent layers); a block that ends where a snapshot
+            was taken carries one.
     """
 
     vocab_size: Optional[int]
@@ -230,14 +183,22 @@ class ModelInfo:
     cache_layers: tuple[str, ...]
     has_recurrent: bool
     prefill_chunk: int
+    max_context: Optional[int] = None
+    kv_bytes_per_token: int = 0
+    state_bytes: int = 0
+
+    def block_bytes(self, block_size: int) -> int:
+        """Bytes one stored block of ``block_size`` tokens takes, snapshot included."""
+        return block_size * self.kv_bytes_per_token + self.state_bytes
 
 
 @attrs.frozen(kw_only=True)
 class ComputeStatistics:
     """A snapshot of the compute actor.
 
+    The actor's base counters and mailbox are its :meth:`Actor.statistics`.
+
     Attributes:
-        actor: the base counters and mailbox.
         num_live: requests holding a cache (prefilling ones included).
         num_prefilling: requests whose prefill is unfinished.
         num_prefill_tokens: prompt tokens run through the model.
@@ -250,7 +211,6 @@ class ComputeStatistics:
         thread: the MLX thread's counters.
     """
 
-    actor: ActorStatistics
     num_live: int
     num_prefilling: int
     num_prefill_tokens: int
@@ -340,10 +300,14 @@ class NewDetokenizer(Ask[Any]):
 class Describe(Ask[ModelInfo]):
     """Report :class:`ModelInfo`."""
 
+    polled = True
+
 
 @attrs.frozen(kw_only=True)
 class Statistics(Ask[ComputeStatistics]):
     """Report :class:`ComputeStatistics`."""
+
+    polled = True
 
 
 # -- actor-owned state ------------------------------------------------------
@@ -361,7 +325,6 @@ class _Request:
         "cache",
         "num_tokens",
         "sampler",
-        "seed",
         "num_sampled",
         "snapshot",
         "prefill",
@@ -373,7 +336,6 @@ class _Request:
         self.cache: Optional[list[Any]] = None
         self.num_tokens = 0
         self.sampler = sampling.make_sampler()
-        self.seed = None if sampling.greedy else sampling.seed
         self.num_sampled = 0
         #: (position, per-layer recurrent state or None) taken during prefill.
         self.snapshot: Optional[tuple[int, tuple[Optional[tuple[Any, ...]], ...]]] = None
@@ -449,11 +411,6 @@ def plan_chunks(start: int, total: int, chunk: int, snapshot_at: Optional[int] =
     return ends
 
 
-def _mix_seed(seed: int, draw: int) -> int:
-    # Any fixed injective-enough mix will do; keep it in uint64.
-    return (seed * 0x9E3779B97F4A7C15 + draw * 0xBF58476D1CE4E5B9 + 1) % (1 << 64)
-
-
 def _layer_key(layer: Any) -> tuple[Any, ...]:
     return (type(layer).__name__, getattr(layer, "max_size", None), getattr(layer, "keep", None))
 
@@ -490,9 +447,7 @@ class ComputeActor(Actor):
         tokenizer: Any,
         *,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-        mailbox_size: int = 64,
-        trace: bool = False,
-        intercept: Optional[Intercept] = None,
+        **options: Any,
     ) -> None:
         """Take the model; nothing runs until :meth:`run`.
 
@@ -501,9 +456,8 @@ class ComputeActor(Actor):
                 weights evaluated.
             tokenizer: its mlx-lm ``TokenizerWrapper``.
             prefill_chunk: tokens per prefill chunk, > 0.
-            mailbox_size: see :class:`Actor`.
-            trace: see :class:`Actor`.
-            intercept: see :class:`Actor`.
+            **options: the :class:`Actor` options (``mailbox_size``, ``trace``,
+                ``trace_polls``, ``intercept``).
 
         Raises:
             InvalidInput: ``prefill_chunk`` is not a positive int.
@@ -511,10 +465,11 @@ class ComputeActor(Actor):
         """
         if not isinstance(prefill_chunk, int) or prefill_chunk <= 0:
             raise InvalidInput("prefill_chunk", prefill_chunk, "must be a positive int")
-        super().__init__(mailbox_size=mailbox_size, trace=trace, intercept=intercept)
+        super().__init__(**options)
         self._model = model
         self._tokenizer = tokenizer
         self._loader: Optional[Callable[[], tuple[Any, Any]]] = None
+        self._source: Optional[str] = None
         self._chunk = prefill_chunk
         self._thread = MLXThread(name="mlxkv-compute", log=self._log)
         self._info: Optional[ModelInfo] = None
@@ -537,7 +492,8 @@ class ComputeActor(Actor):
         Loading there matters for real models: arrays a model builds lazily
         at construction (rotary tables, say) belong to the loading thread's
         stream and could not be evaluated on another thread. A load error
-        is raised from :meth:`run` before it reports started.
+        is raised from :meth:`run` as :class:`ModelLoadError`, before it
+        reports started.
 
         Args:
             path: the model directory.
@@ -554,6 +510,7 @@ class ComputeActor(Actor):
             return load(str(path))
 
         actor._loader = load
+        actor._source = str(path)
         return actor
 
     @classmethod
@@ -584,7 +541,13 @@ class ComputeActor(Actor):
         try:
             self._thread.start()
             if self._loader is not None:
-                self._model, self._tokenizer = await self._thread.submit(self._loader)
+                try:
+                    self._model, self._tokenizer = await self._thread.submit(self._loader)
+                except Exception as error:
+                    if isinstance(error, (MLXThreadStopped, ModelLoadError)):
+                        raise
+                    reason = f"{type(error).__name__}: {error}"
+                    raise ModelLoadError(str(self._source), reason) from error
                 self._loader = None
             self._info, self._cold_layout = await self._thread.submit(self._describe_model)
             task_status.started()
@@ -698,20 +661,40 @@ class ComputeActor(Actor):
             raise ComputeFailed(request_id, error) from error
 
     def _describe_model(self) -> tuple[ModelInfo, tuple[tuple[Any, ...], ...]]:
-        """Runs on the MLX thread: the model's info and its cold cache layout."""
+        """Runs on the MLX thread: the model's info and its cold cache layout.
+
+        Bytes per token are measured, not computed from the config: one
+        token is run through a fresh cache and its buffers are sized.
+        """
+        import mlx.core as mx
         from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
         cold = make_prompt_cache(self._model)
+        layout = tuple(_layer_key(layer) for layer in cold)
+        self._model(mx.array([[0]]), cache=cold)
+        mx.eval([layer.state for layer in cold])
+        kv_bytes = state_bytes = 0
+        for layer in cold:
+            if isinstance(layer, ArraysCache):
+                state_bytes += sum(a.nbytes for a in layer.cache if a is not None)
+                continue
+            for group in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                arrays = group if isinstance(group, (tuple, list)) else (group,)
+                kv_bytes += sum(a.nbytes // a.shape[2] for a in arrays if a is not None)
         args = getattr(self._model, "args", None)
         eos = getattr(self._tokenizer, "eos_token_ids", None) or ()
+        max_context = getattr(args, "max_position_embeddings", None)
         info = ModelInfo(
             vocab_size=getattr(args, "vocab_size", None),
             eos_token_ids=frozenset(int(t) for t in eos),
             cache_layers=tuple(type(layer).__name__ for layer in cold),
             has_recurrent=any(isinstance(layer, ArraysCache) for layer in cold),
             prefill_chunk=self._chunk,
+            max_context=max_context if isinstance(max_context, int) and max_context > 0 else None,
+            kv_bytes_per_token=kv_bytes,
+            state_bytes=state_bytes,
         )
-        return info, tuple(_layer_key(layer) for layer in cold)
+        return info, layout
 
     def _new_cache(self, prefix: tuple[BlockPayload, ...], num_new: int) -> list[Any]:
         """Runs on the MLX thread: the request's cache, cold or rebuilt."""
@@ -769,13 +752,9 @@ class ComputeActor(Actor):
 
         logits = self._model(mx.array([[token]]), cache=cache)[0, -1]
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        if request.seed is not None:
-            mx.random.seed(_mix_seed(request.seed, draw))
-        sampled = request.sampler(logprobs[None])
+        sampler = request.sampler
+        sampled = mx.argmax(logprobs[None], axis=-1) if sampler is None else sampler(logprobs[None])
         mx.eval(sampled, logits, [layer.state for layer in cache])
-        if request.seed is not None:
-            # Leave no predictable generator behind for unseeded requests.
-            mx.random.seed(secrets.randbits(64))
         return Step(token=int(sampled.item()), logits=logits, num_tokens=num_tokens)
 
     def _slice(
@@ -976,7 +955,6 @@ class ComputeActor(Actor):
     def compute_statistics(self) -> ComputeStatistics:
         """A snapshot of the counters, the live requests and the thread."""
         return ComputeStatistics(
-            actor=self.statistics(),
             num_live=len(self._requests),
             num_prefilling=len(self._prefilling),
             num_prefill_tokens=self._num_prefill_tokens,
@@ -1079,9 +1057,13 @@ class ComputeHandle(ActorHandle):
         """
         await self._ref.tell_shielded(Drop(request_id=request_id))
 
-    async def encode(self, text: str, *, add_special_tokens: bool = True) -> tuple[int, ...]:
-        """See :class:`EncodeText`."""
-        return await self._ref.ask(EncodeText, text=text, add_special_tokens=add_special_tokens)
+    async def encode(
+        self, text: str, *, add_special_tokens: bool = True, request_id: Optional[str] = None
+    ) -> tuple[int, ...]:
+        """See :class:`EncodeText`; ``request_id`` only labels the trace."""
+        return await self._ref.ask(
+            EncodeText, text=text, add_special_tokens=add_special_tokens, request_id=request_id
+        )
 
     async def decode_text(self, tokens: Sequence[int]) -> str:
         """See :class:`DecodeText`.
@@ -1091,9 +1073,9 @@ class ComputeHandle(ActorHandle):
         """
         return await self._ref.ask(DecodeText, tokens=tuple(tokens))
 
-    async def new_detokenizer(self) -> Any:
-        """See :class:`NewDetokenizer`."""
-        return await self._ref.ask(NewDetokenizer)
+    async def new_detokenizer(self, *, request_id: Optional[str] = None) -> Any:
+        """See :class:`NewDetokenizer`; ``request_id`` only labels the trace."""
+        return await self._ref.ask(NewDetokenizer, request_id=request_id)
 
     async def describe(self) -> ModelInfo:
         """See :class:`Describe`."""

@@ -35,8 +35,8 @@ def check_token_ids(
         The ids as ``array('I')``.
 
     Raises:
-        InvalidInput: a str/bytes, a non-int or out-of-range id, or an empty
-            sequence where one is not allowed.
+        InvalidInput: a str/bytes, a bool, a non-int or out-of-range id, or
+            an empty sequence where one is not allowed.
     """
     if tokens.__class__ is array and tokens.typecode == "I":
         ids = tokens
@@ -47,6 +47,9 @@ def check_token_ids(
             ids = array("I", tokens)
         except (TypeError, OverflowError, ValueError):
             raise InvalidInput(argument, tokens, "must be ints in [0, 2**32)") from None
+        # array('I') takes True and False as 1 and 0; a list of flags is a bug.
+        if bool in set(map(type, tokens)):
+            raise InvalidInput(argument, tokens, "must be ints, not bools")
     if not ids and not allow_empty:
         raise InvalidInput(argument, tokens, "must hold at least one token")
     if vocab_size is not None and ids and max(ids) >= vocab_size:

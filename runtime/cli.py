@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import functools
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from typing import Optional
@@ -24,7 +25,7 @@ from typing import Optional
 import anyio
 import attrs
 
-from mlxkv.cache.errors import InvalidInput
+from mlxkv.cache.errors import CacheError, InvalidInput
 
 __all__ = ["main"]
 
@@ -57,8 +58,34 @@ def _stress_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="shorthand: --cancel-rate 0.1 --error-rate 0.02 --max-blocks 48",
     )
-    parser.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    _backend_option(parser)
+    _json_option(parser)
+
+
+def _backend_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--backend",
+        choices=("asyncio", "trio"),
+        default="asyncio",
+        help="the anyio event loop to run on (asyncio)",
+    )
+
+
+def _json_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--json", metavar="FILE", help="also write the report as JSON to FILE ('-' for stdout)"
+    )
+
+
+def _write_json(target: Optional[str], data: object) -> None:
+    if target is None:
+        return
+    text = json.dumps(data, indent=2) + "\n"
+    if target == "-":
+        sys.stdout.write(text)
+    else:
+        with open(target, "w") as out:
+            out.write(text)
 
 
 def _stress(args: argparse.Namespace) -> int:
@@ -85,10 +112,9 @@ def _stress(args: argparse.Namespace) -> int:
         print(f"mlxkv stress: {error}", file=sys.stderr)
         return 2
     report = anyio.run(run_stress, config, backend=config.backend)
-    if args.json:
-        print(json.dumps(attrs.asdict(report, recurse=True), indent=2))
-    else:
+    if args.json != "-":
         print(report.format())
+    _write_json(args.json, attrs.asdict(report, recurse=True))
     return 0 if report.ok else 1
 
 
@@ -114,9 +140,14 @@ def _run_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--user-tokens", type=int, default=48, help="tokens per user turn (48)")
     parser.add_argument("--block-size", type=int, default=64, help="tokens per block (64)")
     parser.add_argument("--max-blocks", type=int, default=1024, help="blocks in the pool (1024)")
+    parser.add_argument(
+        "--kv-memory",
+        metavar="SIZE",
+        help="size the KV pool in bytes instead, e.g. 256MiB or 2GB (overrides --max-blocks)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seeds the texts (0)")
-    parser.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
-    parser.add_argument("--json", metavar="FILE", help="also write the report as JSON to FILE")
+    _backend_option(parser)
+    _json_option(parser)
     parser.add_argument(
         "--trace", metavar="FILE", help="write the structured events as JSON lines to FILE"
     )
@@ -125,7 +156,8 @@ def _run_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from mlxkv.default_model import DEFAULT_MODEL, ensure_model
-    from mlxkv.workload import Progress, WorkloadConfig, run_workload
+    from mlxkv.progress import Progress, print_table
+    from mlxkv.workload import WorkloadConfig, run_workload
 
     try:
         model = args.model if args.model else str(ensure_model(DEFAULT_MODEL))
@@ -140,6 +172,7 @@ def _run(args: argparse.Namespace) -> int:
             user_tokens=args.user_tokens,
             block_size=args.block_size,
             max_blocks=args.max_blocks,
+            kv_memory=args.kv_memory,
             seed=args.seed,
             trace=args.trace is not None,
         )
@@ -154,22 +187,23 @@ def _run(args: argparse.Namespace) -> int:
         progress = None if args.quiet else Progress(config.requests)
         if progress is not None:
             stack.callback(progress.close)
-        report = anyio.run(
-            functools.partial(
-                run_workload, config, on_done=None if progress is None else progress.advance
-            ),
-            backend=args.backend,
-        )
-    print(report.format())
-    if args.json is not None:
-        with open(args.json, "w") as out:
-            json.dump(attrs.asdict(report), out, indent=2)
-            out.write("\n")
+        try:
+            report = anyio.run(
+                functools.partial(run_workload, config, progress=progress), backend=args.backend
+            )
+        except CacheError as error:  # a model that does not load, a budget too small
+            if progress is not None:
+                progress.close()
+            print(f"mlxkv run: {error}", file=sys.stderr)
+            return 2
+    if args.json != "-":
+        print_table(report.rows())
+    _write_json(args.json, attrs.asdict(report))
     return 0 if report.requests == config.requests else 1
 
 
 def _bench_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
+    subparsers.add_parser(
         "bench",
         help="time to first token of a mostly cached 2k prompt vs cold, ideal and vllm-mlx",
         description="Runs scripts/bench_e2e.py from a source checkout; arguments after"
@@ -197,6 +231,20 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _show_warnings() -> None:
+    """Route the library's warnings and errors to standard error (the CLI is an
+    application: it may show them; the library alone prints nothing). Idempotent."""
+    logger = logging.getLogger("mlxkv")
+    if _STDERR_HANDLER not in logger.handlers:
+        logger.addHandler(_STDERR_HANDLER)
+    if logger.level == logging.NOTSET or logger.level > logging.WARNING:
+        logger.setLevel(logging.WARNING)
+
+
+_STDERR_HANDLER = logging.StreamHandler(sys.stderr)
+_STDERR_HANDLER.setFormatter(logging.Formatter("mlxkv: %(levelname)s %(message)s"))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the ``mlxkv`` command line.
 
@@ -206,7 +254,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     Returns:
         The exit status: 0 on success, 1 when a check failed, 2 on bad usage.
     """
+    from mlxkv import __version__
+
     parser = argparse.ArgumentParser(prog="mlxkv", description="KV-cache runtime for MLX.")
+    parser.add_argument("--version", action="version", version=f"mlxkv {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _run_parser(subparsers)
     _bench_parser(subparsers)
@@ -216,6 +267,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if extra and args.command != "bench":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.args = extra
+    _show_warnings()
     if args.command == "run":
         return _run(args)
     if args.command == "bench":

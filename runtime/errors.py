@@ -8,6 +8,13 @@ The cache layer's errors are re-exported here, next to the runtime's own:
 - :class:`UnknownRequest` -- the request id holds nothing here.
 - :class:`DuplicateRequest` -- the request id is already active.
 - :class:`DoubleFree` -- a block was released by someone holding no reference.
+- :class:`ModelLoadError` -- the model given to the runtime cannot be loaded;
+  names the path and what is wrong (raised by ``async with``, before any
+  actor runs).
+- :class:`ComputeFailed` -- a model call of this request raised (the
+  request fails; others go on).
+- :class:`NotReconstructable` -- cached KV that cannot be rebuilt exactly
+  (the cache layer's; generation falls back to computing it).
 - :class:`ActorFailed` -- an actor stopped while a call waited on it (the
   runtime reports it as :class:`RuntimeClosed`, with this as ``__cause__``).
 - :class:`RuntimeClosed` -- the runtime is not running: not entered yet,
@@ -20,6 +27,9 @@ from __future__ import annotations
 from typing import Optional
 
 from mlxkv.actors.actor import ActorFailed
+from mlxkv.actors.compute import ComputeFailed
+from mlxkv.actors.model_source import ModelLoadError
+from mlxkv.cache.kv_state import NotReconstructable
 from mlxkv.cache.errors import (
     CacheError,
     DoubleFree,
@@ -32,9 +42,12 @@ from mlxkv.cache.errors import (
 __all__ = [
     "ActorFailed",
     "CacheError",
+    "ComputeFailed",
     "DoubleFree",
     "DuplicateRequest",
     "InvalidInput",
+    "ModelLoadError",
+    "NotReconstructable",
     "OutOfBlocks",
     "RuntimeClosed",
     "UnknownRequest",

@@ -186,7 +186,8 @@ def make_request(
 
     Raises:
         InvalidInput: an empty or out-of-vocabulary prompt, ``max_tokens``
-            below 1, or a bad request id.
+            below 1, a token-id prompt that with ``max_tokens`` exceeds the
+            model's context, or a bad request id.
     """
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise InvalidInput("max_tokens", max_tokens, "must be an int >= 1")
@@ -206,6 +207,7 @@ def make_request(
                 prompt, argument="prompt", vocab_size=info.vocab_size, allow_empty=False
             )
         )
+        _check_context(len(checked), max_tokens, info)
     return GenerationRequest(
         request_id=request_id,
         prompt=checked,
@@ -249,12 +251,13 @@ async def run_generation(
     try:
         with runtime._call():
             if isinstance(request.prompt, str):
-                prompt = await compute.encode(request.prompt)
+                prompt = await compute.encode(request.prompt, request_id=request_id)
                 if not prompt:
                     raise InvalidInput("prompt", request.prompt, "encodes to no tokens")
+                _check_context(len(prompt), request.max_tokens, info)
             else:
                 prompt = request.prompt
-            detokenizer = await compute.new_detokenizer()
+            detokenizer = await compute.new_detokenizer(request_id=request_id)
             # The last prompt token stays out of the lookup: it must be
             # computed to give the logits the first token is sampled from.
             fetch = await runtime.fetch(
@@ -349,6 +352,22 @@ async def run_generation(
                     pass  # the compute actor is gone, and every cache with it
             if fetched:
                 await runtime._abandon(request_id)
+
+
+def _check_context(num_prompt: int, max_tokens: int, info: ModelInfo) -> None:
+    """Refuse a request that could outgrow the model's context.
+
+    Raises:
+        InvalidInput: prompt plus ``max_tokens`` exceeds ``info.max_context``.
+    """
+    limit = info.max_context
+    if limit is not None and num_prompt + max_tokens > limit:
+        raise InvalidInput(
+            "max_tokens",
+            max_tokens,
+            f"the prompt's {num_prompt} tokens plus {max_tokens} new ones exceed the"
+            f" model's context of {limit} tokens",
+        )
 
 
 def _warn_unstored(runtime: CacheRuntime, request_id: str, error: BaseException) -> None:

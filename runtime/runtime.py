@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from array import array
 from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
@@ -32,7 +31,7 @@ import anyio
 import attrs
 from anyio.abc import TaskGroup, TaskStatus
 
-from mlxkv.actors.actor import Actor, ActorFailed, ActorStatistics, Intercept
+from mlxkv.actors.actor import Actor, ActorFailed, ActorRef, ActorStatistics, Intercept
 from mlxkv.actors.allocator import (
     AllocatorStatistics,
     BlockAllocatorActor,
@@ -48,6 +47,7 @@ from mlxkv.actors.compute import (
     ModelInfo,
     Sampling,
 )
+from mlxkv.actors.model_source import check_model_source
 from mlxkv.actors.image_cache import (
     ImageCacheActor,
     ImageCacheHandle,
@@ -64,6 +64,7 @@ from mlxkv.cache.errors import CacheError, InvalidInput, UnknownRequest
 from mlxkv.cache.mllm import images_digest
 from mlxkv.cache.token_ids import check_token_ids
 from mlxkv.errors import RuntimeClosed
+from mlxkv.units import format_bytes, parse_bytes
 from mlxkv.generation import Generation, make_request, run_generation
 
 if sys.version_info < (3, 11):  # pragma: no cover
@@ -72,6 +73,7 @@ if sys.version_info < (3, 11):  # pragma: no cover
 __all__ = [
     "CacheRuntime",
     "FetchResult",
+    "KVMemoryStatistics",
     "RequestHandle",
     "RuntimeConfig",
     "RuntimeStatistics",
@@ -102,6 +104,10 @@ def _model_path(value: Any) -> Optional[str]:
     return value
 
 
+def _byte_budget(value: Any) -> Optional[int]:
+    return None if value is None else parse_bytes(value, argument="kv_memory")
+
+
 @attrs.frozen(kw_only=True)
 class RuntimeConfig:
     """Everything a :class:`CacheRuntime` is built from; change with ``attrs.evolve``.
@@ -115,12 +121,20 @@ class RuntimeConfig:
             embeddings); the KV block pool is bounded by ``max_blocks``.
         trace: emit one ``message.handled`` event per message handled
             (and one ``generation.finished`` per generation).
-        model: an mlx-lm model directory, loaded by a compute actor so that
+        trace_polls: with ``trace``, also trace the messages that callers
+            poll (statistics, invariant checks); off by default.
+        model: an mlx-lm model directory (or a Hugging Face repo id, where
+            the machine can download), loaded by a compute actor so that
             :meth:`CacheRuntime.generate` works; None (the default) runs the
             cache without a model.
+        kv_memory: bytes the KV block pool may hold (an int or a size such as
+            ``"2GiB"``, see :func:`~mlxkv.units.parse_bytes`). With it, the
+            pool holds as many blocks as fit, sized from the loaded model's
+            KV bytes per token, and ``max_blocks`` is ignored; it needs a
+            model.
 
     Raises:
-        InvalidInput: a field is out of range.
+        InvalidInput: a field is out of range, or ``kv_memory`` without a model.
     """
 
     block_size: int = attrs.field(default=64, validator=_int_at_least(1))
@@ -129,7 +143,13 @@ class RuntimeConfig:
     image_cache_entries: int = attrs.field(default=50, validator=_int_at_least(1))
     memory_budget: int = attrs.field(default=2 << 30, validator=_int_at_least(1))
     trace: bool = attrs.field(default=False, validator=_is_bool)
+    trace_polls: bool = attrs.field(default=False, validator=_is_bool)
     model: Optional[str] = attrs.field(default=None, converter=_model_path)
+    kv_memory: Optional[int] = attrs.field(default=None, converter=_byte_budget)
+
+    def __attrs_post_init__(self) -> None:
+        if self.kv_memory is not None and self.model is None:
+            raise InvalidInput("kv_memory", self.kv_memory, "sizes the pool from a model: pass model=PATH")
 
 
 @attrs.frozen(kw_only=True)
@@ -181,17 +201,40 @@ class StoreResult:
 
 
 @attrs.frozen(kw_only=True)
+class KVMemoryStatistics:
+    """The KV block pool in bytes (known once a model is loaded).
+
+    Attributes:
+        block_bytes: bytes one block takes on this model.
+        pool_bytes: bytes the whole pool can hold (usable blocks x block bytes).
+        cached_bytes: bytes of the blocks that hold cached KV now.
+        referenced_bytes: bytes of the blocks requests hold now.
+        budget: the ``kv_memory`` the pool was sized from, or None if it was
+            sized by ``max_blocks``.
+    """
+
+    block_bytes: int
+    pool_bytes: int
+    cached_bytes: int
+    referenced_bytes: int
+    budget: Optional[int]
+
+
+@attrs.frozen(kw_only=True)
 class RuntimeStatistics:
     """A snapshot of every actor (each consistent; together, approximately).
+
+    ``str()`` gives a readable summary (:meth:`format`).
 
     Attributes:
         allocator: the block pool.
         index: hints, request tables, hits.
         images: the image cache.
-        actors: each actor's counters and mailbox.
+        actors: each actor's counters and mailbox, once per actor.
         num_calls: calls made to the runtime so far.
         num_in_flight: calls in progress, this one excluded.
         compute: the compute actor, or None without a model.
+        memory: the pool in bytes, or None without a model.
     """
 
     allocator: AllocatorStatistics
@@ -201,6 +244,68 @@ class RuntimeStatistics:
     num_calls: int
     num_in_flight: int
     compute: Optional[ComputeStatistics] = None
+    memory: Optional[KVMemoryStatistics] = None
+
+    def format(self) -> str:
+        """A few aligned lines a person can read."""
+        pool, index, images = self.allocator, self.index, self.images
+        rows = [
+            (
+                "blocks",
+                f"{pool.num_blocks} x {pool.block_size} tokens: {pool.num_referenced} held,"
+                f" {pool.num_cached} cached, {pool.num_free} free",
+            ),
+            (
+                "block traffic",
+                f"{pool.num_stored} stored, {pool.num_reused} reused, {pool.num_hits} hit,"
+                f" {pool.num_evictions} evicted",
+            ),
+            (
+                "lookups",
+                f"{index.num_lookups} ({index.num_hits} hits, {index.num_misses} misses),"
+                f" {index.num_active_requests} requests open",
+            ),
+            (
+                "images",
+                f"{images.num_entries} entries, {format_bytes(images.num_bytes)},"
+                f" {images.num_hits} hits, {images.num_misses} misses",
+            ),
+        ]
+        if self.memory is not None:
+            memory = self.memory
+            budget = "" if memory.budget is None else f" (budget {format_bytes(memory.budget)})"
+            rows.append(
+                (
+                    "KV memory",
+                    f"{format_bytes(memory.cached_bytes)} cached of"
+                    f" {format_bytes(memory.pool_bytes)}{budget},"
+                    f" {format_bytes(memory.block_bytes)} per block",
+                )
+            )
+        if self.compute is not None:
+            compute = self.compute
+            rows.append(
+                (
+                    "compute",
+                    f"{compute.num_prefill_tokens} tokens prefilled, {compute.num_cached_tokens}"
+                    f" reused, {compute.num_decode_steps} decode steps, {compute.num_live} live",
+                )
+            )
+        rows.append(
+            (
+                "mailboxes",
+                ", ".join(
+                    f"{actor.name} {actor.mailbox.current_buffer_used}/{actor.mailbox.max_buffer_size}"
+                    for actor in self.actors
+                ),
+            )
+        )
+        rows.append(("calls", f"{self.num_calls} made, {self.num_in_flight} in flight"))
+        width = max(len(name) for name, _ in rows)
+        return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+    def __str__(self) -> str:
+        return self.format()
 
 
 _NO_GRANTS = Grants()
@@ -270,7 +375,11 @@ class CacheRuntime:
         self._in_flight = 0
         self._num_calls = 0
         self._compute: Optional[ComputeHandle] = None
+        self._allocator: Optional[BlockAllocatorHandle] = None
+        self._images: Optional[ImageCacheHandle] = None
+        self._index: Optional[PrefixIndexHandle] = None
         self._model_info: Optional[ModelInfo] = None
+        self._num_blocks = self.config.max_blocks
 
     # -- lifecycle --------------------------------------------------------
 
@@ -280,62 +389,62 @@ class CacheRuntime:
         if self._state is not _NEW:
             raise RuntimeClosed(self._state)
         config = self.config
-        common = dict(
-            mailbox_size=config.mailbox_size, trace=config.trace, intercept=self._intercept
+        # Checked before anything starts: a bad path is one typed error.
+        source = None if config.model is None else check_model_source(config.model)
+        options = dict(
+            mailbox_size=config.mailbox_size,
+            trace=config.trace,
+            trace_polls=config.trace_polls,
+            intercept=self._intercept,
         )
-        # Start order; they are closed in the reverse order.
-        makers = (
-            lambda: BlockAllocatorActor(
-                block_size=config.block_size, max_blocks=config.max_blocks, **common
-            ),
-            lambda: ImageCacheActor(
-                max_entries=config.image_cache_entries, max_bytes=config.memory_budget, **common
-            ),
-            lambda: PrefixIndexActor(
-                block_size=config.block_size, max_hints=4 * config.max_blocks + 1024, **common
-            ),
-        )
-        if config.model is not None:
-            # Last: it loads the model as it starts, so a bad model fails
-            # the start after the cheap actors are up, and it closes first.
-            makers += (lambda: ComputeActor.loading(config.model, **common),)
-        made: list[Actor] = []
-        try:
-            for make in makers:
-                made.append(make())
-        except BaseException:
-            for actor in made:
-                actor.discard()
-            raise
-        allocator, images, index = made[:3]
-        self._actors = tuple(made)
-        self._stopped = tuple(anyio.Event() for _ in self._actors)
         self._drained = anyio.Event()
-        self._allocator = BlockAllocatorHandle(allocator.ref())
-        self._images = ImageCacheHandle(images.ref())
-        self._index = PrefixIndexHandle(index.ref())
-        if len(made) > 3:
-            self._compute = ComputeHandle(made[3].ref())
-        for actor in self._actors:
-            actor.close()  # from now on the handles' refs are the only senders
         task_group = self._task_group = anyio.create_task_group()
         await task_group.__aenter__()
-        started = 0
         try:
-            for actor, stopped in zip(self._actors, self._stopped):
-                await task_group.start(self._run_actor, actor, stopped)
-                started += 1
-            if self._compute is not None:
+            if source is not None:
+                # First: the pool is sized from the loaded model's bytes per token.
+                compute = ComputeActor.loading(source.path, **options)
+                self._compute = ComputeHandle(await self._start_actor(compute))
                 self._model_info = await self._compute.describe()
-        except BaseException:
+            self._num_blocks = _pool_size(config, self._model_info)
+            allocator = BlockAllocatorActor(
+                block_size=config.block_size, max_blocks=self._num_blocks, **options
+            )
+            self._allocator = BlockAllocatorHandle(await self._start_actor(allocator))
+            images = ImageCacheActor(
+                max_entries=config.image_cache_entries, max_bytes=config.memory_budget, **options
+            )
+            self._images = ImageCacheHandle(await self._start_actor(images))
+            index = PrefixIndexActor(
+                block_size=config.block_size, max_hints=4 * self._num_blocks + 1024, **options
+            )
+            self._index = PrefixIndexHandle(await self._start_actor(index))
+        except BaseException as error:
             self._close_handles()
-            for actor in self._actors[started + 1 :]:
-                actor.discard()
             self._state = _CLOSED
-            if not await task_group.__aexit__(*sys.exc_info()):
-                raise
+            await self._exit_task_group(type(error), error, error.__traceback__)
+            raise
         self._state = _RUNNING
         return self
+
+    async def _start_actor(self, actor: Actor) -> ActorRef:
+        """Start ``actor`` in the task group; its ref becomes its only sender.
+
+        Raises:
+            Exception: what the actor raised before it reported started
+                (a model that does not load: :class:`ModelLoadError`).
+        """
+        ref = actor.ref()
+        actor.close()
+        stopped = anyio.Event()
+        try:
+            await self._task_group.start(self._run_actor, actor, stopped)  # type: ignore[union-attr]
+        except BaseException:
+            ref.close()
+            raise
+        self._actors += (actor,)
+        self._stopped += (stopped,)
+        return ref
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         if self._state is _RUNNING:
@@ -400,11 +509,9 @@ class CacheRuntime:
 
     def _close_handles(self) -> None:
         """Close every actor's mailbox, downstream last; idempotent."""
-        if self._compute is not None:
-            self._compute.close()
-        self._index.close()
-        self._images.close()
-        self._allocator.close()
+        for handle in (self._compute, self._index, self._images, self._allocator):
+            if handle is not None:
+                handle.close()
 
     @property
     def closed(self) -> bool:
@@ -671,6 +778,16 @@ class CacheRuntime:
             index = await self._index.statistics()
             images = await self._images.statistics()
             compute = None if self._compute is None else await self._compute.statistics()
+            memory = None
+            if self._model_info is not None:
+                block_bytes = self._model_info.block_bytes(self.config.block_size)
+                memory = KVMemoryStatistics(
+                    block_bytes=block_bytes,
+                    pool_bytes=allocator.num_blocks * block_bytes,
+                    cached_bytes=allocator.num_cached * block_bytes,
+                    referenced_bytes=allocator.num_referenced * block_bytes,
+                    budget=self.config.kv_memory,
+                )
             return RuntimeStatistics(
                 allocator=allocator,
                 index=index,
@@ -679,6 +796,7 @@ class CacheRuntime:
                 num_calls=self._num_calls,
                 num_in_flight=self._in_flight - 1,
                 compute=compute,
+                memory=memory,
             )
 
     async def check_invariants(self) -> bool:
@@ -905,6 +1023,28 @@ class RequestHandle:
     async def fork(self, request_id: str) -> FetchResult:
         """:meth:`CacheRuntime.fork` of this request into ``request_id``."""
         return await self._runtime.fork(self.request_id, request_id)
+
+
+def _pool_size(config: RuntimeConfig, info: Optional[ModelInfo]) -> int:
+    """Blocks in the pool, the null block included: ``max_blocks``, or as many as
+    ``kv_memory`` holds on the loaded model.
+
+    Raises:
+        InvalidInput: ``kv_memory`` holds not even one block.
+    """
+    if config.kv_memory is None:
+        return config.max_blocks
+    assert info is not None, "kv_memory is checked to come with a model"
+    block_bytes = info.block_bytes(config.block_size)
+    blocks = config.kv_memory // block_bytes
+    if blocks < 1:
+        raise InvalidInput(
+            "kv_memory",
+            config.kv_memory,
+            f"holds no block: a block of {config.block_size} tokens takes"
+            f" {format_bytes(block_bytes)} on this model",
+        )
+    return blocks + 1
 
 
 def _tail_first(block_ids: tuple[BlockId, ...]) -> tuple[BlockId, ...]:

@@ -109,13 +109,16 @@ class OperationStatistics:
 
     Attributes:
         kind: ``fetch``, ``store``, ``fork`` or ``release``.
-        count: operations of this kind.
+        count: operations of this kind issued.
+        completed: of those, operations that returned (not cancelled,
+            refused or failed).
         p50_ms: median latency.
         p99_ms: 99th-percentile latency.
     """
 
     kind: str
     count: int
+    completed: int
     p50_ms: float
     p99_ms: float
 
@@ -129,7 +132,7 @@ class StressReport:
         operations: operations issued.
         seconds: wall time of the workload.
         per_kind: latency per operation kind.
-        fetches: fetch calls that completed.
+        fetches: fetch calls that completed (the fetch row's ``completed``).
         hits: of those, fetches that got at least one cached block.
         hit_tokens: cached tokens those fetches got.
         evictions: cached blocks evicted by the allocator.
@@ -172,13 +175,15 @@ class StressReport:
             f" ({rate:,.0f} ops/s), {c.clients} clients, backend {c.backend}",
             f"  pool {c.max_blocks} blocks of {c.block_size} tokens;"
             f" faults: cancel {c.cancel_rate:.0%}, errors {c.error_rate:.0%}",
-            f"  {'operation':<10}{'count':>8}{'p50 ms':>10}{'p99 ms':>10}",
+            f"  {'operation':<10}{'issued':>8}{'completed':>11}{'p50 ms':>10}{'p99 ms':>10}",
         ]
         for row in self.per_kind:
-            lines.append(f"  {row.kind:<10}{row.count:>8}{row.p50_ms:>10.3f}{row.p99_ms:>10.3f}")
+            lines.append(
+                f"  {row.kind:<10}{row.count:>8}{row.completed:>11}{row.p50_ms:>10.3f}{row.p99_ms:>10.3f}"
+            )
         share = self.hits / self.fetches if self.fetches else 0.0
         lines += [
-            f"  hits: {self.hits}/{self.fetches} fetches ({share:.1%}),"
+            f"  hits: {self.hits} of {self.fetches} completed fetches ({share:.1%}),"
             f" {self.hit_tokens} cached tokens",
             f"  evictions: {self.evictions}  cancellations: {self.cancellations}"
             f"  injected errors: {self.injected_errors}  out of blocks: {self.out_of_blocks}",
@@ -199,6 +204,7 @@ class _Held:
 @attrs.define
 class _Tally:
     latencies: dict[str, list[float]] = attrs.field(factory=lambda: {k: [] for k in _KINDS})
+    completed: dict[str, int] = attrs.field(factory=lambda: {k: 0 for k in _KINDS})
     fetches: int = 0
     hits: int = 0
     hit_tokens: int = 0
@@ -264,6 +270,7 @@ class _Client:
             started = time.perf_counter()
             try:
                 await getattr(self, "_" + kind)()
+                self._tally.completed[kind] += 1
             except InjectedFault:
                 self._tally.injected_errors += 1
             except OutOfBlocks:
@@ -403,6 +410,7 @@ async def run_stress(config: StressConfig) -> StressReport:
             OperationStatistics(
                 kind=kind,
                 count=len(samples),
+                completed=tally.completed[kind],
                 p50_ms=_quantile(samples, 0.5) * 1e3,
                 p99_ms=_quantile(samples, 0.99) * 1e3,
             )

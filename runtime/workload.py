@@ -16,19 +16,19 @@ from __future__ import annotations
 
 import math
 import random
-import sys
 import time
-from collections.abc import Callable
-from typing import Any, Optional, TextIO
+from typing import Any, Optional
 
 import anyio
 import attrs
 
 from mlxkv.cache.errors import InvalidInput
 from mlxkv.generation import GenerationReport
+from mlxkv.progress import Progress
 from mlxkv.runtime import CacheRuntime, RuntimeConfig
+from mlxkv.units import format_bytes, parse_bytes
 
-__all__ = ["Progress", "WorkloadConfig", "WorkloadReport", "run_workload"]
+__all__ = ["WorkloadConfig", "WorkloadReport", "run_workload"]
 
 _WORDS = (
     "cache block prefix token model answer question system user assistant memory "
@@ -60,7 +60,8 @@ class WorkloadConfig:
         prompt_tokens: tokens in each system prompt.
         user_tokens: tokens in each user message.
         block_size: tokens per KV block.
-        max_blocks: blocks in the pool.
+        max_blocks: blocks in the pool (unless ``kv_memory`` is given).
+        kv_memory: bytes the KV pool may hold (sizes the pool from the model).
         seed: seeds the texts (decoding is greedy).
         trace: emit the runtime's structured events.
     """
@@ -75,6 +76,9 @@ class WorkloadConfig:
     user_tokens: int = attrs.field(default=48, validator=_at_least(1))
     block_size: int = attrs.field(default=64, validator=_at_least(1))
     max_blocks: int = attrs.field(default=1024, validator=_at_least(2))
+    kv_memory: Optional[int] = attrs.field(
+        default=None, converter=lambda v: None if v is None else parse_bytes(v, argument="kv_memory")
+    )
     seed: int = 0
     trace: bool = False
 
@@ -103,6 +107,9 @@ class WorkloadReport:
         blocks_cached: blocks cached at the end.
         peak_blocks_cached: most blocks cached at once (sampled).
         block_bytes: bytes of KV in one block.
+        pool_blocks: usable blocks in the pool.
+        pool_bytes: ``pool_blocks * block_bytes``.
+        kv_memory: the byte budget the pool was sized from, or None.
         peak_kv_bytes: ``peak_blocks_cached * block_bytes``.
         peak_mlx_memory_bytes: MLX's peak memory in the process (weights,
             live caches and blocks).
@@ -128,17 +135,20 @@ class WorkloadReport:
     blocks_cached: int
     peak_blocks_cached: int
     block_bytes: int
+    pool_blocks: int
+    pool_bytes: int
+    kv_memory: Optional[int]
     peak_kv_bytes: int
     peak_mlx_memory_bytes: int
     wall_seconds: float
 
-    def format(self) -> str:
-        """The report as aligned text lines."""
+    def rows(self) -> list[tuple[str, str]]:
+        """The report as ``(name, value)`` rows, in reading order."""
 
         def ms(value: Optional[float]) -> str:
             return "-" if value is None else f"{value:.1f} ms"
 
-        rows = [
+        return [
             ("model", self.model),
             ("requests", f"{self.requests} ({self.cold_requests} cold, {self.warm_requests} warm)"),
             ("prompt tokens", f"{self.prompt_tokens}"),
@@ -154,19 +164,24 @@ class WorkloadReport:
                 f" {self.blocks_cached} cached at the end",
             ),
             (
-                "peak KV memory",
-                f"{_mib(self.peak_kv_bytes)} ({self.peak_blocks_cached} blocks"
-                f" x {self.block_bytes} B)",
+                "KV pool",
+                f"{self.pool_blocks} blocks x {format_bytes(self.block_bytes)}"
+                f" = {format_bytes(self.pool_bytes)}"
+                + ("" if self.kv_memory is None else f" (kv_memory {format_bytes(self.kv_memory)})"),
             ),
-            ("peak MLX memory", _mib(self.peak_mlx_memory_bytes)),
+            (
+                "peak KV memory",
+                f"{format_bytes(self.peak_kv_bytes)} ({self.peak_blocks_cached} blocks cached)",
+            ),
+            ("peak MLX memory", format_bytes(self.peak_mlx_memory_bytes)),
             ("wall time", f"{self.wall_seconds:.2f} s"),
         ]
+
+    def format(self) -> str:
+        """The report as aligned text lines."""
+        rows = self.rows()
         width = max(len(name) for name, _ in rows)
         return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
 
 
 def _percentile(values: list[float], q: float) -> Optional[float]:
@@ -175,62 +190,6 @@ def _percentile(values: list[float], q: float) -> Optional[float]:
         return None
     ordered = sorted(values)
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
-
-
-class Progress:
-    """A progress line on a stream: a redrawn bar on a terminal, else periodic lines.
-
-    Owns: the counters it shows and when it last printed.
-
-    Invariants:
-        - ``done <= total``; it prints nothing after :meth:`close`.
-    """
-
-    def __init__(self, total: int, stream: TextIO = sys.stderr, *, every: float = 2.0) -> None:
-        self.total = total
-        self.done = 0
-        self.reused = 0
-        self.prompt = 0
-        self._stream = stream
-        self._tty = bool(getattr(stream, "isatty", lambda: False)())
-        self._every = every
-        self._started = time.perf_counter()
-        self._printed = -math.inf
-        self._closed = False
-
-    def advance(self, report: GenerationReport) -> None:
-        """Count one finished request and redraw."""
-        self.done += 1
-        self.reused += report.cached_tokens
-        self.prompt += report.prompt_tokens
-        self._show(final=self.done == self.total)
-
-    def close(self) -> None:
-        """End the progress display."""
-        if not self._closed and self._tty:
-            self._stream.write("\n")
-            self._stream.flush()
-        self._closed = True
-
-    def _show(self, *, final: bool) -> None:
-        if self._closed:
-            return
-        now = time.perf_counter()
-        elapsed = now - self._started
-        share = self.reused / self.prompt * 100 if self.prompt else 0.0
-        status = (
-            f"{self.done}/{self.total} requests, {share:.0f}% prompt tokens reused,"
-            f" {elapsed:.1f} s"
-        )
-        if self._tty:
-            width = 30
-            filled = width * self.done // max(self.total, 1)
-            self._stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {status}")
-            self._stream.flush()
-        elif final or now - self._printed >= self._every:
-            self._printed = now
-            self._stream.write(f"mlxkv run: {status}\n")
-            self._stream.flush()
 
 
 def _text(rng: random.Random, words: int) -> str:
@@ -245,14 +204,13 @@ async def _cut(rt: CacheRuntime, text: str, n: int, rng: random.Random) -> list[
     return tokens[:n]
 
 
-async def run_workload(
-    config: WorkloadConfig, *, on_done: Optional[Callable[[GenerationReport], None]] = None
-) -> WorkloadReport:
+async def run_workload(config: WorkloadConfig, *, progress: Optional[Progress] = None) -> WorkloadReport:
     """Run the workload on a fresh :class:`CacheRuntime` and report.
 
     Args:
         config: the workload.
-        on_done: called with each request's report as it finishes (progress).
+        progress: updated as requests finish, on the workload's own clock
+            (so its last line and the report agree on the wall time).
 
     Returns:
         The report.
@@ -264,6 +222,7 @@ async def run_workload(
         model=config.model,
         block_size=config.block_size,
         max_blocks=config.max_blocks,
+        kv_memory=config.kv_memory,
         trace=config.trace,
     )
     reports: list[GenerationReport] = []
@@ -305,8 +264,8 @@ async def run_workload(
                         async for record in stream:
                             if isinstance(record, GenerationReport):
                                 reports.append(record)
-                                if on_done is not None:
-                                    on_done(record)
+                                if progress is not None:
+                                    _show(progress, reports, time.perf_counter() - started)
                             else:
                                 answer.append(record.token)
                 history = prompt + answer
@@ -329,6 +288,8 @@ async def run_workload(
                     tg.start_soon(conversation, index)
             finished.set()
         wall = time.perf_counter() - started
+        if progress is not None:
+            _show(progress, reports, round(wall, 3), final=True)
         stats = await rt.stats()
     peak_cached = max(peak_cached, stats.allocator.num_cached)
 
@@ -337,8 +298,9 @@ async def run_workload(
     prompt_tokens = sum(r.prompt_tokens for r in reports)
     reused = sum(r.cached_tokens for r in reports)
     generated = sum(r.generated_tokens for r in reports)
-    stored = sum(r.stored_blocks for r in reports)
-    block_bytes = sum(r.stored_bytes for r in reports) // stored if stored else 0
+    memory = stats.memory
+    assert memory is not None, "a runtime with a model reports its memory"
+    block_bytes = memory.block_bytes
     rates = [r.decode_tokens_per_second for r in reports if r.generated_tokens > 1]
     return WorkloadReport(
         model=config.model,
@@ -360,10 +322,22 @@ async def run_workload(
         blocks_cached=stats.allocator.num_cached,
         peak_blocks_cached=peak_cached,
         block_bytes=block_bytes,
+        pool_blocks=stats.allocator.num_blocks,
+        pool_bytes=memory.pool_bytes,
+        kv_memory=config.kv_memory,
         peak_kv_bytes=peak_cached * block_bytes,
         peak_mlx_memory_bytes=int(mx.get_peak_memory()),
         wall_seconds=round(wall, 3),
     )
+
+
+def _show(
+    progress: Progress, reports: list[GenerationReport], elapsed: float, *, final: bool = False
+) -> None:
+    prompt = sum(r.prompt_tokens for r in reports)
+    share = 100 * sum(r.cached_tokens for r in reports) / prompt if prompt else 0.0
+    status = f"requests, {share:.0f}% prompt tokens reused"
+    (progress.finish if final else progress.update)(len(reports), status, elapsed)
 
 
 def _round(value: Optional[float]) -> Optional[float]:

@@ -27,9 +27,11 @@ class TestCheckTokenIds:
         """NumPy integer ids convert like Python ints."""
         assert list(check_token_ids(np.array([5, 6], dtype=np.int64))) == [5, 6]
 
-    @pytest.mark.parametrize("bad", ["abc", b"ab", [1.5], [-1], [2**32], [None]])
+    @pytest.mark.parametrize(
+        "bad", ["abc", b"ab", [1.5], [-1], [2**32], [None], [True, False], (1, True), np.array([True])]
+    )
     def test_bad_ids_rejected(self, bad):
-        """Strings, bytes, non-ints and out-of-range ids are InvalidInput."""
+        """Strings, bytes, bools, non-ints and out-of-range ids are InvalidInput."""
         with pytest.raises(InvalidInput):
             check_token_ids(bad)
 

@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxkv import CacheRuntime, DuplicateRequest, InvalidInput, RuntimeClosed
+from mlxkv import CacheRuntime, DuplicateRequest, InvalidInput, ModelLoadError, RuntimeClosed
 from mlxkv.default_model import TINY_HYBRID, TINY_LLAMA, TINY_SLIDING_LLAMA, ensure_model
 from mlxkv.generation import GeneratedToken, GenerationReport
 
@@ -308,8 +308,18 @@ class TestBadInput:
             ("hi", {"max_tokens": 0}),
             ("hi", {"max_tokens": True}),
             ("hi", {"temperature": -1.0}),
+            ("hi", {"temperature": float("nan")}),
+            ("hi", {"temperature": float("inf")}),
+            ("hi", {"temperature": "0.5"}),
             ("hi", {"top_p": 2.0}),
+            ("hi", {"top_p": float("nan")}),
+            ("hi", {"min_p": float("nan")}),
+            ("hi", {"top_k": 2.5}),
+            ("hi", {"top_k": True}),
+            ("hi", {"seed": 1.5}),
             ("hi", {"request_id": ""}),
+            ([True, False], {}),
+            ([1, 2, 3], {"max_tokens": 32_766}),  # 3 + 32766 > the model's 32768
         ],
     )
     async def test_rejected(self, llama, prompt, kwargs):
@@ -329,8 +339,16 @@ class TestBadInput:
                 await rt.tokenize("hi")
 
     async def test_bad_model_path_fails_the_start(self, tmp_path):
-        """A model directory that does not load fails ``async with`` loudly."""
-        with pytest.raises(Exception) as caught:
+        """A model directory that does not load fails ``async with`` with ModelLoadError."""
+        with pytest.raises(ModelLoadError):
             async with CacheRuntime(model=str(tmp_path / "missing"), block_size=BS):
                 pass
-        assert not isinstance(caught.value, RuntimeClosed)
+
+    async def test_a_text_prompt_longer_than_the_context(self, llama):
+        """A text prompt that, tokenized, leaves no room for max_tokens is refused
+        before anything is cached."""
+        async with CacheRuntime(model=llama, block_size=BS) as rt:
+            with pytest.raises(InvalidInput, match="context of 32768"):
+                await run(rt, "hello there", max_tokens=32_760)
+            await assert_clean(rt)
+            assert (await rt.stats()).index.num_lookups == 0

@@ -13,31 +13,14 @@ import pytest
 
 from mlxkv.cli import main
 from mlxkv.default_model import DEFAULT_MODEL, ensure_model
-from mlxkv.generation import GenerationReport
-from mlxkv.workload import Progress, WorkloadReport
+from mlxkv.progress import Progress
+from mlxkv.workload import WorkloadReport
 
 SMALL = [
     "--requests", "6", "--system-prompts", "2", "--turns", "2", "--concurrency", "2",
     "--max-tokens", "4", "--prompt-tokens", "80", "--user-tokens", "12",
     "--block-size", "16", "--max-blocks", "64",
 ]  # fmt: skip
-
-
-def _report(prompt_tokens: int, cached_tokens: int) -> GenerationReport:
-    return GenerationReport(
-        request_id="r",
-        prompt_tokens=prompt_tokens,
-        cached_tokens=cached_tokens,
-        generated_tokens=1,
-        finish_reason="length",
-        tokens=(1,),
-        text="x",
-        time_to_first_token=0.01,
-        decode_tokens_per_second=0.0,
-        total_time=0.01,
-        stored_blocks=0,
-        stored_bytes=0,
-    )
 
 
 class TestRunCommand:
@@ -63,6 +46,8 @@ class TestRunCommand:
         assert report["blocks_stored"] > 0 and report["peak_kv_bytes"] > 0
         assert "tokens reused" in done.stdout and "TTFT warm" in done.stdout
         assert "6/6 requests" in done.stderr  # the progress lines (stderr is not a TTY)
+        last = done.stderr.strip().splitlines()[-1]
+        assert last.endswith(f"{report['wall_seconds']:.1f} s")  # the same clock as the report
         events = [json.loads(line) for line in trace_file.read_text().splitlines()]
         names = {event["event"] for event in events}
         assert {"message.handled", "generation.finished"} <= names
@@ -79,20 +64,20 @@ class TestProgress:
     """The progress display."""
 
     def test_periodic_lines_without_a_terminal(self):
-        """Not a TTY: plain lines, the last one at completion."""
+        """Not a TTY: plain lines at most every few seconds, the last one at completion."""
         out = io.StringIO()
         progress = Progress(3, out, every=3600)
-        for cached in (0, 50, 100):
-            progress.advance(_report(100, cached))
-        progress.close()
-        lines = out.getvalue().splitlines()
-        assert lines == [
-            lines[0],
-            lines[-1],
-        ] and lines[-1].startswith("mlxkv run: 3/3 requests, 50% prompt tokens reused")
+        for done, elapsed in ((1, 0.5), (2, 1.0), (3, 1.2)):
+            progress.update(done, f"{done} ok", elapsed)
+        progress.finish(3, "done", 1.25)
+        progress.update(3, "after close", 2.0)
+        assert out.getvalue().splitlines() == [
+            "mlxkv run: 1/3 1 ok, 0.5 s",
+            "mlxkv run: 3/3 done, 1.2 s",
+        ]
 
-    def test_redrawn_bar_on_a_terminal(self):
-        """A TTY gets one line redrawn with a carriage return and ended at close."""
+    def test_a_rich_bar_on_a_terminal(self):
+        """A terminal gets rich's bar, with the count and the status."""
 
         class Terminal(io.StringIO):
             def isatty(self) -> bool:
@@ -100,9 +85,29 @@ class TestProgress:
 
         out = Terminal()
         progress = Progress(2, out)
-        progress.advance(_report(10, 0))
-        progress.advance(_report(10, 10))
-        progress.close()
+        progress.update(1, "half", 0.1)
+        progress.finish(2, "all", 0.2)
         text = out.getvalue()
-        assert text.count("\r") == 2 and text.endswith("\n")
-        assert "[" + "#" * 30 + "] 2/2 requests" in text
+        assert "2/2" in text and "all, 0.2 s" in text and "━" in text
+
+
+class TestVersion:
+    def test_version_matches_the_package(self, capsys: pytest.CaptureFixture[str]):
+        """``mlxkv --version`` prints the version pyproject.toml declares."""
+        import mlxkv
+
+        tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+        declared = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+        assert mlxkv.__version__ == declared["project"]["version"]
+        with pytest.raises(SystemExit) as done:
+            main(["--version"])
+        assert done.value.code == 0
+        assert capsys.readouterr().out.strip() == f"mlxkv {mlxkv.__version__}"
+
+    def test_backend_has_help(self, capsys: pytest.CaptureFixture[str]):
+        """Every subcommand's --backend option says what it does."""
+        for command in ("run", "stress"):
+            with pytest.raises(SystemExit):
+                main([command, "--help"])
+            assert "event loop" in capsys.readouterr().out

@@ -50,11 +50,23 @@ class TestCommandLine:
         out = capsys.readouterr().out
         assert "ops/s" in out and "p99 ms" in out and "violations: none" in out
 
-    def test_stress_json(self, capsys):
-        """``--json`` prints the report as JSON."""
-        assert main(["stress", "--operations", "200", "--clients", "2", "--json"]) == 0
-        report = json.loads(capsys.readouterr().out)
+    def test_stress_json(self, capsys, tmp_path):
+        """``--json FILE`` writes the report as JSON beside the summary, as ``run`` does;
+        ``--json -`` prints only the JSON."""
+        target = tmp_path / "stress.json"
+        assert main(["stress", "--operations", "200", "--clients", "2", "--json", str(target)]) == 0
+        assert "ops/s" in capsys.readouterr().out
+        report = json.loads(target.read_text())
         assert report["operations"] == 200 and report["violations"] == []
+        assert main(["stress", "--operations", "200", "--clients", "2", "--json", "-"]) == 0
+        assert json.loads(capsys.readouterr().out)["operations"] == 200
+
+    def test_fetch_counts_agree(self, capsys):
+        """The fetch row's completed count is the hit line's denominator."""
+        assert main(["stress", "--operations", "400", "--clients", "4", "--faults", "--json", "-"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        fetch = next(row for row in report["per_kind"] if row["kind"] == "fetch")
+        assert fetch["completed"] == report["fetches"] <= fetch["count"]
 
     def test_violation_exits_non_zero(self, capsys, monkeypatch):
         """A violated invariant makes the command exit 1 and name it."""
