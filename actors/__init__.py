@@ -2,9 +2,10 @@
 
 One actor per owned piece of state: :class:`BlockAllocatorActor` (blocks,
 references, payloads), :class:`PrefixIndexActor` (hash chains, hints,
-request tables), :class:`ImageCacheActor` (vision embeddings) and
-:class:`ComputeActor` (the model, its tokenizer and the live request caches,
-on one MLX thread). Each module
+in-flight claims, request tables), :class:`ImageCacheActor` (vision
+embeddings) and :class:`ComputeActor` (a scheduler over a
+:class:`ModelRunner`: the live requests, their prefill queue and decode
+batch, on one MLX thread). Each module
 holds its actor, its messages and a typed handle; :mod:`mlxkv.actors.actor`
 holds the base.
 """
@@ -17,15 +18,11 @@ from mlxkv.actors.allocator import (
     BlockGrant,
     BlockId,
 )
-from mlxkv.actors.compute import (
-    ComputeActor,
-    ComputeFailed,
-    ComputeHandle,
-    ComputeStatistics,
-    ModelInfo,
-    Sampling,
-    Step,
-)
+from mlxkv.actors.compute import ComputeActor, ComputeFailed, ComputeHandle, ComputeStatistics
+from mlxkv.actors.decode_batch import DecodeBatch
+from mlxkv.actors.model_runner import ModelInfo, ModelRunner, TextRunner
+from mlxkv.actors.sampling import Sampling
+from mlxkv.actors.sequence import Sequence
 from mlxkv.actors.image_cache import (
     ImageCacheActor,
     ImageCacheHandle,
@@ -54,16 +51,19 @@ __all__ = [
     "ComputeFailed",
     "ComputeHandle",
     "ComputeStatistics",
+    "DecodeBatch",
     "ImageCacheActor",
     "ImageCacheHandle",
     "ImageCacheStatistics",
     "ImageEntry",
     "ModelInfo",
+    "ModelRunner",
     "PrefixIndexActor",
     "PrefixIndexHandle",
     "PrefixIndexStatistics",
     "RequestId",
     "Sampling",
-    "Step",
+    "Sequence",
     "Tell",
+    "TextRunner",
 ]

@@ -401,8 +401,14 @@ class Actor:
 
 
 def _close_reply(message: Message) -> None:
+    """Close whatever the sender of ``message`` waits on: an Ask's reply
+    stream, or the streams a Tell carries (``close_streams()``)."""
     if isinstance(message, Ask):
         message.reply.close()
+    else:
+        close = getattr(message, "close_streams", None)
+        if close is not None:
+            close()
 
 
 class ActorRef:

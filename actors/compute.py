@@ -1,121 +1,115 @@
-"""The compute actor: the model, its tokenizer, and the live KV caches of requests.
+"""The compute actor: a scheduler over a model runner, on one MLX thread.
 
-:class:`ComputeActor` is the only actor that evaluates MLX. It owns one
-:class:`~mlxkv.actors.mlx_thread.MLXThread` and every job it hands that thread
-builds *and* evaluates its graphs there, so only evaluated arrays reach the
-event loop (and, through replies, other actors).
+:class:`ComputeActor` owns the model (through a
+:class:`~mlxkv.actors.model_runner.ModelRunner`), the MLX thread, and the
+compute state of every live request (:class:`~mlxkv.actors.sequence.Sequence`).
+It decides what runs next and hands each job to the runner on its MLX thread;
+every MLX graph is built and evaluated there, and only evaluated arrays leave.
 
 Messages (each :class:`~mlxkv.actors.actor.Ask` answers with the noun after
 the arrow):
 
-- :class:`Prefill` -> :class:`Step`: start a request. Its cache is rebuilt
-  from the cached prefix's :class:`~mlxkv.cache.kv_state.BlockPayload`\\ s (with
-  room for the suffix) or made cold with the model's own ``make_cache``; the
-  uncached suffix is run in chunks; the reply carries the first sampled token
-  and the logits of the last prompt token.
-- :class:`DecodeStep` -> :class:`Step`: feed one token, sample the next.
-- :class:`DetachBlocks` -> ``tuple[BlockPayload, ...]``: evaluated, owned
-  copies of the KV of full blocks ``[start, stop)``, ready to store; later
-  generation never changes them.
-- :class:`Drop` (no reply): forget a request's live cache.
-- :class:`EncodeText` / :class:`DecodeText`: the tokenizer, for convenience.
-- :class:`NewDetokenizer` -> a fresh streaming detokenizer, owned by the
-  caller from then on (text of a generation, token by token, without a
-  message per token).
-- :class:`Describe` -> :class:`ModelInfo`, :class:`Statistics` ->
-  :class:`ComputeStatistics`.
+- :class:`Generate` (no reply of its own): start a request. Its events --
+  :class:`Published` (payloads of full blocks, as soon as the prefill chunk
+  that computed them is evaluated), :class:`Prefilled`, one :class:`Token`
+  per token, then :class:`Finished` or :class:`Failed` -- go to the event
+  stream the caller passes, sized so that the actor never waits on it.
+- :class:`Cancel` (no reply): stop a request; a request whose event stream
+  nobody reads any more is cancelled the same way.
+- :class:`EncodeText` / :class:`DecodeText` / :class:`NewDetokenizer`: the
+  tokenizer; :class:`Describe` -> :class:`ModelInfo`; :class:`Statistics`
+  -> :class:`ComputeStatistics`.
 
-Fairness. The model runs one request at a time (batch size 1): caches stay
-plain mlx-lm objects that :mod:`mlxkv.cache.kv_state` slices and rebuilds
-exactly, and a cached request computes only its own suffix. Work is cut into
-units -- one message, or one prefill chunk of at most ``prefill_chunk``
-tokens -- and scheduled in rounds. While no prefill is unfinished the actor
-handles its mailbox in FIFO order. Otherwise each round handles the messages
-that were waiting when the round began, in FIFO order (a new prefill runs its
-first chunk as it is handled), then one more chunk of the oldest unfinished
-prefill. A generating request has at most one :class:`DecodeStep` in flight,
-so every active request gets exactly one decode step per round: decode steps
-of concurrent requests interleave round-robin; a long prefill delays another
-request's next token by at most one of its chunks (plus the first chunk of
-each prefill that arrived in the same round); and prefills finish in the
-order they started. Batching decode steps would need mlx-lm's padded batch caches,
-which the block slicer cannot rebuild exactly; on a CPU-bound backend it
-would also buy little.
+Scheduling. The model runs one job at a time. A request's prompt is computed
+in prefill chunks of at most ``prefill_chunk`` tokens (a model with
+recurrent layers also ends a chunk at every block end, to snapshot its
+state there), from a cache rebuilt out of its cached prefix; then the
+request joins the decode batch, where every decoding request advances one
+token per model call (continuous batching) until it finishes, is cancelled
+or fails; others join and leave between steps without stopping the rest.
+Work runs in rounds: the messages waiting when a round begins (a new request
+is only queued), one decode step for the whole batch, the first chunk of
+every request that arrived in this round, and one chunk of the oldest
+unfinished prefill. So a decode step waits for at most one chunk plus the
+first chunks of the requests that arrived since the previous step; a prefill
+gets a chunk every round, and prefills finish in arrival order (shortest
+first among those that fit one chunk). A request waiting for another's
+prefix (see :mod:`mlxkv.generation`) is not here at all until that prefix is
+published, so it delays nobody.
 
-Failures. A domain error (bad input, unknown request, payloads that cannot be
-rebuilt) is answered as a value and changes nothing. An exception raised while
-evaluating a request's model call is answered as :class:`ComputeFailed`: a
-failed :class:`Prefill` leaves nothing behind; a request whose decode step
-failed is *poisoned* (its cache may be half written) -- every later
-:class:`DecodeStep` or :class:`DetachBlocks` for it answers the same error --
-until it is dropped. Other requests are unaffected. If the MLX thread itself
-dies, or a handler has a bug, the actor crashes loudly: every pending caller
-gets :class:`~mlxkv.actors.actor.ActorFailed`.
+Failures. A domain error (bad input) is answered as :class:`Failed` and
+changes nothing. A prefill whose model call raises fails that request only
+(:class:`ComputeFailed`); a decode step that raises fails the rows of that
+model call (they shared it), not the requests prefilling or decoding
+elsewhere; a row whose own sampler raises leaves the batch alone. If the MLX
+thread dies or a handler has a bug, the actor crashes loudly: every waiting
+caller gets :class:`~mlxkv.actors.actor.ActorFailed` and every request's
+event stream is closed.
 
-Cancellation. A caller cancelled while its message is queued or computing
-gets its cancellation at once; the actor finishes the job and, finding the
-reply undeliverable, undoes it (a prefill's cache is dropped). An unfinished
-prefill whose caller is gone is abandoned before its next chunk. If the actor
-itself is cancelled mid-job, the job's result is handed to the thread's
-orphan callback, and the actor's shutdown waits (shielded) for the thread to
-finish that job and stop.
+Cancellation. Stopping a request drops it from the prefill queue or makes it
+leave the batch before the next step; its cache is freed. A job that is
+running finishes first (MLX evaluation cannot be interrupted). If the actor
+itself is cancelled, it closes every event stream and its shutdown waits,
+shielded, for the MLX thread to finish the running job and stop.
 """
 
 from __future__ import annotations
 
 import collections
-import time
-from collections.abc import Callable, Sequence
-from typing import Any, Optional, TypeVar
+import traceback
+from collections.abc import Callable, Sequence as Seq
+from typing import Any, Literal, Optional, TypeVar
 
 import anyio
 import attrs
 from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectSendStream
 
 from mlxkv.actors.actor import (
     Actor,
     ActorHandle,
-    ActorStatistics,
     Ask,
-    Failure,
+    Message,
     Tell,
-    _close_reply,
 )
-from mlxkv.actors.sampling import GREEDY, Sampling
+from mlxkv.actors.decode_batch import DecodeBatch, Emitted, SampleFailed
 from mlxkv.actors.mlx_thread import MLXThread, MLXThreadStatistics, MLXThreadStopped
+from mlxkv.actors.model_runner import ModelInfo, ModelRunner, TextRunner
 from mlxkv.actors.model_source import ModelLoadError
+from mlxkv.actors.sampling import GREEDY, Sampling
+from mlxkv.actors.sequence import Phase, Sequence, plan_chunks
 from mlxkv.cache import kv_state
-from mlxkv.cache.errors import CacheError, DuplicateRequest, InvalidInput, UnknownRequest
+from mlxkv.cache.errors import CacheError, InvalidInput
 from mlxkv.cache.kv_state import BlockPayload
 from mlxkv.cache.token_ids import check_token_ids
 
 __all__ = [
     "DEFAULT_PREFILL_CHUNK",
-    "GREEDY",
+    "Cancel",
     "ComputeActor",
     "ComputeFailed",
     "ComputeHandle",
     "ComputeStatistics",
-    "DecodeStep",
     "DecodeText",
     "Describe",
-    "DetachBlocks",
-    "Drop",
     "EncodeText",
-    "ModelInfo",
+    "Event",
+    "Failed",
+    "Finished",
+    "Generate",
     "NewDetokenizer",
-    "Prefill",
-    "Sampling",
+    "Prefilled",
+    "Published",
     "Statistics",
-    "Step",
-    "plan_chunks",
+    "Token",
+    "events_needed",
 ]
 
 T = TypeVar("T")
 
 #: Tokens per prefill chunk: 30-150 ms of the default model on a 2-core CPU
-#: (more as the context grows), so other requests' decode steps wait about
-#: that long at most; smaller chunks made a 2k prefill no faster here.
+#: (more as the context grows), so a decode step waits about that long at
+#: most; smaller chunks made a 2k prefill no faster here.
 DEFAULT_PREFILL_CHUNK = 256
 
 
@@ -135,145 +129,183 @@ class ComputeFailed(CacheError):
         )
 
 
+# -- events: what a request's stream carries ---------------------------------
+
+
 @attrs.frozen(kw_only=True)
-class Step:
-    """Reply to :class:`Prefill` and :class:`DecodeStep`.
+class Published:
+    """Full blocks ``[start, start + len(payloads))`` of the request, computed.
 
     Attributes:
-        token: the sampled next token (not yet in the cache: feed it back with
-            :class:`DecodeStep`).
-        logits: the logits it was sampled from, an evaluated MLX array of
-            shape ``(vocab_size,)``, readable on any thread.
-        num_tokens: tokens now in the request's cache.
-        num_cached: tokens taken from prefix payloads (prefill only, else 0).
+        start: index of the first block.
+        payloads: their KV, owned and evaluated; each block of a model with
+            recurrent layers carries the state snapshot at its end.
+    """
+
+    start: int
+    payloads: tuple[BlockPayload, ...] = attrs.field(eq=False, repr=lambda p: f"<{len(p)} blocks>")
+
+
+@attrs.frozen(kw_only=True)
+class Prefilled:
+    """The prompt is computed; sent just before the first :class:`Token`.
+
+    Attributes:
+        num_cached: prompt tokens taken from the cached prefix.
+        cold_fallback: the prefix could not be rebuilt, so the whole prompt
+            was computed.
+        logits: the logits of the last prompt position (the first token is
+            sampled from them), evaluated, ``(vocab,)``.
+    """
+
+    num_cached: int
+    cold_fallback: bool = False
+    logits: Any = attrs.field(default=None, eq=False, repr=False)
+
+
+@attrs.frozen(kw_only=True)
+class Token:
+    """One generated token.
+
+    Attributes:
+        token: the token id.
+        logprobs: its step's log-probabilities ``(vocab,)`` when the request
+            asked to keep them (``keep_logits``), else None.
     """
 
     token: int
-    logits: Any = attrs.field(eq=False, repr=False)
-    num_tokens: int
-    num_cached: int = 0
+    logprobs: Any = attrs.field(default=None, eq=False, repr=False)
 
 
 @attrs.frozen(kw_only=True)
-class ModelInfo:
-    """What callers need to know about the model.
+class Finished:
+    """The request is done.
 
     Attributes:
-        vocab_size: token ids are in ``[0, vocab_size)`` (``None`` if the
-            model does not say).
-        eos_token_ids: tokens that end a generation.
-        cache_layers: class names of the model's cache layers, in order.
-        has_recurrent: whether some layer keeps recurrent state
-            (``ArraysCache``); such a model's stored chain is only
-            reconstructable up to a block that carries a state snapshot,
-            see :class:`Prefill` ``block_size``.
-        prefill_chunk: tokens per prefill chunk.
-        max_context: the most tokens a request may hold (prompt and
-            answer): the config's ``max_position_embeddings``, or None if
-            it does not say.
-        kv_bytes_per_token: bytes of KV one token takes across the
-            sequence layers (attention keys and values).
-        state_bytes: bytes of one snapshot of every recurrent layer's state
-            (0 without recurrent layers); a block that ends where a snapshot
-            was taken carries one.
+        reason: ``"stop"`` (a stop token, not emitted) or ``"length"``.
+        num_stored: tokens whose KV the published blocks cover in all.
     """
 
-    vocab_size: Optional[int]
-    eos_token_ids: frozenset[int]
-    cache_layers: tuple[str, ...]
-    has_recurrent: bool
-    prefill_chunk: int
-    max_context: Optional[int] = None
-    kv_bytes_per_token: int = 0
-    state_bytes: int = 0
+    reason: Literal["stop", "length"]
+    num_stored: int = 0
 
-    def block_bytes(self, block_size: int) -> int:
-        """Bytes one stored block of ``block_size`` tokens takes, snapshot included."""
-        return block_size * self.kv_bytes_per_token + self.state_bytes
+
+@attrs.frozen(kw_only=True)
+class Failed:
+    """The request failed; nothing more follows.
+
+    Attributes:
+        error: why (:class:`ComputeFailed`, :class:`InvalidInput`...).
+    """
+
+    error: CacheError
+
+
+#: What a request's event stream carries.
+Event = Published | Prefilled | Token | Finished | Failed
+
+
+def events_needed(num_prompt: int, max_tokens: int, block_size: int, chunk: int) -> int:
+    """How many events a request can receive at most: size its stream so.
+
+    One per prefill job (a published batch of blocks each), the prefilled
+    mark, one per token, the answer's blocks, and the end.
+    """
+    jobs = -(-num_prompt // min(chunk, block_size)) + 1
+    return jobs + max_tokens + 3
 
 
 @attrs.frozen(kw_only=True)
 class ComputeStatistics:
-    """A snapshot of the compute actor.
-
-    The actor's base counters and mailbox are its :meth:`Actor.statistics`.
+    """A snapshot of the compute actor (its base counters: :meth:`Actor.statistics`).
 
     Attributes:
-        num_live: requests holding a cache (prefilling ones included).
-        num_prefilling: requests whose prefill is unfinished.
+        num_live: requests queued, prefilling or decoding.
+        num_prefilling: requests with an unfinished prefill (queued ones too).
+        num_decoding: requests in the decode batch.
         num_prefill_tokens: prompt tokens run through the model.
-        num_cached_tokens: prompt tokens taken from prefix payloads instead.
+        num_cached_tokens: prompt tokens rebuilt from cached blocks instead.
         num_prefill_chunks: prefill jobs run.
-        num_decode_steps: decode steps run.
-        num_detached_blocks: block payloads handed out by DetachBlocks.
-        num_model_errors: model calls that raised (answered as ComputeFailed).
-        num_abandoned: prefills stopped early because their caller had gone.
+        num_decode_steps: decode model calls.
+        num_decode_rows: request-steps those calls served (their sum of
+            batch sizes).
+        num_batched: whether the model decodes requests together (else
+            every request decodes at batch size one).
+        num_published_blocks: block payloads handed out.
+        num_cold_fallbacks: prefixes that could not be rebuilt (the prompt
+            was computed in full instead).
+        num_unpublishable: requests whose KV could not be sliced into
+            blocks exactly (not cached; a wrapped sliding window, say).
+        num_model_errors: model calls that raised.
+        num_cancelled: requests stopped before they finished.
         thread: the MLX thread's counters.
     """
 
     num_live: int
     num_prefilling: int
+    num_decoding: int
     num_prefill_tokens: int
     num_cached_tokens: int
     num_prefill_chunks: int
     num_decode_steps: int
-    num_detached_blocks: int
+    num_decode_rows: int
+    num_batched: bool
+    num_published_blocks: int
+    num_cold_fallbacks: int
+    num_unpublishable: int
     num_model_errors: int
-    num_abandoned: int
+    num_cancelled: int
     thread: MLXThreadStatistics
 
+    @property
+    def mean_batch_size(self) -> float:
+        """Requests served per decode model call, on average (0 before any)."""
+        return self.num_decode_rows / self.num_decode_steps if self.num_decode_steps else 0.0
 
-# -- messages -------------------------------------------------------------
+
+# -- messages ---------------------------------------------------------------
 
 
 @attrs.frozen(kw_only=True)
-class Prefill(Ask[Step]):
-    """Start ``request_id``: rebuild its prefix, run the suffix, sample a token.
+class Generate(Tell):
+    """Start ``request_id``: rebuild its prefix, prefill the rest, decode.
 
     Attributes:
-        tokens: the uncached suffix; at least one token (keep the prompt's
-            last token out of the prefix so that it yields logits).
-        prefix: payloads of the cached blocks ``0..n-1``, in order; empty for
-            a cold start. Must fit the model's cache layout.
-        sampling: how tokens are sampled for this request.
-        block_size: for a model with recurrent layers, also split the prefill
-            at the prompt's last full-block boundary and keep a snapshot of
-            the recurrent state there, so that :class:`DetachBlocks` can make
-            that block the reconstructable end of a stored chain. Ignored by
-            pure-attention models.
+        prompt: the whole prompt's token ids (at least one).
+        prefix: payloads of the cached blocks ``0..n-1`` to rebuild, in
+            order; empty for a cold start. They must leave at least the
+            last prompt token to compute.
+        sampling: how tokens are sampled.
+        max_tokens: the most tokens to generate, >= 1.
+        stop_tokens: tokens that end the generation (not emitted); the
+            model's end-of-sequence tokens if None.
+        block_size: tokens per block of the payloads it publishes.
+        keep_logits: attach each token's log-probabilities to its event.
+        events: where the request's events go; its buffer must hold
+            :func:`events_needed` events.
     """
 
-    tokens: tuple[int, ...] = attrs.field(converter=tuple)
-    prefix: tuple[BlockPayload, ...] = attrs.field(default=(), converter=tuple)
+    prompt: tuple[int, ...] = attrs.field(converter=tuple, repr=lambda t: f"<{len(t)} tokens>")
+    prefix: tuple[BlockPayload, ...] = attrs.field(default=(), converter=tuple, repr=False)
     sampling: Sampling = GREEDY
-    block_size: Optional[int] = None
-
-
-@attrs.frozen(kw_only=True)
-class DecodeStep(Ask[Step]):
-    """Feed ``token`` to ``request_id``'s cache and sample the next one."""
-
-    token: int
-
-
-@attrs.frozen(kw_only=True)
-class DetachBlocks(Ask[tuple[BlockPayload, ...]]):
-    """Copy out the KV of full blocks ``[start, stop)`` of ``request_id``.
-
-    Every block must lie within the tokens already in the cache. The payloads
-    own evaluated copies. For a model with recurrent layers the last payload
-    carries the state snapshot only if ``stop * block_size`` is where the
-    cache ends or where :class:`Prefill` took its snapshot.
-    """
-
+    max_tokens: int
+    stop_tokens: Optional[frozenset[int]] = None
     block_size: int
-    start: int
-    stop: int
+    keep_logits: bool = False
+    events: MemoryObjectSendStream[Event] = attrs.field(repr=False, eq=False)
+
+    def trace_fields(self) -> dict[str, int]:
+        """The request's size, for tracing."""
+        return {"prompt_tokens": len(self.prompt), "prefix_blocks": len(self.prefix)}
+
+    def close_streams(self) -> None:
+        """End the request's event stream (the actor stopped before handling this)."""
+        self.events.close()
 
 
 @attrs.frozen(kw_only=True)
-class Drop(Tell):
-    """Forget ``request_id``'s cache (or stop its unfinished prefill)."""
+class Cancel(Tell):
+    """Stop ``request_id`` (unknown or finished ids are ignored)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -310,184 +342,131 @@ class Statistics(Ask[ComputeStatistics]):
     polled = True
 
 
-# -- actor-owned state ------------------------------------------------------
-
-
-class _Request:
-    """One live request: its cache and how it samples.
-
-    Owned by the actor; while a job runs, the job uses ``cache`` on the MLX
-    thread and the actor does not touch it.
-    """
-
-    __slots__ = (
-        "request_id",
-        "cache",
-        "num_tokens",
-        "sampler",
-        "num_sampled",
-        "snapshot",
-        "prefill",
-        "failure",
-    )
-
-    def __init__(self, request_id: str, sampling: Sampling) -> None:
-        self.request_id = request_id
-        self.cache: Optional[list[Any]] = None
-        self.num_tokens = 0
-        self.sampler = sampling.make_sampler()
-        self.num_sampled = 0
-        #: (position, per-layer recurrent state or None) taken during prefill.
-        self.snapshot: Optional[tuple[int, tuple[Optional[tuple[Any, ...]], ...]]] = None
-        self.prefill: Optional[_PendingPrefill] = None
-        self.failure: Optional[ComputeFailed] = None
-
-
-class _PendingPrefill:
-    """A prefill between chunks: where it is and what is left."""
-
-    __slots__ = ("envelope", "tokens", "position", "ends", "snapshot_at", "started")
-
-    def __init__(
-        self,
-        envelope: Any,
-        tokens: tuple[int, ...],
-        position: int,
-        ends: list[int],
-        snapshot_at: Optional[int],
-        started: float,
-    ) -> None:
-        self.envelope = envelope
-        self.tokens = tokens  # the whole suffix; it ends at position ends[-1]
-        self.position = position  # absolute position of the next token to run
-        self.ends = ends  # absolute end of each remaining job; the last is the total
-        self.snapshot_at = snapshot_at
-        self.started = started
+# -- what jobs return --------------------------------------------------------
 
 
 @attrs.frozen
-class _Chunk:
-    """What one prefill job returns."""
-
-    cache: list[Any] = attrs.field(repr=False)
-    step: Optional[Step]
-    snapshot: Optional[tuple[Optional[tuple[Any, ...]], ...]] = attrs.field(repr=False)
-
-
-#: Returned by a handler whose message is answered later (an unfinished prefill).
-_LATER = object()
+class _PrefillOutcome:
+    computed: int
+    published: Optional[Published]
+    unpublishable: bool
+    first_token: Optional[int]
+    logits: Any = attrs.field(eq=False)
+    logprobs: Any = attrs.field(eq=False)
 
 
-def plan_chunks(start: int, total: int, chunk: int, snapshot_at: Optional[int] = None) -> list[int]:
-    """Where each prefill job of positions ``[start, total)`` ends.
-
-    Chunks end on multiples of ``chunk`` (absolute positions, so a warm and a
-    cold prefill of one prompt cut it alike), and at ``snapshot_at``. The
-    last prompt token is run on its own, as mlx-lm does, so the model's
-    output head runs on one position only; it rides in the last job.
-
-    Args:
-        start: first position to run (tokens before it are cached).
-        total: one past the last prompt position; ``> start``.
-        chunk: tokens per chunk, ``> 0``.
-        snapshot_at: a position at which a job must end, if any.
-
-    Returns:
-        Increasing job ends; the last one is ``total``.
-    """
-    ends: list[int] = []
-    position = start
-    last = total - 1
-    while position < last:
-        end = min((position // chunk + 1) * chunk, last)
-        if snapshot_at is not None and position < snapshot_at < end:
-            end = snapshot_at
-        ends.append(end)
-        position = end
-    if ends:
-        ends[-1] = total
-    else:
-        ends.append(total)
-    return ends
-
-
-def _layer_key(layer: Any) -> tuple[Any, ...]:
-    return (type(layer).__name__, getattr(layer, "max_size", None), getattr(layer, "keep", None))
+@attrs.frozen
+class _DecodeOutcome:
+    batches: list[DecodeBatch]
+    emitted: list[Emitted]
+    sample_failures: list[SampleFailed]
+    #: id(sequence) -> the answer's blocks (None if there are none or they
+    #: could not be sliced)
+    answers: dict[int, Optional[Published]]
+    unpublishable: int
+    #: batches whose step raised, with the error
+    broken: list[tuple[DecodeBatch, Exception]]
+    #: sizes of the batches that stepped
+    steps: list[int]
 
 
 class ComputeActor(Actor):
-    """Owns the model, the tokenizer, the MLX thread and the live request caches.
+    """Schedules requests' prefill chunks and decode steps onto one model runner.
 
-    The one actor whose handling awaits: each message's MLX work runs on the
-    MLX thread while the actor waits, so model evaluation is serialised here.
-    See the module docstring for the messages, fairness and failure rules.
+    See the module docstring for the messages, the scheduling policy and its
+    bound, failures and cancellation.
 
-    Owns: the model (called only on the MLX thread), the tokenizer (used only
-    in handlers), the :class:`MLXThread`, one :class:`_Request` per live
-    request (its mlx-lm cache objects, sampler, recurrent-state snapshot,
-    unfinished prefill), the queue of unfinished prefills, and counters.
+    Owns: the :class:`MLXThread`, the model runner (used only on that
+    thread), every live :class:`Sequence`, the prefill queue, the decode
+    batches, and counters.
 
     Invariants:
-        - every MLX graph is built and evaluated on the MLX thread; replies
-          hold evaluated arrays only;
-        - at most one job is in flight; while it runs, only it touches the
-          cache it was given;
-        - a request is in ``_prefilling`` iff its ``prefill`` is set, and is
-          then in ``_requests``; no decode step or detach runs on it;
-        - every Ask gets exactly one of: a reply, an undo because its caller
-          went away, or a closed reply stream (the caller sees ActorFailed);
-        - a request's ``num_tokens`` equals the tokens its cache holds.
+        - every MLX graph is built and evaluated on the MLX thread; events
+          and replies hold evaluated arrays only;
+        - at most one job is in flight; while it runs, the actor touches no
+          sequence's MLX state;
+        - a live request is in exactly one of: the prefill queue, the
+          joining list, a decode batch;
+        - every request gets exactly one final event (:class:`Finished` or
+          :class:`Failed`) unless nobody listens any more.
     """
 
     name = "compute"
 
     def __init__(
         self,
-        model: Any,
-        tokenizer: Any,
+        runner: Optional[ModelRunner] = None,
         *,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        loader: Optional[Callable[[int], ModelRunner]] = None,
+        source: Optional[str] = None,
         **options: Any,
     ) -> None:
-        """Take the model; nothing runs until :meth:`run`.
+        """Take a runner, or a loader that makes one on the MLX thread as the actor starts.
 
         Args:
-            model: an mlx-lm model (``model(tokens, cache=...)`` -> logits),
-                weights evaluated.
-            tokenizer: its mlx-lm ``TokenizerWrapper``.
+            runner: a model runner already made (on the MLX thread it will
+                run on: see :meth:`loading` for real models).
             prefill_chunk: tokens per prefill chunk, > 0.
-            **options: the :class:`Actor` options (``mailbox_size``, ``trace``,
-                ``trace_polls``, ``intercept``).
+            loader: called on the MLX thread with ``prefill_chunk`` to make
+                the runner, instead of ``runner``.
+            source: what the loader loads, for error messages.
+            **options: the :class:`Actor` options.
 
         Raises:
-            InvalidInput: ``prefill_chunk`` is not a positive int.
-            ValueError: ``mailbox_size`` is below 1.
+            InvalidInput: ``prefill_chunk`` is not a positive int, or neither
+                or both of ``runner`` and ``loader`` are given.
         """
-        if not isinstance(prefill_chunk, int) or prefill_chunk <= 0:
+        if not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk <= 0:
             raise InvalidInput("prefill_chunk", prefill_chunk, "must be a positive int")
+        if (runner is None) == (loader is None):
+            raise InvalidInput("runner", runner, "give a runner or a loader, not both or neither")
         super().__init__(**options)
-        self._model = model
-        self._tokenizer = tokenizer
-        self._loader: Optional[Callable[[], tuple[Any, Any]]] = None
-        self._source: Optional[str] = None
+        self._runner = runner
+        self._loader = loader
+        self._source = source
         self._chunk = prefill_chunk
         self._thread = MLXThread(name="mlxkv-compute", log=self._log)
-        self._info: Optional[ModelInfo] = None
-        self._cold_layout: tuple[tuple[Any, ...], ...] = ()
-        self._requests: dict[str, _Request] = {}
-        self._prefilling: collections.deque[_Request] = collections.deque()
-        self._current: Any = None
+        self._info: Optional[ModelInfo] = None if runner is None else runner.info
+        self._live: dict[str, Sequence] = {}
+        self._queue: collections.deque[Sequence] = collections.deque()
+        self._arrivals: list[Sequence] = []
+        self._joining: list[Sequence] = []
+        #: id(sequence) -> (sequence, whether its answer is stored)
+        self._leaving: dict[int, tuple[Sequence, bool]] = {}
+        self._batches: list[DecodeBatch] = []
         self._num_prefill_tokens = 0
         self._num_cached_tokens = 0
         self._num_prefill_chunks = 0
         self._num_decode_steps = 0
-        self._num_detached_blocks = 0
+        self._num_decode_rows = 0
+        self._num_published_blocks = 0
+        self._num_cold_fallbacks = 0
+        self._num_unpublishable = 0
         self._num_model_errors = 0
-        self._num_abandoned = 0
+        self._num_cancelled = 0
+
+    @classmethod
+    def with_model(cls, model: Any, tokenizer: Any, **kwargs: Any) -> ComputeActor:
+        """An actor over an mlx-lm model object already loaded (its weights evaluated).
+
+        The runner is made on the MLX thread as the actor starts. Prefer
+        :meth:`loading` for a model on disk.
+
+        Args:
+            model: the mlx-lm model.
+            tokenizer: its ``TokenizerWrapper``.
+            **kwargs: passed to the constructor.
+        """
+        return cls(
+            loader=lambda chunk: TextRunner(model, tokenizer, prefill_chunk=chunk),
+            source=type(model).__module__,
+            **kwargs,
+        )
 
     @classmethod
     def loading(cls, path: str, **kwargs: Any) -> ComputeActor:
-        """An actor that loads ``path`` with ``mlx_lm.load`` on its MLX thread as it starts.
+        """An actor that loads the mlx-lm model at ``path`` on its MLX thread as it starts.
 
         Loading there matters for real models: arrays a model builds lazily
         at construction (rotary tables, say) belong to the loading thread's
@@ -496,495 +475,483 @@ class ComputeActor(Actor):
         reports started.
 
         Args:
-            path: the model directory.
+            path: the model directory or repo id.
             **kwargs: passed to the constructor.
-
-        Returns:
-            The actor, not running yet.
         """
-        actor = cls(None, None, **kwargs)
+        return cls(
+            loader=lambda chunk: TextRunner.load(path, prefill_chunk=chunk), source=str(path), **kwargs
+        )
 
-        def load() -> tuple[Any, Any]:
-            from mlx_lm import load
-
-            return load(str(path))
-
-        actor._loader = load
-        actor._source = str(path)
-        return actor
-
-    @classmethod
-    def from_path(cls, path: str, **kwargs: Any) -> ComputeActor:
-        """Load an mlx-lm model directory with ``mlx_lm.load`` (blocking).
-
-        Args:
-            path: the model directory.
-            **kwargs: passed to the constructor.
-
-        Returns:
-            The actor, not running yet.
-        """
-        from mlx_lm import load
-
-        model, tokenizer = load(str(path))
-        return cls(model, tokenizer, **kwargs)
-
-    # -- running -----------------------------------------------------------
+    # -- running ---------------------------------------------------------------
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Start the MLX thread, then serve until every sender is closed.
+        """Start the MLX thread (and load the model), then serve until every sender is closed.
 
-        Unfinished prefills are completed before it returns. On a crash or
-        cancellation every pending caller's reply stream is closed, every
-        live cache dropped, and the MLX thread stopped and joined.
+        Requests still running when the mailbox closes are finished first.
+        On a crash or cancellation every waiting caller's reply stream and
+        every request's event stream is closed, every cache dropped, and the
+        MLX thread stopped and joined.
         """
         try:
             self._thread.start()
             if self._loader is not None:
+                loader, chunk = self._loader, self._chunk
                 try:
-                    self._model, self._tokenizer = await self._thread.submit(self._loader)
+                    self._runner = await self._thread.submit(lambda: loader(chunk))
                 except Exception as error:
                     if isinstance(error, (MLXThreadStopped, ModelLoadError)):
                         raise
                     reason = f"{type(error).__name__}: {error}"
                     raise ModelLoadError(str(self._source), reason) from error
                 self._loader = None
-            self._info, self._cold_layout = await self._thread.submit(self._describe_model)
+                self._info = self._runner.info
             task_status.started()
             await self._serve()
         except BaseException as error:
-            self._record_crash(error, self._current)
+            self._record_crash(error, None)
             raise
         finally:
-            if self._current is not None:
-                _close_reply(self._current.message)
-            for request in self._prefilling:
-                assert request.prefill is not None, "a queued prefill lost its state"
-                _close_reply(request.prefill.envelope.message)
-            self._prefilling.clear()
-            self._requests.clear()
+            for sequence in list(self._live.values()):
+                sequence.emit(None)  # closes its stream
+            self._live.clear()
+            self._queue.clear()
+            self._arrivals.clear()
+            self._joining.clear()
+            self._leaving.clear()
+            self._batches.clear()
             self._fail_pending()
             self._mailbox_out.close()
             with anyio.CancelScope(shield=True):
                 await self._thread.aclose()
 
+    def _busy(self) -> bool:
+        return bool(self._queue or self._joining or self._leaving or any(self._batches))
+
     async def _serve(self) -> None:
+        """Rounds of work until the mailbox is closed and drained.
+
+        Requests still live then belong to callers that stopped listening
+        (the runtime closes the mailbox once no call is in flight): they are
+        dropped with the actor, not computed to the end.
+        """
         mailbox = self._mailbox_out
         while True:
-            if not self._prefilling:
+            if not self._busy():
                 try:
                     envelope = await mailbox.receive()
                 except anyio.EndOfStream:
                     return
-                await self._dispatch(envelope)
+                self._dispatch(envelope)
                 continue
-            # A round: what was waiting when it began, then one more chunk.
-            for _ in range(mailbox.statistics().current_buffer_used):
+            # A round: what was waiting when it began, one decode step, the
+            # first chunk of each arrival, one chunk of the oldest prefill.
+            waiting = mailbox.statistics()
+            if waiting.open_send_streams == 0 and waiting.current_buffer_used == 0:
+                return
+            for _ in range(waiting.current_buffer_used):
                 try:
-                    envelope = mailbox.receive_nowait()
+                    self._dispatch(mailbox.receive_nowait())
                 except (anyio.WouldBlock, anyio.EndOfStream):
                     break
-                await self._dispatch(envelope)
-            if self._prefilling:
-                await self._continue_prefill(self._prefilling[0])
+            self._drop_unheard()
+            if self._joining or self._leaving or any(self._batches):
+                await self._decode_step()
+            arrivals, self._arrivals = self._arrivals, []
+            for sequence in arrivals:
+                if sequence.phase is Phase.QUEUED:
+                    await self._prefill_chunk(sequence)
+            oldest = next(
+                (s for s in self._queue if s.phase is Phase.PREFILLING and s not in arrivals), None
+            )
+            if oldest is not None:
+                await self._prefill_chunk(oldest)
 
-    async def _dispatch(self, envelope: Any) -> None:
-        message = envelope.message
-        started = time.perf_counter()
-        self._current = envelope
-        try:
-            if self._intercept is not None:
-                self._intercept(self.name, message)
-            result = await self._handle(envelope, started)
-        except CacheError as error:
-            result = Failure(error)
-        self._current = None
-        if result is not _LATER:
-            self._deliver(envelope, result, started)
+    # -- messages ----------------------------------------------------------------
 
-    async def _handle(self, envelope: Any, started: float) -> Any:
-        message = envelope.message
+    def handle(self, message: Message) -> Any:
+        """Handle one message (synchronously: jobs run from the round loop)."""
         match message:
-            case Prefill():
-                return await self._start_prefill(envelope, started)
-            case DecodeStep():
-                return await self._decode(message)
-            case DetachBlocks():
-                return await self._detach(message)
-            case Drop():
-                return self._drop(message)
+            case Generate():
+                return self._start(message)
+            case Cancel():
+                sequence = self._live.get(message.request_id or "")
+                if sequence is not None:
+                    self._cancel(sequence)
+                return None
             case EncodeText():
                 if not isinstance(message.text, str):
                     raise InvalidInput("text", message.text, "must be a str")
-                encoded = self._tokenizer.encode(
-                    message.text, add_special_tokens=message.add_special_tokens
-                )
-                return tuple(encoded)
+                tokenizer = self._require_runner().tokenizer
+                return tuple(tokenizer.encode(message.text, add_special_tokens=message.add_special_tokens))
             case DecodeText():
                 self._check_tokens(message.tokens, allow_empty=True)
-                return self._tokenizer.decode(list(message.tokens))
+                return self._require_runner().tokenizer.decode(list(message.tokens))
             case NewDetokenizer():
-                return self._tokenizer.detokenizer
+                return self._require_runner().tokenizer.detokenizer
             case Describe():
                 return self._info
             case Statistics():
                 return self.compute_statistics()
-        return self.handle(message)
+        return super().handle(message)
 
-    def _apply_undo(self, compensation: Tell) -> None:
-        # Handling here may await the MLX thread; a Drop needs no model work.
-        self._drop_tell(compensation)
+    def _require_runner(self) -> ModelRunner:
+        assert self._runner is not None, "the compute actor handles messages only once started"
+        return self._runner
 
-    def undo(self, message: Ask[Any], reply: Any) -> Optional[Tell]:
-        """A prefill's reply created a live cache: its undo drops it."""
-        if isinstance(message, Prefill) and isinstance(reply, Step):
-            return Drop(request_id=message.request_id)
-        return None
-
-    def _drop_tell(self, message: Tell) -> None:
-        assert isinstance(message, Drop), f"unexpected compensation {message!r}"
-        try:
-            self._drop(message)
-        except UnknownRequest:
-            pass  # already gone: nothing left to give back
-
-    # -- MLX jobs ------------------------------------------------------------
-
-    async def _compute(self, fn: Callable[[], T], request_id: Optional[str]) -> T:
-        """Run ``fn`` on the MLX thread; a model error becomes ComputeFailed."""
-        try:
-            return await self._thread.submit(fn, on_orphan=_discard)
-        except (CacheError, MLXThreadStopped):
-            raise
-        except Exception as error:
-            self._num_model_errors += 1
-            raise ComputeFailed(request_id, error) from error
-
-    def _describe_model(self) -> tuple[ModelInfo, tuple[tuple[Any, ...], ...]]:
-        """Runs on the MLX thread: the model's info and its cold cache layout.
-
-        Bytes per token are measured, not computed from the config: one
-        token is run through a fresh cache and its buffers are sized.
-        """
-        import mlx.core as mx
-        from mlx_lm.models.cache import ArraysCache, make_prompt_cache
-
-        cold = make_prompt_cache(self._model)
-        layout = tuple(_layer_key(layer) for layer in cold)
-        self._model(mx.array([[0]]), cache=cold)
-        mx.eval([layer.state for layer in cold])
-        kv_bytes = state_bytes = 0
-        for layer in cold:
-            if isinstance(layer, ArraysCache):
-                state_bytes += sum(a.nbytes for a in layer.cache if a is not None)
-                continue
-            for group in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-                arrays = group if isinstance(group, (tuple, list)) else (group,)
-                kv_bytes += sum(a.nbytes // a.shape[2] for a in arrays if a is not None)
-        args = getattr(self._model, "args", None)
-        eos = getattr(self._tokenizer, "eos_token_ids", None) or ()
-        max_context = getattr(args, "max_position_embeddings", None)
-        info = ModelInfo(
-            vocab_size=getattr(args, "vocab_size", None),
-            eos_token_ids=frozenset(int(t) for t in eos),
-            cache_layers=tuple(type(layer).__name__ for layer in cold),
-            has_recurrent=any(isinstance(layer, ArraysCache) for layer in cold),
-            prefill_chunk=self._chunk,
-            max_context=max_context if isinstance(max_context, int) and max_context > 0 else None,
-            kv_bytes_per_token=kv_bytes,
-            state_bytes=state_bytes,
-        )
-        return info, layout
-
-    def _new_cache(self, prefix: tuple[BlockPayload, ...], num_new: int) -> list[Any]:
-        """Runs on the MLX thread: the request's cache, cold or rebuilt."""
-        from mlx_lm.models.cache import make_prompt_cache
-
-        if not prefix:
-            return make_prompt_cache(self._model)
-        # The model call that follows evaluates the copy in the same graph.
-        cache = kv_state.reconstruct(prefix, extra_tokens=num_new, evaluate=False)
-        if tuple(_layer_key(layer) for layer in cache) != self._cold_layout:
-            raise kv_state.NotReconstructable(
-                "the prefix payloads do not match this model's cache layout"
-            )
-        return cache
-
-    def _run_chunk(
-        self,
-        request: _Request,
-        cache: list[Any],
-        tokens: Sequence[int],
-        position: int,
-        total: int,
-        snapshot_at: Optional[int],
-    ) -> _Chunk:
-        """Runs on the MLX thread: tokens at ``[position, position + len)``.
-
-        The last job of a prefill (``position + len(tokens) == total``) runs
-        the final prompt token on its own and samples.
-        """
-        import mlx.core as mx
-
-        end = position + len(tokens)
-        body = tokens if end < total else tokens[:-1]
-        snapshot = None
-        if body:
-            self._model(mx.array(body)[None], cache=cache)
-            if end < total or position + len(body) == snapshot_at:
-                # The job ends here (or a snapshot is taken): make the cache
-                # concrete. Otherwise the final step's eval covers it.
-                mx.eval([layer.state for layer in cache])
-            if position + len(body) == snapshot_at:
-                snapshot = _snapshot(cache)
-        step = None
-        if end == total:
-            step = self._step(request, cache, tokens[-1], total, 0)
-            if total == snapshot_at:
-                snapshot = _snapshot(cache)
-        return _Chunk(cache=cache, step=step, snapshot=snapshot)
-
-    def _step(
-        self, request: _Request, cache: list[Any], token: int, num_tokens: int, draw: int
-    ) -> Step:
-        """Runs on the MLX thread: one token through the model, then sample."""
-        import mlx.core as mx
-
-        logits = self._model(mx.array([[token]]), cache=cache)[0, -1]
-        logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        sampler = request.sampler
-        sampled = mx.argmax(logprobs[None], axis=-1) if sampler is None else sampler(logprobs[None])
-        mx.eval(sampled, logits, [layer.state for layer in cache])
-        return Step(token=int(sampled.item()), logits=logits, num_tokens=num_tokens)
-
-    def _slice(
-        self, request: _Request, block_size: int, start: int, stop: int
-    ) -> tuple[BlockPayload, ...]:
-        """Runs on the MLX thread: owned copies of blocks ``[start, stop)``."""
-        import mlx.core as mx
-
-        assert request.cache is not None, f"request {request.request_id!r} has no cache"
-        end = stop * block_size
-        payloads = kv_state.slice_blocks(
-            request.cache, block_size, range(start, stop), num_tokens=end
-        )
-        last = payloads[-1]
-        snapshot = request.snapshot
-        if not last.has_snapshots and snapshot is not None and snapshot[0] == end:
-            # The cache has moved on since the prefill's snapshot at this
-            # block's end: give the block that state (copied, so the
-            # payload owns it).
-            arrays = tuple(
-                group
-                if state is None
-                else tuple(None if a is None else mx.array(a) for a in state)
-                for group, state in zip(last.arrays, snapshot[1])
-            )
-            mx.eval([a for group in arrays if group for a in group if a is not None])
-            payloads[-1] = attrs.evolve(last, arrays=arrays)
-        return tuple(payloads)
-
-    # -- handlers ----------------------------------------------------------
-
-    def _live(self, request_id: Optional[str]) -> _Request:
-        if request_id is None:
-            raise InvalidInput("request_id", None, "is required")
-        request = self._requests.get(request_id)
-        if request is None:
-            raise UnknownRequest(request_id)
-        if request.prefill is not None:
-            raise InvalidInput("request_id", request_id, "is still prefilling")
-        if request.failure is not None:
-            raise ComputeFailed(request_id, request.failure.cause)
-        return request
-
-    def _check_tokens(self, tokens: Sequence[Any], *, allow_empty: bool = False) -> None:
+    def _check_tokens(self, tokens: Seq[Any], *, allow_empty: bool = False) -> None:
         vocab = None if self._info is None else self._info.vocab_size
         check_token_ids(tokens, vocab_size=vocab, allow_empty=allow_empty)
 
-    async def _start_prefill(self, envelope: Any, started: float) -> Any:
-        message: Prefill = envelope.message
+    def _start(self, message: Generate) -> None:
+        events = message.events
+        try:
+            sequence = self._sequence(message)
+        except CacheError as error:
+            # The caller hears it on its stream; nothing else changed.
+            _send(events, Failed(error=error))
+            events.close()
+            return
+        self._live[sequence.request_id] = sequence
+        self._queue.append(sequence)
+        self._arrivals.append(sequence)
+
+    def _sequence(self, message: Generate) -> Sequence:
         request_id = message.request_id
-        if request_id is None:
-            raise InvalidInput("request_id", None, "is required")
-        if request_id in self._requests:
-            raise DuplicateRequest(request_id)
-        self._check_tokens(message.tokens)
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidInput("request_id", request_id, "must be a non-empty str")
+        if request_id in self._live:
+            raise InvalidInput("request_id", request_id, "is generating already")
+        self._check_tokens(message.prompt)
+        if not message.prompt:
+            raise InvalidInput("prompt", message.prompt, "must hold at least one token")
         if not isinstance(message.sampling, Sampling):
             raise InvalidInput("sampling", message.sampling, "must be a Sampling")
-        block_size = message.block_size
-        if block_size is not None and (not isinstance(block_size, int) or block_size <= 0):
-            raise InvalidInput("block_size", block_size, "must be a positive int")
+        for name in ("max_tokens", "block_size"):
+            value = getattr(message, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidInput(name, value, "must be an int >= 1")
         prefix = message.prefix
         if not all(isinstance(p, BlockPayload) for p in prefix):
             raise InvalidInput("prefix", prefix, "must hold BlockPayloads")
-        num_cached = prefix[-1].end if prefix else 0
-        total = num_cached + len(message.tokens)
-        snapshot_at = None
-        assert self._info is not None, "the actor is not running"
-        if block_size is not None and self._info.has_recurrent:
-            boundary = total // block_size * block_size
-            snapshot_at = boundary if boundary > num_cached else None
-        ends = plan_chunks(num_cached, total, self._chunk, snapshot_at)
+        if prefix and prefix[-1].end >= len(message.prompt):
+            raise InvalidInput("prefix", len(prefix), "must leave at least the last prompt token")
+        info = self._info
+        assert info is not None, "the actor handles messages only once started"
+        stop = info.eos_token_ids if message.stop_tokens is None else frozenset(message.stop_tokens)
+        events = message.events
 
-        request = _Request(request_id, message.sampling)
-        pending = _PendingPrefill(envelope, message.tokens, num_cached, ends, snapshot_at, started)
-        first = ends[0] - num_cached
-        tokens = message.tokens[:first]
+        def emit(event: Any) -> bool:
+            if event is None:
+                events.close()
+                return False
+            return _send(events, event)
 
-        def start() -> _Chunk:
-            cache = self._new_cache(prefix, len(message.tokens))
-            return self._run_chunk(request, cache, tokens, num_cached, total, snapshot_at)
-
-        chunk = await self._compute(start, request_id)
-        self._num_cached_tokens += num_cached
-        request.cache = chunk.cache
-        request.num_tokens = num_cached
-        self._requests[request_id] = request
-        request.prefill = pending
-        return self._after_chunk(request, chunk)
-
-    async def _continue_prefill(self, request: _Request) -> None:
-        pending = request.prefill
-        assert pending is not None, "a queued request is not prefilling"
-        message: Prefill = pending.envelope.message
-        if message.reply.statistics().open_receive_streams == 0:
-            # The caller is gone: stop here instead of computing the rest.
-            self._num_abandoned += 1
-            self._forget(request)
-            self._deliver(pending.envelope, None, pending.started, abandoned=True)
-            return
-        offset = pending.position - (pending.ends[-1] - len(pending.tokens))
-        tokens = pending.tokens[offset : offset + pending.ends[0] - pending.position]
-        cache = request.cache
-        assert cache is not None, "a prefilling request lost its cache"
-        total, snapshot_at, position = pending.ends[-1], pending.snapshot_at, pending.position
-        try:
-            chunk = await self._compute(
-                lambda: self._run_chunk(request, cache, tokens, position, total, snapshot_at),
-                request.request_id,
-            )
-        except CacheError as error:
-            self._forget(request)
-            self._deliver(pending.envelope, Failure(error), pending.started)
-            return
-        result = self._after_chunk(request, chunk)
-        if result is not _LATER:
-            self._deliver(pending.envelope, result, pending.started)
-
-    def _after_chunk(self, request: _Request, chunk: _Chunk) -> Any:
-        """Book a finished prefill job; the reply if it was the last one."""
-        pending = request.prefill
-        assert pending is not None, "booking a chunk of a request that is not prefilling"
-        end = pending.ends.pop(0)
-        self._num_prefill_tokens += end - pending.position
-        self._num_prefill_chunks += 1
-        pending.position = end
-        request.num_tokens = end
-        if chunk.snapshot is not None:
-            request.snapshot = (pending.snapshot_at, chunk.snapshot)  # type: ignore[assignment]
-        if chunk.step is None:
-            if request not in self._prefilling:
-                self._prefilling.append(request)
-            return _LATER
-        if request in self._prefilling:
-            self._prefilling.remove(request)
-        request.prefill = None
-        request.num_sampled += 1
-        return attrs.evolve(chunk.step, num_cached=end - len(pending.tokens))
-
-    def _forget(self, request: _Request) -> None:
-        self._requests.pop(request.request_id, None)
-        if request in self._prefilling:
-            self._prefilling.remove(request)
-        request.prefill = None
-        request.cache = None
-
-    async def _decode(self, message: DecodeStep) -> Step:
-        request = self._live(message.request_id)
-        self._check_tokens((message.token,))
-        cache = request.cache
-        num_tokens = request.num_tokens + 1
-        draw = request.num_sampled
-        try:
-            step = await self._compute(
-                lambda: self._step(request, cache, message.token, num_tokens, draw),
-                request.request_id,
-            )
-        except ComputeFailed as error:
-            request.failure = error
-            raise
-        request.num_tokens = num_tokens
-        request.num_sampled += 1
-        self._num_decode_steps += 1
-        return step
-
-    async def _detach(self, message: DetachBlocks) -> tuple[BlockPayload, ...]:
-        request = self._live(message.request_id)
-        block_size, start, stop = message.block_size, message.start, message.stop
-        if not isinstance(block_size, int) or block_size <= 0:
-            raise InvalidInput("block_size", block_size, "must be a positive int")
-        if not isinstance(start, int) or not isinstance(stop, int) or not 0 <= start < stop:
-            raise InvalidInput("start", (start, stop), "need 0 <= start < stop")
-        if stop * block_size > request.num_tokens:
-            raise InvalidInput(
-                "stop",
-                stop,
-                f"block {stop - 1} is not full: the cache holds {request.num_tokens} tokens",
-            )
-        payloads = await self._compute(
-            lambda: self._slice(request, block_size, start, stop), request.request_id
+        return Sequence(
+            request_id=request_id,
+            prompt=tuple(message.prompt),
+            prefix=prefix,
+            sampler=message.sampling.make_sampler(),
+            max_tokens=message.max_tokens,
+            stop_tokens=stop,
+            block_size=message.block_size,
+            keep_logits=bool(message.keep_logits),
+            emit=emit,
         )
-        self._num_detached_blocks += len(payloads)
-        return payloads
 
-    def _drop(self, message: Drop) -> None:
-        request_id = message.request_id
-        if request_id is None:
-            raise InvalidInput("request_id", None, "is required")
-        request = self._requests.get(request_id)
-        if request is None:
-            raise UnknownRequest(request_id)
-        pending = request.prefill
-        self._forget(request)
-        if pending is not None:
-            self._deliver(pending.envelope, Failure(UnknownRequest(request_id)), pending.started)
+    # -- life of a request ---------------------------------------------------------
 
-    # -- statistics ------------------------------------------------------------
+    def _cancel(self, sequence: Sequence) -> None:
+        """Stop ``sequence`` without a final event (nobody wants it)."""
+        if sequence.phase is Phase.FINISHED or sequence.cancelled:
+            return
+        sequence.cancelled = True
+        self._num_cancelled += 1
+        if sequence.phase is Phase.DECODING and sequence not in self._joining:
+            # Its row leaves the batch before the next step; the request
+            # itself is over now.
+            self._live.pop(sequence.request_id, None)
+            self._leaving[id(sequence)] = (sequence, False)
+        else:
+            self._forget(sequence)
+
+    def _forget(self, sequence: Sequence) -> None:
+        """Remove a request that holds no batch row; its stream is closed."""
+        self._live.pop(sequence.request_id, None)
+        if sequence in self._queue:
+            self._queue.remove(sequence)
+        if sequence in self._arrivals:
+            self._arrivals.remove(sequence)
+        if sequence in self._joining:
+            self._joining.remove(sequence)
+        sequence.phase = Phase.FINISHED
+        sequence.cache = None
+        sequence.emit(None)
+
+    def _finish(self, sequence: Sequence, final: Event) -> None:
+        sequence.emit(final)
+        self._forget(sequence)
+
+    def _drop_unheard(self) -> None:
+        """Cancel requests whose event stream nobody reads any more."""
+        for sequence in list(self._live.values()):
+            if not sequence.emit(_PROBE):
+                self._cancel(sequence)
+
+    # -- jobs ------------------------------------------------------------------------
+
+    async def _compute(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the MLX thread; a dead thread crashes the actor."""
+        return await self._thread.submit(fn)
+
+    async def _prefill_chunk(self, sequence: Sequence) -> None:
+        runner = self._require_runner()
+        queued = sequence.phase is Phase.QUEUED
+
+        chunk = self._chunk
+
+        def job() -> _PrefillOutcome:
+            if queued:
+                runner.start(sequence)
+                boundary = sequence.block_size if runner.info.has_recurrent else None
+                sequence.chunk_ends = plan_chunks(
+                    sequence.num_computed, len(sequence.prompt), chunk, boundary
+                )
+            start = sequence.num_computed
+            logits = runner.prefill(sequence, sequence.chunk_ends[0])
+            published, unpublishable = _publish(runner, sequence, sequence.cache)
+            first = logprobs = None
+            if logits is not None:
+                first, logprobs = _first_token(sequence, logits)
+            return _PrefillOutcome(
+                sequence.num_computed - start, published, unpublishable, first, logits, logprobs
+            )
+
+        sequence.phase = Phase.PREFILLING
+        try:
+            outcome = await self._compute(job)
+        except MLXThreadStopped:
+            raise
+        except Exception as error:
+            traceback.clear_frames(error.__traceback__)
+            self._num_model_errors += 1
+            self._finish(sequence, Failed(error=ComputeFailed(sequence.request_id, error)))
+            return
+        self._num_prefill_chunks += 1
+        self._num_prefill_tokens += outcome.computed
+        self._count_published(outcome.published, outcome.unpublishable)
+        if queued:
+            self._num_cached_tokens += sequence.num_cached
+            self._num_cold_fallbacks += sequence.cold_fallback
+            if sequence.cold_fallback:
+                self._log.warning(
+                    "prefill.cold_fallback",
+                    request_id=sequence.request_id,
+                    reason="the cached prefix cannot be rebuilt for this model",
+                )
+        sequence.chunk_ends.pop(0)
+        if sequence.cancelled:
+            return
+        if outcome.published is not None:
+            sequence.emit(outcome.published)
+        if outcome.first_token is None:
+            return
+        self._queue.remove(sequence)
+        sequence.emit(
+            Prefilled(
+                num_cached=sequence.num_cached,
+                cold_fallback=sequence.cold_fallback,
+                logits=outcome.logits,
+            )
+        )
+        token = outcome.first_token
+        if token in sequence.stop_tokens:
+            self._finish(sequence, Finished(reason="stop", num_stored=sequence.num_published * sequence.block_size))
+            return
+        sequence.generated.append(token)
+        sequence.emit(Token(token=token, logprobs=outcome.logprobs if sequence.keep_logits else None))
+        if sequence.max_tokens == 1:
+            self._finish(sequence, Finished(reason="length", num_stored=sequence.num_published * sequence.block_size))
+            return
+        sequence.phase = Phase.DECODING
+        self._joining.append(sequence)
+
+    def _count_published(self, published: Optional[Published], unpublishable: bool) -> None:
+        if published is not None:
+            self._num_published_blocks += len(published.payloads)
+        self._num_unpublishable += unpublishable
+
+    async def _decode_step(self) -> None:
+        """One job: rows leave (finished ones publish their answer), rows join,
+        and every batch advances one token."""
+        runner = self._require_runner()
+        leaving = list(self._leaving.values())
+        self._leaving.clear()
+        joining, self._joining = self._joining, []
+        batches = list(self._batches)
+
+        def job() -> _DecodeOutcome:
+            answers: dict[int, Optional[Published]] = {}
+            unpublishable = 0
+            for batch in batches:
+                mine = [(s, keep) for s, keep in leaving if s in batch.rows]
+                caches = batch.leave([s for s, _ in mine], keep=[s for s, keep in mine if keep])
+                for sequence, keep in mine:
+                    if keep:
+                        answer, failed = _publish(runner, sequence, caches[id(sequence)], sequence.num_tokens)
+                        answers[id(sequence)] = answer
+                        unpublishable += failed
+            kept = [batch for batch in batches if len(batch)]
+            if runner.info.batchable:
+                if joining and not kept:
+                    kept.append(DecodeBatch(runner))
+                if joining:
+                    kept[0].join(joining)
+            else:
+                for sequence in joining:
+                    kept.append(DecodeBatch(runner))
+                    kept[-1].join([sequence])
+            emitted: list[Emitted] = []
+            failures: list[SampleFailed] = []
+            broken: list[tuple[DecodeBatch, Exception]] = []
+            steps: list[int] = []
+            for batch in kept:
+                try:
+                    tokens, failed = batch.advance()
+                except Exception as error:
+                    traceback.clear_frames(error.__traceback__)
+                    broken.append((batch, error))
+                    continue
+                steps.append(len(batch))
+                emitted.extend(tokens)
+                failures.extend(failed)
+            return _DecodeOutcome(kept, emitted, failures, answers, unpublishable, broken, steps)
+
+        outcome = await self._compute(job)
+        self._batches = [batch for batch in outcome.batches if all(batch is not b for b, _ in outcome.broken)]
+        self._num_decode_steps += len(outcome.steps)
+        self._num_decode_rows += sum(outcome.steps)
+        self._num_unpublishable += outcome.unpublishable
+        for sequence, keep in leaving:
+            if keep and not sequence.cancelled:
+                answer = outcome.answers.get(id(sequence))
+                self._count_published(answer, False)
+                if answer is not None:
+                    sequence.emit(answer)
+                self._finish(sequence, sequence.final)
+            else:
+                self._forget(sequence)
+        for batch, error in outcome.broken:
+            self._num_model_errors += 1
+            for sequence in batch.rows:
+                self._finish(sequence, Failed(error=ComputeFailed(sequence.request_id, error)))
+        for failure in outcome.sample_failures:
+            sequence = failure.sequence
+            sequence.emit(Failed(error=ComputeFailed(sequence.request_id, failure.error)))
+            sequence.cancelled = True
+            self._leaving[id(sequence)] = (sequence, False)
+        for item in outcome.emitted:
+            self._emit_token(item)
+
+    def _emit_token(self, item: Emitted) -> None:
+        sequence = item.sequence
+        if sequence.cancelled or id(sequence) in self._leaving:
+            return
+        if item.token in sequence.stop_tokens:
+            sequence.generated.pop()  # the stop token is not part of the answer
+            self._end_decoding(sequence, "stop")
+            return
+        sequence.emit(Token(token=item.token, logprobs=item.logprobs))
+        if len(sequence.generated) >= sequence.max_tokens:
+            self._end_decoding(sequence, "length")
+
+    def _end_decoding(self, sequence: Sequence, reason: Literal["stop", "length"]) -> None:
+        """Make a finished row leave the batch; its answer is published as it leaves."""
+        size = sequence.block_size
+        sequence.final = Finished(reason=reason, num_stored=sequence.num_tokens // size * size)
+        self._leaving[id(sequence)] = (sequence, True)
+
+    # -- statistics ------------------------------------------------------------------
 
     def compute_statistics(self) -> ComputeStatistics:
         """A snapshot of the counters, the live requests and the thread."""
+        decoding = sum(len(batch) for batch in self._batches) + len(self._joining)
+        decoding -= sum(sequence.cancelled for sequence, _ in self._leaving.values())
         return ComputeStatistics(
-            num_live=len(self._requests),
-            num_prefilling=len(self._prefilling),
+            num_live=len(self._live),
+            num_prefilling=len(self._queue),
+            num_decoding=decoding,
             num_prefill_tokens=self._num_prefill_tokens,
             num_cached_tokens=self._num_cached_tokens,
             num_prefill_chunks=self._num_prefill_chunks,
             num_decode_steps=self._num_decode_steps,
-            num_detached_blocks=self._num_detached_blocks,
+            num_decode_rows=self._num_decode_rows,
+            num_batched=bool(self._info is not None and self._info.batchable),
+            num_published_blocks=self._num_published_blocks,
+            num_cold_fallbacks=self._num_cold_fallbacks,
+            num_unpublishable=self._num_unpublishable,
             num_model_errors=self._num_model_errors,
-            num_abandoned=self._num_abandoned,
+            num_cancelled=self._num_cancelled,
             thread=self._thread.statistics(),
         )
 
 
-def _snapshot(cache: list[Any]) -> tuple[Optional[tuple[Any, ...]], ...]:
-    """Runs on the MLX thread: owned copies of every recurrent layer's state."""
+#: Sent to test whether a stream still has a reader; never delivered.
+_PROBE = object()
+
+
+def _send(events: MemoryObjectSendStream[Any], event: Any) -> bool:
+    """Put ``event`` on a request's stream; False if nobody reads it any more.
+
+    ``_PROBE`` only asks the question. The stream is sized by
+    :func:`events_needed`, so it is never full.
+    """
+    if event is _PROBE:
+        return events.statistics().open_receive_streams > 0
+    try:
+        events.send_nowait(event)
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+        return False
+    except anyio.WouldBlock:
+        raise AssertionError("a request's event stream is full: it was sized too small") from None
+    return True
+
+
+def _first_token(sequence: Sequence, logits: Any) -> tuple[int, Any]:
+    """Runs on the MLX thread: the first token, sampled from the last prompt
+    position, and the log-probabilities it was drawn from."""
     import mlx.core as mx
-    from mlx_lm.models.cache import ArraysCache
 
-    state = tuple(
-        tuple(None if a is None else mx.array(a) for a in layer.cache)
-        if isinstance(layer, ArraysCache)
-        else None
-        for layer in cache
-    )
-    mx.eval([a for group in state if group for a in group if a is not None])
-    return state
+    logprobs = logits - mx.logsumexp(logits, keepdims=True)
+    if sequence.sampler is None:
+        token = mx.argmax(logprobs)
+    else:
+        token = sequence.sampler(logprobs[None])[0]
+    return int(token.item()), logprobs
 
 
-def _discard(_result: Any) -> None:
-    """Orphan callback: a result nobody waits for holds only references; drop them."""
+def _publish(
+    runner: ModelRunner, sequence: Sequence, cache: Any, end: Optional[int] = None
+) -> tuple[Optional[Published], bool]:
+    """Runs on the MLX thread: the full blocks of ``cache`` not published yet.
+
+    Covers ``end`` tokens (default: all computed). A KV that cannot be
+    sliced exactly stops publishing for this request.
+
+    Returns:
+        The blocks (None if there are none), and whether slicing failed.
+    """
+    size = sequence.block_size
+    stop = (sequence.num_computed if end is None else end) // size
+    start = sequence.num_published
+    if start < 0 or stop <= start:
+        return None, False
+    try:
+        payloads = runner.slice_blocks(sequence, cache, start, stop)
+    except kv_state.NotReconstructable:
+        sequence.num_published = -1  # never again: this KV cannot be cut exactly
+        return None, True
+    sequence.num_published = stop
+    return Published(start=start, payloads=payloads), False
 
 
 class ComputeHandle(ActorHandle):
@@ -993,69 +960,45 @@ class ComputeHandle(ActorHandle):
     Every call is a cancellation point unless documented otherwise.
     """
 
-    async def prefill(
+    async def generate(
         self,
         request_id: str,
-        tokens: Sequence[int],
+        prompt: Seq[int],
         *,
-        prefix: Sequence[BlockPayload] = (),
+        events: MemoryObjectSendStream[Event],
+        prefix: Seq[BlockPayload] = (),
         sampling: Sampling = GREEDY,
-        block_size: Optional[int] = None,
-    ) -> Step:
-        """See :class:`Prefill`. On cancellation the request's cache is dropped.
+        max_tokens: int,
+        block_size: int,
+        stop_tokens: Optional[frozenset[int]] = None,
+        keep_logits: bool = False,
+    ) -> None:
+        """Send :class:`Generate`; the request's events arrive on ``events``.
 
         Raises:
-            DuplicateRequest: ``request_id`` is live.
-            InvalidInput: bad tokens, sampling or block size.
-            NotReconstructable: ``prefix`` cannot be rebuilt for this model.
-            ComputeFailed: the model call raised; nothing is left behind.
-            UnknownRequest: the request was dropped while prefilling.
             ActorFailed: the actor is not running.
         """
-        return await self._ref.ask(
-            Prefill,
-            request_id=request_id,
-            tokens=tuple(tokens),
-            prefix=tuple(prefix),
-            sampling=sampling,
-            block_size=block_size,
+        await self._ref.tell(
+            Generate(
+                request_id=request_id,
+                prompt=tuple(prompt),
+                prefix=tuple(prefix),
+                sampling=sampling,
+                max_tokens=max_tokens,
+                block_size=block_size,
+                stop_tokens=stop_tokens,
+                keep_logits=keep_logits,
+                events=events,
+            )
         )
 
-    async def decode_step(self, request_id: str, token: int) -> Step:
-        """See :class:`DecodeStep`.
-
-        Raises:
-            UnknownRequest: no such live request.
-            InvalidInput: bad token, or the request is still prefilling.
-            ComputeFailed: this or an earlier model call of the request raised.
-            ActorFailed: the actor is not running.
-        """
-        return await self._ref.ask(DecodeStep, request_id=request_id, token=token)
-
-    async def detach_blocks(
-        self, request_id: str, block_size: int, start: int, stop: int
-    ) -> tuple[BlockPayload, ...]:
-        """See :class:`DetachBlocks`.
-
-        Raises:
-            UnknownRequest: no such live request.
-            InvalidInput: a block out of range or not full yet.
-            NotReconstructable: the cache cannot be sliced exactly (a wrapped
-                sliding window).
-            ComputeFailed: an earlier model call of the request raised.
-            ActorFailed: the actor is not running.
-        """
-        return await self._ref.ask(
-            DetachBlocks, request_id=request_id, block_size=block_size, start=start, stop=stop
-        )
-
-    async def drop(self, request_id: str) -> None:
-        """Send :class:`Drop`; shielded from cancellation.
+    async def cancel(self, request_id: str) -> None:
+        """Send :class:`Cancel`; shielded from cancellation.
 
         Raises:
             ActorFailed: the actor is not running.
         """
-        await self._ref.tell_shielded(Drop(request_id=request_id))
+        await self._ref.tell_shielded(Cancel(request_id=request_id))
 
     async def encode(
         self, text: str, *, add_special_tokens: bool = True, request_id: Optional[str] = None
@@ -1065,7 +1008,7 @@ class ComputeHandle(ActorHandle):
             EncodeText, text=text, add_special_tokens=add_special_tokens, request_id=request_id
         )
 
-    async def decode_text(self, tokens: Sequence[int]) -> str:
+    async def decode_text(self, tokens: Seq[int]) -> str:
         """See :class:`DecodeText`.
 
         Raises:

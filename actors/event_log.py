@@ -64,7 +64,7 @@ class EventLog:
 
     def _emit(self, level: int, method: str, event: str, fields: dict[str, Any]) -> None:
         if structlog.is_configured():
-            getattr(_STRUCTLOG, method)(event, **self._context, **fields)
+            getattr(_STRUCTLOG, method)(event, **{**self._context, **fields})
         elif _STDLIB.isEnabledFor(level):
             merged = {**self._context, **fields}
             text = " ".join(f"{key}={value!r}" for key, value in merged.items())

@@ -16,16 +16,29 @@ A request table owns one reference to every block it lists. References move
 into a table only through :class:`Record` and :class:`Adopt` (which callers
 send shielded from cancellation), and out of it only through :class:`Close`,
 whose reply the caller must release.
+
+In-flight blocks. A request that will compute its prompt can *claim* the
+hashes of the blocks it is about to compute (``Begin(claim=True)``): a
+later request whose chain reaches a claimed hash is told to wait instead
+(an ``anyio.Event`` in its :class:`PrefixMatch`) and claims nothing. The
+event is set when the last claimed block it waits for is published (a
+:class:`Record` of stored blocks) or when the claim is dropped -- the
+claimant released its table, failed, or sent :class:`Unclaim` (it could not
+store a block). The waiter then asks again (:class:`Rematch`): it takes the
+blocks now cached, and waits again or claims the rest and computes it
+itself. A request claims only while nothing ahead of it in its chain is in
+flight, so no two requests wait on each other. Claims are hints too: a
+missing or stale one costs a block computed twice, never a wrong block.
 """
 
 from __future__ import annotations
 
 from array import array
 from collections import Counter
+import anyio
 from collections.abc import Mapping, Sequence
 from typing import Any, NewType, Optional
 
-import anyio
 import attrs
 
 from mlxkv.actors.actor import Actor, ActorHandle, Ask, Message, Tell
@@ -49,11 +62,13 @@ __all__ = [
     "PrefixIndexStatistics",
     "PrefixMatch",
     "Record",
+    "Rematch",
     "RequestId",
     "Snapshot",
     "Statistics",
     "TableSnapshot",
     "TokenIds",
+    "Unclaim",
 ]
 
 #: A caller-chosen request name, unique among active requests.
@@ -65,16 +80,28 @@ class PrefixMatch:
     """Reply to :class:`Begin`.
 
     Attributes:
-        hashes: the chained hash of every full block of the tokens.
+        hashes: the chained hash of every full block of the tokens (for
+            :class:`Rematch`, of those beyond the blocks the request holds).
         num_hinted: how many leading hashes are believed cached.
+        wait: set when the blocks in flight right after the hinted ones are
+            published or abandoned; then :class:`Rematch`. None if nothing
+            ahead is in flight.
+        num_claimed: hashes this request claimed to compute.
     """
 
     hashes: tuple[BlockHash, ...]
     num_hinted: int
+    wait: Optional[anyio.Event] = attrs.field(default=None, eq=False, repr=False)
+    num_claimed: int = 0
 
-    def trace_fields(self) -> dict[str, int]:
+    def trace_fields(self) -> dict[str, Any]:
         """The lookup's result, for tracing."""
-        return {"blocks": len(self.hashes), "hinted": self.num_hinted}
+        return {
+            "blocks": len(self.hashes),
+            "hinted": self.num_hinted,
+            "waits": self.wait is not None,
+            "claimed": self.num_claimed,
+        }
 
 
 @attrs.frozen(kw_only=True)
@@ -143,6 +170,11 @@ class PrefixIndexStatistics:
         num_hinted_blocks: blocks the hints promised at lookup.
         num_stale_hints: lookups that got fewer blocks than hinted.
         num_forgotten: hints dropped (evictions announced, stale hints).
+        num_in_flight: hashes claimed by a request computing them now.
+        num_claimed: hashes claimed in all.
+        num_waits: lookups told to wait for blocks in flight.
+        num_abandoned_claims: claims dropped before their block was
+            published (the claimant failed, left or could not store).
     """
 
     num_active_requests: int
@@ -153,6 +185,10 @@ class PrefixIndexStatistics:
     num_hinted_blocks: int
     num_stale_hints: int
     num_forgotten: int
+    num_in_flight: int = 0
+    num_claimed: int = 0
+    num_waits: int = 0
+    num_abandoned_claims: int = 0
 
     @property
     def num_misses(self) -> int:
@@ -164,11 +200,25 @@ class PrefixIndexStatistics:
 class Begin(Ask[PrefixMatch]):
     """Open a table for ``request_id`` and match its tokens against the hints.
 
-    Raises DuplicateRequest if the request is active.
+    With ``claim``, also claim the blocks it will compute, or be told to wait
+    for blocks in flight (see the module docstring). Raises DuplicateRequest
+    if the request is active.
     """
 
     tokens: Sequence[int]
     extra_keys: tuple[Any, ...] = ()
+    claim: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class Rematch(Ask[PrefixMatch]):
+    """Match the request's blocks beyond those it holds again, after a wait;
+    claim them or wait again, as :class:`Begin` with ``claim``."""
+
+
+@attrs.frozen(kw_only=True)
+class Unclaim(Tell):
+    """Drop every claim of ``request_id``: it will not publish those blocks."""
 
 
 @attrs.frozen(kw_only=True)
@@ -259,6 +309,15 @@ class _Table:
     tail: TokenIds = attrs.field(factory=lambda: array("I"))
     tail_hashes: tuple[BlockHash, ...] = ()
     num_hinted: int = 0
+    claimed: set[BlockHash] = attrs.field(factory=set)
+
+
+@attrs.define(slots=True)
+class _Claim:
+    """A hash a request is computing; ``event`` is made once someone waits."""
+
+    owner: str
+    event: Optional[anyio.Event] = None
 
 
 class PrefixIndexActor(Actor):
@@ -267,11 +326,13 @@ class PrefixIndexActor(Actor):
     Owns: the hint set (hashes believed cached, oldest first, at most
     ``max_hints``), one table per active request (held block ids and hashes,
     the tail of known tokens with its precomputed hashes, the request's extra
-    keys) and hit statistics.
+    keys, the hashes it claimed), the claims in flight and hit statistics.
 
     Invariants:
         - a table lists as many hashes as block ids, in chain order;
         - a table's ``tail_hashes`` cover at most its tail's full blocks;
+        - every claim's owner has a table that lists the claimed hash, and
+          every hash a table lists as claimed has that claim;
         - every block a table lists carries one reference owned by the table
           (checked against the allocator by the runtime);
         - a handler that raises a CacheError has changed nothing.
@@ -305,6 +366,10 @@ class PrefixIndexActor(Actor):
         self._max_hints = max_hints
         self._hints: dict[BlockHash, None] = {}
         self._tables: dict[str, _Table] = {}
+        self._claims: dict[BlockHash, _Claim] = {}
+        self._num_claimed = 0
+        self._num_waits = 0
+        self._num_abandoned_claims = 0
         self._num_lookups = 0
         self._num_hits = 0
         self._num_hit_blocks = 0
@@ -321,12 +386,19 @@ class PrefixIndexActor(Actor):
         match message:
             case Begin():
                 return self._begin(message)
+            case Rematch():
+                return self._rematch(message)
+            case Unclaim():
+                table = self._tables.get(message.request_id)  # type: ignore[arg-type]
+                return None if table is None else self._unclaim(table)
             case Record():
                 return self._record(message)
             case Extend():
                 return self._extend(message)
             case Close():
-                return tuple(self._table(message.request_id, pop=True).block_ids)
+                table = self._table(message.request_id, pop=True)
+                self._unclaim(table)
+                return tuple(table.block_ids)
             case Snapshot():
                 return self._snapshot(message)
             case Adopt():
@@ -365,18 +437,70 @@ class PrefixIndexActor(Actor):
         hashes = tuple(
             hash_block_chain(tokens, self._block_size, extra_keys=message.extra_keys or None)
         )
+        num_hinted = self._num_hinted(hashes)
+        table = _Table(
+            extra_keys=message.extra_keys, tail=tokens, tail_hashes=hashes, num_hinted=num_hinted
+        )
+        self._tables[request_id] = table
+        self._num_lookups += 1
+        self._num_hinted_blocks += num_hinted
+        if not message.claim:
+            return PrefixMatch(hashes=hashes, num_hinted=num_hinted)
+        return self._claim_or_wait(request_id, table, hashes, num_hinted)
+
+    def _rematch(self, message: Rematch) -> PrefixMatch:
+        request_id = _request_id(message.request_id)
+        table = self._table(request_id)
+        hashes = table.tail_hashes
+        table.num_hinted = self._num_hinted(hashes)
+        self._num_hinted_blocks += table.num_hinted
+        return self._claim_or_wait(request_id, table, hashes, table.num_hinted)
+
+    def _num_hinted(self, hashes: Sequence[BlockHash]) -> int:
         hints = self._hints
-        num_hinted = 0
+        count = 0
         for block_hash in hashes:
             if block_hash not in hints:
                 break
-            num_hinted += 1
-        self._tables[request_id] = _Table(
-            extra_keys=message.extra_keys, tail=tokens, tail_hashes=hashes, num_hinted=num_hinted
-        )
-        self._num_lookups += 1
-        self._num_hinted_blocks += num_hinted
-        return PrefixMatch(hashes=hashes, num_hinted=num_hinted)
+            count += 1
+        return count
+
+    def _claim_or_wait(
+        self, request_id: str, table: _Table, hashes: tuple[BlockHash, ...], start: int
+    ) -> PrefixMatch:
+        """Wait for the run of blocks in flight at ``start``, or claim every
+        unclaimed block from there on."""
+        claims = self._claims
+        position = start
+        while position < len(hashes):
+            claim = claims.get(hashes[position])
+            if claim is None or claim.owner == request_id:
+                break
+            position += 1
+        if position > start:
+            last = claims[hashes[position - 1]]
+            if last.event is None:
+                last.event = anyio.Event()
+            self._num_waits += 1
+            return PrefixMatch(hashes=hashes, num_hinted=start, wait=last.event)
+        hints = self._hints
+        claimed = 0
+        for block_hash in hashes[start:]:
+            if block_hash not in claims and block_hash not in hints:
+                claims[block_hash] = _Claim(owner=request_id)
+                table.claimed.add(block_hash)
+                claimed += 1
+        self._num_claimed += claimed
+        return PrefixMatch(hashes=hashes, num_hinted=start, num_claimed=claimed)
+
+    def _unclaim(self, table: _Table) -> None:
+        """Drop a table's claims; whoever waits on them takes over."""
+        for block_hash in table.claimed:
+            claim = self._claims.pop(block_hash)
+            self._num_abandoned_claims += 1
+            if claim.event is not None:
+                claim.event.set()
+        table.claimed.clear()
 
     def _record(self, message: Record) -> int:
         table = self._table(message.request_id)
@@ -397,7 +521,7 @@ class PrefixIndexActor(Actor):
         stale = ()
         if message.hit:
             if grants:
-                self._num_hits += 1
+                self._num_hits += held == 0
                 self._num_hit_blocks += len(grants)
             if len(grants) < table.num_hinted:
                 self._num_stale_hints += 1
@@ -483,6 +607,7 @@ class PrefixIndexActor(Actor):
     def _discard(self, message: Discard) -> None:
         table = self._tables.get(message.request_id)  # type: ignore[arg-type]
         if table is not None and not table.block_ids:
+            self._unclaim(table)
             del self._tables[message.request_id]  # type: ignore[arg-type]
 
     def _forget(self, hashes: tuple[BlockHash, ...]) -> None:
@@ -494,8 +619,14 @@ class PrefixIndexActor(Actor):
 
     def _publish(self, hashes: tuple[BlockHash, ...]) -> None:
         hints = self._hints
+        claims = self._claims
         for block_hash in hashes:
             hints[block_hash] = None
+            claim = claims.pop(block_hash, None)
+            if claim is not None:
+                self._tables[claim.owner].claimed.discard(block_hash)
+                if claim.event is not None:
+                    claim.event.set()
         # A bound on memory, not on correctness: dropping a hint only costs
         # a missed reuse.
         excess = len(hints) - self._max_hints
@@ -514,6 +645,10 @@ class PrefixIndexActor(Actor):
             num_hinted_blocks=self._num_hinted_blocks,
             num_stale_hints=self._num_stale_hints,
             num_forgotten=self._num_forgotten,
+            num_in_flight=len(self._claims),
+            num_claimed=self._num_claimed,
+            num_waits=self._num_waits,
+            num_abandoned_claims=self._num_abandoned_claims,
         )
 
     def _check(self) -> IndexReport:
@@ -532,7 +667,15 @@ class PrefixIndexActor(Actor):
                 )
             if len(set(table.block_ids)) != len(table.block_ids):
                 violations.append(f"prefix_index: table {request_id!r} lists a block twice")
+            for block_hash in table.claimed:
+                claim = self._claims.get(block_hash)
+                if claim is None or claim.owner != request_id:
+                    violations.append(f"prefix_index: table {request_id!r} lists a claim it does not own")
             holdings.update(table.block_ids)
+        for block_hash, claim in self._claims.items():
+            owner = self._tables.get(claim.owner)
+            if owner is None or block_hash not in owner.claimed:
+                violations.append(f"prefix_index: a claim of {claim.owner!r} has no table listing it")
         if len(self._hints) > self._max_hints:
             violations.append(f"prefix_index: {len(self._hints)} hints, bound is {self._max_hints}")
         return IndexReport(violations=tuple(violations), holdings=dict(holdings))
@@ -560,7 +703,12 @@ class PrefixIndexHandle(ActorHandle):
     """
 
     async def begin(
-        self, request_id: str, tokens: Sequence[int], extra_keys: tuple[Any, ...] = ()
+        self,
+        request_id: str,
+        tokens: Sequence[int],
+        extra_keys: tuple[Any, ...] = (),
+        *,
+        claim: bool = False,
     ) -> PrefixMatch:
         """See :class:`Begin`.
 
@@ -570,7 +718,7 @@ class PrefixIndexHandle(ActorHandle):
             ActorFailed: the actor is not running.
         """
         return await self._ref.ask(
-            Begin, request_id=request_id, tokens=tokens, extra_keys=extra_keys
+            Begin, request_id=request_id, tokens=tokens, extra_keys=extra_keys, claim=claim
         )
 
     async def record(
@@ -648,6 +796,23 @@ class PrefixIndexHandle(ActorHandle):
         """
         with _shield():
             return await self._ref.ask(Close, request_id=request_id)
+
+    async def rematch(self, request_id: str) -> PrefixMatch:
+        """See :class:`Rematch`.
+
+        Raises:
+            UnknownRequest: the request is not active.
+            ActorFailed: the actor is not running.
+        """
+        return await self._ref.ask(Rematch, request_id=request_id)
+
+    async def unclaim(self, request_id: str) -> None:
+        """Send :class:`Unclaim`; shielded.
+
+        Raises:
+            ActorFailed: the actor is not running.
+        """
+        await self._ref.tell_shielded(Unclaim(request_id=request_id))
 
     async def discard(self, request_id: str) -> None:
         """Send :class:`Discard`; shielded.

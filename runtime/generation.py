@@ -5,37 +5,39 @@
 ends with one :class:`GenerationReport`. Its flow:
 
 1. tokenize a text prompt (compute actor, ``EncodeText``);
-2. :meth:`~mlxkv.runtime.CacheRuntime.fetch` the prompt *minus its last
-   token*: the longest cached full-block prefix, so that at least one prompt
-   token is computed and yields the logits the first token is sampled from;
-3. rebuild the prefix from the leading reconstructable payloads (a hybrid
-   model's chain ends at the last block with a recurrent snapshot) and
-   ``Prefill`` only the rest -- cold if the payloads cannot be rebuilt;
-4. store the prompt's new full blocks at once (``DetachBlocks`` then
-   ``store``), so that concurrent requests with the same prefix share them
-   while this one decodes;
-5. decode, one ``DecodeStep`` per token, streaming text through a
-   per-request detokenizer; stop at an end-of-sequence token or
-   ``max_tokens``;
-6. store the full blocks of the generated tokens too, so that the next turn
-   of a conversation (prompt + answer + new text) reuses the answer;
+2. fetch the prompt *minus its last token* (so that at least one prompt token
+   is computed and yields the logits the first token is sampled from),
+   sharing what others compute: take every cached full block of its prefix;
+   if the blocks right after them are being computed by another request,
+   wait for them to be published and take them too; claim the rest (see
+   :mod:`mlxkv.actors.prefix_index`);
+3. hand the compute actor the prompt and the leading reconstructable
+   payloads (a hybrid model's chain ends at the last block with a recurrent
+   snapshot, and every block it publishes has one); it rebuilds the prefix,
+   prefills the rest in chunks and decodes in its batch
+   (:mod:`mlxkv.actors.compute`);
+4. store each chunk's new full blocks as soon as they are published, so that
+   requests waiting for them go on at once; drop the remaining claims once
+   the prompt is computed (or a store fails), so that no one waits in vain;
+5. stream tokens through a per-request detokenizer; stop at an
+   end-of-sequence token or ``max_tokens``;
+6. store the full blocks of the answer too, so that the next turn of a
+   conversation (prompt + answer + new text) reuses it;
 7. on every exit -- normal, error, cancellation, or the consumer closing the
-   iterator early -- drop the compute cache and release the request's
-   blocks, shielded.
+   iterator early -- cancel the compute request and release the request's
+   blocks (which drops its claims: waiters take over), shielded.
 
-Storing is best effort: a pool too small for the new blocks
-(``OutOfBlocks``) or a cache that cannot be sliced exactly (a wrapped
-sliding window) only means the blocks are not cached; generation goes on.
+Storing is best effort: a pool too small for the new blocks (``OutOfBlocks``)
+or KV that cannot be sliced exactly (a wrapped sliding window) only means the
+blocks are not cached; generation goes on. Both are counted in the runtime's
+statistics and reported as warnings, as is a cached prefix that could not be
+rebuilt (then the whole prompt is computed).
 
 Only the awaits on actors count as calls in flight (so ``async with`` exit
 waits for them); a generation parked at a ``yield`` does not keep the runtime
-open. Fairness between concurrent generations is the compute actor's: one
-decode step per active request per round (see :mod:`mlxkv.actors.compute`).
-
-Images are keys only for now: ``images=`` namespaces the request's blocks
-(two requests share blocks only with the same images, in the same order), but
-the text model does not see them; running a vision-language model end to end
-comes with a later issue.
+open. Images are keys only for now: ``images=`` namespaces the request's
+blocks (two requests share blocks only with the same images, in the same
+order), but a text model does not see them.
 """
 
 from __future__ import annotations
@@ -47,10 +49,21 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import anyio
 import attrs
-import structlog
 
 from mlxkv.actors.actor import ActorFailed
-from mlxkv.actors.compute import ComputeHandle, ModelInfo, Sampling
+from mlxkv.actors.compute import (
+    ComputeHandle,
+    Event,
+    Failed,
+    Finished,
+    Prefilled,
+    Published,
+    Token,
+    events_needed,
+)
+from mlxkv.actors.event_log import EventLog
+from mlxkv.actors.model_runner import ModelInfo
+from mlxkv.actors.sampling import Sampling
 from mlxkv.cache import kv_state
 from mlxkv.cache.errors import InvalidInput, OutOfBlocks
 from mlxkv.cache.token_ids import check_token_ids
@@ -61,6 +74,7 @@ if TYPE_CHECKING:
 __all__ = ["GeneratedToken", "Generation", "GenerationReport", "Record"]
 
 _ids = itertools.count()
+_LOG = EventLog(component="generation")
 
 
 @attrs.frozen(kw_only=True)
@@ -225,26 +239,36 @@ async def run_generation(
     started = time.perf_counter()
     block_size = runtime.config.block_size
     request_id = request.request_id
-    fetched = live = False
+    counts = runtime._generation_counts
+    log = _LOG.bind(request_id=request_id)
+    fetched = live = done = False
+    storing = True  # until a store fails: later blocks cannot follow a gap
     stored_blocks = stored_bytes = 0
+    prompt: tuple[int, ...] = ()
+    generated: list[int] = []
+    counts["started"] += 1
 
-    async def store(tokens: Sequence[int], held: int) -> int:
-        """Detach and store the full blocks of ``tokens`` past ``held``; best effort."""
-        nonlocal stored_blocks, stored_bytes
-        full = len(tokens) // block_size
-        if full <= held:
+    async def store(published: Published, held: int) -> int:
+        """Store the published blocks beyond the ``held`` ones; best effort."""
+        nonlocal storing, stored_blocks, stored_bytes
+        end = published.start + len(published.payloads)
+        if not storing or end <= held:
             return held
+        payloads = published.payloads[held - published.start :]
+        tokens = (prompt + tuple(generated))[: end * block_size]
         try:
             with runtime._call():
-                payloads = await compute.detach_blocks(request_id, block_size, held, full)
-                result = await runtime.store(request_id, tokens[: full * block_size], payloads)
-        except (OutOfBlocks, kv_state.NotReconstructable) as error:
-            _warn_unstored(runtime, request_id, error)
+                result = await runtime.store(request_id, tokens, payloads)
+        except OutOfBlocks as error:
+            storing = False
+            counts["blocks_not_stored"] += len(payloads)
+            log.warning("generation.not_stored", blocks=len(payloads), error=str(error))
+            with runtime._call():
+                await runtime._index.unclaim(request_id)  # waiters compute it themselves
             return held
         new = result.num_blocks - result.num_reused
         stored_blocks += new
-        # Blocks of one model are alike in size; which ones were reused
-        # (their payload dropped) does not matter for the count.
+        # Blocks of one model are alike in size.
         stored_bytes += new * payloads[0].nbytes
         return result.num_held_blocks
 
@@ -257,66 +281,84 @@ async def run_generation(
                 _check_context(len(prompt), request.max_tokens, info)
             else:
                 prompt = request.prompt
+            _check_pool(runtime, len(prompt), log)
             detokenizer = await compute.new_detokenizer(request_id=request_id)
             # The last prompt token stays out of the lookup: it must be
             # computed to give the logits the first token is sampled from.
-            fetch = await runtime.fetch(
-                request_id, prompt[:-1], images=request.images, cache_salt=request.cache_salt
+            fetch = await runtime._fetch(
+                request_id,
+                prompt[:-1],
+                images=request.images,
+                cache_salt=request.cache_salt,
+                share=True,
             )
             fetched = True
-            payloads = fetch.payloads
-            usable = kv_state.num_reconstructable_blocks(payloads)
+            held = len(fetch.grants)
+            usable = kv_state.num_reconstructable_blocks(fetch.payloads)
+            events_in, events = anyio.create_memory_object_stream[Event](
+                events_needed(len(prompt), request.max_tokens, block_size, info.prefill_chunk)
+            )
             try:
-                step = await compute.prefill(
+                # From here on the compute actor owns (and closes) ``events_in``.
+                await compute.generate(
                     request_id,
-                    prompt[usable * block_size :],
-                    prefix=payloads[:usable],
+                    prompt,
+                    events=events_in,
+                    prefix=fetch.payloads[:usable],
                     sampling=request.sampling,
+                    max_tokens=request.max_tokens,
                     block_size=block_size,
                 )
-            except kv_state.NotReconstructable as error:
-                _warn_unstored(runtime, request_id, error)
-                step = await compute.prefill(
-                    request_id, prompt, sampling=request.sampling, block_size=block_size
-                )
+            except BaseException:
+                events_in.close()
+                events.close()
+                raise
             live = True
-        first_token_at = time.perf_counter()
-        prompt_logits = step.logits
-        cached_tokens = step.num_cached
-        held = await store(prompt, len(fetch.grants))
-
-        sequence = list(prompt)  # the tokens in the compute cache
-        generated: list[int] = []
-        eos = info.eos_token_ids
+        first_token_at = finished_at = time.perf_counter()
+        prefilled: Optional[Prefilled] = None
         finish: Literal["stop", "length"] = "length"
-        while True:
-            token = step.token
-            if token in eos:
-                finish = "stop"
-                break
-            generated.append(token)
-            detokenizer.add_token(token)
-            last = len(generated) >= request.max_tokens
-            if last:
-                detokenizer.finalize()
-            yield GeneratedToken(
-                index=len(generated) - 1, token=token, text=detokenizer.last_segment
-            )
-            if last:
-                break
-            with runtime._call():
-                step = await compute.decode_step(request_id, token)
-            sequence.append(token)
-        finished_at = time.perf_counter()
+        with events:
+            while True:
+                with runtime._call():
+                    try:
+                        event = await events.receive()
+                    except anyio.EndOfStream:
+                        raise runtime._closed_error() from None
+                    if isinstance(event, Published):
+                        held = await store(event, held)
+                        continue
+                    if isinstance(event, Prefilled):
+                        prefilled = event
+                        first_token_at = time.perf_counter()
+                        if event.cold_fallback:
+                            counts["cold_fallbacks"] += 1
+                        await runtime._index.unclaim(request_id)
+                        continue
+                if isinstance(event, Token):
+                    generated.append(event.token)
+                    detokenizer.add_token(event.token)
+                    last = len(generated) >= request.max_tokens
+                    if last:
+                        detokenizer.finalize()
+                    yield GeneratedToken(
+                        index=len(generated) - 1, token=event.token, text=detokenizer.last_segment
+                    )
+                elif isinstance(event, Finished):
+                    finish = event.reason
+                    finished_at = time.perf_counter()
+                    break
+                else:
+                    assert isinstance(event, Failed), f"unexpected event {event!r}"
+                    raise event.error
+        done = True
         if finish == "stop":
             detokenizer.finalize()
-        await store(sequence, held)
-
+        assert prefilled is not None, "a request finished without its prompt"
         decode_time = finished_at - first_token_at
         report = GenerationReport(
             request_id=request_id,
             prompt_tokens=len(prompt),
-            cached_tokens=cached_tokens,
+            cached_tokens=prefilled.num_cached,
             generated_tokens=len(generated),
             finish_reason=finish,
             tokens=tuple(generated),
@@ -328,13 +370,12 @@ async def run_generation(
             total_time=finished_at - started,
             stored_blocks=stored_blocks,
             stored_bytes=int(stored_bytes),
-            prompt_logits=prompt_logits,
+            prompt_logits=prefilled.logits,
         )
+        counts["finished"] += 1
         if runtime.config.trace:
-            structlog.get_logger("mlxkv").info(
+            log.info(
                 "generation.finished",
-                component="generation",
-                request_id=request_id,
                 prompt_tokens=report.prompt_tokens,
                 cached_tokens=report.cached_tokens,
                 generated_tokens=report.generated_tokens,
@@ -343,15 +384,32 @@ async def run_generation(
                 decode_tps=round(report.decode_tokens_per_second, 1),
             )
         yield report
+    except BaseException:
+        if not done:
+            counts["stopped"] += 1
+        raise
     finally:
         with anyio.CancelScope(shield=True):
-            if live:
+            if live and not done:
                 try:
-                    await compute.drop(request_id)
+                    await compute.cancel(request_id)
                 except ActorFailed:
-                    pass  # the compute actor is gone, and every cache with it
+                    pass  # the compute actor is gone, and every request with it
             if fetched:
                 await runtime._abandon(request_id)
+
+
+def _check_pool(runtime: CacheRuntime, num_prompt: int, log: EventLog) -> None:
+    """Warn (once per request) when the prompt alone outgrows the block pool."""
+    blocks = num_prompt // runtime.config.block_size
+    if blocks > runtime._num_blocks - 1:
+        runtime._generation_counts["prompts_over_pool"] += 1
+        log.warning(
+            "generation.prompt_exceeds_pool",
+            prompt_blocks=blocks,
+            pool_blocks=runtime._num_blocks - 1,
+            detail="the prompt cannot be cached whole; raise kv_memory or max_blocks",
+        )
 
 
 def _check_context(num_prompt: int, max_tokens: int, info: ModelInfo) -> None:
@@ -368,14 +426,3 @@ def _check_context(num_prompt: int, max_tokens: int, info: ModelInfo) -> None:
             f"the prompt's {num_prompt} tokens plus {max_tokens} new ones exceed the"
             f" model's context of {limit} tokens",
         )
-
-
-def _warn_unstored(runtime: CacheRuntime, request_id: str, error: BaseException) -> None:
-    if runtime.config.trace:
-        structlog.get_logger("mlxkv").info(
-            "generation.not_cached",
-            component="generation",
-            request_id=request_id,
-            error=f"{type(error).__name__}: {error}",
-        )
-

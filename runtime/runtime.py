@@ -21,6 +21,7 @@ is always shielded. So at every await the owner of each reference is known.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import sys
@@ -40,13 +41,9 @@ from mlxkv.actors.allocator import (
     BlockId,
     Grants,
 )
-from mlxkv.actors.compute import (
-    ComputeActor,
-    ComputeHandle,
-    ComputeStatistics,
-    ModelInfo,
-    Sampling,
-)
+from mlxkv.actors.compute import ComputeActor, ComputeHandle, ComputeStatistics
+from mlxkv.actors.model_runner import ModelInfo
+from mlxkv.actors.sampling import Sampling
 from mlxkv.actors.model_source import check_model_source
 from mlxkv.actors.image_cache import (
     ImageCacheActor,
@@ -73,6 +70,7 @@ if sys.version_info < (3, 11):  # pragma: no cover
 __all__ = [
     "CacheRuntime",
     "FetchResult",
+    "GenerationStatistics",
     "KVMemoryStatistics",
     "RequestHandle",
     "RuntimeConfig",
@@ -221,6 +219,31 @@ class KVMemoryStatistics:
 
 
 @attrs.frozen(kw_only=True)
+class GenerationStatistics:
+    """What ``generate`` calls did.
+
+    Attributes:
+        num_started: generations that began.
+        num_finished: generations that ended with their report.
+        num_stopped: generations that ended otherwise (cancelled, failed,
+            closed early by their consumer).
+        num_blocks_not_stored: computed blocks not cached because the pool
+            had no room (``OutOfBlocks``); each case is also a warning.
+        num_cold_fallbacks: cached prefixes that could not be rebuilt, so
+            the whole prompt was computed; each is also a warning.
+        num_prompts_over_pool: prompts whose full blocks alone outnumber the
+            pool; each is also a warning.
+    """
+
+    num_started: int
+    num_finished: int
+    num_stopped: int
+    num_blocks_not_stored: int
+    num_cold_fallbacks: int
+    num_prompts_over_pool: int
+
+
+@attrs.frozen(kw_only=True)
 class RuntimeStatistics:
     """A snapshot of every actor (each consistent; together, approximately).
 
@@ -235,6 +258,7 @@ class RuntimeStatistics:
         num_in_flight: calls in progress, this one excluded.
         compute: the compute actor, or None without a model.
         memory: the pool in bytes, or None without a model.
+        generation: what ``generate`` calls did, or None without a model.
     """
 
     allocator: AllocatorStatistics
@@ -245,6 +269,7 @@ class RuntimeStatistics:
     num_in_flight: int
     compute: Optional[ComputeStatistics] = None
     memory: Optional[KVMemoryStatistics] = None
+    generation: Optional[GenerationStatistics] = None
 
     def format(self) -> str:
         """A few aligned lines a person can read."""
@@ -288,7 +313,18 @@ class RuntimeStatistics:
                 (
                     "compute",
                     f"{compute.num_prefill_tokens} tokens prefilled, {compute.num_cached_tokens}"
-                    f" reused, {compute.num_decode_steps} decode steps, {compute.num_live} live",
+                    f" reused, {compute.num_decode_steps} decode steps (mean batch"
+                    f" {compute.mean_batch_size:.1f}), {compute.num_live} live",
+                )
+            )
+        if self.generation is not None:
+            generation = self.generation
+            rows.append(
+                (
+                    "generations",
+                    f"{generation.num_finished} finished, {generation.num_stopped} stopped,"
+                    f" {generation.num_blocks_not_stored} blocks not stored,"
+                    f" {generation.num_cold_fallbacks} cold fallbacks",
                 )
             )
         rows.append(
@@ -380,6 +416,8 @@ class CacheRuntime:
         self._index: Optional[PrefixIndexHandle] = None
         self._model_info: Optional[ModelInfo] = None
         self._num_blocks = self.config.max_blocks
+        #: Counted by generations (all on the event loop): see GenerationStatistics.
+        self._generation_counts: collections.Counter[str] = collections.Counter()
 
     # -- lifecycle --------------------------------------------------------
 
@@ -574,35 +612,53 @@ class CacheRuntime:
             RuntimeClosed: the runtime is not running.
         """
         with self._call():
-            request_id = _request_id(request_id)
-            token_ids = check_token_ids(tokens)
-            salt = _salt(cache_salt)
-            images_key = await _images_key(images)
-            extra_keys = _extra_keys(salt, images_key)
-            match = await self._index.begin(request_id, token_ids, extra_keys)
-            try:
-                entry = None
-                if images_key is not None:
-                    entry = await self._images.lookup(
-                        images_key, cache_salt=salt, request_id=request_id
-                    )
-                grants = _NO_GRANTS
+            return await self._fetch(request_id, tokens, images=images, cache_salt=cache_salt)
+
+    async def _fetch(
+        self,
+        request_id: str,
+        tokens: Sequence[int],
+        *,
+        images: Optional[Sequence[Any]] = None,
+        cache_salt: Optional[str] = None,
+        share: bool = False,
+    ) -> FetchResult:
+        """:meth:`fetch`; with ``share``, also wait for prefix blocks that other
+        requests are computing right now, and claim the rest (generation's way:
+        see :mod:`mlxkv.actors.prefix_index`). The caller counts the call."""
+        request_id = _request_id(request_id)
+        token_ids = check_token_ids(tokens)
+        salt = _salt(cache_salt)
+        images_key = await _images_key(images)
+        extra_keys = _extra_keys(salt, images_key)
+        match = await self._index.begin(request_id, token_ids, extra_keys, claim=share)
+        grants: list[BlockGrant] = []
+        try:
+            entry = None
+            if images_key is not None:
+                entry = await self._images.lookup(images_key, cache_salt=salt, request_id=request_id)
+            while True:
                 if match.num_hinted:
                     # The whole chain, not just the hinted part: the allocator
                     # decides, so a hint missing for a cached block costs nothing.
-                    grants = await self._allocator.acquire(match.hashes, request_id=request_id)
-                    await self._hand_over(request_id, 0, grants, hit=True)
-            except BaseException:
-                await self._abandon(request_id)
-                raise
-            num_cached = len(grants.grants) * self.config.block_size
-            return FetchResult(
-                request_id=request_id,
-                num_cached_tokens=num_cached,
-                grants=grants.grants,
-                remaining=tuple(token_ids[num_cached:]),
-                vision_embeddings=None if entry is None else entry.vision_embeddings,
-            )
+                    acquired = await self._allocator.acquire(match.hashes, request_id=request_id)
+                    await self._hand_over(request_id, len(grants), acquired, hit=True)
+                    grants.extend(acquired.grants)
+                if match.wait is None:
+                    break
+                await match.wait.wait()
+                match = await self._index.rematch(request_id)
+        except BaseException:
+            await self._abandon(request_id)
+            raise
+        num_cached = len(grants) * self.config.block_size
+        return FetchResult(
+            request_id=request_id,
+            num_cached_tokens=num_cached,
+            grants=tuple(grants),
+            remaining=tuple(token_ids[num_cached:]),
+            vision_embeddings=None if entry is None else entry.vision_embeddings,
+        )
 
     async def store(
         self, request_id: str, tokens: Sequence[int], payloads: Sequence[Any]
@@ -778,8 +834,17 @@ class CacheRuntime:
             index = await self._index.statistics()
             images = await self._images.statistics()
             compute = None if self._compute is None else await self._compute.statistics()
-            memory = None
+            memory = generation = None
             if self._model_info is not None:
+                counts = self._generation_counts
+                generation = GenerationStatistics(
+                    num_started=counts["started"],
+                    num_finished=counts["finished"],
+                    num_stopped=counts["stopped"],
+                    num_blocks_not_stored=counts["blocks_not_stored"],
+                    num_cold_fallbacks=counts["cold_fallbacks"],
+                    num_prompts_over_pool=counts["prompts_over_pool"],
+                )
                 block_bytes = self._model_info.block_bytes(self.config.block_size)
                 memory = KVMemoryStatistics(
                     block_bytes=block_bytes,
@@ -797,6 +862,7 @@ class CacheRuntime:
                 num_in_flight=self._in_flight - 1,
                 compute=compute,
                 memory=memory,
+                generation=generation,
             )
 
     async def check_invariants(self) -> bool:

@@ -87,36 +87,31 @@ class TestParity:
     """Requests served from cached blocks give the cold greedy tokens and logits."""
 
     async def test_shared_system_prompt(self, any_model):
-        """Request B reuses the system-prompt blocks request A stored."""
-        name, path = any_model
+        """Request B reuses the system-prompt blocks request A stored, on every model
+        kind: a hybrid model's prefill snapshots its recurrent state at every block end."""
+        _, path = any_model
         async with CacheRuntime(model=path, block_size=BS) as rt:
             await run(rt, SYSTEM + _tokens(30, salt=1))
             prompt_b = SYSTEM + _tokens(25, salt=2)
             warm = await run(rt, prompt_b)
-            # A hybrid can resume only where a recurrent snapshot was kept
-            # (the end of A's prompt), which B's prompt does not reach.
-            expected = 0 if name == "hybrid" else len(SYSTEM) // BS * BS
-            assert warm[1].cached_tokens == expected
+            assert warm[1].cached_tokens == len(SYSTEM) // BS * BS
             await assert_matches_cold(rt, prompt_b, warm, "cold")
             await assert_clean(rt)
 
     async def test_multi_turn_conversation(self, any_model):
         """Turn n+1 (prompt n + answer n + new text) reuses turn n's prompt and answer."""
-        name, path = any_model
+        _, path = any_model
         async with CacheRuntime(model=path, block_size=BS) as rt:
             prompt = SYSTEM + _tokens(20, salt=1)
             for turn in range(3):
                 answer, report = await run(rt, prompt, max_tokens=12)
                 if turn:
                     await assert_matches_cold(rt, prompt, (answer, report), f"cold-{turn}")
-                    assert report.cached_tokens >= previous_prompt // BS * BS
-                    if name != "hybrid":
-                        # The answer's blocks were stored too: everything the
-                        # previous turn's cache held (its last token never
-                        # went through the model) in full blocks.
-                        assert report.cached_tokens == previous_cache // BS * BS
-                previous_prompt = len(prompt)
-                previous_cache = len(prompt) + len(answer) - 1
+                    # The answer's blocks were stored too (a hybrid's with
+                    # the recurrent state snapshotted at their ends while
+                    # decoding): the previous prompt and answer, in full blocks.
+                    assert report.cached_tokens == previous_cache // BS * BS
+                previous_cache = len(prompt) + len(answer)
                 prompt = prompt + answer + _tokens(15, salt=turn + 5)
             await assert_clean(rt)
 
@@ -186,7 +181,8 @@ class TestGenerate:
             assert "".join(pieces) == report.text
             assert report.generated_tokens == len(report.tokens) <= 6
             assert 0 < report.time_to_first_token <= report.total_time
-            assert report.stored_blocks == (len(ids) + report.generated_tokens - 1) // BS
+            # The prompt and every generated token are in the stored blocks.
+            assert report.stored_blocks == (len(ids) + report.generated_tokens) // BS
             second = await run(rt, prompt, max_tokens=6)
             assert second[1].cached_tokens == (len(ids) - 1) // BS * BS
             assert second[1].stored_blocks == 0

@@ -1,0 +1,315 @@
+"""Model runners: what the compute actor asks of a model family, on the MLX thread.
+
+The compute actor schedules; a :class:`ModelRunner` computes. A runner
+prefills a chunk of one request's prompt, computes one decode step's logits
+for a batch of requests, makes, rebuilds, merges and slices caches, and (for
+vision-language models) encodes images. Neither the scheduler nor generation
+asks which kind of model it is: they only call these methods. Every method
+except :attr:`~ModelRunner.info` runs on the compute actor's MLX thread.
+
+:class:`TextRunner` serves mlx-lm models. Its caches are mlx-lm's own
+(``KVCache``, ``RotatingKVCache``, ``ArraysCache``...); a decode batch merges
+the requests' caches with mlx-lm's batch caches (``BatchKVCache``,
+``BatchRotatingKVCache``, ``ArraysCache.merge``), which gave logits
+bit-identical to decoding each request alone on the built-in models
+(wrapped sliding windows within 1e-6). A layout with another cache class
+(say ``QuantizedKVCache``, which mlx-lm cannot batch) decodes at batch size
+one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any, Optional, Protocol
+
+import attrs
+
+from mlxkv.actors.sequence import Sequence
+from mlxkv.cache import kv_state
+from mlxkv.cache.kv_state import BlockPayload
+
+__all__ = ["ModelInfo", "ModelRunner", "TextRunner"]
+
+#: Cache classes whose per-request caches mlx-lm merges into one exact batch.
+_BATCHABLE = frozenset({"KVCache", "RotatingKVCache", "ArraysCache"})
+
+
+@attrs.frozen(kw_only=True)
+class ModelInfo:
+    """What callers need to know about the model.
+
+    Attributes:
+        vocab_size: token ids are in ``[0, vocab_size)`` (``None`` if the
+            model does not say).
+        eos_token_ids: tokens that end a generation.
+        cache_layers: class names of the model's cache layers, in order.
+        has_recurrent: whether some layer keeps recurrent state
+            (``ArraysCache``): its prefills stop at every block end to
+            snapshot that state, so every stored block can end a reused
+            prefix.
+        prefill_chunk: tokens per prefill chunk.
+        batchable: whether requests decode together in one model call
+            (else each decodes at batch size one).
+        takes_images: whether the model sees images (a vision-language
+            model).
+        max_context: the most tokens a request may hold (prompt and
+            answer): the config's ``max_position_embeddings``, or None if
+            it does not say.
+        kv_bytes_per_token: bytes of KV one token takes across the
+            sequence layers (attention keys and values).
+        state_bytes: bytes of one snapshot of every recurrent layer's state
+            (0 without recurrent layers); every stored block carries one.
+    """
+
+    vocab_size: Optional[int]
+    eos_token_ids: frozenset[int]
+    cache_layers: tuple[str, ...]
+    has_recurrent: bool
+    prefill_chunk: int
+    batchable: bool = True
+    takes_images: bool = False
+    max_context: Optional[int] = None
+    kv_bytes_per_token: int = 0
+    state_bytes: int = 0
+
+    def block_bytes(self, block_size: int) -> int:
+        """Bytes one stored block of ``block_size`` tokens takes, snapshot included."""
+        return block_size * self.kv_bytes_per_token + self.state_bytes
+
+
+class ModelRunner(Protocol):
+    """One model family's computations, called on the MLX thread only.
+
+    Invariants every implementation keeps:
+        - every array it returns or leaves in a sequence belongs to the MLX
+          thread's stream; the caller evaluates what leaves the thread;
+        - a failure raises before the sequence's state changed, or leaves
+          the sequence to be dropped (the scheduler never reuses it).
+    """
+
+    @property
+    def info(self) -> ModelInfo:
+        """The model's :class:`ModelInfo` (readable on any thread once started)."""
+        ...
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's mlx-lm ``TokenizerWrapper``."""
+        ...
+
+    def start(self, sequence: Sequence) -> None:
+        """Give ``sequence`` its cache: rebuilt from its prefix payloads, else cold.
+
+        Sets ``cache``, ``num_cached`` and ``num_computed``; a prefix that
+        cannot be rebuilt exactly falls back to a cold cache and sets
+        ``cold_fallback``.
+        """
+        ...
+
+    def prefill(self, sequence: Sequence, end: int) -> Optional[Any]:
+        """Run prompt positions ``[num_computed, end)`` into the sequence's cache.
+
+        At every block end it passes, a model with recurrent layers records
+        their state in ``sequence.snapshots``. When ``end`` is the prompt's
+        length, the last token runs on its own and its logits (``(vocab,)``)
+        are returned; otherwise None.
+        """
+        ...
+
+    def decode(self, inputs: Any, cache: list[Any], rows: Seq[Sequence]) -> Any:
+        """Logits ``(batch, vocab)`` of feeding ``inputs`` (``(batch,)``) to a batch cache."""
+        ...
+
+    def merge(self, caches: Seq[list[Any]]) -> list[Any]:
+        """One batch cache holding every given request cache, in order."""
+        ...
+
+    def extract(self, cache: list[Any], row: int) -> list[Any]:
+        """A request cache holding ``row`` of a batch cache."""
+        ...
+
+    def snapshot(self, cache: list[Any], row: int) -> tuple[Optional[tuple[Any, ...]], ...]:
+        """The recurrent layers' state of ``row`` (None for other layers), lazily."""
+        ...
+
+    def slice_blocks(
+        self, sequence: Sequence, cache: list[Any], start: int, stop: int
+    ) -> tuple[BlockPayload, ...]:
+        """Owned, evaluated payloads of full blocks ``[start, stop)`` of ``cache``."""
+        ...
+
+
+class TextRunner:
+    """A model runner for mlx-lm language models.
+
+    Owns: the model (weights evaluated) and its tokenizer; the model's cold
+    cache layout, which rebuilt caches must match.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, *, prefill_chunk: int) -> None:
+        """Describe ``model``: runs one token through a fresh cache (on the MLX thread)."""
+        self._model = model
+        self._tokenizer = tokenizer
+        self._chunk = prefill_chunk
+        self._info, self._layout = self._describe()
+
+    @classmethod
+    def load(cls, path: str, *, prefill_chunk: int) -> TextRunner:
+        """Load an mlx-lm model directory (or repo id) with ``mlx_lm.load``."""
+        from mlx_lm import load
+
+        model, tokenizer = load(str(path))
+        return cls(model, tokenizer, prefill_chunk=prefill_chunk)
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    def _describe(self) -> tuple[ModelInfo, tuple[tuple[Any, ...], ...]]:
+        """The model's info and cold cache layout.
+
+        Bytes per token are measured, not computed from the config: one
+        token is run through a fresh cache and its buffers are sized.
+        """
+        import mlx.core as mx
+        from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+
+        cold = make_prompt_cache(self._model)
+        layout = tuple(_layer_key(layer) for layer in cold)
+        self._model(mx.array([[0]]), cache=cold)
+        mx.eval([layer.state for layer in cold])
+        kv_bytes = state_bytes = 0
+        for layer in cold:
+            if isinstance(layer, ArraysCache):
+                state_bytes += sum(a.nbytes for a in layer.cache if a is not None)
+                continue
+            for group in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                arrays = group if isinstance(group, (tuple, list)) else (group,)
+                kv_bytes += sum(a.nbytes // a.shape[2] for a in arrays if a is not None)
+        args = getattr(self._model, "args", None)
+        eos = getattr(self._tokenizer, "eos_token_ids", None) or ()
+        max_context = getattr(args, "max_position_embeddings", None)
+        names = tuple(type(layer).__name__ for layer in cold)
+        info = ModelInfo(
+            vocab_size=getattr(args, "vocab_size", None),
+            eos_token_ids=frozenset(int(t) for t in eos),
+            cache_layers=names,
+            has_recurrent=any(isinstance(layer, ArraysCache) for layer in cold),
+            prefill_chunk=self._chunk,
+            batchable=all(name in _BATCHABLE for name in names),
+            max_context=max_context if isinstance(max_context, int) and max_context > 0 else None,
+            kv_bytes_per_token=kv_bytes,
+            state_bytes=state_bytes,
+        )
+        return info, layout
+
+    # -- one request ---------------------------------------------------------
+
+    def start(self, sequence: Sequence) -> None:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        prefix = sequence.prefix
+        sequence.prefix = ()
+        cache = None
+        if prefix:
+            try:
+                cache = self._rebuild(prefix, len(sequence.prompt) - prefix[-1].end)
+            except kv_state.NotReconstructable:
+                sequence.cold_fallback = True
+        if cache is None:
+            sequence.cache = make_prompt_cache(self._model)
+            sequence.num_cached = 0
+        else:
+            sequence.cache = cache
+            sequence.num_cached = prefix[-1].end
+        sequence.num_computed = sequence.num_cached
+
+    def _rebuild(self, prefix: tuple[BlockPayload, ...], num_new: int) -> list[Any]:
+        # The model call that follows evaluates the copy in the same graph.
+        cache = kv_state.reconstruct(prefix, extra_tokens=num_new, evaluate=False)
+        if tuple(_layer_key(layer) for layer in cache) != self._layout:
+            raise kv_state.NotReconstructable(
+                "the prefix payloads do not match this model's cache layout"
+            )
+        return cache
+
+    def prefill(self, sequence: Sequence, end: int) -> Optional[Any]:
+        import mlx.core as mx
+
+        cache = sequence.cache
+        assert cache is not None, f"{sequence!r} has no cache to prefill"
+        start, total = sequence.num_computed, len(sequence.prompt)
+        body_end = end if end < total else total - 1
+        if body_end > start:
+            self._model(mx.array(sequence.prompt[start:body_end])[None], cache=cache)
+            self._record_snapshot(sequence, cache, body_end)
+            sequence.num_computed = body_end
+        if end < total:
+            mx.eval([layer.state for layer in cache])
+            return None
+        logits = self._model(mx.array(sequence.prompt[total - 1 :])[None], cache=cache)[0, -1]
+        sequence.num_computed = total
+        self._record_snapshot(sequence, cache, total)
+        return logits
+
+    def _record_snapshot(self, sequence: Sequence, cache: list[Any], position: int) -> None:
+        if self._info.has_recurrent and position % sequence.block_size == 0:
+            sequence.snapshots[position] = self.snapshot(cache, 0)
+
+    # -- batches ---------------------------------------------------------------
+
+    def decode(self, inputs: Any, cache: list[Any], rows: Seq[Sequence]) -> Any:
+        return self._model(inputs[:, None], cache=cache)[:, -1]
+
+    def merge(self, caches: Seq[list[Any]]) -> list[Any]:
+        if not self._info.batchable:
+            assert len(caches) == 1, "a layout mlx-lm cannot batch decodes one request at a time"
+            return caches[0]
+        return [type(layers[0]).merge(list(layers)) for layers in zip(*caches)]
+
+    def extract(self, cache: list[Any], row: int) -> list[Any]:
+        if not self._info.batchable:
+            return cache
+        return [layer.extract(row) for layer in cache]
+
+    def snapshot(self, cache: list[Any], row: int) -> tuple[Optional[tuple[Any, ...]], ...]:
+        import mlx.core as mx
+        from mlx_lm.models.cache import ArraysCache
+
+        return tuple(
+            tuple(None if a is None else mx.array(a[row : row + 1]) for a in layer.cache)
+            if isinstance(layer, ArraysCache)
+            else None
+            for layer in cache
+        )
+
+    def slice_blocks(
+        self, sequence: Sequence, cache: list[Any], start: int, stop: int
+    ) -> tuple[BlockPayload, ...]:
+        size = sequence.block_size
+        payloads = kv_state.slice_blocks(cache, size, range(start, stop), num_tokens=stop * size)
+        if self._info.has_recurrent:
+            payloads = [_with_snapshot(p, sequence.snapshots.get(p.end)) for p in payloads]
+        return tuple(payloads)
+
+
+def _with_snapshot(payload: BlockPayload, state: Optional[tuple[Any, ...]]) -> BlockPayload:
+    """``payload`` with the recurrent state recorded at its end, if it lacks one."""
+    import mlx.core as mx
+
+    if payload.has_snapshots or state is None:
+        return payload
+    arrays = tuple(
+        group if layer_state is None else tuple(None if a is None else mx.array(a) for a in layer_state)
+        for group, layer_state in zip(payload.arrays, state)
+    )
+    mx.eval([a for group in arrays if group for a in group if a is not None])
+    return attrs.evolve(payload, arrays=arrays)
+
+
+def _layer_key(layer: Any) -> tuple[Any, ...]:
+    return (type(layer).__name__, getattr(layer, "max_size", None), getattr(layer, "keep", None))
