@@ -373,7 +373,7 @@ class BlockAllocatorActor(Actor):
             self._unannounced[block_hash] = None
 
     def _evict(self, message: Evict) -> Eviction:
-        num_evicted = self._cache.evict_lru_blocks(message.num_blocks)
+        num_evicted = self._cache.evict(message.num_blocks)
         return Eviction(num_evicted=num_evicted, evicted=self._announce())
 
     def _statistics(self) -> AllocatorStatistics:

@@ -9,6 +9,7 @@ core that the actor layer calls:
 * :meth:`PagedCacheManager.acquire` -- take references to cached blocks.
 * :meth:`PagedCacheManager.commit` -- publish a held block under its hash.
 * :meth:`PagedCacheManager.release` -- drop references.
+* :meth:`PagedCacheManager.evict` -- drop free cached blocks' content, LRU first.
 * :meth:`PagedCacheManager.take_evicted` -- hashes that left the cache.
 
 Every block whose reference count is zero sits in one free queue, ordered by
@@ -469,7 +470,10 @@ class CacheStats:
         allocated_blocks: referenced blocks, the null block included.
         free_blocks: blocks in the free queue, cached ones included.
         shared_blocks: blocks with more than one reference.
-        total_tokens_cached: tokens in referenced blocks (null block excluded).
+        total_tokens_cached: tokens of the blocks that request tables list
+            (``add_block_to_table``, forks...), each block counted once,
+            the null block excluded; as in the seed, blocks held outside
+            any table do not count.
         cache_hits: blocks found by prefix lookups.
         cache_misses: prefix lookups that stopped at a block not found.
         cow_copies: blocks copied on write.
@@ -549,8 +553,8 @@ class PagedCacheManager:
     referenced and never freed.
 
     The typed core (``allocate``, ``lookup``, ``acquire``, ``commit``,
-    ``release``, ``take_evicted``) raises typed errors. The seed methods are
-    adapters over it that keep the seed's return values: where the seed
+    ``release``, ``evict``, ``take_evicted``) raises typed errors. The seed
+    methods are adapters over it that keep the seed's return values: where the seed
     returns ``None`` or ``False`` on failure, so do they, and log a warning.
 
     Invariants:
@@ -778,6 +782,36 @@ class PagedCacheManager:
                 changed.
         """
         self._dereference(blocks if blocks.__class__ is list else list(blocks))
+
+    def evict(self, num_blocks: int) -> int:
+        """Drop the cached content of up to ``num_blocks`` free cached blocks.
+
+        Cached free blocks are evicted least recently freed first (their hash,
+        legacy hash and payload go; the hashes are reported by
+        :meth:`take_evicted`) and stay where they are in the free queue. Free
+        blocks that hold no hash are skipped and not counted.
+
+        Args:
+            num_blocks: the most to evict, >= 0.
+
+        Returns:
+            How many blocks lost their hash.
+
+        Raises:
+            InvalidInput: ``num_blocks`` is not a non-negative int.
+        """
+        num_blocks = _count(num_blocks, "num_blocks")
+        evicted = 0
+        queue = self.free_block_queue
+        block = queue.fake_head.next_free_block
+        while evicted < num_blocks and block is not queue.fake_tail:
+            if block.block_hash is not None:
+                self._forget(block)
+                evicted += 1
+            block = block.next_free_block
+        if evicted:
+            logger.info("evicted %d cached blocks", evicted)
+        return evicted
 
     def take_evicted(self) -> list[BlockHash]:
         """Drain the hashes that left the prefix cache since the last call.
@@ -1643,32 +1677,39 @@ class PagedCacheManager:
     # The seed API: eviction and memory pressure.
 
     def evict_lru_blocks(self, num_blocks: int) -> int:
-        """Drop the cached content of up to ``num_blocks`` free blocks.
+        """Clear the ``num_blocks`` free blocks at the LRU end of the free queue.
 
-        Cached free blocks are evicted least recently freed first, and stay
-        where they are in the free queue.
+        As in the seed, each of them loses whatever it still holds (its hash,
+        legacy hash and payload; a block with none is cleared all the same)
+        and counts. Unlike the seed, they stay where they are in the queue,
+        so they are the next to be allocated: moving them to the back would
+        make the next allocations evict cached blocks instead.
 
         Args:
-            num_blocks: the most to evict, >= 0.
+            num_blocks: the most to clear, >= 0.
 
         Returns:
-            How many blocks lost their hash.
+            How many blocks were cleared: ``min(num_blocks, free_blocks)``.
 
         Raises:
             InvalidInput: ``num_blocks`` is not a non-negative int.
         """
         num_blocks = _count(num_blocks, "num_blocks")
-        evicted = 0
+        cleared = 0
         queue = self.free_block_queue
         block = queue.fake_head.next_free_block
-        while evicted < num_blocks and block is not queue.fake_tail:
-            if block.block_hash is not None:
+        while cleared < num_blocks and block is not queue.fake_tail:
+            if (
+                block.block_hash is not None
+                or block.hash_value is not None
+                or block.cache_data is not None
+            ):
                 self._forget(block)
-                evicted += 1
+            cleared += 1
             block = block.next_free_block
-        if evicted:
-            logger.info("evicted %d cached blocks", evicted)
-        return evicted
+        if cleared:
+            logger.info("cleared %d free blocks from the LRU end", cleared)
+        return cleared
 
     def handle_memory_pressure(self, requested_blocks: int) -> bool:
         """Whether ``requested_blocks`` blocks can be allocated now.
@@ -1723,16 +1764,24 @@ class PagedCacheManager:
             The manager's :class:`CacheStats` (the same object every time).
         """
         stats = self.stats
-        shared = 0
-        tokens = 0
-        for block in self.blocks:
-            if block.ref_count > 1:
-                shared += 1
-            if block.ref_count > 0 and not block.is_null:
-                tokens += block.token_count
-        stats.shared_blocks = shared
-        stats.total_tokens_cached = tokens
+        stats.shared_blocks = sum(1 for block in self.blocks if block.ref_count > 1)
+        stats.total_tokens_cached = self._tokens_in_tables()
         return stats
+
+    def _tokens_in_tables(self) -> int:
+        """Tokens of the distinct blocks that request tables list (null block aside)."""
+        allocated = self.allocated_blocks
+        listed: set[int] = set()
+        tokens = 0
+        for table in self.request_tables.values():
+            for ident in table.block_ids:
+                if ident in listed:
+                    continue
+                listed.add(ident)
+                block = allocated.get(ident)
+                if block is not None and not block.is_null:
+                    tokens += block.token_count
+        return tokens
 
     def get_memory_usage(self) -> dict[str, Any]:
         """A summary of block usage and hit rate.
