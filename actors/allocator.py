@@ -25,7 +25,7 @@ import attrs
 
 from mlxkv.actors.actor import Actor, ActorHandle, Ask, Intercept, Message, Tell
 from mlxkv.cache.block_hash import BlockHash
-from mlxkv.cache.errors import InvalidInput, OutOfBlocks
+from mlxkv.cache.errors import InvalidInput, InvariantViolation, OutOfBlocks
 from mlxkv.cache.paged import PagedCacheManager
 
 __all__ = [
@@ -397,7 +397,7 @@ class BlockAllocatorActor(Actor):
         violations = []
         try:
             self._cache.check_invariants()
-        except AssertionError as error:
+        except InvariantViolation as error:
             violations.append(f"allocator: {error}")
         mismatches = []
         expected = message.expected_references

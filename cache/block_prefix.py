@@ -33,7 +33,7 @@ import attrs
 
 from mlxkv.cache import kv_state
 from mlxkv.cache.block_hash import BlockHash, hash_block_chain
-from mlxkv.cache.errors import CacheError, OutOfBlocks
+from mlxkv.cache.errors import CacheError, InvariantViolation, OutOfBlocks
 from mlxkv.cache.paged import BlockTable, CacheBlock, PagedCacheManager
 
 __all__ = ["BlockAwarePrefixCache", "BlockCacheEntry"]
@@ -620,37 +620,37 @@ class BlockAwarePrefixCache:
         """Verify the invariants of the class docstring (and the manager's).
 
         Raises:
-            AssertionError: naming the first request or block found wrong.
+            InvariantViolation: naming the first request or block found wrong.
         """
         self.paged_cache.check_invariants()
         size = self.block_size
         for request_id, entry in self._request_tables.items():
             table = entry.block_table
+            where = f"request {request_id!r}"
             if self.paged_cache.get_block_table(request_id) is not table:
-                raise AssertionError(f"request {request_id!r}: table is not the manager's")
+                raise InvariantViolation(f"{where}: table is not the manager's")
             if [b.block_id for b in entry.blocks] != table.block_ids:
-                raise AssertionError(f"request {request_id!r}: blocks disagree with its table")
+                raise InvariantViolation(f"{where}: blocks disagree with its table")
             if sum(b.token_count for b in entry.blocks) != table.num_tokens:
-                raise AssertionError(f"request {request_id!r}: num_tokens is not the blocks' sum")
+                raise InvariantViolation(f"{where}: num_tokens is not the blocks' sum")
             if any(b.token_count != size for b in entry.blocks[:-1]):
-                raise AssertionError(f"request {request_id!r}: a block before the last is partial")
+                raise InvariantViolation(f"{where}: a block before the last is partial")
             if len(entry.block_hashes) > len(entry.blocks):
-                raise AssertionError(f"request {request_id!r}: more hashes than blocks")
+                raise InvariantViolation(f"{where}: more hashes than blocks")
             for index, block in enumerate(entry.blocks):
                 if block.ref_count < 1:
-                    raise AssertionError(f"request {request_id!r}: block {block.block_id} is free")
+                    raise InvariantViolation(f"{where}: block {block.block_id} is free")
                 hashes = entry.block_hashes
                 if block.block_hash is not None and (
                     index >= len(hashes) or block.block_hash != hashes[index]
                 ):
-                    raise AssertionError(
-                        f"request {request_id!r}: block {block.block_id} is cached under"
-                        " another hash"
+                    raise InvariantViolation(
+                        f"{where}: block {block.block_id} is cached under another hash"
                     )
                 payload = block.cache_data
                 if isinstance(payload, kv_state.BlockPayload) and (
                     payload.start != index * size or payload.num_tokens != block.token_count
                 ):
-                    raise AssertionError(
-                        f"request {request_id!r}: block {block.block_id} holds the wrong tokens"
+                    raise InvariantViolation(
+                        f"{where}: block {block.block_id} holds the wrong tokens"
                     )

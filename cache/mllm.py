@@ -46,7 +46,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
-from mlxkv.cache.errors import InvalidInput
+from mlxkv.cache.errors import InvalidInput, InvariantViolation
 
 __all__ = [
     "ImageSource",
@@ -771,24 +771,35 @@ class MLLMPrefixCacheManager:
         return f"<MLLMPrefixCacheManager entries={len(self)} memory={mem_mb:.1f}MB>"
 
     def check_invariants(self) -> None:
-        """Verify the class invariants (for tests).
+        """Verify the class invariants.
+
+        The checks are explicit raises, not ``assert``: they also run under
+        ``python -O``.
 
         Raises:
-            AssertionError: naming the first broken invariant.
+            InvariantViolation: naming the first broken invariant.
         """
-        assert len(self._cache) <= self.max_size, "more entries than max_size"
-        assert self._current_memory <= self.max_memory, "over the memory budget"
-        assert self._current_memory == sum(s.nbytes for s in self._cache.values()), (
-            "byte count drifted from the stored entries"
-        )
+        if len(self._cache) > self.max_size:
+            raise InvariantViolation(f"{len(self._cache)} entries, max_size is {self.max_size}")
+        if self._current_memory > self.max_memory:
+            raise InvariantViolation(
+                f"{self._current_memory} bytes held, the budget is {self.max_memory}"
+            )
+        recorded = sum(slot.nbytes for slot in self._cache.values())
+        if self._current_memory != recorded:
+            raise InvariantViolation(
+                f"byte count {self._current_memory} drifted from the entries' {recorded}"
+            )
         indexed = {(scope, key) for scope, keys in self._by_images.items() for key in keys}
         expected = {
             (slot.images_scope, key)
             for key, slot in self._cache.items()
             if slot.images_scope is not None
         }
-        assert indexed == expected, "image index out of step with the entries"
-        assert all(self._by_images.values()), "empty holder set left in the image index"
+        if indexed != expected:
+            raise InvariantViolation("image index out of step with the entries")
+        if not all(self._by_images.values()):
+            raise InvariantViolation("empty holder set left in the image index")
 
 
 #: Short alias of :class:`MLLMPrefixCacheManager`.

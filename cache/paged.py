@@ -37,7 +37,13 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from mlxkv.cache.block_hash import BlockHash, compute_block_hash, hash_block_chain
-from mlxkv.cache.errors import DoubleFree, DuplicateRequest, InvalidInput, OutOfBlocks
+from mlxkv.cache.errors import (
+    DoubleFree,
+    DuplicateRequest,
+    InvalidInput,
+    InvariantViolation,
+    OutOfBlocks,
+)
 
 __all__ = [
     "BlockHash",
@@ -831,55 +837,59 @@ class PagedCacheManager:
         """Verify every invariant listed in the class docstring.
 
         Raises:
-            AssertionError: naming the first block, hash or table found wrong.
+            InvariantViolation: naming the first block, hash or table found wrong.
         """
         blocks = self.blocks
         queued = self._check_queue()
         allocated = self.allocated_blocks
         if len(queued) + len(allocated) != self.max_blocks:
-            raise AssertionError(
+            raise InvariantViolation(
                 f"free {len(queued)} + allocated {len(allocated)} != total {self.max_blocks}"
             )
         if blocks[0] is not self.null_block or not self.null_block.is_null:
-            raise AssertionError("block 0 is not the null block")
+            raise InvariantViolation("block 0 is not the null block")
         cache = self.cached_block_hash_to_block
         for block in blocks:
             ident = block.block_id
             if block.ref_count < 0:
-                raise AssertionError(f"block {ident} has ref_count {block.ref_count}")
+                raise InvariantViolation(f"block {ident} has ref_count {block.ref_count}")
             if (block.ref_count == 0) != (ident in queued):
-                raise AssertionError(
+                raise InvariantViolation(
                     f"block {ident} has ref_count {block.ref_count} but queued={ident in queued}"
                 )
             if block.is_null != (ident == 0):
-                raise AssertionError(f"block {ident} has is_null={block.is_null}")
+                raise InvariantViolation(f"block {ident} has is_null={block.is_null}")
             if block.block_hash is not None and block not in cache.blocks(block.block_hash):
-                raise AssertionError(f"block {ident} holds a hash but is not in the hash map")
+                raise InvariantViolation(f"block {ident} holds a hash but is not in the hash map")
         for block_hash in cache:
             for block in cache.blocks(block_hash):
                 if block.block_hash != block_hash or blocks[block.block_id] is not block:
-                    raise AssertionError(
+                    raise InvariantViolation(
                         f"hash map entry {block_hash.hex()[:12]} points at block"
                         f" {block.block_id}, which does not hold it"
                     )
         for key, ident in self.hash_to_block.items():
             if blocks[ident].hash_value != key:
-                raise AssertionError(f"legacy hash {key} points at block {ident}, which lacks it")
+                raise InvariantViolation(
+                    f"legacy hash {key} points at block {ident}, which lacks it"
+                )
         for (parent, raw), block_hash in self._chain_memo.items():
             tokens = array("I")
             tokens.frombytes(raw)
             if hash_block_chain(tokens, self.block_size, parent_hash=parent) != [block_hash]:
-                raise AssertionError(f"chain memo holds a wrong hash {block_hash.hex()[:12]}")
+                raise InvariantViolation(f"chain memo holds a wrong hash {block_hash.hex()[:12]}")
         listed: Counter[int] = Counter()
         for request_id, table in self.request_tables.items():
             for ident in table.block_ids:
                 if ident not in allocated:
-                    raise AssertionError(f"table {request_id!r} lists unallocated block {ident}")
+                    raise InvariantViolation(
+                        f"table {request_id!r} lists unallocated block {ident}"
+                    )
                 listed[ident] += 1
         for ident, count in listed.items():
             block = blocks[ident]
             if count > block.ref_count and not block.is_null:
-                raise AssertionError(
+                raise InvariantViolation(
                     f"block {ident} is listed {count} times in tables but has"
                     f" ref_count {block.ref_count}"
                 )
@@ -893,20 +903,20 @@ class PagedCacheManager:
         block = previous.next_free_block
         while block is not queue.fake_tail:
             if block is None:
-                raise AssertionError(f"free queue ends after block {previous.block_id}")
+                raise InvariantViolation(f"free queue ends after block {previous.block_id}")
             ident = block.block_id
             if block.prev_free_block is not previous:
-                raise AssertionError(f"block {ident}: prev_free_block disagrees with the queue")
+                raise InvariantViolation(f"block {ident}: prev_free_block disagrees with the queue")
             if not 0 <= ident < len(blocks) or blocks[ident] is not block:
-                raise AssertionError(f"block {ident} in the free queue is not of this pool")
+                raise InvariantViolation(f"block {ident} in the free queue is not of this pool")
             if ident in queued:
-                raise AssertionError(f"block {ident} is in the free queue twice")
+                raise InvariantViolation(f"block {ident} is in the free queue twice")
             queued.add(ident)
             previous, block = block, block.next_free_block
         if queue.fake_tail.prev_free_block is not previous:
-            raise AssertionError("fake_tail.prev_free_block is not the last queued block")
+            raise InvariantViolation("fake_tail.prev_free_block is not the last queued block")
         if len(queued) != queue.num_free_blocks:
-            raise AssertionError(
+            raise InvariantViolation(
                 f"free queue holds {len(queued)} blocks, num_free_blocks is {queue.num_free_blocks}"
             )
         return queued

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from mlxkv.cache.block_prefix import BlockAwarePrefixCache, BlockCacheEntry
-from mlxkv.cache.errors import InvalidInput
+from mlxkv.cache.errors import InvalidInput, InvariantViolation
 
 __all__ = [
     "BlockAwarePrefixCache",
@@ -467,27 +467,38 @@ class PrefixCacheManager:
     def check_invariants(self) -> None:
         """Verify the class invariants by walking the whole trie (for tests).
 
+        The checks are explicit raises, not ``assert``: they also run under
+        ``python -O``.
+
         Raises:
-            AssertionError: naming the first broken invariant.
+            InvariantViolation: naming the first broken invariant.
         """
-        assert len(self._lru) <= self.max_size, "more entries than max_size"
-        assert self._root.parent is None and self._root.entry is None, "root changed"
+        if len(self._lru) > self.max_size:
+            raise InvariantViolation(f"{len(self._lru)} entries, max_size is {self.max_size}")
+        if self._root.parent is not None or self._root.entry is not None:
+            raise InvariantViolation("the root has a parent or an entry")
         entries = 0
         stack = [self._root]
         while stack:
             node = stack.pop()
+            where = f"node at depth {node.depth}"
             if node.entry is not None:
                 entries += 1
-                assert node in self._lru, f"entry at depth {node.depth} missing from LRU"
-                assert node.seq >= 0, "entry without a sequence number"
+                if node not in self._lru:
+                    raise InvariantViolation(f"{where}: entry missing from the LRU order")
+                if node.seq < 0:
+                    raise InvariantViolation(f"{where}: entry without a sequence number")
             if node is not self._root:
-                assert node.parent.children.get(node.token) is node, "broken parent link"
-                assert node.depth == node.parent.depth + 1, "wrong depth"
-                assert node.entry is not None or node.children, (
-                    f"dead branch at depth {node.depth}"
-                )
-            assert node.nearest is self._nearest_below(node), (
-                f"stale nearest at depth {node.depth}"
-            )
+                if node.parent.children.get(node.token) is not node:
+                    raise InvariantViolation(f"{where}: broken parent link")
+                if node.depth != node.parent.depth + 1:
+                    raise InvariantViolation(f"{where}: depth is not its parent's + 1")
+                if node.entry is None and not node.children:
+                    raise InvariantViolation(f"{where}: dead branch (no entry, no child)")
+            if node.nearest is not self._nearest_below(node):
+                raise InvariantViolation(f"{where}: stale nearest")
             stack.extend(node.children.values())
-        assert entries == len(self._lru), "LRU holds nodes that are not entries"
+        if entries != len(self._lru):
+            raise InvariantViolation(
+                f"the LRU order holds {len(self._lru)} nodes, the trie {entries} entries"
+            )

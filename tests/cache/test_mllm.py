@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 import hashlib
 import itertools
+import subprocess
+import sys
 import urllib.parse
 
 import mlx.core as mx
@@ -15,7 +17,7 @@ from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache
 
 from mlxkv.cache import mllm
-from mlxkv.cache.errors import InvalidInput
+from mlxkv.cache.errors import InvalidInput, InvariantViolation
 from mlxkv.cache.mllm import (
     MLLMCacheStats,
     MLLMPrefixCacheEntry,
@@ -483,3 +485,45 @@ class TestLegacyAndBookkeeping:
                 mgr.store(imgs, prompt, emb, _kv(2), [1, 2, 3], cache_salt=salt)
             mgr.check_invariants()
         assert mgr.stats.evictions > 0
+
+
+class TestCheckInvariants:
+    @pytest.mark.parametrize(
+        "corrupt, message",
+        [
+            (lambda mgr: setattr(mgr, "max_size", 1), "max_size"),
+            (lambda mgr: setattr(mgr, "max_memory", 1), "budget"),
+            (lambda mgr: setattr(mgr, "_current_memory", mgr._current_memory - 1), "drifted"),
+            (lambda mgr: mgr._by_images.clear(), "image index"),
+            (lambda mgr: next(iter(mgr._by_images.values())).clear(), "image index"),
+        ],
+    )
+    def test_corruption_is_reported(self, corrupt, message):
+        """Each broken invariant raises InvariantViolation naming it."""
+        mgr = MLLMPrefixCacheManager()
+        mgr.store([PNG], "p", _embeddings(0.01), _kv(2), [1, 2])
+        mgr.store([OTHER_PNG], "p", _embeddings(0.01), _kv(2), [1, 2])
+        mgr.check_invariants()
+        corrupt(mgr)
+        with pytest.raises(InvariantViolation, match=message):
+            mgr.check_invariants()
+
+    def test_checks_survive_python_o(self):
+        """Under python -O (asserts stripped) a corrupted manager is still reported."""
+        script = (
+            "from mlxkv.cache.errors import InvariantViolation\n"
+            "from mlxkv.cache.mllm import MLLMPrefixCacheManager\n"
+            "assert False, 'asserts must be stripped'\n"
+            "mgr = MLLMPrefixCacheManager()\n"
+            "mgr.store([b'img'], 'p', None, [], [1])\n"
+            "mgr._current_memory += 1\n"
+            "try:\n"
+            "    mgr.check_invariants()\n"
+            "except InvariantViolation as error:\n"
+            "    print('reported:', error)\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-O", "-c", script], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith("reported: byte count")
