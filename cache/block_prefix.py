@@ -25,6 +25,7 @@ evaluated arrays only.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -34,6 +35,7 @@ import attrs
 from mlxkv.cache import kv_state
 from mlxkv.cache.block_hash import BlockHash, hash_block_chain
 from mlxkv.cache.errors import CacheError, InvariantViolation, OutOfBlocks
+from mlxkv.cache.model_key import model_key
 from mlxkv.cache.paged import BlockTable, CacheBlock, PagedCacheManager
 
 __all__ = ["BlockAwarePrefixCache", "BlockCacheEntry"]
@@ -123,7 +125,7 @@ class BlockAwarePrefixCache:
 
         Args:
             model: the MLX model whose caches are stored (kept for reference
-                only; it is never used as a key).
+                and :attr:`model_key`; nothing is looked up by it).
             paged_cache_manager: the manager that owns the blocks.
         """
         self.model = model
@@ -134,6 +136,15 @@ class BlockAwarePrefixCache:
         self._misses = 0
         self._tokens_saved = 0
         self._tick = 0
+
+    @functools.cached_property
+    def model_key(self) -> Optional[str]:
+        """A stable key of :attr:`model` (see :func:`~mlxkv.cache.model_key.model_key`).
+
+        The seed's is ``id(model)``, which a later model can inherit. Computed
+        on first read.
+        """
+        return model_key(self.model)
 
     def _in_use(self, request_id: str) -> bool:
         return (

@@ -21,6 +21,7 @@ the handle they are made through.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 from array import array
 from collections import OrderedDict
@@ -29,6 +30,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from mlxkv.cache.block_prefix import BlockAwarePrefixCache, BlockCacheEntry
 from mlxkv.cache.errors import InvalidInput, InvariantViolation
+from mlxkv.cache.model_key import model_key
 
 __all__ = [
     "BlockAwarePrefixCache",
@@ -160,8 +162,9 @@ class PrefixCacheManager:
           fetches copy.
 
     Args:
-        model: the model whose caches are stored (kept for reference only; one
-            manager serves one model).
+        model: the model whose caches are stored (kept for reference and
+            :attr:`model_key`; one manager serves one model, so nothing is
+            looked up by it).
         max_entries: how many sequences to keep before evicting the least
             recently used one.
 
@@ -179,6 +182,15 @@ class PrefixCacheManager:
         # Keys are entry nodes (hashed by identity); first = least recently used.
         self._lru: OrderedDict[_Node, None] = OrderedDict()
         self._next_seq = 0
+
+    @functools.cached_property
+    def model_key(self) -> Optional[str]:
+        """A stable key of :attr:`model` (see :func:`~mlxkv.cache.model_key.model_key`).
+
+        The seed's is ``id(model)``, which a later model can inherit once this
+        one is garbage-collected. Computed on first read.
+        """
+        return model_key(self.model)
 
     def _match(self, key: array) -> _Match:
         node = self._root
