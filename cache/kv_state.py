@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Optional, Union
 
 import attrs
@@ -172,7 +172,7 @@ class CacheLayout:
 
 
 @attrs.frozen(eq=False)
-class BlockPayload:
+class BlockPayload(Sequence[Optional[tuple[Any, ...]]]):
     """The KV state of one block: owned, evaluated arrays per layer.
 
     ``arrays[i]`` holds layer ``i``'s arrays for tokens ``[start, end)``:
@@ -182,6 +182,12 @@ class BlockPayload:
     :class:`ArraysLayer`, the snapshot of its state arrays after token
     ``end - 1`` (entries may be ``None`` like the cache's own), or ``None``
     when this block does not end where the stored cache ended.
+
+    A payload is also the read-only per-layer sequence that the seed declares
+    ``CacheBlock.cache_data`` to be: ``len(payload)`` is the number of layers
+    and ``payload[i]`` is ``arrays[i]`` (``None`` for a layer that carries
+    nothing in this block). A payload is always true, whatever its length,
+    and equal only to itself.
 
     ``signature`` describes every array the layers have (dtype, and shape
     with the token axis left out) whether or not this block carries it;
@@ -200,6 +206,20 @@ class BlockPayload:
     num_tokens: int
     arrays: tuple[Optional[tuple[Any, ...]], ...]
     signature: tuple[tuple[Any, ...], ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.arrays)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.arrays[index]
+
+    def __iter__(self) -> Iterator[Optional[tuple[Any, ...]]]:
+        return iter(self.arrays)
+
+    def __bool__(self) -> bool:
+        # A payload is a value that is present, not a container that may be
+        # empty: ``if block.cache_data`` must mean "has a payload".
+        return True
 
     @property
     def end(self) -> int:

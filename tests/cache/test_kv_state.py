@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import threading
+from collections.abc import Sequence
 
 import mlx.core as mx
 import pytest
@@ -421,6 +422,29 @@ class TestNumReconstructableBlocks:
         half = slice_blocks(half, BLOCK)
         assert num_reconstructable_blocks([kv[0], half[1]]) == 1  # dtypes differ
         assert isinstance(hb[0], BlockPayload)
+
+
+class TestBlockPayloadSequence:
+    def test_layers_by_index(self, hybrid_model):
+        """len is the number of layers and item i is layer i's arrays, None where it has none."""
+        cache, _ = prefill(hybrid_model[0], PROMPT[:64])
+        first, last = slice_blocks(cache, BLOCK)
+        assert len(first) == len(cache) == len(first.layers)
+        for i, spec in enumerate(first.layers):
+            assert first[i] is first.arrays[i]
+            assert (first[i] is None) == (not spec.sequential)
+            assert last[i] is not None
+        assert list(first) == list(first.arrays) and first[-1] is first.arrays[-1]
+        assert isinstance(first, Sequence)
+
+    def test_truth_and_equality(self, tiny_llama):
+        """A payload is true even with no layers, and equal only to itself."""
+        cache, _ = prefill(tiny_llama[0], PROMPT[:32])
+        (payload,) = slice_blocks(cache, BLOCK)
+        empty = BlockPayload(layers=(), start=0, num_tokens=1, arrays=())
+        assert len(empty) == 0 and bool(empty) and bool(payload)
+        assert payload == payload and payload != copy.deepcopy(payload)
+        assert len({payload, copy.deepcopy(payload)}) == 2
 
 
 class TestParity:
