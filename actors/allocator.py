@@ -25,7 +25,7 @@ import attrs
 
 from mlxkv.actors.actor import Actor, ActorHandle, Ask, Message, Tell
 from mlxkv.cache.block_hash import BlockHash
-from mlxkv.cache.errors import InvalidInput, OutOfBlocks
+from mlxkv.cache.errors import InvalidInput, InvariantViolation, OutOfBlocks
 from mlxkv.cache.paged import PagedCacheManager
 
 __all__ = [
@@ -390,7 +390,7 @@ class BlockAllocatorActor(Actor):
             self._unannounced[block_hash] = None
 
     def _evict(self, message: Evict) -> Eviction:
-        num_evicted = self._cache.evict_lru_blocks(message.num_blocks)
+        num_evicted = self._cache.evict(message.num_blocks)
         return Eviction(num_evicted=num_evicted, evicted=self._announce())
 
     def _statistics(self) -> AllocatorStatistics:
@@ -414,7 +414,7 @@ class BlockAllocatorActor(Actor):
         violations = []
         try:
             self._cache.check_invariants()
-        except AssertionError as error:
+        except InvariantViolation as error:
             violations.append(f"allocator: {error}")
         mismatches = []
         expected = message.expected_references

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import attrs
 
 from mlxkv.actors.actor import Actor, ActorHandle, Ask, Message
-from mlxkv.cache.errors import InvalidInput
+from mlxkv.cache.errors import InvalidInput, InvariantViolation
 from mlxkv.cache.mllm import MLLMPrefixCacheManager
 
 __all__ = [
@@ -170,7 +170,7 @@ class ImageCacheActor(Actor):
             case CheckInvariants():
                 try:
                     self._cache.check_invariants()
-                except AssertionError as error:
+                except InvariantViolation as error:
                     return (f"image_cache: {error}",)
                 return ()
         return super().handle(message)

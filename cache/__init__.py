@@ -15,6 +15,7 @@ from mlxkv.cache.errors import (
     DoubleFree,
     DuplicateRequest,
     InvalidInput,
+    InvariantViolation,
     OutOfBlocks,
     UnknownRequest,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "DuplicateRequest",
     "FreeKVCacheBlockQueue",
     "InvalidInput",
+    "InvariantViolation",
     "KVCacheBlock",
     "MLLMCacheStats",
     "MLLMPrefixCacheEntry",

@@ -11,10 +11,17 @@ and return values, but:
   content-only hash and no per-prefix re-hashing;
 * blocks hold owned per-block slices (:mod:`mlxkv.cache.kv_state`), never the
   caller's cache objects, so evicting blocks frees memory;
+* cache data that cannot be sliced (placeholders, caches it cannot rebuild
+  exactly) still gets the seed's full bookkeeping: its blocks are allocated,
+  hashed and found, each marked with an :class:`OpaquePayload`, and the data
+  is kept by reference for the request that stored it, as the seed keeps it;
 * ``reconstruct_cache`` returns real mlx-lm cache objects with room for the
   request's suffix, and refuses (``None``, logged) whatever it cannot rebuild
   exactly; a hybrid model's hit stops at the last block that carries the
   recurrent layers' snapshot;
+* blocks written through the paged API in the seed's declared format (a
+  ``(keys, values)`` pair per layer) are read as KV state where they are
+  exactly that, and are a miss otherwise;
 * an optional ``cache_salt``/``extra_keys`` enters the hash chain, so requests
   with different salts never share a block;
 * no ``id(model)`` keys, no wall clock (a logical tick), no locks.
@@ -25,6 +32,8 @@ evaluated arrays only.
 
 from __future__ import annotations
 
+import copy
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -33,20 +42,42 @@ import attrs
 
 from mlxkv.cache import kv_state
 from mlxkv.cache.block_hash import BlockHash, hash_block_chain
-from mlxkv.cache.errors import CacheError, OutOfBlocks
+from mlxkv.cache.errors import CacheError, InvariantViolation, OutOfBlocks
+from mlxkv.cache.model_key import model_key
 from mlxkv.cache.paged import BlockTable, CacheBlock, PagedCacheManager
 
-__all__ = ["BlockAwarePrefixCache", "BlockCacheEntry"]
+__all__ = ["BlockAwarePrefixCache", "BlockCacheEntry", "OpaquePayload"]
 
 logger = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class OpaquePayload:
+    """The payload of a block stored from cache data this cache cannot slice.
+
+    The seed does a request's block bookkeeping whatever its cache data is
+    (placeholders, legacy cache lists) and keeps the data itself in the
+    request's entry; so does :class:`BlockAwarePrefixCache`. Each such block
+    carries this marker instead of KV state, so that a fetch can tell it from
+    a block published without data (a miss), and the mark leaves with the
+    block when it is evicted or reused. It holds no reference to the data.
+
+    Attributes:
+        start: position of the block's first token.
+        num_tokens: tokens the block covers.
+    """
+
+    start: int
+    num_tokens: int
 
 
 @attrs.define(eq=False)
 class BlockCacheEntry:
     """One request's blocks, as this cache tracks them.
 
-    Unlike the seed's entry, it keeps no reference to the caller's caches and
-    stamps ``last_access`` with a logical tick, not the wall clock.
+    Unlike the seed's entry, it keeps no reference to the caller's caches
+    when they could be sliced into blocks, and stamps ``last_access`` with a
+    logical tick, not the wall clock.
 
     Attributes:
         block_table: the request's table in the paged manager.
@@ -57,11 +88,16 @@ class BlockCacheEntry:
         num_prompt_tokens: length of the prompt it fetched or stored; the
             tokens past ``block_table.num_tokens`` are its pending suffix.
         tail_tokens: token ids of its trailing partial block, if it has one.
+        opaque: whether the request's last store was of data this cache could
+            not slice.
+        opaque_data: that data, by reference (the seed's "stores
+            references"); None unless ``opaque``.
 
     Invariants:
         - ``[b.block_id for b in blocks] == block_table.block_ids``.
         - ``block_hashes`` covers the leading full blocks; a trailing partial
           block (``tail_tokens``) is never hashed.
+        - ``opaque_data is None`` unless ``opaque``.
     """
 
     block_table: BlockTable
@@ -71,15 +107,51 @@ class BlockCacheEntry:
     block_hashes: list[BlockHash] = attrs.field(factory=list)
     num_prompt_tokens: int = 0
     tail_tokens: tuple[int, ...] = ()
+    opaque: bool = False
+    opaque_data: Any = None
 
     @property
     def cache_data(self) -> list[Any]:
         """The per-block payloads of the request's blocks, in token order.
 
-        Unlike the seed, never the caller's cache objects: those would keep
-        their whole KV buffers alive for as long as the request lives.
+        Unlike the seed, not the caller's cache objects (those would keep
+        their whole KV buffers alive for as long as the request lives); data
+        that could not be sliced is ``opaque_data``.
         """
         return [block.cache_data for block in self.blocks]
+
+
+def _kv_payloads(blocks: Sequence[CacheBlock]) -> list[Optional[kv_state.BlockPayload]]:
+    """Each block's payload read as KV state at its position in ``blocks``.
+
+    Our own payloads come as they are; payloads written in the seed's format
+    are read where they are exactly KV state; anything else is None.
+    """
+    payloads: list[Optional[kv_state.BlockPayload]] = []
+    position = 0
+    for block in blocks:
+        payloads.append(
+            kv_state.as_block_payload(
+                block.cache_data, start=position, num_tokens=block.token_count
+            )
+        )
+        position += block.token_count
+    return payloads
+
+
+def _num_opaque(blocks: Sequence[CacheBlock]) -> int:
+    """How many leading blocks carry the opaque mark for their position."""
+    position = 0
+    for count, block in enumerate(blocks):
+        mark = block.cache_data
+        if not (
+            isinstance(mark, OpaquePayload)
+            and mark.start == position
+            and mark.num_tokens == block.token_count
+        ):
+            return count
+        position += block.token_count
+    return len(blocks)
 
 
 def _chain_keys(
@@ -110,7 +182,10 @@ class BlockAwarePrefixCache:
           every block but the last is full.
         - ``entry.block_hashes`` lists the chain hashes of the leading full
           blocks; a block that is cached (hashed) in the manager holds exactly
-          the KV state of the tokens its hash covers.
+          the KV state of the tokens its hash covers, or an
+          :class:`OpaquePayload` mark.
+        - A payload of ours (KV state or mark) in an entry's block covers
+          exactly that block's tokens at that block's position.
         - An entry holds one reference to each listed block (through its
           table) and gives all of them back exactly once, on release.
         - The trailing partial block of a request is never hashed (shared).
@@ -123,7 +198,7 @@ class BlockAwarePrefixCache:
 
         Args:
             model: the MLX model whose caches are stored (kept for reference
-                only; it is never used as a key).
+                and :attr:`model_key`; nothing is looked up by it).
             paged_cache_manager: the manager that owns the blocks.
         """
         self.model = model
@@ -134,6 +209,15 @@ class BlockAwarePrefixCache:
         self._misses = 0
         self._tokens_saved = 0
         self._tick = 0
+
+    @functools.cached_property
+    def model_key(self) -> Optional[str]:
+        """A stable key of :attr:`model` (see :func:`~mlxkv.cache.model_key.model_key`).
+
+        The seed's is ``id(model)``, which a later model can inherit. Computed
+        on first read.
+        """
+        return model_key(self.model)
 
     def _in_use(self, request_id: str) -> bool:
         return (
@@ -155,7 +239,14 @@ class BlockAwarePrefixCache:
         cache_salt: Optional[Any] = None,
         extra_keys: Optional[Sequence[Any]] = None,
     ) -> tuple[Optional[BlockTable], list[int]]:
-        """Find the longest cached, exactly rebuildable prefix of ``tokens``.
+        """Find the longest cached prefix of ``tokens`` that can be served.
+
+        A cached run of full blocks is served as far as its blocks can be
+        rebuilt exactly into KV state; a run whose first block was stored
+        from data this cache could not slice (an :class:`OpaquePayload`) is
+        served as far as such blocks go, for its bookkeeping: its table
+        cannot be rebuilt. Blocks that hold neither (published without data,
+        or with data that is not exactly KV) are a miss.
 
         On a hit, ``request_id`` gets a table holding one reference to each
         block of that prefix, until :meth:`release_cache`. Only full blocks
@@ -190,7 +281,9 @@ class BlockAwarePrefixCache:
         blocks: list[CacheBlock] = []
         if self.paged_cache.lookup(chain[:1]):
             blocks = self.paged_cache.acquire(chain)
-            usable = kv_state.num_reconstructable_blocks([b.cache_data for b in blocks])
+            usable = kv_state.num_reconstructable_blocks(_kv_payloads(blocks))
+            if not usable:
+                usable = _num_opaque(blocks)
             if usable < len(blocks):
                 # Deepest first: they should be evicted before their parents.
                 self.paged_cache.release(blocks[usable:][::-1])
@@ -242,33 +335,44 @@ class BlockAwarePrefixCache:
         The cache may hold fewer tokens than ``tokens`` (the last generated
         token not fed back yet): only the tokens it holds are stored.
 
+        Cache data that cannot be sliced exactly -- a placeholder, an object
+        of another kind, a cache that holds no tokens or that could not be
+        rebuilt exactly (a wrapped sliding window) -- gets the same
+        bookkeeping as in the seed: blocks for all of ``tokens`` are
+        allocated (or shared, whatever they hold), hashed and found by later
+        fetches, each marked with an :class:`OpaquePayload`, and the data is
+        kept by reference for :meth:`get_cache_for_generation`.
+
         Args:
             request_id: the request.
             tokens: the token ids the cache was computed from.
-            cache_data: the model's per-layer caches: mlx-lm cache objects, or
-                seed-style dicts ``{'state': (keys, values), ...}``.
+            cache_data: the model's per-layer caches: mlx-lm cache objects,
+                seed-style dicts ``{'state': (keys, values), ...}`` or
+                ``(keys, values)`` pairs; or anything else, kept as it is.
             cache_salt: namespace of the request, as in :meth:`fetch_cache`.
             extra_keys: further namespace keys, as in :meth:`fetch_cache`.
 
         Returns:
             The request's table, or None (logged) when nothing could be
-            stored: empty ``tokens``, malformed or not reconstructable
-            ``cache_data``, tokens or keys that disagree with what the request
-            already holds, or no free block at all.
+            stored: empty ``tokens``, bad token ids, tokens or keys that
+            disagree with what the request already holds, or no free block
+            at all.
         """
         if not tokens:
             return None
+        layout: Optional[kv_state.CacheLayout]
         try:
             layout = kv_state.describe_cache(cache_data)
         except CacheError as exc:
-            logger.warning("store_cache(%r): %s", request_id, exc)
-            return None
+            logger.debug("store_cache(%r): keeping opaque cache data: %s", request_id, exc)
+            layout = None
         num_tokens = len(tokens)
-        if layout.num_tokens is not None:
-            num_tokens = min(num_tokens, layout.num_tokens)
-        if num_tokens == 0:
-            logger.warning("store_cache(%r): the cache holds no tokens", request_id)
-            return None
+        if layout is not None and layout.num_tokens is not None:
+            if layout.num_tokens == 0:
+                logger.debug("store_cache(%r): keeping a cache with no tokens", request_id)
+                layout = None
+            else:
+                num_tokens = min(num_tokens, layout.num_tokens)
         keys = _chain_keys(cache_salt, extra_keys)
         try:
             chain = hash_block_chain(tokens[:num_tokens], self.block_size, extra_keys=keys)
@@ -305,14 +409,16 @@ class BlockAwarePrefixCache:
             request_id, entry, cache_data, layout, tokens, chain, num_tokens, first, keys
         )
 
-    def _add_snapshots(self, block: CacheBlock, ours: kv_state.BlockPayload) -> None:
+    def _add_snapshots(
+        self, block: CacheBlock, cached: kv_state.BlockPayload, ours: kv_state.BlockPayload
+    ) -> None:
         """Give a cached block the recurrent snapshots it lacks and ``ours`` has.
 
-        The block's KV slices are kept; the snapshots are the recurrent state
-        after the same tokens under the same hash chain, so every holder of
-        the block sees the same tokens, now rebuildable up to its end.
+        The block's KV slices (``cached``) are kept; the snapshots are the
+        recurrent state after the same tokens under the same hash chain, so
+        every holder of the block sees the same tokens, now rebuildable up to
+        its end.
         """
-        cached = block.cache_data
         arrays = tuple(
             theirs if spec.sequential or theirs is not None else mine
             for spec, theirs, mine in zip(cached.layers, cached.arrays, ours.arrays)
@@ -330,12 +436,32 @@ class BlockAwarePrefixCache:
         table.num_tokens -= tail.token_count
         self.paged_cache.release([tail])
 
+    def _reusable_kv(
+        self, block: CacheBlock, index: int, layout: kv_state.CacheLayout
+    ) -> Optional[kv_state.BlockPayload]:
+        """The KV state of a cached block, if it can stand for block ``index``.
+
+        It can if it holds KV state (ours, or the seed's format) of the same
+        layout for the same full block of tokens.
+        """
+        payload = kv_state.as_block_payload(
+            block.cache_data, start=index * self.block_size, num_tokens=block.token_count
+        )
+        if (
+            payload is None
+            or payload.layers != layout.layers
+            or payload.start != index * self.block_size
+            or payload.num_tokens != self.block_size
+        ):
+            return None
+        return payload
+
     def _store_blocks(
         self,
         request_id: str,
         entry: Optional[BlockCacheEntry],
-        cache_data: list[Any],
-        layout: kv_state.CacheLayout,
+        cache_data: Any,
+        layout: Optional[kv_state.CacheLayout],
         tokens: Sequence[int],
         chain: list[BlockHash],
         num_tokens: int,
@@ -348,39 +474,45 @@ class BlockAwarePrefixCache:
         # Share what is cached already; take the references before allocating,
         # which could otherwise evict those very blocks.
         reused: dict[int, CacheBlock] = {}
+        upgrade: Optional[tuple[int, kv_state.BlockPayload]] = None
         # The block that ends where the cache ends is the one that can carry
         # the recurrent layers' snapshots.
-        boundary = num_tokens if layout.num_tokens is None else layout.num_tokens
+        boundary = num_tokens if layout is None or layout.num_tokens is None else layout.num_tokens
         snapshot_index = boundary // size - 1 if boundary % size == 0 else -1
-        upgrade: Optional[int] = None
         for index in range(first, len(chain)):
             if not paged.lookup(chain[index : index + 1]):
                 continue
             (block,) = paged.acquire(chain[index : index + 1])
-            payload = block.cache_data
-            if not (
-                isinstance(payload, kv_state.BlockPayload)
-                and payload.layers == layout.layers
-                and payload.start == index * size
-                and payload.num_tokens == size
-            ):
+            if layout is None:
+                # Opaque data has no KV state to compare: share whatever is
+                # cached for these tokens, as the seed does.
+                reused[index] = block
+                continue
+            payload = self._reusable_kv(block, index, layout)
+            if payload is None:
                 # Cached without KV state we can use (e.g. published by the
                 # seed's cache_full_blocks): store ours next to it.
                 paged.release([block])
                 continue
             reused[index] = block
             if index == snapshot_index and not payload.has_snapshots:
-                upgrade = index
+                upgrade = (index, payload)
         fresh_indices = [i for i in range(first, num_blocks) if i not in reused]
-        to_slice = fresh_indices if upgrade is None else [*fresh_indices, upgrade]
-        try:
-            payloads = kv_state.slice_blocks(cache_data, size, to_slice, num_tokens=num_tokens)
-        except CacheError as exc:
-            paged.release(list(reused.values())[::-1])
-            logger.warning("store_cache(%r): %s", request_id, exc)
-            return None
-        if upgrade is not None:
-            self._add_snapshots(reused[upgrade], payloads.pop())
+        if layout is None:
+            payloads: list[Any] = [
+                OpaquePayload(start=i * size, num_tokens=min(size, num_tokens - i * size))
+                for i in fresh_indices
+            ]
+        else:
+            to_slice = fresh_indices if upgrade is None else [*fresh_indices, upgrade[0]]
+            try:
+                payloads = kv_state.slice_blocks(cache_data, size, to_slice, num_tokens=num_tokens)
+            except CacheError as exc:
+                paged.release(list(reused.values())[::-1])
+                logger.warning("store_cache(%r): %s", request_id, exc)
+                return None
+            if upgrade is not None:
+                self._add_snapshots(reused[upgrade[0]], upgrade[1], payloads.pop())
         try:
             fresh = paged.allocate(len(fresh_indices))
         except OutOfBlocks as exc:
@@ -417,6 +549,8 @@ class BlockAwarePrefixCache:
                 num_prompt_tokens=len(tokens),
             )
             self._request_tables[request_id] = entry
+        entry.opaque = layout is None
+        entry.opaque_data = cache_data if layout is None else None
         table = entry.block_table
         fresh_iter = iter(zip(fresh, payloads))
         for index in range(first, num_blocks):
@@ -428,17 +562,20 @@ class BlockAwarePrefixCache:
                 else:
                     # The partial tail: the request's own, never published.
                     paged.fill(block, payload, num_tokens=payload.num_tokens)
-                    entry.tail_tokens = tuple(tokens[payload.start : payload.end])
+                    entry.tail_tokens = tuple(
+                        tokens[payload.start : payload.start + payload.num_tokens]
+                    )
             entry.blocks.append(block)
             table.add_block(block.block_id, block.token_count)
         entry.block_hashes.extend(chain[first : min(num_blocks, len(chain))])
         logger.debug(
-            "store_cache(%r): %d blocks (%d shared, %d new), %d tokens",
+            "store_cache(%r): %d blocks (%d shared, %d new), %d tokens%s",
             request_id,
             len(entry.blocks),
             len(reused),
             num_blocks - first - len(reused),
             table.num_tokens,
+            ", opaque data" if layout is None else "",
         )
         return table
 
@@ -447,11 +584,14 @@ class BlockAwarePrefixCache:
     def get_cache_for_generation(
         self, request_id: str, *, extra_tokens: Optional[int] = None
     ) -> tuple[Optional[list[Any]], bool]:
-        """Rebuild a request's cache for generation, copying shared blocks first.
+        """A request's cache for generation, copying shared blocks first.
 
         The paged manager gives the request private copies of its shared
-        blocks (copy-on-write, with real copies of the KV arrays); the cache
-        is then rebuilt from the request's blocks.
+        blocks (copy-on-write, with real copies of the KV arrays). If the
+        request's last store was of data this cache could not slice, that
+        data is returned as the seed returns it: the stored object itself, or
+        a deep copy of it if a block was copied. Otherwise the cache is
+        rebuilt from the request's blocks.
 
         Args:
             request_id: the request.
@@ -459,9 +599,10 @@ class BlockAwarePrefixCache:
                 default the request's pending suffix (at least one token).
 
         Returns:
-            ``(caches, was_copied)``: mlx-lm cache objects (None, logged, if
-            they cannot be rebuilt exactly) and whether any block was copied;
-            ``(None, False)`` for an unknown request.
+            ``(caches, was_copied)``: the stored data or rebuilt mlx-lm cache
+            objects (None, logged, if they cannot be rebuilt exactly) and
+            whether any block was copied; ``(None, False)`` for an unknown
+            request.
         """
         entry = self._request_tables.get(request_id)
         if entry is None:
@@ -470,7 +611,11 @@ class BlockAwarePrefixCache:
         blocks, was_copied = self.paged_cache.get_blocks_for_generation(entry.block_table)
         entry.blocks = blocks
         entry.last_access = self._next_tick()
-        return self._rebuild(entry, extra_tokens), was_copied
+        if entry.opaque:
+            data = copy.deepcopy(entry.opaque_data) if was_copied else entry.opaque_data
+            return data, was_copied
+        room = self._room(entry, blocks, extra_tokens)
+        return self._rebuild(request_id, blocks, room), was_copied
 
     def release_cache(self, request_id: str) -> None:
         """Give back every block reference a request holds; then forget it.
@@ -491,6 +636,9 @@ class BlockAwarePrefixCache:
 
     def fork_cache(self, source_request_id: str, new_request_id: str) -> Optional[BlockTable]:
         """Give ``new_request_id`` a share of every block of ``source_request_id``.
+
+        The new request also shares the source's opaque data, if it has any
+        (by reference, as in the seed).
 
         Args:
             source_request_id: a request that holds blocks here.
@@ -521,55 +669,92 @@ class BlockAwarePrefixCache:
     def reconstruct_cache(
         self, block_table: BlockTable, *, extra_tokens: Optional[int] = None
     ) -> Optional[list[Any]]:
-        """Rebuild mlx-lm cache objects from a request's blocks.
+        """Rebuild mlx-lm cache objects from the blocks a table lists.
 
-        The caches hold exactly the table's tokens, in buffers with room for
-        the request's suffix, so the first append does not copy them again.
+        The table is one returned by this cache (fetch, store, fork), another
+        table the paged manager holds, or a leading part of either (a
+        ``BlockTable`` built from its first block ids). The caches hold
+        exactly the tokens of those blocks, in buffers with room for the
+        request's suffix, so the first append does not copy them again.
 
         Args:
-            block_table: a table returned by this cache (fetch, store, fork).
+            block_table: the table.
             extra_tokens: room to leave for tokens about to be appended; by
-                default the request's pending suffix (at least one token).
+                default what remains of the prompt of the request that holds
+                the table (at least one token).
 
         Returns:
             One cache object per layer; None for an empty table, and None
-            (logged) for a table this cache does not hold or blocks it cannot
-            rebuild exactly.
+            (logged) for a table that is not a leading part of a table the
+            paged manager holds, or blocks that cannot be rebuilt exactly
+            (opaque data, a payload that is not exactly KV state).
         """
         if not block_table or not block_table.block_ids:
             return None
-        entry = self._request_tables.get(block_table.request_id)
-        if entry is None or entry.block_table.block_ids != block_table.block_ids:
+        blocks = self._held_blocks(block_table)
+        if blocks is None:
             logger.warning(
                 "reconstruct_cache(%r): table is not held by this cache", block_table.request_id
             )
             return None
-        return self._rebuild(entry, extra_tokens)
+        entry = self._request_tables.get(block_table.request_id)
+        if entry is not None and entry.blocks[: len(blocks)] != blocks:
+            entry = None
+        room = self._room(entry, blocks, extra_tokens)
+        return self._rebuild(block_table.request_id, blocks, room)
 
-    def _rebuild(self, entry: BlockCacheEntry, extra_tokens: Optional[int]) -> Optional[list[Any]]:
-        table = entry.block_table
-        payloads = entry.cache_data
+    def _held_blocks(self, block_table: BlockTable) -> Optional[list[CacheBlock]]:
+        """The blocks of ``block_table`` if it leads a table the manager holds.
+
+        Any other list of ids could mix blocks of unrelated sequences.
+        """
+        ids = list(block_table.block_ids)
+        paged = self.paged_cache
+        own = paged.get_block_table(block_table.request_id)
+        candidates = [own] if own is not None else []
+        candidates.extend(t for t in paged.request_tables.values() if t is not own)
+        for table in candidates:
+            if table.block_ids[: len(ids)] == ids:
+                blocks = [paged.allocated_blocks.get(ident) for ident in ids]
+                if all(b is not None and not b.is_null for b in blocks):
+                    return blocks
+                return None
+        return None
+
+    @staticmethod
+    def _room(
+        entry: Optional[BlockCacheEntry], blocks: Sequence[CacheBlock], extra_tokens: Optional[int]
+    ) -> int:
+        """Tokens to leave room for: ``extra_tokens``, or the prompt's rest."""
+        if extra_tokens is not None:
+            return extra_tokens
+        if entry is None:
+            return 0
+        return max(entry.num_prompt_tokens - sum(b.token_count for b in blocks), 0)
+
+    def _rebuild(
+        self, request_id: str, blocks: Sequence[CacheBlock], extra_tokens: int
+    ) -> Optional[list[Any]]:
+        payloads = _kv_payloads(blocks)
         usable = kv_state.num_reconstructable_blocks(payloads)
-        if usable < len(payloads) or payloads[-1].end != table.num_tokens:
+        if usable < len(payloads):
             logger.warning(
                 "cannot rebuild %r exactly: %d of %d blocks usable",
-                table.request_id,
+                request_id,
                 usable,
                 len(payloads),
             )
             return None
-        if extra_tokens is None:
-            extra_tokens = max(entry.num_prompt_tokens - table.num_tokens, 0)
         try:
             caches = kv_state.reconstruct(payloads, extra_tokens=extra_tokens)
         except CacheError as exc:
-            logger.warning("cannot rebuild %r: %s", table.request_id, exc)
+            logger.warning("cannot rebuild %r: %s", request_id, exc)
             return None
         logger.debug(
             "rebuilt %r: %d layers, %d tokens from %d blocks",
-            table.request_id,
+            request_id,
             len(caches),
-            table.num_tokens,
+            payloads[-1].end,
             len(payloads),
         )
         return caches
@@ -620,37 +805,39 @@ class BlockAwarePrefixCache:
         """Verify the invariants of the class docstring (and the manager's).
 
         Raises:
-            AssertionError: naming the first request or block found wrong.
+            InvariantViolation: naming the first request or block found wrong.
         """
         self.paged_cache.check_invariants()
         size = self.block_size
         for request_id, entry in self._request_tables.items():
             table = entry.block_table
+            where = f"request {request_id!r}"
             if self.paged_cache.get_block_table(request_id) is not table:
-                raise AssertionError(f"request {request_id!r}: table is not the manager's")
+                raise InvariantViolation(f"{where}: table is not the manager's")
             if [b.block_id for b in entry.blocks] != table.block_ids:
-                raise AssertionError(f"request {request_id!r}: blocks disagree with its table")
+                raise InvariantViolation(f"{where}: blocks disagree with its table")
             if sum(b.token_count for b in entry.blocks) != table.num_tokens:
-                raise AssertionError(f"request {request_id!r}: num_tokens is not the blocks' sum")
+                raise InvariantViolation(f"{where}: num_tokens is not the blocks' sum")
             if any(b.token_count != size for b in entry.blocks[:-1]):
-                raise AssertionError(f"request {request_id!r}: a block before the last is partial")
+                raise InvariantViolation(f"{where}: a block before the last is partial")
             if len(entry.block_hashes) > len(entry.blocks):
-                raise AssertionError(f"request {request_id!r}: more hashes than blocks")
+                raise InvariantViolation(f"{where}: more hashes than blocks")
+            if not entry.opaque and entry.opaque_data is not None:
+                raise InvariantViolation(f"{where}: keeps opaque data it did not store")
             for index, block in enumerate(entry.blocks):
                 if block.ref_count < 1:
-                    raise AssertionError(f"request {request_id!r}: block {block.block_id} is free")
+                    raise InvariantViolation(f"{where}: block {block.block_id} is free")
                 hashes = entry.block_hashes
                 if block.block_hash is not None and (
                     index >= len(hashes) or block.block_hash != hashes[index]
                 ):
-                    raise AssertionError(
-                        f"request {request_id!r}: block {block.block_id} is cached under"
-                        " another hash"
+                    raise InvariantViolation(
+                        f"{where}: block {block.block_id} is cached under another hash"
                     )
                 payload = block.cache_data
-                if isinstance(payload, kv_state.BlockPayload) and (
+                if isinstance(payload, (kv_state.BlockPayload, OpaquePayload)) and (
                     payload.start != index * size or payload.num_tokens != block.token_count
                 ):
-                    raise AssertionError(
-                        f"request {request_id!r}: block {block.block_id} holds the wrong tokens"
+                    raise InvariantViolation(
+                        f"{where}: block {block.block_id} holds the wrong tokens"
                     )

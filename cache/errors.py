@@ -4,6 +4,10 @@ The seed-compatible methods keep the seed's return contracts (``None``,
 ``False``, ``ValueError``); everything new raises one of these. Each error
 carries its facts as attributes, so callers can act on them without parsing
 the message.
+
+:class:`InvariantViolation` is the odd one out: it reports a bug (state that
+should be impossible), not a request that was refused, so it is an
+``AssertionError`` rather than a :class:`CacheError`.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ __all__ = [
     "DoubleFree",
     "DuplicateRequest",
     "InvalidInput",
+    "InvariantViolation",
     "OutOfBlocks",
     "UnknownRequest",
 ]
@@ -81,6 +86,16 @@ class DoubleFree(CacheError):
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         super().__init__(f"block {block_id} released while not referenced")
+
+
+class InvariantViolation(AssertionError):
+    """A ``check_invariants()`` found the state broken: a bug, never bad input.
+
+    Raised explicitly rather than by ``assert``, so the checks still run under
+    ``python -O``. It subclasses ``AssertionError`` (what the checks raised
+    before) and not :class:`CacheError`, so no caller mistakes it for a
+    refused request.
+    """
 
 
 def _abbrev(value: Any, limit: int = 60) -> str:

@@ -18,6 +18,9 @@ set of pure functions over small frozen records:
 * :func:`num_reconstructable_blocks` says how many leading payloads
   :func:`reconstruct` can rebuild exactly (hybrid models need a recurrent-state
   snapshot at the last block's end).
+* :func:`as_block_payload` reads a block's ``cache_data`` written in the seed's
+  declared format (a ``(keys, values)`` pair per layer) as a payload, when it
+  is exactly one.
 
 Cache objects are read and built through their attributes (``keys``,
 ``values``, ``offset``, ``max_size``, ``keep``, ``_idx``, ``group_size``,
@@ -33,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Optional, Union
 
 import attrs
@@ -50,6 +53,7 @@ __all__ = [
     "NotReconstructable",
     "QuantizedLayer",
     "RotatingLayer",
+    "as_block_payload",
     "capacity_for",
     "describe_cache",
     "num_reconstructable_blocks",
@@ -172,7 +176,7 @@ class CacheLayout:
 
 
 @attrs.frozen(eq=False)
-class BlockPayload:
+class BlockPayload(Sequence[Optional[tuple[Any, ...]]]):
     """The KV state of one block: owned, evaluated arrays per layer.
 
     ``arrays[i]`` holds layer ``i``'s arrays for tokens ``[start, end)``:
@@ -182,6 +186,12 @@ class BlockPayload:
     :class:`ArraysLayer`, the snapshot of its state arrays after token
     ``end - 1`` (entries may be ``None`` like the cache's own), or ``None``
     when this block does not end where the stored cache ended.
+
+    A payload is also the read-only per-layer sequence that the seed declares
+    ``CacheBlock.cache_data`` to be: ``len(payload)`` is the number of layers
+    and ``payload[i]`` is ``arrays[i]`` (``None`` for a layer that carries
+    nothing in this block). A payload is always true, whatever its length,
+    and equal only to itself.
 
     ``signature`` describes every array the layers have (dtype, and shape
     with the token axis left out) whether or not this block carries it;
@@ -200,6 +210,20 @@ class BlockPayload:
     num_tokens: int
     arrays: tuple[Optional[tuple[Any, ...]], ...]
     signature: tuple[tuple[Any, ...], ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.arrays)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.arrays[index]
+
+    def __iter__(self) -> Iterator[Optional[tuple[Any, ...]]]:
+        return iter(self.arrays)
+
+    def __bool__(self) -> bool:
+        # A payload is a value that is present, not a container that may be
+        # empty: ``if block.cache_data`` must mean "has a payload".
+        return True
 
     @property
     def end(self) -> int:
@@ -275,8 +299,9 @@ def describe_cache(cache_data: Sequence[Any]) -> CacheLayout:
     """Say what each layer of a cache is and how many tokens it holds.
 
     Args:
-        cache_data: the model's per-layer caches: mlx-lm cache objects, or the
-            seed's dicts ``{'state': ..., 'meta_state': ..., 'class_name': ...}``.
+        cache_data: the model's per-layer caches: mlx-lm cache objects, the
+            seed's dicts ``{'state': ..., 'meta_state': ..., 'class_name': ...}``
+            or plain ``(keys, values)`` pairs (4-D or 3-D arrays).
 
     Returns:
         The layout.
@@ -309,6 +334,9 @@ def _read_layer(layer: Any, index: int) -> _LayerView:
 
     if isinstance(layer, Mapping):
         return _read_dict(layer, index)
+    if isinstance(layer, (tuple, list)):
+        # The seed's declared per-layer format: a (keys, values) pair.
+        return _kv_dict_view(layer, index, f"cache_data[{index}]")
     kind = type(layer)
     # Exact classes only: a subclass may keep state we would not rebuild.
     if kind is mlc.KVCache:
@@ -366,14 +394,14 @@ def _read_dict(layer: Mapping[str, Any], index: int) -> _LayerView:
         ) from exc
     if name not in (None, "KVCache", "ConcatenateKVCache"):
         raise NotReconstructable(f"unsupported cache class {name}", layer=index)
-    return _kv_dict_view(state, index)
+    return _kv_dict_view(state, index, f"cache_data[{index}]['state']")
 
 
-def _kv_dict_view(state: Any, index: int) -> _LayerView:
+def _kv_dict_view(state: Any, index: int, where: str) -> _LayerView:
     axis = state_seq_axis(state)
     if axis is None:
         raise InvalidInput(
-            f"cache_data[{index}]['state']",
+            where,
             state,
             "expected (keys, values) as 4-D (B, H, T, D) or 3-D (H, T, D) arrays",
         )
@@ -384,7 +412,7 @@ def _kv_dict_view(state: Any, index: int) -> _LayerView:
     if len(state) == 3 and isinstance(state[2], int):  # mlx-lm 0.32's (keys, values, offset)
         offset = state[2]
     elif len(state) != 2:
-        raise InvalidInput(f"cache_data[{index}]['state']", state, "expected (keys, values)")
+        raise InvalidInput(where, state, "expected (keys, values)")
     return _kv_view(KVLayer(), keys, values, offset, index)
 
 
@@ -549,6 +577,56 @@ def _signature(view: _LayerView) -> tuple[Any, ...]:
     return tuple(None if a is None else (str(a.dtype), a.shape) for a in view.state)
 
 
+def as_block_payload(
+    cache_data: Any, *, start: int, num_tokens: int
+) -> Optional[BlockPayload]:
+    """Read a block's ``cache_data`` as a payload, if it is exactly one.
+
+    A :class:`BlockPayload` is returned as it is. Otherwise ``cache_data`` is
+    read the way the seed declares ``CacheBlock.cache_data``: one entry per
+    layer, each a ``(keys, values)`` pair (4-D ``(1, H, T, D)`` or 3-D
+    ``(H, T, D)`` arrays) or a seed-style ``{'state': (keys, values)}`` dict.
+    It is taken as the block's KV state only if every layer is a plain KV
+    layer whose arrays hold exactly ``num_tokens`` tokens; the arrays are
+    used as they are (not copied), so the result must not be stored.
+
+    Args:
+        cache_data: a block's payload, as anyone may have set it.
+        start: position of the block's first token.
+        num_tokens: tokens the block holds, > 0.
+
+    Returns:
+        The payload, or None when ``cache_data`` is not exactly the KV state
+        of ``num_tokens`` tokens (no data, a layer that carries nothing, a
+        recurrent or unknown layer, another length, a malformed entry).
+    """
+    if isinstance(cache_data, BlockPayload):
+        return cache_data
+    if (
+        cache_data is None
+        or isinstance(cache_data, (str, bytes, Mapping))
+        or not isinstance(cache_data, Sequence)
+        or num_tokens <= 0
+    ):
+        return None
+    try:
+        views = _read_layers(cache_data)
+    except CacheError:
+        return None
+    for view in views:
+        if not isinstance(view.spec, KVLayer) or view.length != num_tokens:
+            return None
+        if any(a.shape[2] != num_tokens for a in view.seq):
+            return None
+    return BlockPayload(
+        layers=tuple(v.spec for v in views),
+        start=start,
+        num_tokens=num_tokens,
+        arrays=tuple(v.seq for v in views),
+        signature=tuple(_signature(v) for v in views),
+    )
+
+
 def capacity_for(num_tokens: int, extra_tokens: int = 0) -> int:
     """Buffer size (in tokens) that :func:`reconstruct` allocates.
 
@@ -576,13 +654,14 @@ def num_reconstructable_blocks(payloads: Sequence[Optional[BlockPayload]]) -> in
     recurrent snapshot.
 
     Args:
-        payloads: payloads of blocks ``0, 1, ...`` in order (``None`` for a
-            block without stored state).
+        payloads: payloads of blocks ``0, 1, ...`` in order; anything that is
+            not a :class:`BlockPayload` (``None`` for a block without stored
+            state) ends the run.
 
     Returns:
         ``n`` such that ``reconstruct(payloads[:n])`` succeeds (0 if none).
     """
-    if not payloads or payloads[0] is None:
+    if not payloads or not isinstance(payloads[0], BlockPayload):
         return 0
     layers = payloads[0].layers
     signature = payloads[0].signature

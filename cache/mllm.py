@@ -7,26 +7,27 @@ vision encoder and as much prefill as its token ids share with the entry.
 
 Image identity. An image may be given as
 
-- a local file path (``str`` or ``os.PathLike``): its bytes are hashed;
+- a readable file's path (``str`` or ``os.PathLike``): its bytes are hashed;
 - a ``data:`` URL: its *decoded* bytes are hashed, so it keys like the same
   image given as a file or as ``bytes``;
-- any other URL (``scheme://...``): the URL string is hashed; nothing is
-  fetched (a ``file://`` URL is a URL too);
+- any other string -- a URL (``scheme://...``, never fetched; a ``file://``
+  URL too), a ``video:<path>:fps<f>:max<n>`` source, a path that cannot be
+  read, any identifier, a malformed data URL -- is keyed by the string
+  itself, as in the seed;
 - ``bytes``/``bytearray``/``memoryview``: hashed as they are;
 - a numpy or MLX array: dtype, shape and element bytes are hashed.
 
-A string that is neither a URL nor a data URL is a path; if it cannot be read
-that is an :class:`~mlxkv.cache.errors.InvalidInput` -- a typo must not turn
-into a silent cache key (the seed hashed the path string instead).
+Keying is all this module does: it never needs the pixels. Code that must
+load them (generation) is the one to reject an image it cannot read.
 
 Two strengths. :func:`compute_image_hash` and :func:`compute_images_hash` keep
-the seed's 16-hex-character (64-bit) output; for a file or a URL the former
+the seed's 16-hex-character (64-bit) output; for a file or a string the former
 gives the seed's exact value. The caches never key on those: they use the
 full SHA-256 keys of :func:`image_digest`/:func:`images_digest`, which also
-separate the input kinds (a URL string and a file that happens to hold the
-same bytes are different images), so no crafted 64-bit collision can be
-served another user's state. The combined key keeps the image order:
-``[A, B]`` and ``[B, A]`` are different requests.
+separate the input kinds (a string keyed as such and a file or bytes that
+happen to hold the same characters are different images), so no crafted
+64-bit collision can be served another user's state. The combined key keeps
+the image order: ``[A, B]`` and ``[B, A]`` are different requests.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
-from mlxkv.cache.errors import InvalidInput
+from mlxkv.cache.errors import InvalidInput, InvariantViolation
 
 __all__ = [
     "ImageSource",
@@ -91,28 +92,33 @@ class _Fingerprint(NamedTuple):
         return hashlib.sha256(b"mlxkv.image\0" + self.kind + b"\0" + self.payload_digest).digest()
 
 
-def _hash_file(path: Union[str, "os.PathLike[str]"]) -> bytes:
+def _hash_file(path: Union[str, "os.PathLike[str]"]) -> Optional[bytes]:
+    """The SHA-256 of the file's bytes, or None if it cannot be read as a file."""
     hasher = hashlib.sha256()
     try:
         with open(path, "rb") as fh:
             for chunk in iter(lambda: fh.read(_READ_CHUNK), b""):
                 hasher.update(chunk)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError):
         # ValueError: a path with an embedded NUL byte.
-        reason = getattr(exc, "strerror", None) or str(exc)
-        raise InvalidInput("image", path, f"not a readable image file ({reason})") from exc
+        return None
     return hasher.digest()
 
 
-def _decode_data_url(url: str) -> bytes:
+def _string_fingerprint(text: str) -> _Fingerprint:
+    return _Fingerprint(b"string", hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest())
+
+
+def _decode_data_url(url: str) -> Optional[bytes]:
+    """The bytes a data URL carries, or None if it is malformed."""
     header, sep, data = url[len("data:") :].partition(",")
     if not sep:
-        raise InvalidInput("image", url, "data URL without a ',' before its data")
+        return None
     if header.lower().endswith(";base64"):
         try:
             return base64.b64decode("".join(data.split()), validate=True)
-        except binascii.Error as exc:
-            raise InvalidInput("image", url, f"data URL with bad base64 ({exc})") from exc
+        except binascii.Error:
+            return None
     return urllib.parse.unquote_to_bytes(data)
 
 
@@ -147,15 +153,20 @@ def _array_digest(dtype: str, shape: Sequence[int], data: Any) -> bytes:
 
 
 def _fingerprint(image: Any) -> _Fingerprint:
+    if isinstance(image, os.PathLike):
+        image = os.fsdecode(image)
     if isinstance(image, str):
         if image[:5].lower() == "data:":
-            return _Fingerprint(b"content", hashlib.sha256(_decode_data_url(image)).digest())
+            data = _decode_data_url(image)
+            if data is None:
+                return _string_fingerprint(image)
+            return _Fingerprint(b"content", hashlib.sha256(data).digest())
         if _URL.match(image):
-            url = image.encode("utf-8", "surrogatepass")
-            return _Fingerprint(b"url", hashlib.sha256(url).digest())
-        return _Fingerprint(b"content", _hash_file(image))
-    if isinstance(image, os.PathLike):
-        return _Fingerprint(b"content", _hash_file(image))
+            return _string_fingerprint(image)
+        digest = _hash_file(image)
+        if digest is None:
+            return _string_fingerprint(image)
+        return _Fingerprint(b"content", digest)
     if isinstance(image, memoryview) and not image.c_contiguous:
         image = image.tobytes()
     if isinstance(image, (bytes, bytearray, memoryview)):
@@ -199,13 +210,14 @@ def compute_image_hash(image_path: ImageSource) -> str:
 
     Returns:
         16 hex characters: the first 64 bits of the SHA-256 of the image's
-        payload (file bytes, decoded data-URL bytes, URL string, array
-        header and bytes). For display and seed compatibility only; caches
-        key on :func:`image_digest`.
+        payload (file bytes, decoded data-URL bytes, the string itself,
+        array header and bytes): the seed's value for a file and for a
+        string. For display and seed compatibility only; caches key on
+        :func:`image_digest`.
 
     Raises:
-        InvalidInput: an unreadable path, a malformed data URL, or an
-            unsupported type.
+        InvalidInput: an unsupported type (not a path, string, bytes or
+            array), or an array of Python objects.
     """
     return _fingerprint(image_path).short
 
@@ -236,7 +248,8 @@ def image_digest(image: ImageSource) -> str:
     """Return the full-strength key of one image: 64 hex characters.
 
     Unlike :func:`compute_image_hash`, the key also covers the input kind,
-    so a URL and a file holding the URL's text as bytes differ.
+    so a string keyed as such (a URL, an identifier, a path that cannot be
+    read) and a file or bytes holding its text differ.
 
     Raises:
         InvalidInput: as :func:`compute_image_hash`.
@@ -771,24 +784,35 @@ class MLLMPrefixCacheManager:
         return f"<MLLMPrefixCacheManager entries={len(self)} memory={mem_mb:.1f}MB>"
 
     def check_invariants(self) -> None:
-        """Verify the class invariants (for tests).
+        """Verify the class invariants.
+
+        The checks are explicit raises, not ``assert``: they also run under
+        ``python -O``.
 
         Raises:
-            AssertionError: naming the first broken invariant.
+            InvariantViolation: naming the first broken invariant.
         """
-        assert len(self._cache) <= self.max_size, "more entries than max_size"
-        assert self._current_memory <= self.max_memory, "over the memory budget"
-        assert self._current_memory == sum(s.nbytes for s in self._cache.values()), (
-            "byte count drifted from the stored entries"
-        )
+        if len(self._cache) > self.max_size:
+            raise InvariantViolation(f"{len(self._cache)} entries, max_size is {self.max_size}")
+        if self._current_memory > self.max_memory:
+            raise InvariantViolation(
+                f"{self._current_memory} bytes held, the budget is {self.max_memory}"
+            )
+        recorded = sum(slot.nbytes for slot in self._cache.values())
+        if self._current_memory != recorded:
+            raise InvariantViolation(
+                f"byte count {self._current_memory} drifted from the entries' {recorded}"
+            )
         indexed = {(scope, key) for scope, keys in self._by_images.items() for key in keys}
         expected = {
             (slot.images_scope, key)
             for key, slot in self._cache.items()
             if slot.images_scope is not None
         }
-        assert indexed == expected, "image index out of step with the entries"
-        assert all(self._by_images.values()), "empty holder set left in the image index"
+        if indexed != expected:
+            raise InvariantViolation("image index out of step with the entries")
+        if not all(self._by_images.values()):
+            raise InvariantViolation("empty holder set left in the image index")
 
 
 #: Short alias of :class:`MLLMPrefixCacheManager`.

@@ -9,6 +9,7 @@ core that the actor layer calls:
 * :meth:`PagedCacheManager.acquire` -- take references to cached blocks.
 * :meth:`PagedCacheManager.commit` -- publish a held block under its hash.
 * :meth:`PagedCacheManager.release` -- drop references.
+* :meth:`PagedCacheManager.evict` -- drop free cached blocks' content, LRU first.
 * :meth:`PagedCacheManager.take_evicted` -- hashes that left the cache.
 
 Every block whose reference count is zero sits in one free queue, ordered by
@@ -36,7 +37,13 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from mlxkv.cache.block_hash import BlockHash, compute_block_hash, hash_block_chain
-from mlxkv.cache.errors import DoubleFree, DuplicateRequest, InvalidInput, OutOfBlocks
+from mlxkv.cache.errors import (
+    DoubleFree,
+    DuplicateRequest,
+    InvalidInput,
+    InvariantViolation,
+    OutOfBlocks,
+)
 
 __all__ = [
     "BlockHash",
@@ -469,7 +476,10 @@ class CacheStats:
         allocated_blocks: referenced blocks, the null block included.
         free_blocks: blocks in the free queue, cached ones included.
         shared_blocks: blocks with more than one reference.
-        total_tokens_cached: tokens in referenced blocks (null block excluded).
+        total_tokens_cached: tokens of the blocks that request tables list
+            (``add_block_to_table``, forks...), each block counted once,
+            the null block excluded; as in the seed, blocks held outside
+            any table do not count.
         cache_hits: blocks found by prefix lookups.
         cache_misses: prefix lookups that stopped at a block not found.
         cow_copies: blocks copied on write.
@@ -549,8 +559,8 @@ class PagedCacheManager:
     referenced and never freed.
 
     The typed core (``allocate``, ``lookup``, ``acquire``, ``commit``,
-    ``release``, ``take_evicted``) raises typed errors. The seed methods are
-    adapters over it that keep the seed's return values: where the seed
+    ``release``, ``evict``, ``take_evicted``) raises typed errors. The seed
+    methods are adapters over it that keep the seed's return values: where the seed
     returns ``None`` or ``False`` on failure, so do they, and log a warning.
 
     Invariants:
@@ -779,6 +789,36 @@ class PagedCacheManager:
         """
         self._dereference(blocks if blocks.__class__ is list else list(blocks))
 
+    def evict(self, num_blocks: int) -> int:
+        """Drop the cached content of up to ``num_blocks`` free cached blocks.
+
+        Cached free blocks are evicted least recently freed first (their hash,
+        legacy hash and payload go; the hashes are reported by
+        :meth:`take_evicted`) and stay where they are in the free queue. Free
+        blocks that hold no hash are skipped and not counted.
+
+        Args:
+            num_blocks: the most to evict, >= 0.
+
+        Returns:
+            How many blocks lost their hash.
+
+        Raises:
+            InvalidInput: ``num_blocks`` is not a non-negative int.
+        """
+        num_blocks = _count(num_blocks, "num_blocks")
+        evicted = 0
+        queue = self.free_block_queue
+        block = queue.fake_head.next_free_block
+        while evicted < num_blocks and block is not queue.fake_tail:
+            if block.block_hash is not None:
+                self._forget(block)
+                evicted += 1
+            block = block.next_free_block
+        if evicted:
+            logger.info("evicted %d cached blocks", evicted)
+        return evicted
+
     def take_evicted(self) -> list[BlockHash]:
         """Drain the hashes that left the prefix cache since the last call.
 
@@ -797,55 +837,59 @@ class PagedCacheManager:
         """Verify every invariant listed in the class docstring.
 
         Raises:
-            AssertionError: naming the first block, hash or table found wrong.
+            InvariantViolation: naming the first block, hash or table found wrong.
         """
         blocks = self.blocks
         queued = self._check_queue()
         allocated = self.allocated_blocks
         if len(queued) + len(allocated) != self.max_blocks:
-            raise AssertionError(
+            raise InvariantViolation(
                 f"free {len(queued)} + allocated {len(allocated)} != total {self.max_blocks}"
             )
         if blocks[0] is not self.null_block or not self.null_block.is_null:
-            raise AssertionError("block 0 is not the null block")
+            raise InvariantViolation("block 0 is not the null block")
         cache = self.cached_block_hash_to_block
         for block in blocks:
             ident = block.block_id
             if block.ref_count < 0:
-                raise AssertionError(f"block {ident} has ref_count {block.ref_count}")
+                raise InvariantViolation(f"block {ident} has ref_count {block.ref_count}")
             if (block.ref_count == 0) != (ident in queued):
-                raise AssertionError(
+                raise InvariantViolation(
                     f"block {ident} has ref_count {block.ref_count} but queued={ident in queued}"
                 )
             if block.is_null != (ident == 0):
-                raise AssertionError(f"block {ident} has is_null={block.is_null}")
+                raise InvariantViolation(f"block {ident} has is_null={block.is_null}")
             if block.block_hash is not None and block not in cache.blocks(block.block_hash):
-                raise AssertionError(f"block {ident} holds a hash but is not in the hash map")
+                raise InvariantViolation(f"block {ident} holds a hash but is not in the hash map")
         for block_hash in cache:
             for block in cache.blocks(block_hash):
                 if block.block_hash != block_hash or blocks[block.block_id] is not block:
-                    raise AssertionError(
+                    raise InvariantViolation(
                         f"hash map entry {block_hash.hex()[:12]} points at block"
                         f" {block.block_id}, which does not hold it"
                     )
         for key, ident in self.hash_to_block.items():
             if blocks[ident].hash_value != key:
-                raise AssertionError(f"legacy hash {key} points at block {ident}, which lacks it")
+                raise InvariantViolation(
+                    f"legacy hash {key} points at block {ident}, which lacks it"
+                )
         for (parent, raw), block_hash in self._chain_memo.items():
             tokens = array("I")
             tokens.frombytes(raw)
             if hash_block_chain(tokens, self.block_size, parent_hash=parent) != [block_hash]:
-                raise AssertionError(f"chain memo holds a wrong hash {block_hash.hex()[:12]}")
+                raise InvariantViolation(f"chain memo holds a wrong hash {block_hash.hex()[:12]}")
         listed: Counter[int] = Counter()
         for request_id, table in self.request_tables.items():
             for ident in table.block_ids:
                 if ident not in allocated:
-                    raise AssertionError(f"table {request_id!r} lists unallocated block {ident}")
+                    raise InvariantViolation(
+                        f"table {request_id!r} lists unallocated block {ident}"
+                    )
                 listed[ident] += 1
         for ident, count in listed.items():
             block = blocks[ident]
             if count > block.ref_count and not block.is_null:
-                raise AssertionError(
+                raise InvariantViolation(
                     f"block {ident} is listed {count} times in tables but has"
                     f" ref_count {block.ref_count}"
                 )
@@ -859,20 +903,20 @@ class PagedCacheManager:
         block = previous.next_free_block
         while block is not queue.fake_tail:
             if block is None:
-                raise AssertionError(f"free queue ends after block {previous.block_id}")
+                raise InvariantViolation(f"free queue ends after block {previous.block_id}")
             ident = block.block_id
             if block.prev_free_block is not previous:
-                raise AssertionError(f"block {ident}: prev_free_block disagrees with the queue")
+                raise InvariantViolation(f"block {ident}: prev_free_block disagrees with the queue")
             if not 0 <= ident < len(blocks) or blocks[ident] is not block:
-                raise AssertionError(f"block {ident} in the free queue is not of this pool")
+                raise InvariantViolation(f"block {ident} in the free queue is not of this pool")
             if ident in queued:
-                raise AssertionError(f"block {ident} is in the free queue twice")
+                raise InvariantViolation(f"block {ident} is in the free queue twice")
             queued.add(ident)
             previous, block = block, block.next_free_block
         if queue.fake_tail.prev_free_block is not previous:
-            raise AssertionError("fake_tail.prev_free_block is not the last queued block")
+            raise InvariantViolation("fake_tail.prev_free_block is not the last queued block")
         if len(queued) != queue.num_free_blocks:
-            raise AssertionError(
+            raise InvariantViolation(
                 f"free queue holds {len(queued)} blocks, num_free_blocks is {queue.num_free_blocks}"
             )
         return queued
@@ -1643,32 +1687,39 @@ class PagedCacheManager:
     # The seed API: eviction and memory pressure.
 
     def evict_lru_blocks(self, num_blocks: int) -> int:
-        """Drop the cached content of up to ``num_blocks`` free blocks.
+        """Clear the ``num_blocks`` free blocks at the LRU end of the free queue.
 
-        Cached free blocks are evicted least recently freed first, and stay
-        where they are in the free queue.
+        As in the seed, each of them loses whatever it still holds (its hash,
+        legacy hash and payload; a block with none is cleared all the same)
+        and counts. Unlike the seed, they stay where they are in the queue,
+        so they are the next to be allocated: moving them to the back would
+        make the next allocations evict cached blocks instead.
 
         Args:
-            num_blocks: the most to evict, >= 0.
+            num_blocks: the most to clear, >= 0.
 
         Returns:
-            How many blocks lost their hash.
+            How many blocks were cleared: ``min(num_blocks, free_blocks)``.
 
         Raises:
             InvalidInput: ``num_blocks`` is not a non-negative int.
         """
         num_blocks = _count(num_blocks, "num_blocks")
-        evicted = 0
+        cleared = 0
         queue = self.free_block_queue
         block = queue.fake_head.next_free_block
-        while evicted < num_blocks and block is not queue.fake_tail:
-            if block.block_hash is not None:
+        while cleared < num_blocks and block is not queue.fake_tail:
+            if (
+                block.block_hash is not None
+                or block.hash_value is not None
+                or block.cache_data is not None
+            ):
                 self._forget(block)
-                evicted += 1
+            cleared += 1
             block = block.next_free_block
-        if evicted:
-            logger.info("evicted %d cached blocks", evicted)
-        return evicted
+        if cleared:
+            logger.info("cleared %d free blocks from the LRU end", cleared)
+        return cleared
 
     def handle_memory_pressure(self, requested_blocks: int) -> bool:
         """Whether ``requested_blocks`` blocks can be allocated now.
@@ -1723,16 +1774,24 @@ class PagedCacheManager:
             The manager's :class:`CacheStats` (the same object every time).
         """
         stats = self.stats
-        shared = 0
-        tokens = 0
-        for block in self.blocks:
-            if block.ref_count > 1:
-                shared += 1
-            if block.ref_count > 0 and not block.is_null:
-                tokens += block.token_count
-        stats.shared_blocks = shared
-        stats.total_tokens_cached = tokens
+        stats.shared_blocks = sum(1 for block in self.blocks if block.ref_count > 1)
+        stats.total_tokens_cached = self._tokens_in_tables()
         return stats
+
+    def _tokens_in_tables(self) -> int:
+        """Tokens of the distinct blocks that request tables list (null block aside)."""
+        allocated = self.allocated_blocks
+        listed: set[int] = set()
+        tokens = 0
+        for table in self.request_tables.values():
+            for ident in table.block_ids:
+                if ident in listed:
+                    continue
+                listed.add(ident)
+                block = allocated.get(ident)
+                if block is not None and not block.is_null:
+                    tokens += block.token_count
+        return tokens
 
     def get_memory_usage(self) -> dict[str, Any]:
         """A summary of block usage and hit rate.

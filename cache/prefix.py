@@ -21,6 +21,7 @@ the handle they are made through.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 from array import array
 from collections import OrderedDict
@@ -28,7 +29,8 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from mlxkv.cache.block_prefix import BlockAwarePrefixCache, BlockCacheEntry
-from mlxkv.cache.errors import InvalidInput
+from mlxkv.cache.errors import InvalidInput, InvariantViolation
+from mlxkv.cache.model_key import model_key
 
 __all__ = [
     "BlockAwarePrefixCache",
@@ -160,8 +162,9 @@ class PrefixCacheManager:
           fetches copy.
 
     Args:
-        model: the model whose caches are stored (kept for reference only; one
-            manager serves one model).
+        model: the model whose caches are stored (kept for reference and
+            :attr:`model_key`; one manager serves one model, so nothing is
+            looked up by it).
         max_entries: how many sequences to keep before evicting the least
             recently used one.
 
@@ -179,6 +182,15 @@ class PrefixCacheManager:
         # Keys are entry nodes (hashed by identity); first = least recently used.
         self._lru: OrderedDict[_Node, None] = OrderedDict()
         self._next_seq = 0
+
+    @functools.cached_property
+    def model_key(self) -> Optional[str]:
+        """A stable key of :attr:`model` (see :func:`~mlxkv.cache.model_key.model_key`).
+
+        The seed's is ``id(model)``, which a later model can inherit once this
+        one is garbage-collected. Computed on first read.
+        """
+        return model_key(self.model)
 
     def _match(self, key: array) -> _Match:
         node = self._root
@@ -467,27 +479,38 @@ class PrefixCacheManager:
     def check_invariants(self) -> None:
         """Verify the class invariants by walking the whole trie (for tests).
 
+        The checks are explicit raises, not ``assert``: they also run under
+        ``python -O``.
+
         Raises:
-            AssertionError: naming the first broken invariant.
+            InvariantViolation: naming the first broken invariant.
         """
-        assert len(self._lru) <= self.max_size, "more entries than max_size"
-        assert self._root.parent is None and self._root.entry is None, "root changed"
+        if len(self._lru) > self.max_size:
+            raise InvariantViolation(f"{len(self._lru)} entries, max_size is {self.max_size}")
+        if self._root.parent is not None or self._root.entry is not None:
+            raise InvariantViolation("the root has a parent or an entry")
         entries = 0
         stack = [self._root]
         while stack:
             node = stack.pop()
+            where = f"node at depth {node.depth}"
             if node.entry is not None:
                 entries += 1
-                assert node in self._lru, f"entry at depth {node.depth} missing from LRU"
-                assert node.seq >= 0, "entry without a sequence number"
+                if node not in self._lru:
+                    raise InvariantViolation(f"{where}: entry missing from the LRU order")
+                if node.seq < 0:
+                    raise InvariantViolation(f"{where}: entry without a sequence number")
             if node is not self._root:
-                assert node.parent.children.get(node.token) is node, "broken parent link"
-                assert node.depth == node.parent.depth + 1, "wrong depth"
-                assert node.entry is not None or node.children, (
-                    f"dead branch at depth {node.depth}"
-                )
-            assert node.nearest is self._nearest_below(node), (
-                f"stale nearest at depth {node.depth}"
-            )
+                if node.parent.children.get(node.token) is not node:
+                    raise InvariantViolation(f"{where}: broken parent link")
+                if node.depth != node.parent.depth + 1:
+                    raise InvariantViolation(f"{where}: depth is not its parent's + 1")
+                if node.entry is None and not node.children:
+                    raise InvariantViolation(f"{where}: dead branch (no entry, no child)")
+            if node.nearest is not self._nearest_below(node):
+                raise InvariantViolation(f"{where}: stale nearest")
             stack.extend(node.children.values())
-        assert entries == len(self._lru), "LRU holds nodes that are not entries"
+        if entries != len(self._lru):
+            raise InvariantViolation(
+                f"the LRU order holds {len(self._lru)} nodes, the trie {entries} entries"
+            )

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import mlx.core as mx
 import pytest
 
@@ -60,3 +63,41 @@ class TestImageCache:
             with pytest.raises(InvalidInput, match="cache_salt"):
                 await handle.store(AB, mx.ones((1,)), cache_salt=3)  # type: ignore[arg-type]
             assert (await handle.statistics()).num_entries == 0
+
+    async def test_broken_invariants_are_reported(self, running):
+        """CheckInvariants replies with the manager's violation, naming the actor."""
+        actor = ImageCacheActor()
+        async with running(actor) as ref:
+            handle = ImageCacheHandle(ref)
+            await handle.store(AB, mx.ones((4,)))
+            assert await handle.check_invariants() == ()
+            actor._cache._current_memory += 1
+            (violation,) = await handle.check_invariants()
+        assert violation.startswith("image_cache: byte count")
+
+    def test_violations_are_reported_under_python_o(self):
+        """With asserts stripped (python -O) the actor still reports a broken invariant."""
+        script = (
+            "import anyio\n"
+            "import mlx.core as mx\n"
+            "from mlxkv.actors.image_cache import ImageCacheActor, ImageCacheHandle\n"
+            "from mlxkv.cache.mllm import images_digest\n"
+            "assert False, 'asserts must be stripped'\n"
+            "async def main():\n"
+            "    actor = ImageCacheActor()\n"
+            "    async with anyio.create_task_group() as tg:\n"
+            "        ref = actor.ref()\n"
+            "        actor.close()\n"
+            "        await tg.start(actor.run)\n"
+            "        handle = ImageCacheHandle(ref)\n"
+            "        await handle.store(images_digest([b'a']), mx.ones((4,)))\n"
+            "        actor._cache._by_images.clear()\n"
+            "        print(await handle.check_invariants())\n"
+            "        ref.close()\n"
+            "anyio.run(main)\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-O", "-c", script], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        assert "image_cache: image index out of step" in done.stdout

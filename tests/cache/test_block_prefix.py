@@ -9,11 +9,11 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from mlxkv.cache import kv_state
-from mlxkv.cache.block_prefix import BlockAwarePrefixCache, BlockCacheEntry
-from mlxkv.cache.paged import PagedCacheManager
+from mlxkv.cache.block_prefix import BlockAwarePrefixCache, BlockCacheEntry, OpaquePayload
+from mlxkv.cache.paged import BlockTable, PagedCacheManager
 
 BLOCK = 16
 HEADS, DIM = 2, 8
@@ -247,24 +247,6 @@ class TestStoreCache:
         assert cache.store_cache("b", list(range(20)), kv(list(range(20)))) is None
         cache.check_invariants()
 
-    @pytest.mark.parametrize(
-        "bad",
-        [
-            [],
-            "not a cache",
-            [object()],
-            [{"state": (mx.zeros((1, 1, 4, 2)),)}],
-            [{"state": (mx.zeros((2, 2)), mx.zeros((2, 2)))}],
-        ],
-    )
-    def test_bad_cache_data(self, cache, paged, bad, caplog):
-        """Malformed cache data is logged and nothing is stored."""
-        with caplog.at_level(logging.WARNING, logger=LOGGER):
-            assert cache.store_cache("a", SYSTEM, bad) is None
-        assert caplog.records and held_blocks(paged) == set() and len(cache) == 0
-        assert cache.store_cache("a", [], kv(SYSTEM)) is None
-        cache.check_invariants()
-
 
 class TestEviction:
     def test_evicted_block_shortens_fetch(self, cache, paged):
@@ -272,7 +254,7 @@ class TestEviction:
         prompt = SYSTEM + list(range(16))
         cache.store_cache("a", prompt, kv(prompt))
         cache.release_cache("a")
-        assert paged.evict_lru_blocks(1) == 1
+        assert paged.evict(1) == 1
         table, remaining = cache.fetch_cache("b", prompt + [1])
         assert table.num_tokens == 48 and remaining == prompt[48:] + [1]
         rebuilt = cache.reconstruct_cache(table)
@@ -306,7 +288,7 @@ class TestEviction:
         del source
         gc.collect()
         before = mx.get_active_memory()
-        assert paged.evict_lru_blocks(paged.max_blocks) == 62  # the tail was dropped on release
+        assert paged.evict_lru_blocks(paged.max_blocks) == paged.free_blocks == 63
         gc.collect()
         assert before - mx.get_active_memory() >= stored * 62 * 16 / 1000
 
@@ -410,7 +392,8 @@ class TestReconstructCache:
         assert cache.reconstruct_cache(table, extra_tokens=0)[0].keys.shape[2] == 256
 
     def test_empty_and_foreign_tables(self, cache, paged, caplog):
-        """An empty table gives None; a table this cache does not hold is refused."""
+        """An empty table gives None; a table no one holds is refused; data-less blocks are not
+        rebuilt."""
         assert cache.reconstruct_cache(None) is None
         table = paged.create_block_table("elsewhere")
         assert cache.reconstruct_cache(table) is None
@@ -418,7 +401,46 @@ class TestReconstructCache:
         table.add_block(block.block_id, 16)
         with caplog.at_level(logging.WARNING, logger=LOGGER):
             assert cache.reconstruct_cache(table) is None
-        assert "not held" in caplog.text
+        assert "cannot rebuild 'elsewhere'" in caplog.text
+        caplog.clear()
+        stored = cache.store_cache("a", SYSTEM, kv(SYSTEM))
+        unrelated = BlockTable("a", [stored.block_ids[1], stored.block_ids[0]], 32)
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            assert cache.reconstruct_cache(unrelated) is None
+            assert cache.reconstruct_cache(BlockTable("x", [block.block_id, 5])) is None
+        assert caplog.text.count("not held") == 2
+        cache.check_invariants()
+
+    def test_leading_part_of_a_table(self, cache):
+        """A table built from the first ids of a stored table rebuilds exactly those blocks."""
+        prompt = SYSTEM + list(range(9))
+        table = cache.store_cache("a", prompt, kv(prompt))
+        for count in (1, 2, 3):
+            part = BlockTable("a", table.block_ids[:count])
+            rebuilt = cache.reconstruct_cache(part)
+            expected = keys_of(kv(prompt))[:, :, : count * BLOCK]
+            assert rebuilt[0].offset == count * BLOCK
+            assert mx.array_equal(keys_of(rebuilt), expected).item()
+        other = cache.reconstruct_cache(BlockTable("someone-else", table.block_ids[:2], 32))
+        assert mx.array_equal(keys_of(other), keys_of(kv(prompt))[:, :, :32]).item()
+
+    def test_leading_part_of_3d_seed_dicts(self, cache):
+        """3-D (heads, tokens, dim) seed dicts: a hand-built leading table rebuilds its prefix."""
+        prompt = SYSTEM + list(range(9))
+        three_d = [
+            {"state": (layer["state"][0][0], layer["state"][1][0]), "class_name": "KVCache"}
+            for layer in kv(prompt, as_dicts=True)
+        ]
+        assert three_d[0]["state"][0].ndim == 3
+        table = cache.store_cache("a", prompt, three_d)
+        part = BlockTable("a", table.block_ids[:2])
+        rebuilt = cache.reconstruct_cache(part, extra_tokens=0)
+        assert rebuilt[1].offset == 32 and rebuilt[1].keys.shape[2] == kv_state.STEP
+        for layer in (0, 1):
+            expected = keys_of(kv(prompt), layer)[:, :, :32]
+            assert mx.array_equal(keys_of(rebuilt, layer), expected).item()
+        full = cache.reconstruct_cache(table)
+        assert mx.array_equal(keys_of(full), keys_of(kv(prompt))).item()
 
     def test_hybrid_without_snapshot_refused(self, cache, hybrid_model, caplog):
         """Hybrid blocks without the recurrent snapshot are neither served nor rebuilt."""
@@ -471,6 +493,241 @@ class TestStats:
         keys = mx.zeros((1, 2, 3, 4))
         assert cache._cache_state_seq_axis((keys, keys)) == 2
         assert cache._cache_state_seq_axis((keys[0], keys[0])) == 1
+
+
+def wrapped_rotating(tokens):
+    """A one-layer RotatingKVCache that has wrapped: it cannot be sliced exactly."""
+    layer = RotatingKVCache(max_size=8)
+    for token in tokens:
+        layer.update_and_fetch(
+            mx.full((1, HEADS, 1, DIM), float(token)), mx.full((1, HEADS, 1, DIM), -float(token))
+        )
+    mx.eval(layer.keys, layer.values)
+    return [layer]
+
+
+PLACEHOLDERS = [
+    pytest.param(None, id="none"),
+    pytest.param([], id="empty-list"),
+    pytest.param("placeholder", id="string"),
+    pytest.param([None, None], id="none-per-layer"),
+    pytest.param([object()], id="object"),
+    pytest.param([{"state": (mx.zeros((1, 1, 4, 2)),)}], id="keys-without-values"),
+    pytest.param([{"state": (mx.zeros((2, 2)), mx.zeros((2, 2)))}], id="2d-arrays"),
+    pytest.param([KVCache(), KVCache()], id="empty-caches"),
+]
+
+
+class TestOpaqueCacheData:
+    @pytest.mark.parametrize("data", PLACEHOLDERS)
+    def test_bookkeeping_as_for_kv(self, cache, paged, data, caplog):
+        """Data that cannot be sliced still gets blocks, hashes, a table, a count and hits."""
+        prompt = SYSTEM + [1, 2]
+        table = cache.store_cache("a", prompt, data)
+        assert table.num_tokens == len(prompt) and len(table) == 4 and len(cache) == 1
+        blocks = [paged.blocks[i] for i in table.block_ids]
+        assert [b.token_count for b in blocks] == [16, 16, 16, 2]
+        assert [b.block_hash is not None for b in blocks] == [True, True, True, False]
+        assert [b.cache_data for b in blocks] == [
+            OpaquePayload(start=0, num_tokens=16),
+            OpaquePayload(start=16, num_tokens=16),
+            OpaquePayload(start=32, num_tokens=16),
+            OpaquePayload(start=48, num_tokens=2),
+        ]
+        hit, remaining = cache.fetch_cache("b", SYSTEM + [9])
+        assert hit.block_ids == table.block_ids[:3] and remaining == [9]
+        assert cache.get_stats()["hits"] == 1 and len(cache) == 2
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            assert cache.reconstruct_cache(hit) is None
+            assert cache.reconstruct_cache(table) is None
+        assert caplog.text.count("cannot rebuild") == 2
+        cache.check_invariants()
+
+    def test_generation_returns_the_stored_data(self, cache):
+        """The storer gets its data back: the object itself, or a deep copy after copy-on-write."""
+        data = [{"slot": 3}, ["placeholder"]]
+        cache.store_cache("a", SYSTEM + [1], data)
+        caches, copied = cache.get_cache_for_generation("a")
+        assert caches is data and not copied
+        cache.fetch_cache("b", SYSTEM + [2])
+        caches, copied = cache.get_cache_for_generation("a")
+        assert copied and caches == data and caches is not data and caches[0] is not data[0]
+        assert cache.get_cache_for_generation("b") == (None, False)  # nothing stored by b
+        cache.check_invariants()
+
+    def test_fork_release_and_clear(self, cache, paged):
+        """A fork shares the blocks and the data; releases give every reference back; clear
+        forgets them."""
+        data = ["placeholder"]
+        source = cache.store_cache("a", SYSTEM + [1], data)
+        forked = cache.fork_cache("a", "c")
+        assert forked.block_ids == source.block_ids
+        assert all(paged.blocks[i].ref_count == 2 for i in forked.block_ids)
+        caches, copied = cache.get_cache_for_generation("c")
+        assert copied and caches == data
+        cache.release_cache("a")
+        cache.release_cache("c")
+        assert held_blocks(paged) == set() and len(cache) == 0
+        assert cache.fetch_cache("d", SYSTEM)[0].num_tokens == 48
+        cache.clear()
+        assert len(cache) == 0 and cache.fetch_cache("e", SYSTEM)[0] is None
+        cache.check_invariants()
+
+    def test_caches_that_cannot_be_rebuilt_are_kept_whole(self, cache):
+        """A wrapped sliding window is stored for bookkeeping, never sliced into wrong blocks."""
+        prompt = list(range(40))
+        data = wrapped_rotating(prompt)
+        table = cache.store_cache("a", prompt, data)
+        assert table.num_tokens == 40
+        assert cache.reconstruct_cache(table) is None
+        assert cache.get_cache_for_generation("a") == (data, False)
+
+    def test_kv_runs_are_preferred_and_never_mixed(self, cache):
+        """A hit is either rebuildable KV or opaque blocks, never a run mixing the two."""
+        cache.store_cache("kv", SYSTEM, kv(SYSTEM))
+        prompt = SYSTEM + list(range(300, 332))
+        opaque = cache.store_cache("opaque", prompt, ["placeholder"])
+        assert opaque.block_ids[:3] == cache._request_tables["kv"].block_table.block_ids
+        table, _ = cache.fetch_cache("f", prompt + [1])
+        assert table.num_tokens == 48
+        assert mx.array_equal(keys_of(cache.reconstruct_cache(table)), keys_of(kv(SYSTEM))).item()
+        cache.check_invariants()
+
+    def test_kv_store_after_opaque_store(self, cache):
+        """A request that stored opaque data and then KV state gets no cache it cannot rebuild."""
+        cache.store_cache("a", SYSTEM[:32], ["placeholder"])
+        cache.store_cache("a", SYSTEM + [1], kv(SYSTEM + [1]))
+        entry = cache._request_tables["a"]
+        assert not entry.opaque and entry.opaque_data is None
+        assert cache.get_cache_for_generation("a") == (None, False)
+        table, _ = cache.fetch_cache("b", SYSTEM + [2])
+        assert table.num_tokens == 32  # the opaque run
+        cache.check_invariants()
+
+
+class TestBlockCacheDataShape:
+    def test_payload_is_a_per_layer_sequence(self, cache, paged):
+        """A stored block's cache_data has one entry per layer: that layer's (keys, values)."""
+        table = cache.store_cache("a", SYSTEM, kv(SYSTEM, layers=3))
+        expected = kv(SYSTEM, layers=3)
+        for position, ident in enumerate(table.block_ids):
+            data = paged.blocks[ident].cache_data
+            assert len(data) == 3 and data
+            for layer in range(3):
+                keys, values = data[layer]
+                assert keys.shape == (1, HEADS, BLOCK, DIM)
+                assert mx.array_equal(keys, expected[layer].keys[:, :, span(position)]).item()
+                assert mx.array_equal(values, expected[layer].values[:, :, span(position)]).item()
+
+    def test_recurrent_layer_is_none_before_the_last_block(self, cache, paged, hybrid_model):
+        """A hybrid's recurrent layer is None in every block but the one ending the cache."""
+        model = hybrid_model[0]
+        prompt = [(i * 7) % 256 for i in range(48)]
+        full = make_prompt_cache(model)
+        mx.eval(model(mx.array([prompt]), cache=full))
+        table = cache.store_cache("a", prompt, full)
+        recurrent = [i for i, layer in enumerate(full) if not isinstance(layer, KVCache)]
+        assert recurrent
+        payloads = [paged.blocks[i].cache_data for i in table.block_ids]
+        assert len(payloads) == 3
+        for layer in recurrent:
+            assert [p[layer] is None for p in payloads] == [True, True, False]
+
+
+def seed_written(paged, prompt, block_data):
+    """Publish ``prompt``'s full blocks the vLLM way, each block's cache_data set by the caller.
+
+    ``block_data(layers, i)`` gives block ``i``'s cache_data from the prompt's
+    true per-layer KV. The blocks are freed afterwards: cached, not held.
+    """
+    count = len(prompt) // BLOCK
+    blocks = paged.get_new_blocks(count)
+    layers = kv(prompt)
+    for i, block in enumerate(blocks):
+        block.cache_data = block_data(layers, i)
+    paged.cache_full_blocks(blocks, prompt, 0, count)
+    paged.free_block_batch(blocks)
+    return blocks
+
+
+def span(i, stop=None):
+    """The token slice of block ``i`` (or up to ``stop`` within it)."""
+    return slice(i * BLOCK, i * BLOCK + (BLOCK if stop is None else stop))
+
+
+EXACT = [
+    pytest.param(
+        lambda layers, i: [(c.keys[:, :, span(i)], c.values[:, :, span(i)]) for c in layers],
+        id="4d-pairs",
+    ),
+    pytest.param(
+        lambda layers, i: [(c.keys[0, :, span(i)], c.values[0, :, span(i)]) for c in layers],
+        id="3d-pairs",
+    ),
+    pytest.param(
+        lambda layers, i: [
+            {"state": (c.keys[:, :, span(i)], c.values[:, :, span(i)])} for c in layers
+        ],
+        id="seed-dicts",
+    ),
+]
+
+INEXACT = [
+    pytest.param(lambda layers, i: None, id="no-data"),
+    pytest.param(lambda layers, i: "kv", id="string"),
+    pytest.param(
+        lambda layers, i: [(c.keys[:, :, span(i, 8)], c.values[:, :, span(i, 8)]) for c in layers],
+        id="too-few-tokens",
+    ),
+    pytest.param(
+        lambda layers, i: [(layers[0].keys[:, :, span(i)], layers[0].values[:, :, span(i)]), None],
+        id="layer-without-data",
+    ),
+    pytest.param(lambda layers, i: [(c.keys[:, :, span(i)],) for c in layers], id="keys-only"),
+    pytest.param(
+        lambda layers, i: [(c.keys[:, :, span(i)], c.values) for c in layers],
+        id="values-of-the-whole-prompt",
+    ),
+]
+
+
+class TestPagedApiPayloads:
+    @pytest.mark.parametrize("block_data", EXACT)
+    def test_exact_seed_format_is_served(self, cache, paged, block_data):
+        """Blocks written as the seed declares cache_data are a hit that rebuilds exactly."""
+        seed_written(paged, SYSTEM, block_data)
+        table, remaining = cache.fetch_cache("b", SYSTEM + [1])
+        assert table.num_tokens == 48 and remaining == [1]
+        rebuilt = cache.reconstruct_cache(table)
+        for layer in (0, 1):
+            assert mx.array_equal(keys_of(rebuilt, layer), keys_of(kv(SYSTEM), layer)).item()
+        caches, _ = cache.get_cache_for_generation("b")
+        assert mx.array_equal(keys_of(caches), keys_of(kv(SYSTEM))).item()
+        cache.check_invariants()
+
+    @pytest.mark.parametrize("block_data", INEXACT)
+    def test_inexact_payloads_are_a_miss(self, cache, paged, block_data):
+        """Anything else in a published block is a miss, never an exception or a wrong cache."""
+        seed_written(paged, SYSTEM, block_data)
+        assert cache.fetch_cache("b", SYSTEM + [1]) == (None, SYSTEM + [1])
+        assert cache.get_stats()["misses"] == 1
+        cache.store_cache("s", SYSTEM, kv(SYSTEM))
+        table, _ = cache.fetch_cache("c", SYSTEM + [1])
+        assert mx.array_equal(keys_of(cache.reconstruct_cache(table)), keys_of(kv(SYSTEM))).item()
+        cache.check_invariants()
+
+    def test_hit_stops_at_the_first_inexact_block(self, cache, paged):
+        """A chain whose second block is not exactly KV state is served up to its first block."""
+
+        def block_data(layers, i):
+            stop = None if i == 0 else 8
+            return [(c.keys[:, :, span(i, stop)], c.values[:, :, span(i, stop)]) for c in layers]
+
+        seed_written(paged, SYSTEM, block_data)
+        table, remaining = cache.fetch_cache("b", SYSTEM + [1])
+        assert table.num_tokens == 16 and remaining == SYSTEM[16:] + [1]
+        rebuilt = cache.reconstruct_cache(table)
+        assert mx.array_equal(keys_of(rebuilt), keys_of(kv(SYSTEM))[:, :, :16]).item()
 
 
 def greedy(model, caches, logits, steps=8):
@@ -527,22 +784,50 @@ class TestParity:
         assert table.num_tokens == 64
 
 
-class PrefixCacheMachine(RuleBasedStateMachine):
-    """Random store/fetch/fork/COW/release sequences on a small pool (evictions, shortages).
+MACHINE_BLOCK = 4
+#: How a paged-API user may fill a block (see seed_block_data); exact is likelier.
+SEED_BLOCK_KINDS = ["exact", "exact", "exact-3d", "short", "layer-without-data", "no-data"]
 
-    Every hit must rebuild exactly the KV state of the tokens it covers, every
-    operation must keep the invariants, and releasing everything must leave
-    no block referenced.
+
+def seed_block_data(prompt, index, kind):
+    """Block ``index`` of ``prompt`` as a paged-API user might write its cache_data.
+
+    ``exact`` and ``exact-3d`` are the prompt's true one-layer KV state in the
+    seed's declared format; the other kinds are not exactly KV state.
+    """
+    layer = kv(prompt, layers=1)[0]
+    start = index * MACHINE_BLOCK
+    keys = layer.keys[:, :, start : start + MACHINE_BLOCK]
+    values = layer.values[:, :, start : start + MACHINE_BLOCK]
+    return {
+        "exact": [(keys, values)],
+        "exact-3d": [(keys[0], values[0])],
+        "short": [(keys[:, :, :2], values[:, :, :2])],
+        "layer-without-data": [None],
+        "no-data": None,
+    }[kind]
+
+
+class PrefixCacheMachine(RuleBasedStateMachine):
+    """Random store/fetch/fork/COW/release sequences on a small pool (evictions, shortages),
+    mixed with opaque stores and with blocks written and published through the paged API.
+
+    A hit is either a run of blocks that rebuilds exactly the KV state of the
+    tokens it covers, or a run of opaque blocks that rebuilds to None; no
+    operation raises anything else or breaks an invariant; a request that
+    stored opaque data gets that data back; releasing everything leaves no
+    block referenced.
     """
 
     requests = Bundle("requests")
 
     def __init__(self) -> None:
         super().__init__()
-        self.paged = PagedCacheManager(block_size=4, max_blocks=24)
+        self.paged = PagedCacheManager(block_size=MACHINE_BLOCK, max_blocks=24)
         self.cache = BlockAwarePrefixCache(None, self.paged)
         self.prompts: dict[str, list[int]] = {}
         self.salts: dict[str, object] = {}
+        self.opaque_data: dict[str, object] = {}
         self.counter = 0
 
     def _new_id(self) -> str:
@@ -553,21 +838,45 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     def _prompt(base: int, shared: int, tail: list[int]) -> list[int]:
         return [base * 50 + i for i in range(shared)] + tail
 
+    def _expected(self, request_id: str, covered: int):
+        return keys_of(kv(self.prompts[request_id], layers=1))[:, :, :covered]
+
+    def _check_rebuilt(self, request_id: str, blocks, rebuilt) -> None:
+        """A rebuilt cache holds exactly the KV of the blocks' tokens.
+
+        Blocks that are all ours must rebuild; a block stored from opaque
+        data never does; blocks a paged-API user wrote may go either way.
+        """
+        payloads = [b.cache_data for b in blocks]
+        if any(isinstance(p, OpaquePayload) for p in payloads):
+            assert rebuilt is None
+            return
+        if all(isinstance(p, kv_state.BlockPayload) for p in payloads):
+            assert rebuilt is not None
+        if rebuilt is not None:
+            covered = sum(b.token_count for b in blocks)
+            assert rebuilt[0].offset == covered
+            assert mx.array_equal(keys_of(rebuilt), self._expected(request_id, covered)).item()
+
     @rule(
         target=requests,
         base=st.integers(0, 1),
         shared=st.integers(0, 14),
         tail=st.lists(st.integers(0, 9), max_size=6),
         salt=st.sampled_from([None, None, None, "s"]),
+        opaque=st.booleans(),
     )
-    def store(self, base, shared, tail, salt):
+    def store(self, base, shared, tail, salt, opaque):
         prompt = self._prompt(base, shared, tail)
         request_id = self._new_id()
-        table = self.cache.store_cache(request_id, prompt, kv(prompt, layers=1), cache_salt=salt)
+        data = ["placeholder", request_id] if opaque else kv(prompt, layers=1)
+        table = self.cache.store_cache(request_id, prompt, data, cache_salt=salt)
         if table is not None:
             assert table.num_tokens <= len(prompt)
             self.prompts[request_id] = prompt[: table.num_tokens]
             self.salts[request_id] = salt
+            if opaque:
+                self.opaque_data[request_id] = data
         return request_id
 
     @rule(request_id=requests, more=st.lists(st.integers(0, 9), min_size=1, max_size=9))
@@ -579,6 +888,24 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         table = self.cache.store_cache(request_id, prompt, kv(prompt, layers=1), cache_salt=salt)
         assert table is not None and table.num_tokens >= len(self.prompts[request_id])
         self.prompts[request_id] = prompt[: table.num_tokens]
+
+    @rule(
+        base=st.integers(0, 1),
+        shared=st.integers(4, 14),
+        kinds=st.lists(st.sampled_from(SEED_BLOCK_KINDS), min_size=1, max_size=3),
+    )
+    def paged_write(self, base, shared, kinds):
+        """A paged-API user allocates blocks, writes their cache_data, publishes and frees them."""
+        prompt = self._prompt(base, shared, [])
+        count = min(len(kinds), len(prompt) // MACHINE_BLOCK)
+        try:
+            blocks = self.paged.get_new_blocks(count)
+        except ValueError:
+            return
+        for index, (block, kind) in enumerate(zip(blocks, kinds)):
+            block.cache_data = seed_block_data(prompt, index, kind)
+        self.paged.cache_full_blocks(blocks, prompt, 0, count)
+        self.paged.free_block_batch(blocks)
 
     @rule(
         target=requests,
@@ -595,13 +922,24 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             assert remaining == prompt
             return request_id
         covered = table.num_tokens
-        assert covered % 4 == 0 and prompt[covered:] == remaining
-        rebuilt = self.cache.reconstruct_cache(table)
-        expected = keys_of(kv(prompt, layers=1))[:, :, :covered]
-        assert mx.array_equal(keys_of(rebuilt), expected).item()
+        assert covered % MACHINE_BLOCK == 0 and prompt[covered:] == remaining
         self.prompts[request_id] = prompt[:covered]
         self.salts[request_id] = salt
+        blocks = [self.paged.blocks[i] for i in table.block_ids]
+        kinds = {isinstance(b.cache_data, OpaquePayload) for b in blocks}
+        assert len(kinds) == 1  # all opaque or all KV state, never mixed
+        self._check_rebuilt(request_id, blocks, self.cache.reconstruct_cache(table))
         return request_id
+
+    @rule(request_id=requests, data=st.data())
+    def reconstruct_leading_part(self, request_id, data):
+        """A table built by hand from a request's first block ids rebuilds those blocks."""
+        entry = self.cache._request_tables.get(request_id)
+        if entry is None:
+            return
+        count = data.draw(st.integers(1, len(entry.blocks)), label="blocks")
+        part = BlockTable(request_id, entry.block_table.block_ids[:count])
+        self._check_rebuilt(request_id, entry.blocks[:count], self.cache.reconstruct_cache(part))
 
     @rule(target=requests, source=requests)
     def fork(self, source):
@@ -610,17 +948,21 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         if table is not None:
             self.prompts[request_id] = self.prompts[source]
             self.salts[request_id] = self.salts[source]
+            if source in self.opaque_data:
+                self.opaque_data[request_id] = self.opaque_data[source]
         return request_id
 
     @rule(request_id=requests)
     def generate(self, request_id):
-        caches, _ = self.cache.get_cache_for_generation(request_id)
-        if request_id in self.cache._request_tables:
-            covered = self.cache._request_tables[request_id].block_table.num_tokens
-            expected = keys_of(kv(self.prompts[request_id], layers=1))[:, :, :covered]
-            assert caches is not None and mx.array_equal(keys_of(caches), expected).item()
+        caches, copied = self.cache.get_cache_for_generation(request_id)
+        entry = self.cache._request_tables.get(request_id)
+        if entry is None:
+            assert (caches, copied) == (None, False)
+        elif entry.opaque:
+            stored = self.opaque_data[request_id]
+            assert caches == stored and (caches is stored) == (not copied)
         else:
-            assert caches is None
+            self._check_rebuilt(request_id, entry.blocks, caches)
 
     @rule(request_id=consumes(requests))
     def release(self, request_id):
@@ -639,4 +981,4 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
 
 TestPrefixCacheMachine = PrefixCacheMachine.TestCase
-TestPrefixCacheMachine.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
+TestPrefixCacheMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)

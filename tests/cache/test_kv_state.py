@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import threading
+from collections.abc import Sequence
 
 import mlx.core as mx
 import pytest
@@ -26,6 +27,7 @@ from mlxkv.cache.kv_state import (
     NotReconstructable,
     QuantizedLayer,
     RotatingLayer,
+    as_block_payload,
     capacity_for,
     describe_cache,
     num_reconstructable_blocks,
@@ -409,6 +411,7 @@ class TestNumReconstructableBlocks:
         assert num_reconstructable_blocks([kv[0], kv[1], None, kv[3]]) == 2
         assert num_reconstructable_blocks([kv[1]]) == 0
         assert num_reconstructable_blocks([]) == 0
+        assert num_reconstructable_blocks([[("keys", "values")], kv[1]]) == 0
         hybrid, _ = prefill(hybrid_model[0], PROMPT[:64])
         hb = slice_blocks(hybrid, BLOCK)
         assert num_reconstructable_blocks(hb) == 2
@@ -421,6 +424,73 @@ class TestNumReconstructableBlocks:
         half = slice_blocks(half, BLOCK)
         assert num_reconstructable_blocks([kv[0], half[1]]) == 1  # dtypes differ
         assert isinstance(hb[0], BlockPayload)
+
+
+class TestBlockPayloadSequence:
+    def test_layers_by_index(self, hybrid_model):
+        """len is the number of layers and item i is layer i's arrays, None where it has none."""
+        cache, _ = prefill(hybrid_model[0], PROMPT[:64])
+        first, last = slice_blocks(cache, BLOCK)
+        assert len(first) == len(cache) == len(first.layers)
+        for i, spec in enumerate(first.layers):
+            assert first[i] is first.arrays[i]
+            assert (first[i] is None) == (not spec.sequential)
+            assert last[i] is not None
+        assert list(first) == list(first.arrays) and first[-1] is first.arrays[-1]
+        assert isinstance(first, Sequence)
+
+    def test_truth_and_equality(self, tiny_llama):
+        """A payload is true even with no layers, and equal only to itself."""
+        cache, _ = prefill(tiny_llama[0], PROMPT[:32])
+        (payload,) = slice_blocks(cache, BLOCK)
+        empty = BlockPayload(layers=(), start=0, num_tokens=1, arrays=())
+        assert len(empty) == 0 and bool(empty) and bool(payload)
+        assert payload == payload and payload != copy.deepcopy(payload)
+        assert len({payload, copy.deepcopy(payload)}) == 2
+
+
+class TestAsBlockPayload:
+    def test_own_payload_is_returned_as_is(self, tiny_llama):
+        """A BlockPayload needs no reading."""
+        cache, _ = prefill(tiny_llama[0], PROMPT[:32])
+        (payload,) = slice_blocks(cache, BLOCK)
+        assert as_block_payload(payload, start=0, num_tokens=BLOCK) is payload
+
+    @pytest.mark.parametrize("three_d", [False, True])
+    def test_seed_pairs_read_as_kv(self, tiny_llama, three_d):
+        """Per-layer (keys, values) pairs of exactly the block's tokens read as KV state."""
+        cache, _ = prefill(tiny_llama[0], PROMPT[:64])
+        pairs = [(c.keys[:, :, 32:64], c.values[:, :, 32:64]) for c in cache]
+        if three_d:
+            pairs = [(k[0], v[0]) for k, v in pairs]
+        payload = as_block_payload(pairs, start=32, num_tokens=32)
+        assert (payload.start, payload.num_tokens, payload.layers) == (32, 32, (KVLayer(),) * 2)
+        assert payload.signature == slice_blocks(cache, BLOCK)[1].signature
+        rebuilt = reconstruct([slice_blocks(cache, BLOCK)[0], payload])
+        assert_same_cache(rebuilt, cache)
+
+    @pytest.mark.parametrize(
+        "make",
+        [
+            lambda c: None,
+            lambda c: "kv",
+            lambda c: {"state": (c[0].keys, c[0].values)},
+            lambda c: [],
+            lambda c: [None for _ in c],
+            lambda c: [(x.keys[:, :, :16], x.values[:, :, :16]) for x in c],
+            lambda c: [(x.keys[:, :, :32], x.values[:, :, :32], 7) for x in c],
+            lambda c: [(x.keys[:, :, :32], x.values) for x in c],
+            lambda c: [filled_kv(tokens=32)],
+            lambda c: [{"state": (x.keys[:, :, :32], x.values[:, :, :32]),
+                        "class_name": "RotatingKVCache"} for x in c],
+        ],
+        ids=["none", "str", "dict", "empty", "none-layers", "short", "triple", "long-values",
+             "cache-object", "rotating-dict"],
+    )
+    def test_anything_else_is_none(self, tiny_llama, make):
+        """Data that is not exactly the KV state of the block's tokens reads as None."""
+        cache, _ = prefill(tiny_llama[0], PROMPT[:64])
+        assert as_block_payload(make(cache), start=0, num_tokens=32) is None
 
 
 class TestParity:

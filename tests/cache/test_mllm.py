@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 import hashlib
 import itertools
+import subprocess
+import sys
 import urllib.parse
 
 import mlx.core as mx
@@ -15,7 +17,7 @@ from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache
 
 from mlxkv.cache import mllm
-from mlxkv.cache.errors import InvalidInput
+from mlxkv.cache.errors import InvalidInput, InvariantViolation
 from mlxkv.cache.mllm import (
     MLLMCacheStats,
     MLLMPrefixCacheEntry,
@@ -115,28 +117,57 @@ class TestComputeImageHash:
         half = mx.ones((2, 2), dtype=mx.bfloat16)
         assert compute_image_hash(half) != compute_image_hash(mx.ones((2, 2), dtype=mx.float16))
 
-    def test_missing_path_is_invalid(self, tmp_path):
-        """A path that does not exist is an error, not a hash of the path string."""
-        with pytest.raises(InvalidInput, match="readable"):
-            compute_image_hash(str(tmp_path / "nope.png"))
-        with pytest.raises(InvalidInput):
-            compute_image_hash("relative/typo.png")
-
-    def test_unreadable_path_is_invalid(self, tmp_path):
-        """A directory or a path with a NUL byte cannot be read and is refused."""
-        with pytest.raises(InvalidInput):
-            compute_image_hash(tmp_path)
-        with pytest.raises(InvalidInput):
-            compute_image_hash("bad\0name.png")
-
     @pytest.mark.parametrize(
-        "bad",
-        ["data:image/png;base64", "data:image/png;base64,@@@not-base64@@@"],
+        "source",
+        [
+            "https://images.invalid/cat.png",
+            "video:/clips/cat.mp4:fps2.0:max16",
+            "request-42/image-0",
+            "relative/typo.png",
+            "data:image/png;base64",
+            "data:image/png;base64,@@@not-base64@@@",
+            "bad\0name.png",
+        ],
     )
-    def test_malformed_data_url_is_invalid(self, bad):
-        """A data URL without a comma or with broken base64 is refused."""
-        with pytest.raises(InvalidInput):
-            compute_image_hash(bad)
+    def test_unreadable_strings_are_keyed_by_the_string(self, source):
+        """A string that is not a readable file is keyed by itself, with the seed's short hash."""
+        assert compute_image_hash(source) == _sha16(source.encode())
+        assert image_digest(source) == image_digest(source)
+        assert image_digest(source) != image_digest(source + " ")
+
+    def test_missing_and_unreadable_paths_are_keyed_by_their_string(self, tmp_path):
+        """A missing path or a directory, as str or os.PathLike, keys by its path string."""
+        missing = tmp_path / "nope.png"
+        assert compute_image_hash(missing) == compute_image_hash(str(missing))
+        assert compute_image_hash(missing) == _sha16(str(missing).encode())
+        assert image_digest(tmp_path) == image_digest(str(tmp_path))
+        assert image_digest(missing) != image_digest(tmp_path)
+
+    def test_string_keys_never_meet_content_keys(self, tmp_path):
+        """A string keyed as such differs from a file or bytes holding the same characters."""
+        name = "video:/clips/cat.mp4:fps2.0:max16"
+        holder = tmp_path / "holder.bin"
+        holder.write_bytes(name.encode())
+        assert compute_image_hash(name) == compute_image_hash(holder)  # the seed's 64 bits
+        assert len({image_digest(name), image_digest(holder), image_digest(name.encode())}) == 2
+        assert image_digest(name) != image_digest(holder)
+
+    def test_readable_file_keeps_its_content_key(self, tmp_path):
+        """Once the path can be read, it keys by content, not by its name."""
+        path = tmp_path / "late.png"
+        as_string = image_digest(str(path))
+        path.write_bytes(PNG)
+        assert image_digest(str(path)) == image_digest(PNG) != as_string
+
+    def test_manager_keys_unreadable_sources(self):
+        """The manager stores and finds entries for URLs, video specs and identifiers, in order."""
+        mgr = MLLMPrefixCacheManager()
+        images = ["https://images.invalid/a.png", "video:/v.mp4:fps1.0:max8", "img-7"]
+        mgr.store(images, "p", _embeddings(0.01), _kv(2), [1, 2])
+        entry, length = mgr.fetch(images, "p", [1, 2, 3])
+        assert entry is not None and length == 2
+        assert mgr.fetch(images[::-1], "p")[0] is None
+        mgr.check_invariants()
 
     @pytest.mark.parametrize("bad", [None, 42, 1.5, {"url": "x"}, np.array([object()])])
     def test_unsupported_types_are_invalid(self, bad):
@@ -483,3 +514,45 @@ class TestLegacyAndBookkeeping:
                 mgr.store(imgs, prompt, emb, _kv(2), [1, 2, 3], cache_salt=salt)
             mgr.check_invariants()
         assert mgr.stats.evictions > 0
+
+
+class TestCheckInvariants:
+    @pytest.mark.parametrize(
+        "corrupt, message",
+        [
+            (lambda mgr: setattr(mgr, "max_size", 1), "max_size"),
+            (lambda mgr: setattr(mgr, "max_memory", 1), "budget"),
+            (lambda mgr: setattr(mgr, "_current_memory", mgr._current_memory - 1), "drifted"),
+            (lambda mgr: mgr._by_images.clear(), "image index"),
+            (lambda mgr: next(iter(mgr._by_images.values())).clear(), "image index"),
+        ],
+    )
+    def test_corruption_is_reported(self, corrupt, message):
+        """Each broken invariant raises InvariantViolation naming it."""
+        mgr = MLLMPrefixCacheManager()
+        mgr.store([PNG], "p", _embeddings(0.01), _kv(2), [1, 2])
+        mgr.store([OTHER_PNG], "p", _embeddings(0.01), _kv(2), [1, 2])
+        mgr.check_invariants()
+        corrupt(mgr)
+        with pytest.raises(InvariantViolation, match=message):
+            mgr.check_invariants()
+
+    def test_checks_survive_python_o(self):
+        """Under python -O (asserts stripped) a corrupted manager is still reported."""
+        script = (
+            "from mlxkv.cache.errors import InvariantViolation\n"
+            "from mlxkv.cache.mllm import MLLMPrefixCacheManager\n"
+            "assert False, 'asserts must be stripped'\n"
+            "mgr = MLLMPrefixCacheManager()\n"
+            "mgr.store([b'img'], 'p', None, [], [1])\n"
+            "mgr._current_memory += 1\n"
+            "try:\n"
+            "    mgr.check_invariants()\n"
+            "except InvariantViolation as error:\n"
+            "    print('reported:', error)\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-O", "-c", script], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith("reported: byte count")

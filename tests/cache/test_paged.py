@@ -656,7 +656,7 @@ class TestCore:
         """take_evicted reports each dropped hash once, then nothing."""
         hashes = self.chain(2)
         mgr.release(self.commit_chain(mgr, hashes))
-        assert mgr.evict_lru_blocks(5) == 2
+        assert mgr.evict(5) == 2
         assert mgr.take_evicted() == hashes
         assert mgr.take_evicted() == []
 
@@ -664,7 +664,7 @@ class TestCore:
         """A hash committed again before the drain is not reported."""
         (h,) = self.chain(1)
         mgr.release(self.commit_chain(mgr, [h]))
-        mgr.evict_lru_blocks(1)
+        assert mgr.evict(1) == 1
         self.commit_chain(mgr, [h])
         assert mgr.take_evicted() == []
 
@@ -950,7 +950,7 @@ class TestPrefixCaching:
         prompt = tokens(8)
         mgr.release(cached_prompt(mgr, prompt))
         assert len(mgr.get_computed_blocks(prompt)[0]) == 2
-        mgr.evict_lru_blocks(2)
+        mgr.evict(2)
         assert mgr.get_computed_blocks(prompt) == ([], 0)
 
     def test_bad_tokens(self, mgr):
@@ -1321,28 +1321,58 @@ class TestCopyOnWrite:
 
 
 class TestEvictionAndPressure:
-    def test_evict_lru_blocks(self, mgr):
-        """evict_lru_blocks drops the hashes of the least recently freed cached blocks."""
+    def test_evict_drops_least_recently_freed_cached_blocks(self, mgr):
+        """evict drops the hashes of the least recently freed cached blocks, skipping others."""
         first = cached_prompt(mgr, tokens(4))
         second = cached_prompt(mgr, tokens(4, start=10))
         held = cached_prompt(mgr, tokens(4, start=20))
         mgr.release(second + first)
         order = queue_ids(mgr)
-        assert mgr.evict_lru_blocks(1) == 1
+        assert mgr.evict(1) == 1
         assert second[0].block_hash is None and first[0].block_hash is not None
         assert held[0].block_hash is not None
         assert queue_ids(mgr) == order  # nothing moved
         assert mgr.stats.evictions == 1
-        assert mgr.evict_lru_blocks(10) == 1
-        assert mgr.evict_lru_blocks(10) == 0
+        assert mgr.evict(10) == 1
+        assert mgr.evict(10) == 0
         mgr.check_invariants()
 
-    def test_evict_bad_count(self, mgr):
+    def test_evict_lru_blocks_counts_every_cleared_free_block(self, mgr):
+        """evict_lru_blocks clears the n free blocks at the LRU end, hashed or not, as the seed."""
+        fresh = mgr.free_blocks - 1  # never used, at the LRU end
+        blocks = cached_prompt(mgr, tokens(4))
+        mgr.release(blocks)
+        assert queue_ids(mgr)[-1] == blocks[0].block_id
+        order = queue_ids(mgr)
+        assert mgr.evict_lru_blocks(fresh) == fresh
+        assert blocks[0].block_hash is not None  # not reached
+        assert mgr.evict_lru_blocks(fresh + 1) == fresh + 1
+        assert blocks[0].block_hash is None and blocks[0].cache_data is None
+        assert queue_ids(mgr) == order  # cleared blocks stay first in line
+        assert mgr.stats.evictions == 1
+        assert mgr.evict_lru_blocks(100) == mgr.free_blocks == 8
+        assert mgr.take_evicted() == hash_block_chain(tokens(4), BS)
+        mgr.check_invariants()
+
+    def test_evict_lru_blocks_drops_payloads_and_legacy_hashes(self, mgr):
+        """A free block with only a payload or a legacy hash is cleared of it too."""
+        block = mgr.allocate_block()
+        mgr.register_block_hash(block, tokens(4))
+        block.cache_data = ["kv"]
+        mgr.free_block(block.block_id)
+        assert block.hash_value is not None and block.cache_data == ["kv"]
+        assert mgr.evict_lru_blocks(mgr.free_blocks) == 8
+        assert block.hash_value is None and block.cache_data is None
+        assert mgr.hash_to_block == {}
+        mgr.check_invariants()
+
+    @pytest.mark.parametrize("method", ["evict", "evict_lru_blocks"])
+    def test_evict_bad_count(self, mgr, method):
         """A negative or non-int count raises InvalidInput."""
         with pytest.raises(InvalidInput):
-            mgr.evict_lru_blocks(-1)
+            getattr(mgr, method)(-1)
         with pytest.raises(InvalidInput):
-            mgr.evict_lru_blocks(None)
+            getattr(mgr, method)(None)
 
     def test_handle_memory_pressure(self, mgr, caplog):
         """handle_memory_pressure says whether enough blocks are free, evicting nothing."""
@@ -1368,15 +1398,33 @@ class TestStatsAndResets:
         assert (mgr.stats.allocated_blocks, mgr.stats.free_blocks) == (4, 5)
 
     def test_get_stats(self, mgr):
-        """get_stats counts shared blocks and tokens in referenced blocks."""
+        """get_stats counts shared blocks, and tokens of blocks in tables only."""
         prompt = tokens(8)
         blocks = cached_prompt(mgr, prompt)
         mgr.touch(blocks[:1])
         stats = mgr.get_stats()
         assert stats is mgr.get_stats()
-        assert (stats.shared_blocks, stats.total_tokens_cached) == (1, 2 * BS)
-        mgr.release(blocks + blocks[:1])
+        assert (stats.shared_blocks, stats.total_tokens_cached) == (1, 0)
+        table = mgr.create_block_table("r")
+        mgr.add_block_to_table(table, blocks[0], BS)
+        mgr.add_block_to_table(table, blocks[1], 3)
+        assert mgr.get_stats().total_tokens_cached == BS + 3
+        mgr.delete_block_table("r")
+        mgr.release(blocks[:1])
         assert mgr.get_stats().total_tokens_cached == 0
+
+    def test_total_tokens_cached_counts_table_blocks_once(self, mgr):
+        """Blocks shared by tables (a fork) count once; a deleted table's blocks stop counting."""
+        table = mgr.create_block_table("a")
+        for count in (BS, 2):
+            mgr.add_block_to_table(table, mgr.allocate_block(), count)
+        mgr.allocate_block().token_count = BS  # held, but in no table
+        mgr.fork_block_table(table, "b")
+        assert mgr.get_stats().total_tokens_cached == BS + 2
+        mgr.delete_block_table("a")
+        assert mgr.get_memory_usage()["total_tokens_cached"] == BS + 2
+        mgr.delete_block_table("b")
+        assert mgr.get_memory_usage()["total_tokens_cached"] == 0
 
     def test_get_memory_usage(self, mgr):
         """get_memory_usage has the seed's keys and values."""
@@ -1391,7 +1439,7 @@ class TestStatsAndResets:
             "allocated_blocks": 2,
             "free_blocks": 7,
             "shared_blocks": 0,
-            "total_tokens_cached": BS,
+            "total_tokens_cached": 0,
             "utilization": 2 / 9,
             "cache_hit_rate": 0.5,
         }

@@ -209,13 +209,21 @@ class PagedCacheMachine(RuleBasedStateMachine):
         self.tables[name] = list(table.block_ids)
 
     @rule(n=st.integers(0, 5))
-    def evict_lru_blocks(self, n):
+    def evict(self, n):
         mgr = self.mgr
         cached_free = sum(
             1 for b in mgr.free_block_queue.get_all_free_blocks() if b.block_hash is not None
         )
-        evicted = mgr.evict_lru_blocks(n)
-        assert evicted == min(n, cached_free)
+        assert mgr.evict(n) == min(n, cached_free)
+
+    @rule(n=st.integers(0, 5))
+    def evict_lru_blocks(self, n):
+        """The seed's eviction clears the n free blocks at the LRU end, hashed or not."""
+        mgr = self.mgr
+        front = mgr.free_block_queue.get_all_free_blocks()[:n]
+        assert mgr.evict_lru_blocks(n) == len(front) == min(n, mgr.free_blocks)
+        for block in front:
+            assert block.block_hash is None and block.cache_data is None
 
     @rule()
     def take_evicted(self):
@@ -252,6 +260,13 @@ class PagedCacheMachine(RuleBasedStateMachine):
             assert block.ref_count == expected[block.block_id], block
         assert self.mgr.null_block.ref_count == 1
         assert sorted(self.mgr.request_tables) == sorted(self.tables)
+
+    @invariant()
+    def tokens_cached_are_those_of_table_blocks(self):
+        """total_tokens_cached sums the token counts of the distinct blocks in tables."""
+        listed = {i for ids in self.tables.values() for i in ids if i != 0}
+        expected = sum(self.mgr.blocks[i].token_count for i in listed)
+        assert self.mgr.get_memory_usage()["total_tokens_cached"] == expected
 
 
 PagedCacheMachine.TestCase.settings = settings(

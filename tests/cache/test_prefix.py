@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import mlx.core as mx
 import pytest
 from hypothesis import settings
@@ -9,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from mlxkv.cache.errors import InvalidInput
+from mlxkv.cache.errors import InvalidInput, InvariantViolation
 from mlxkv.cache.prefix import CacheEntry, PrefixCacheManager, PrefixCacheStats
 
 
@@ -432,6 +435,55 @@ class TestWithTinyLlama:
         cold_logits, cold_ids = _greedy(model, make_prompt_cache(model), stored + probe)
         assert warm_ids == cold_ids
         assert mx.allclose(warm_logits, cold_logits, atol=1e-4).item()
+
+
+class TestCheckInvariants:
+    def test_healthy_trie_passes(self):
+        """A manager after stores, hits and evictions satisfies every invariant."""
+        mgr = PrefixCacheManager(None, max_entries=2)
+        for tokens in ([1, 2, 3], [1, 2], [1, 2, 3, 4], [7]):
+            mgr.store_cache(tokens, _cache(tokens))
+        mgr.fetch_cache([1, 2, 3, 9])
+        mgr.check_invariants()
+
+    @pytest.mark.parametrize(
+        "corrupt, message",
+        [
+            (lambda mgr: setattr(mgr, "max_size", 1), "max_size"),
+            (lambda mgr: mgr._lru.popitem(last=False), "LRU"),
+            (lambda mgr: setattr(mgr._find([1, 2]), "nearest", None), "stale nearest"),
+            (lambda mgr: setattr(mgr._find([1, 2]), "depth", 5), "depth"),
+            (lambda mgr: setattr(mgr._find([1, 2, 3]), "entry", None), "dead branch"),
+        ],
+    )
+    def test_corruption_is_reported(self, corrupt, message):
+        """Each broken invariant raises InvariantViolation naming it."""
+        mgr = PrefixCacheManager(None)
+        for tokens in ([1, 2], [1, 2, 3]):
+            mgr.store_cache(tokens, _cache(tokens))
+        corrupt(mgr)
+        with pytest.raises(InvariantViolation, match=message):
+            mgr.check_invariants()
+
+    def test_checks_survive_python_o(self):
+        """Under python -O (asserts stripped) a corrupted trie is still reported."""
+        script = (
+            "from mlxkv.cache.errors import InvariantViolation\n"
+            "from mlxkv.cache.prefix import PrefixCacheManager\n"
+            "assert False, 'asserts must be stripped'\n"
+            "mgr = PrefixCacheManager(None)\n"
+            "mgr.store_cache([1, 2], ['layer'])\n"
+            "mgr._lru.popitem()\n"
+            "try:\n"
+            "    mgr.check_invariants()\n"
+            "except InvariantViolation as error:\n"
+            "    print('reported:', error)\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-O", "-c", script], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith("reported:")
 
 
 class PrefixCacheAgainstReference(RuleBasedStateMachine):

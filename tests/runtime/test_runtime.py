@@ -245,6 +245,21 @@ class TestFetchAndStore:
                 await rt.release(request_id)
             await assert_clean(rt)
 
+    async def test_unreadable_image_sources_are_keyed_by_string(self):
+        """A URL, a video spec or a missing path keys blocks and embeddings by its string."""
+        sources = ["https://images.invalid/a.png", "video:/v.mp4:fps1.0:max8", "/no/such/file.png"]
+        async with runtime() as rt:
+            await rt.fetch("a", PROMPT, images=sources)
+            await rt.store("a", PROMPT, kv(3))
+            await rt.store_images(sources, mx.ones((2, 4)), num_image_tokens=2)
+            hit = await rt.fetch("b", PROMPT, images=sources)
+            assert hit.num_cached_tokens == 3 * BS and hit.vision_embeddings is not None
+            other = await rt.fetch("c", PROMPT, images=["/no/such/other.png"])
+            assert other.num_cached_tokens == 0 and other.vision_embeddings is None
+            for request_id in "abc":
+                await rt.release(request_id)
+            await assert_clean(rt)
+
     async def test_tiny_pool_evicts_and_refuses(self):
         """With few blocks, old prefixes are evicted (a miss, never a wrong block) and a
         store that cannot fit is refused whole."""
@@ -351,7 +366,6 @@ class TestBadInput:
             lambda rt: rt.fetch("x", [2**32]),
             lambda rt: rt.fetch("x", PROMPT, cache_salt=5),
             lambda rt: rt.fetch("x", PROMPT, images="cat.png"),
-            lambda rt: rt.fetch("x", PROMPT, images=["/no/such/file.png"]),
             lambda rt: rt.fetch("x", PROMPT, images=[object()]),
             lambda rt: rt.store("held", PROMPT, kv(1)),
             lambda rt: rt.store("held", PROMPT, "payloads"),
