@@ -9,7 +9,9 @@ code path as any real model -- so everything downstream is exercised for real.
 A written model directory is immutable: :func:`ensure_model` writes it once,
 atomically (to a temporary sibling, then ``rename``), and later calls reuse it.
 The directory name includes a digest of the spec, so a changed spec never reads
-a stale directory.
+a stale directory. :func:`ensure_written`, :func:`spec_digest` and
+:func:`write_byte_tokenizer` are shared with the built-in vision-language model
+(:mod:`mlxkv.default_vlm`).
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import attrs
 
 __all__ = [
+    "BYTE_VOCAB",
     "DEFAULT_MODEL",
     "ModelSpec",
     "TINY_HYBRID",
@@ -32,12 +35,21 @@ __all__ = [
     "TINY_SLIDING_LLAMA",
     "default_cache_dir",
     "ensure_model",
+    "ensure_written",
+    "spec_digest",
+    "write_byte_tokenizer",
     "write_model",
 ]
 
 #: Special tokens appended after the 256 byte tokens.
 _SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<|pad|>")
-_BYTE_VOCAB = 256
+#: Byte-level tokenizers give token id ``b`` to byte ``b``; specials follow.
+BYTE_VOCAB = 256
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|begin_of_text|>{{ m['role'] }}: "
+    "{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|begin_of_text|>assistant: {% endif %}"
+)
 
 
 @attrs.frozen(kw_only=True)
@@ -56,23 +68,29 @@ class ModelSpec:
 
     @property
     def vocab_size(self) -> int:
-        return _BYTE_VOCAB + len(_SPECIAL_TOKENS)
+        return BYTE_VOCAB + len(_SPECIAL_TOKENS)
 
     def full_config(self) -> dict[str, Any]:
         return {
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
-            "bos_token_id": _BYTE_VOCAB,
-            "eos_token_id": _BYTE_VOCAB + 1,
+            "bos_token_id": BYTE_VOCAB,
+            "eos_token_id": BYTE_VOCAB + 1,
             **self.config,
         }
 
     def digest(self) -> str:
-        blob = json.dumps(
-            {"config": self.full_config(), "seed": self.seed, "format": 1},
-            sort_keys=True,
-        )
-        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+        return spec_digest({"config": self.full_config(), "seed": self.seed, "format": 1})
+
+
+def spec_digest(payload: Mapping[str, Any]) -> str:
+    """12 hex characters of SHA-256 over ``payload`` as canonical JSON.
+
+    Everything that decides a written directory's bytes goes into ``payload``,
+    so a changed spec gets a new directory name instead of a stale directory.
+    """
+    blob = json.dumps(payload, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
 def _llama(**overrides: Any) -> dict[str, Any]:
@@ -170,14 +188,38 @@ def ensure_model(spec: ModelSpec = DEFAULT_MODEL, cache_dir: Path | None = None)
     Returns:
         A directory that ``mlx_lm.load`` accepts.
     """
+    return ensure_written(
+        f"{spec.name}-{spec.digest()}", lambda d: write_model(spec, d), cache_dir
+    )
+
+
+def ensure_written(
+    name: str, write: Callable[[Path], None], cache_dir: Path | None = None
+) -> Path:
+    """Return ``cache_dir / name``, calling ``write`` to fill it first if missing.
+
+    The directory is immutable once written: ``write`` fills a temporary
+    sibling, which is then renamed into place, so readers never see a partial
+    directory, and a concurrent writer of the same name loses the race
+    harmlessly. A directory counts as written when it holds ``config.json``.
+
+    Args:
+        name: the directory name; it should carry a digest of what is written
+            (see :func:`spec_digest`).
+        write: fills the (existing, empty) directory it is given.
+        cache_dir: parent directory; defaults to :func:`default_cache_dir`.
+
+    Returns:
+        The written directory.
+    """
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = root / f"{spec.name}-{spec.digest()}"
+    target = root / name
     if (target / "config.json").is_file():
         return target
     root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{spec.name}-", dir=root))
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
     try:
-        write_model(spec, staging)
+        write(staging)
         try:
             staging.rename(target)
         except OSError:
@@ -215,20 +257,49 @@ def write_model(spec: ModelSpec, directory: Path) -> None:
 
 
 def _write_tokenizer(directory: Path) -> None:
-    """A byte-level tokenizer: one token per byte, no merges, three specials."""
+    bos, eos, pad = _SPECIAL_TOKENS
+    write_byte_tokenizer(
+        directory, _SPECIAL_TOKENS, bos=bos, eos=eos, pad=pad, chat_template=_CHAT_TEMPLATE
+    )
+
+
+def write_byte_tokenizer(
+    directory: Path,
+    special_tokens: Sequence[str],
+    *,
+    bos: Optional[str],
+    eos: str,
+    pad: str,
+    chat_template: str,
+) -> None:
+    """Write a byte-level tokenizer: one token per byte, no merges, then specials.
+
+    Byte ``b`` gets token id ``b``; ``special_tokens[i]`` gets ``256 + i`` and
+    is never split. Writes ``tokenizer.json`` (with the ``tokenizers``
+    package), ``tokenizer_config.json`` and ``special_tokens_map.json``.
+
+    Args:
+        directory: an existing directory.
+        special_tokens: the special tokens, in id order.
+        bos: the beginning-of-sequence token, or None for a tokenizer without
+            one; never added automatically.
+        eos: the end-of-sequence token.
+        pad: the padding token.
+        chat_template: a Jinja chat template for ``apply_chat_template``.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+    directory = Path(directory)
     byte_to_unicode = pre_tokenizers.ByteLevel.alphabet()
     # ``alphabet()`` is unordered; give every byte a stable id equal to its value.
     mapping = _bytes_to_unicode()
     assert set(mapping.values()) == set(byte_to_unicode), "byte alphabet mismatch"
-    vocab = {mapping[b]: b for b in range(_BYTE_VOCAB)}
+    vocab = {mapping[b]: b for b in range(BYTE_VOCAB)}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(list(_SPECIAL_TOKENS))
+    tokenizer.add_special_tokens(list(special_tokens))
     tokenizer.save(str(directory / "tokenizer.json"))
-    bos, eos, pad = _SPECIAL_TOKENS
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": bos,
@@ -236,15 +307,12 @@ def _write_tokenizer(directory: Path) -> None:
         "pad_token": pad,
         "add_bos_token": False,
         "model_max_length": 32768,
-        "chat_template": (
-            "{% for m in messages %}<|begin_of_text|>{{ m['role'] }}: "
-            "{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|begin_of_text|>assistant: {% endif %}"
-        ),
+        "chat_template": chat_template,
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    special_map = {"bos_token": bos, "eos_token": eos, "pad_token": pad}
     (directory / "special_tokens_map.json").write_text(
-        json.dumps({"bos_token": bos, "eos_token": eos, "pad_token": pad}, indent=2)
+        json.dumps({k: v for k, v in special_map.items() if v is not None}, indent=2)
     )
 
 
@@ -257,8 +325,8 @@ def _bytes_to_unicode() -> dict[int, str]:
     )
     table: dict[int, str] = {b: chr(b) for b in printable}
     extra = 0
-    for b in range(_BYTE_VOCAB):
+    for b in range(BYTE_VOCAB):
         if b not in table:
-            table[b] = chr(_BYTE_VOCAB + extra)
+            table[b] = chr(BYTE_VOCAB + extra)
             extra += 1
     return table

@@ -1,14 +1,29 @@
-"""Shared fixtures: real mlx-lm models with deterministic random weights.
+"""Shared fixtures: real mlx-lm and mlx-vlm models with deterministic random weights.
 
 Every model is written once per test session into a temporary directory and
-loaded with ``mlx_lm.load`` -- the same path a user's model takes.
+loaded with ``mlx_lm.load`` or ``mlx_vlm.load`` -- the same path a user's model
+takes. The VLM fixtures skip their tests when mlx-vlm (the ``vlm`` extra) is not
+installed.
 """
 
 from __future__ import annotations
 
-import pytest
+import os
 
-from mlxkv.default_model import TINY_HYBRID, TINY_LLAMA, TINY_SLIDING_LLAMA, ModelSpec, ensure_model
+# No test may reach a model hub. huggingface_hub reads this once, when it is
+# first imported (through mlx-lm, transformers or mlx-vlm), so set it first.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import pytest  # noqa: E402
+
+from mlxkv.default_model import (  # noqa: E402
+    TINY_HYBRID,
+    TINY_LLAMA,
+    TINY_SLIDING_LLAMA,
+    ModelSpec,
+    ensure_model,
+)
+from mlxkv.default_vlm import DEFAULT_VLM, ensure_vlm  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -39,3 +54,18 @@ def sliding_llama(model_dir):
 def hybrid_model(model_dir):
     """(model, tokenizer) of an LFM2 hybrid (``KVCache`` and ``ArraysCache`` layers)."""
     return _load(TINY_HYBRID, model_dir)
+
+
+@pytest.fixture(scope="session")
+def vlm_path(model_dir):
+    """Directory of the built-in tiny Qwen2-VL (skips without mlx-vlm)."""
+    pytest.importorskip("mlx_vlm")
+    return ensure_vlm(DEFAULT_VLM, model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm(vlm_path):
+    """(model, processor) of the built-in tiny Qwen2-VL, loaded with ``mlx_vlm.load``."""
+    from mlx_vlm import load
+
+    return load(str(vlm_path))
