@@ -14,7 +14,10 @@ the KV of a row always holds exactly its prompt and its emitted tokens.
 
 Rows join with the first token their prefill sampled (already emitted) and
 leave when finished or cancelled; joining and leaving copy the batch cache
-(mlx-lm's ``extend``/``filter``), once per request, not per token.
+(mlx-lm's ``extend``/``filter``), once per request, not per token. A batch of
+one row keeps that request's own cache (no merge, no padding mask): a lone
+request decodes as fast as mlx-lm's ``generate_step``; the cache is merged
+when a second row joins and extracted again when one row is left.
 """
 
 from __future__ import annotations
@@ -36,12 +39,14 @@ class Emitted:
 
     Attributes:
         sequence: the row.
+        index: the token's place in the row's ``generated``.
         token: the token fed to the model in this step.
         logprobs: its step's log-probabilities ``(vocab,)`` if the row keeps
             them (evaluated), else None.
     """
 
     sequence: Sequence
+    index: int
     token: int
     logprobs: Any = attrs.field(default=None, eq=False, repr=False)
 
@@ -73,6 +78,7 @@ class DecodeBatch:
         self._runner = runner
         self.rows: list[Sequence] = []
         self._cache: Optional[list[Any]] = None
+        self._merged = False  # whether _cache is a batch cache (else one row's own)
         self._next: Any = None
         self._next_logprobs: list[Any] = []
         self._fresh: set[int] = set()  # id() of rows whose next token is already emitted
@@ -103,17 +109,25 @@ class DecodeBatch:
                 continue
             self._fresh.discard(id(sequence))
             if id(sequence) in wanted:
-                caches[id(sequence)] = self._runner.extract(self._cache, index)
+                caches[id(sequence)] = self._row_cache(index)
         if not stay:
             self.rows, self._cache, self._next, self._next_logprobs = [], None, None, []
+            self._merged = False
             return caches
         kept = mx.array(stay)
-        for layer in self._cache:
-            layer.filter(kept)
+        if len(stay) == 1:
+            self._cache, self._merged = self._row_cache(stay[0]), False
+        else:
+            for layer in self._cache:
+                layer.filter(kept)
         self.rows = [self.rows[i] for i in stay]
         self._next = self._next[kept]
         self._next_logprobs = [self._next_logprobs[i] for i in stay]
         return caches
+
+    def _row_cache(self, index: int) -> list[Any]:
+        assert self._cache is not None, "an empty batch has no rows"
+        return self._runner.extract(self._cache, index) if self._merged else self._cache
 
     def join(self, sequences: list[Sequence]) -> None:
         """Add rows whose prefill is done; their caches move into the batch.
@@ -131,37 +145,60 @@ class DecodeBatch:
             caches.append(sequence.cache)
             sequence.cache = None
             self._fresh.add(id(sequence))
-        joined = self._runner.merge(caches)
         tokens = mx.array([sequence.generated[-1] for sequence in sequences], dtype=mx.uint32)
-        if self._cache is None:
-            self._cache, self._next = joined, tokens
+        if self._cache is None and len(caches) == 1:
+            self._cache, self._merged, self._next = caches[0], False, tokens
+        elif self._cache is None:
+            self._cache, self._merged, self._next = self._runner.merge(caches), True, tokens
         else:
-            for layer, new in zip(self._cache, joined):
-                layer.extend(new)
+            if not self._merged:
+                caches.insert(0, self._cache)
+                self._cache, self._merged = self._runner.merge(caches), True
+            else:
+                for layer, new in zip(self._cache, self._runner.merge(caches)):
+                    layer.extend(new)
             self._next = mx.concatenate([self._next, tokens])
         self.rows.extend(sequences)
         self._next_logprobs.extend([None] * len(sequences))
 
-    def advance(self) -> tuple[list[Emitted], list[SampleFailed]]:
-        """Feed every row's next token, sample the following one, emit the fed ones.
+    def advance(self, max_steps: int = 1) -> tuple[list[Emitted], list[SampleFailed], int]:
+        """Run up to ``max_steps`` decode steps; stop early once a row is done.
+
+        Each step feeds every row's next token, samples the following one and
+        emits the fed ones. A row is done when it emits a stop token or
+        reaches ``max_tokens``, or when its sampler raised.
 
         Returns:
-            The tokens emitted (by every row but those that just joined,
-            whose fed token their prefill emitted), and the rows whose
-            sampler raised (still in the batch: make them leave).
+            The tokens emitted, in order (by every row but those that just
+            joined, whose first fed token their prefill emitted), the rows
+            whose sampler raised (still in the batch: make them leave), and
+            the number of steps (model calls) run.
         """
+        emitted: list[Emitted] = []
+        failed: list[SampleFailed] = []
+        steps = 0
+        while steps < max_steps and self.rows:
+            tokens, failures = self._step()
+            steps += 1
+            emitted.extend(tokens)
+            failed.extend(failures)
+            if failures or any(_done(item) for item in tokens):
+                break
+        return emitted, failed, steps
+
+    def _step(self) -> tuple[list[Emitted], list[SampleFailed]]:
         import mlx.core as mx
 
-        if not self.rows:
-            return [], []
         fresh = [id(sequence) in self._fresh for sequence in self.rows]
         self._fresh.clear()
         inputs, fed_logprobs = self._next, self._next_logprobs
         logits = self._runner.decode(inputs, self._cache, self.rows)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        self._next, failed = self._sample(logprobs)
+        if any(sequence.sampler is not None or sequence.keep_logits for sequence in self.rows):
+            logits = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        # (Greedy rows take the argmax, which log-probabilities do not move.)
+        self._next, failed = self._sample(logits)
         self._next_logprobs = [
-            logprobs[i] if sequence.keep_logits else None for i, sequence in enumerate(self.rows)
+            logits[i] if sequence.keep_logits else None for i, sequence in enumerate(self.rows)
         ]
         snapshots = self._snapshot_block_ends(fresh)
         mx.async_eval(self._next, [lp for lp in self._next_logprobs if lp is not None], snapshots)
@@ -171,7 +208,9 @@ class DecodeBatch:
             if fresh[index]:
                 continue
             sequence.generated.append(values[index])
-            emitted.append(Emitted(sequence, values[index], fed_logprobs[index]))
+            emitted.append(
+                Emitted(sequence, len(sequence.generated) - 1, values[index], fed_logprobs[index])
+            )
         return emitted, failed
 
     def _sample(self, logprobs: Any) -> tuple[Any, list[SampleFailed]]:
@@ -207,3 +246,9 @@ class DecodeBatch:
                 sequence.snapshots[position] = state
                 arrays.extend(a for group in state if group for a in group if a is not None)
         return arrays
+
+
+def _done(item: Emitted) -> bool:
+    """Whether the row that emitted ``item`` is finished with it."""
+    sequence = item.sequence
+    return item.token in sequence.stop_tokens or item.index + 1 >= sequence.max_tokens

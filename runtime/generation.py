@@ -290,7 +290,7 @@ async def run_generation(
                 prompt[:-1],
                 images=request.images,
                 cache_salt=request.cache_salt,
-                share=True,
+                share=runtime.config.share_in_flight,
             )
             fetched = True
             held = len(fetch.grants)

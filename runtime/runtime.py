@@ -41,7 +41,12 @@ from mlxkv.actors.allocator import (
     BlockId,
     Grants,
 )
-from mlxkv.actors.compute import ComputeActor, ComputeHandle, ComputeStatistics
+from mlxkv.actors.compute import (
+    DEFAULT_PREFILL_CHUNK,
+    ComputeActor,
+    ComputeHandle,
+    ComputeStatistics,
+)
 from mlxkv.actors.model_runner import ModelInfo
 from mlxkv.actors.sampling import Sampling
 from mlxkv.actors.model_source import check_model_source
@@ -130,6 +135,11 @@ class RuntimeConfig:
             pool holds as many blocks as fit, sized from the loaded model's
             KV bytes per token, and ``max_blocks`` is ignored; it needs a
             model.
+        prefill_chunk: the most prompt tokens one model call prefills; a
+            decode step of the batch waits for at most about one chunk.
+        share_in_flight: a generation whose prefix another generation is
+            computing right now waits for those blocks instead of computing
+            them again (on by default; off only to measure what it saves).
 
     Raises:
         InvalidInput: a field is out of range, or ``kv_memory`` without a model.
@@ -144,6 +154,8 @@ class RuntimeConfig:
     trace_polls: bool = attrs.field(default=False, validator=_is_bool)
     model: Optional[str] = attrs.field(default=None, converter=_model_path)
     kv_memory: Optional[int] = attrs.field(default=None, converter=_byte_budget)
+    prefill_chunk: int = attrs.field(default=DEFAULT_PREFILL_CHUNK, validator=_int_at_least(1))
+    share_in_flight: bool = attrs.field(default=True, validator=_is_bool)
 
     def __attrs_post_init__(self) -> None:
         if self.kv_memory is not None and self.model is None:
@@ -441,7 +453,9 @@ class CacheRuntime:
         try:
             if source is not None:
                 # First: the pool is sized from the loaded model's bytes per token.
-                compute = ComputeActor.loading(source.path, **options)
+                compute = ComputeActor.loading(
+                    source.path, prefill_chunk=config.prefill_chunk, **options
+                )
                 self._compute = ComputeHandle(await self._start_actor(compute))
                 self._model_info = await self._compute.describe()
             self._num_blocks = _pool_size(config, self._model_info)

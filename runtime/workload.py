@@ -102,6 +102,10 @@ class WorkloadReport:
         ttft_warm_p95_ms: its 95th percentile.
         decode_tokens_per_second: median over requests of their decode rate.
         throughput_tokens_per_second: generated tokens per second of wall time.
+        decode_steps: decode model calls (each serves every decoding request).
+        mean_batch_size: requests served per decode model call, on average.
+        shared_waits: requests that waited for a prefix another request was
+            computing, instead of computing it again.
         blocks_stored: blocks computed and stored.
         blocks_evicted: cached blocks evicted to make room.
         blocks_cached: blocks cached at the end.
@@ -130,6 +134,9 @@ class WorkloadReport:
     ttft_warm_p95_ms: Optional[float]
     decode_tokens_per_second: float
     throughput_tokens_per_second: float
+    decode_steps: int
+    mean_batch_size: float
+    shared_waits: int
     blocks_stored: int
     blocks_evicted: int
     blocks_cached: int
@@ -158,6 +165,12 @@ class WorkloadReport:
             ("TTFT warm p50 / p95", f"{ms(self.ttft_warm_p50_ms)} / {ms(self.ttft_warm_p95_ms)}"),
             ("decode tokens/s", f"{self.decode_tokens_per_second:.1f} per request (median)"),
             ("throughput", f"{self.throughput_tokens_per_second:.1f} generated tokens/s"),
+            (
+                "decode batch",
+                f"{self.mean_batch_size:.1f} requests per model call on average"
+                f" ({self.decode_steps} calls)",
+            ),
+            ("shared in flight", f"{self.shared_waits} requests waited for a prefix being computed"),
             (
                 "blocks",
                 f"{self.blocks_stored} stored, {self.blocks_evicted} evicted,"
@@ -299,7 +312,7 @@ async def run_workload(config: WorkloadConfig, *, progress: Optional[Progress] =
     reused = sum(r.cached_tokens for r in reports)
     generated = sum(r.generated_tokens for r in reports)
     memory = stats.memory
-    assert memory is not None, "a runtime with a model reports its memory"
+    assert memory is not None and stats.compute is not None, "a runtime with a model reports both"
     block_bytes = memory.block_bytes
     rates = [r.decode_tokens_per_second for r in reports if r.generated_tokens > 1]
     return WorkloadReport(
@@ -317,6 +330,9 @@ async def run_workload(config: WorkloadConfig, *, progress: Optional[Progress] =
         ttft_warm_p95_ms=_round(_percentile(warm, 95)),
         decode_tokens_per_second=round(_percentile(rates, 50) or 0.0, 1),
         throughput_tokens_per_second=round(generated / wall, 1) if wall > 0 else 0.0,
+        decode_steps=stats.compute.num_decode_steps,
+        mean_batch_size=round(stats.compute.mean_batch_size, 2),
+        shared_waits=stats.index.num_waits,
         blocks_stored=stats.allocator.num_stored,
         blocks_evicted=stats.allocator.num_evictions,
         blocks_cached=stats.allocator.num_cached,

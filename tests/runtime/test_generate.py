@@ -9,21 +9,19 @@ not bit-identical). A "cold" run is the same prompt under a fresh
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import anyio
 import anyio.lowlevel
 import mlx.core as mx
-import numpy as np
 import pytest
 
 from mlxkv import CacheRuntime, DuplicateRequest, InvalidInput, ModelLoadError, RuntimeClosed
 from mlxkv.default_model import TINY_HYBRID, TINY_LLAMA, TINY_SLIDING_LLAMA, ensure_model
-from mlxkv.generation import GeneratedToken, GenerationReport
+from mlxkv.generation import GeneratedToken
 
-ATOL = 1e-4
-BS = 16
+from parity import BS, assert_clean, assert_matches_cold, run
+
 SPECS = {"llama": TINY_LLAMA, "sliding": TINY_SLIDING_LLAMA, "hybrid": TINY_HYBRID}
 
 
@@ -46,43 +44,6 @@ def llama(model_dir: Any) -> str:
     return str(ensure_model(TINY_LLAMA, model_dir))
 
 
-async def run(rt: CacheRuntime, prompt: Any, **kwargs: Any) -> tuple[list[int], GenerationReport]:
-    """Generate to the end; the token ids and the report."""
-    kwargs.setdefault("max_tokens", 8)
-    tokens: list[int] = []
-    async with rt.generate(prompt, **kwargs) as stream:
-        async for record in stream:
-            if isinstance(record, GeneratedToken):
-                tokens.append(record.token)
-    assert stream.report is not None and stream.report.tokens == tuple(tokens)
-    return tokens, stream.report
-
-
-async def assert_matches_cold(
-    rt: CacheRuntime, prompt: Sequence[int], warm: tuple[list[int], GenerationReport], salt: str
-) -> None:
-    """A cold run of ``prompt`` gives ``warm``'s greedy tokens and prompt logits."""
-    warm_tokens, report = warm
-    # As many tokens as the warm run, and one more if it stopped at an end token.
-    budget = len(warm_tokens) + (report.finish_reason == "stop")
-    cold_tokens, cold = await run(rt, prompt, cache_salt=salt, max_tokens=budget)
-    assert cold.cached_tokens == 0
-    assert cold.finish_reason == report.finish_reason
-    assert warm_tokens == cold_tokens
-    np.testing.assert_allclose(
-        np.array(report.prompt_logits), np.array(cold.prompt_logits), atol=ATOL, rtol=0
-    )
-
-
-async def assert_clean(rt: CacheRuntime) -> None:
-    """No block referenced, no compute cache live, every invariant holds."""
-    stats = await rt.stats()
-    assert stats.allocator.num_referenced == 0
-    assert stats.index.num_active_requests == 0
-    assert stats.compute is not None and stats.compute.num_live == 0
-    assert await rt.check_invariants()
-
-
 class TestParity:
     """Requests served from cached blocks give the cold greedy tokens and logits."""
 
@@ -103,6 +64,7 @@ class TestParity:
         _, path = any_model
         async with CacheRuntime(model=path, block_size=BS) as rt:
             prompt = SYSTEM + _tokens(20, salt=1)
+            previous_cache = 0
             for turn in range(3):
                 answer, report = await run(rt, prompt, max_tokens=12)
                 if turn:

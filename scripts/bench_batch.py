@@ -1,0 +1,219 @@
+"""Concurrent generation throughput: mlxkv's batched decode against mlx-lm's own engines.
+
+Every request shares a 512-token prefix that is already cached, adds 32
+tokens of its own and generates greedily. Three ways to serve N such
+requests on the built-in model, side by side in one process:
+
+- ``batch_generate``: mlx-lm's ``BatchGenerator`` (what ``batch_generate``
+  runs), given a copy of the prefix cache per request (``caches=``), so it
+  prefills only the 32 own tokens, all requests in one batch;
+- ``stream_generate``: mlx-lm's ``stream_generate``, one request after
+  another, each on the prefix cache (trimmed back after each request);
+- ``mlxkv``: ``CacheRuntime.generate`` for all N at once; the prefix is in
+  the runtime's blocks (stored by a warm-up request), so each request
+  rebuilds it, prefills its 32 tokens and joins the decode batch.
+
+Rounds alternate the three methods (order rotated each round), with fresh own
+tokens every round so nothing but the prefix is ever cached. Figures are
+medians over rounds: generated tokens per second of wall time, and time to
+first token (p50, p95) measured from the moment all N requests were handed
+over. Greedy tokens are compared across the three methods (they must agree).
+
+    .venv/bin/python scripts/bench_batch.py [--rounds 5] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+REPO = Path(__file__).resolve().parent.parent
+PREFIX, OWN = 512, 32
+SETTINGS = [(1, 128), (8, 48), (32, 48)]  # (concurrent requests, tokens each)
+
+
+def _prefix() -> list[int]:
+    return [32 + (i * 37 + (i // 11) ** 2) % 95 for i in range(PREFIX)]
+
+
+def _own(round_: int, n: int) -> list[list[int]]:
+    rng = random.Random(round_ * 1000 + n)
+    return [[rng.randrange(32, 127) for _ in range(OWN)] for _ in range(n)]
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+class MlxLm:
+    """mlx-lm on the main thread: the model, and the prefix's cache computed once."""
+
+    def __init__(self, path: str) -> None:
+        import mlx.core as mx
+        from mlx_lm import load
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.model, self.tokenizer = load(path)
+        self.prefix_cache = make_prompt_cache(self.model)
+        prefix = _prefix()
+        for start in range(0, PREFIX, 256):
+            self.model(mx.array(prefix[start : start + 256])[None], cache=self.prefix_cache)
+            mx.eval([c.state for c in self.prefix_cache])
+
+    def batch(self, owns: list[list[int]], tokens: int) -> dict[str, Any]:
+        import copy
+
+        from mlx_lm.generate import BatchGenerator
+
+        stop = [[t] for t in self.tokenizer.eos_token_ids]
+        generator = BatchGenerator(self.model, stop_tokens=stop)
+        started = time.perf_counter()
+        uids = generator.insert(owns, [tokens] * len(owns), caches=[copy.deepcopy(self.prefix_cache) for _ in owns])
+        first: dict[int, float] = {}
+        out: dict[int, list[int]] = {uid: [] for uid in uids}
+        while responses := generator.next_generated():
+            now = time.perf_counter()
+            for response in responses:
+                first.setdefault(response.uid, now - started)
+                if response.finish_reason != "stop":
+                    out[response.uid].append(response.token)
+        wall = time.perf_counter() - started
+        generator.close()
+        return {"wall": wall, "ttft": [first[u] for u in uids], "tokens": [out[u] for u in uids]}
+
+    def sequential(self, owns: list[list[int]], tokens: int) -> dict[str, Any]:
+        import mlx.core as mx
+        from mlx_lm.generate import stream_generate
+        from mlx_lm.models.cache import trim_prompt_cache
+
+        started = time.perf_counter()
+        ttft, outs = [], []
+        for own in owns:
+            out: list[int] = []
+            for response in stream_generate(
+                self.model, self.tokenizer, mx.array(own), max_tokens=tokens, prompt_cache=self.prefix_cache
+            ):
+                if not out:
+                    ttft.append(time.perf_counter() - started)
+                if response.finish_reason == "stop":
+                    break
+                out.append(response.token)
+            outs.append(out)
+            trim_prompt_cache(self.prefix_cache, self.prefix_cache[0].offset - PREFIX)
+        return {"wall": time.perf_counter() - started, "ttft": ttft, "tokens": outs}
+
+
+async def _mlxkv(rt: Any, owns: list[list[int]], tokens: int) -> dict[str, Any]:
+    from mlxkv import GenerationReport
+
+    prefix = _prefix()
+    reports: list[Any] = [None] * len(owns)
+    started = time.perf_counter()
+
+    async def one(i: int) -> None:
+        async with rt.generate(prefix + owns[i], max_tokens=tokens) as stream:
+            async for record in stream:
+                if isinstance(record, GenerationReport):
+                    reports[i] = (time.perf_counter(), record)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(owns)):
+            tg.start_soon(one, i)
+    wall = time.perf_counter() - started
+    assert all(r.cached_tokens == PREFIX // 64 * 64 for _, r in reports), "the prefix was not reused"
+    return {
+        "wall": wall,
+        "ttft": [r.time_to_first_token for _, r in reports],
+        "tokens": [list(r.tokens) for _, r in reports],
+    }
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    from mlxkv import CacheRuntime
+    from mlxkv.default_model import ensure_model
+
+    path = args.model or str(ensure_model())
+    mlx_lm = MlxLm(path)
+    results: dict[str, Any] = {}
+    async with CacheRuntime(model=path, block_size=64) as rt:
+        async with rt.generate(_prefix() + [33], max_tokens=1) as warm:  # stores the prefix
+            async for _ in warm:
+                pass
+        for n, tokens in SETTINGS:
+            samples: dict[str, list[dict[str, Any]]] = {"batch_generate": [], "stream_generate": [], "mlxkv": []}
+            for round_ in range(args.rounds):
+                owns = _own(round_, n)
+                order = list(samples)[round_ % 3 :] + list(samples)[: round_ % 3]
+                outs = {}
+                for method in order:
+                    if method == "mlxkv":
+                        outs[method] = await _mlxkv(rt, owns, tokens)
+                    elif method == "batch_generate":
+                        outs[method] = mlx_lm.batch(owns, tokens)
+                    else:
+                        outs[method] = mlx_lm.sequential(owns, tokens)
+                    samples[method].append(outs[method])
+                reference = outs["stream_generate"]["tokens"]
+                for method in ("batch_generate", "mlxkv"):
+                    if outs[method]["tokens"] != reference:
+                        print(f"warning: {method} tokens differ from stream_generate's (n={n})", file=sys.stderr)
+            row = {}
+            for method, runs in samples.items():
+                rates = [sum(map(len, r["tokens"])) / r["wall"] for r in runs]
+                row[method] = {
+                    "tokens_per_second": statistics.median(rates),
+                    "ttft_p50_ms": statistics.median(_percentile(r["ttft"], 50) for r in runs) * 1e3,
+                    "ttft_p95_ms": statistics.median(_percentile(r["ttft"], 95) for r in runs) * 1e3,
+                    "generated": sum(map(len, runs[0]["tokens"])),
+                }
+            results[f"{n}x{tokens}"] = row
+        stats = await rt.stats()
+    assert stats.compute is not None
+    results["mlxkv_mean_batch_size"] = stats.compute.mean_batch_size
+    return results
+
+
+def _table(results: dict[str, Any]) -> str:
+    lines = [
+        "| requests x tokens | method | tokens/s | TTFT p50 | TTFT p95 | mlxkv / this |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for setting, row in results.items():
+        if not isinstance(row, dict):
+            continue
+        ours = row["mlxkv"]["tokens_per_second"]
+        for method, figures in row.items():
+            ratio = ours / figures["tokens_per_second"]
+            lines.append(
+                f"| {setting} | {method} | {figures['tokens_per_second']:,.0f} |"
+                f" {figures['ttft_p50_ms']:.1f} ms | {figures['ttft_p95_ms']:.1f} ms |"
+                f" {'-' if method == 'mlxkv' else f'{ratio:.2f}x'} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=5, help="rounds per setting (5)")
+    parser.add_argument("--model", help="an mlx-lm model directory (default: the built-in model)")
+    parser.add_argument("--json", help="also write the results as JSON to FILE")
+    args = parser.parse_args()
+    results = anyio.run(main_async, args)
+    print(_table(results))
+    print(f"\nmlxkv mean decode batch size: {results['mlxkv_mean_batch_size']:.1f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
