@@ -73,8 +73,9 @@ class ActorFailed(CacheError):
 class Tell:
     """A message that expects no reply.
 
-    ``polled`` marks a message type that callers send periodically
-    (statistics, invariant checks): tracing leaves it out unless asked.
+    ``polled`` marks a message type that only asks for information
+    (statistics, invariant checks, descriptions), which callers may send
+    often: tracing leaves it out unless asked.
     """
 
     polled: ClassVar[bool] = False

@@ -14,11 +14,15 @@ the arrow):
   that computed them is evaluated), :class:`Prefilled`, one :class:`Token`
   per token, then :class:`Finished` or :class:`Failed` -- go to the event
   stream the caller passes, sized so that the actor never waits on it.
+  A vision-language request also gets :class:`ImagesEncoded` when the
+  vision encoder ran for it (its features, to be cached).
 - :class:`Cancel` (no reply): stop a request; a request whose event stream
   nobody reads any more is cancelled the same way.
-- :class:`EncodeText` / :class:`DecodeText` / :class:`NewDetokenizer`: the
-  tokenizer; :class:`Describe` -> :class:`ModelInfo`; :class:`Statistics`
-  -> :class:`ComputeStatistics`.
+- :class:`NewPreparer` -> the model's
+  :class:`~mlxkv.actors.model_runner.PromptPreparer` (tokenizer, and image
+  processor of a vision-language model), shared with the caller, who runs it
+  on its own threads; :class:`Describe` -> :class:`ModelInfo`;
+  :class:`Statistics` -> :class:`ComputeStatistics`.
 
 Scheduling. The model runs one job at a time. A request's prompt is computed
 in prefill chunks of at most ``prefill_chunk`` tokens (a model with
@@ -74,8 +78,14 @@ from mlxkv.actors.actor import (
 )
 from mlxkv.actors.decode_batch import DecodeBatch, Emitted, SampleFailed
 from mlxkv.actors.mlx_thread import MLXThread, MLXThreadStatistics, MLXThreadStopped
-from mlxkv.actors.model_runner import ModelInfo, ModelRunner, TextRunner
-from mlxkv.actors.model_source import ModelLoadError
+from mlxkv.actors.model_runner import (
+    ImageEncoding,
+    ModelInfo,
+    ModelRunner,
+    PromptPreparer,
+    TextRunner,
+)
+from mlxkv.actors.model_source import ModelLoadError, ModelSource
 from mlxkv.actors.sampling import GREEDY, Sampling
 from mlxkv.actors.sequence import Phase, Sequence, plan_chunks
 from mlxkv.cache import kv_state
@@ -91,14 +101,13 @@ __all__ = [
     "ComputeFailed",
     "ComputeHandle",
     "ComputeStatistics",
-    "DecodeText",
     "Describe",
-    "EncodeText",
     "Event",
     "Failed",
     "Finished",
     "Generate",
-    "NewDetokenizer",
+    "ImagesEncoded",
+    "NewPreparer",
     "Prefilled",
     "Published",
     "Statistics",
@@ -151,6 +160,17 @@ class Published:
 
     start: int
     payloads: tuple[BlockPayload, ...] = attrs.field(eq=False, repr=lambda p: f"<{len(p)} blocks>")
+
+
+@attrs.frozen(kw_only=True)
+class ImagesEncoded:
+    """The vision encoder ran for the request's images (before any token).
+
+    Attributes:
+        features: its output for all the images, in order (evaluated).
+    """
+
+    features: Any = attrs.field(eq=False, repr=False)
 
 
 @attrs.frozen(kw_only=True)
@@ -209,17 +229,18 @@ class Failed:
 
 
 #: What a request's event stream carries.
-Event = Published | Prefilled | Token | Finished | Failed
+Event = Published | ImagesEncoded | Prefilled | Token | Finished | Failed
 
 
 def events_needed(num_prompt: int, max_tokens: int, block_size: int, chunk: int) -> int:
     """How many events a request can receive at most: size its stream so.
 
-    One per prefill job (a published batch of blocks each), the prefilled
-    mark, one per token, the answer's blocks, and the end.
+    One per prefill job (a published batch of blocks each), the images'
+    features, the prefilled mark, one per token, the answer's blocks, and
+    the end.
     """
     jobs = -(-num_prompt // min(chunk, block_size)) + 1
-    return jobs + max_tokens + 3
+    return jobs + max_tokens + 4
 
 
 @attrs.frozen(kw_only=True)
@@ -245,6 +266,10 @@ class ComputeStatistics:
             blocks exactly (not cached; a wrapped sliding window, say).
         num_model_errors: model calls that raised.
         num_cancelled: requests stopped before they finished.
+        num_vision_encoder_runs: requests whose images the vision encoder
+            encoded.
+        num_vision_encoder_skips: requests with images that did without it
+            (cached features, or a cached prefix covering every image token).
         thread: the MLX thread's counters.
     """
 
@@ -262,6 +287,8 @@ class ComputeStatistics:
     num_unpublishable: int
     num_model_errors: int
     num_cancelled: int
+    num_vision_encoder_runs: int
+    num_vision_encoder_skips: int
     thread: MLXThreadStatistics
 
     @property
@@ -288,6 +315,8 @@ class Generate(Tell):
             model's end-of-sequence tokens if None.
         block_size: tokens per block of the payloads it publishes.
         keep_logits: attach each token's log-probabilities to its event.
+        inputs: what the model runner needs beyond the tokens (a
+            vision-language prompt's images), as its preparer made them.
         events: where the request's events go; its buffer must hold
             :func:`events_needed` events.
     """
@@ -299,6 +328,7 @@ class Generate(Tell):
     stop_tokens: Optional[frozenset[int]] = None
     block_size: int
     keep_logits: bool = False
+    inputs: Any = attrs.field(default=None, eq=False, repr=False)
     events: MemoryObjectSendStream[Event] = attrs.field(repr=False, eq=False)
 
     def trace_fields(self) -> dict[str, int]:
@@ -316,23 +346,10 @@ class Cancel(Tell):
 
 
 @attrs.frozen(kw_only=True)
-class EncodeText(Ask[tuple[int, ...]]):
-    """Token ids of ``text`` under the model's tokenizer."""
+class NewPreparer(Ask[PromptPreparer]):
+    """The model's prompt preparer; the caller uses it on its own threads."""
 
-    text: str
-    add_special_tokens: bool = True
-
-
-@attrs.frozen(kw_only=True)
-class DecodeText(Ask[str]):
-    """The text of ``tokens`` under the model's tokenizer."""
-
-    tokens: tuple[int, ...] = attrs.field(converter=tuple)
-
-
-@attrs.frozen(kw_only=True)
-class NewDetokenizer(Ask[Any]):
-    """A fresh mlx-lm ``StreamingDetokenizer``; the caller owns it."""
+    polled = True
 
 
 @attrs.frozen(kw_only=True)
@@ -354,6 +371,7 @@ class Statistics(Ask[ComputeStatistics]):
 
 @attrs.frozen
 class _PrefillOutcome:
+    encoding: Optional[ImageEncoding]
     computed: int
     published: Optional[Published]
     unpublishable: bool
@@ -458,6 +476,8 @@ class ComputeActor(Actor):
         self._num_unpublishable = 0
         self._num_model_errors = 0
         self._num_cancelled = 0
+        self._num_encoder_runs = 0
+        self._num_encoder_skips = 0
 
     @classmethod
     def with_model(cls, model: Any, tokenizer: Any, **kwargs: Any) -> ComputeActor:
@@ -478,8 +498,9 @@ class ComputeActor(Actor):
         )
 
     @classmethod
-    def loading(cls, path: str, **kwargs: Any) -> ComputeActor:
-        """An actor that loads the mlx-lm model at ``path`` on its MLX thread as it starts.
+    def loading(cls, source: ModelSource, **kwargs: Any) -> ComputeActor:
+        """An actor that loads the model ``source`` names on its MLX thread as it starts:
+        a vision-language model with mlx-vlm, anything else with mlx-lm.
 
         Loading there matters for real models: arrays a model builds lazily
         at construction (rotary tables, say) belong to the loading thread's
@@ -488,11 +509,17 @@ class ComputeActor(Actor):
         reports started.
 
         Args:
-            path: the model directory or repo id.
+            source: the checked model directory or repo id.
             **kwargs: passed to the constructor.
         """
+        if source.kind == "vision":
+            from mlxkv.actors.vision_runner import VisionRunner
+
+            make: Callable[..., ModelRunner] = VisionRunner.load
+        else:
+            make = TextRunner.load
         return cls(
-            loader=lambda chunk: TextRunner.load(path, prefill_chunk=chunk), source=str(path), **kwargs
+            loader=lambda chunk: make(source.path, prefill_chunk=chunk), source=source.path, **kwargs
         )
 
     # -- running ---------------------------------------------------------------
@@ -594,16 +621,8 @@ class ComputeActor(Actor):
                 if sequence is not None:
                     self._cancel(sequence)
                 return None
-            case EncodeText():
-                if not isinstance(message.text, str):
-                    raise InvalidInput("text", message.text, "must be a str")
-                tokenizer = self._require_runner().tokenizer
-                return tuple(tokenizer.encode(message.text, add_special_tokens=message.add_special_tokens))
-            case DecodeText():
-                self._check_tokens(message.tokens, allow_empty=True)
-                return self._require_runner().tokenizer.decode(list(message.tokens))
-            case NewDetokenizer():
-                return self._require_runner().tokenizer.detokenizer
+            case NewPreparer():
+                return self._require_runner().preparer()
             case Describe():
                 return self._info
             case Statistics():
@@ -672,6 +691,7 @@ class ComputeActor(Actor):
             block_size=message.block_size,
             keep_logits=bool(message.keep_logits),
             emit=emit,
+            inputs=message.inputs,
         )
 
     # -- life of a request ---------------------------------------------------------
@@ -726,8 +746,10 @@ class ComputeActor(Actor):
         chunk = self._chunk
 
         def job() -> _PrefillOutcome:
+            encoding = None
             if queued:
                 runner.start(sequence)
+                encoding = runner.take_encoding(sequence)
                 # The rebuilt prefix is made of blocks already stored.
                 sequence.num_published = sequence.num_cached // sequence.block_size
                 boundary = sequence.block_size if runner.info.has_recurrent else None
@@ -741,7 +763,7 @@ class ComputeActor(Actor):
             if logits is not None:
                 first, logprobs = _first_token(sequence, logits)
             return _PrefillOutcome(
-                sequence.num_computed - start, published, unpublishable, first, logits, logprobs
+                encoding, sequence.num_computed - start, published, unpublishable, first, logits, logprobs
             )
 
         sequence.phase = Phase.PREFILLING
@@ -757,6 +779,11 @@ class ComputeActor(Actor):
         self._num_prefill_chunks += 1
         self._num_prefill_tokens += outcome.computed
         self._count_published(outcome.published, outcome.unpublishable)
+        if outcome.encoding is not None:
+            self._num_encoder_runs += outcome.encoding.ran
+            self._num_encoder_skips += not outcome.encoding.ran
+            if outcome.encoding.ran and not sequence.cancelled:
+                sequence.emit(ImagesEncoded(features=outcome.encoding.features))
         if queued:
             self._num_cached_tokens += sequence.num_cached
             self._num_cold_fallbacks += sequence.cold_fallback
@@ -909,6 +936,8 @@ class ComputeActor(Actor):
             num_unpublishable=self._num_unpublishable,
             num_model_errors=self._num_model_errors,
             num_cancelled=self._num_cancelled,
+            num_vision_encoder_runs=self._num_encoder_runs,
+            num_vision_encoder_skips=self._num_encoder_skips,
             thread=self._thread.statistics(),
         )
 
@@ -990,6 +1019,7 @@ class ComputeHandle(ActorHandle):
         block_size: int,
         stop_tokens: Optional[frozenset[int]] = None,
         keep_logits: bool = False,
+        inputs: Any = None,
     ) -> None:
         """Send :class:`Generate`; the request's events arrive on ``events``.
 
@@ -1006,6 +1036,7 @@ class ComputeHandle(ActorHandle):
                 block_size=block_size,
                 stop_tokens=stop_tokens,
                 keep_logits=keep_logits,
+                inputs=inputs,
                 events=events,
             )
         )
@@ -1018,25 +1049,9 @@ class ComputeHandle(ActorHandle):
         """
         await self._ref.tell_shielded(Cancel(request_id=request_id))
 
-    async def encode(
-        self, text: str, *, add_special_tokens: bool = True, request_id: Optional[str] = None
-    ) -> tuple[int, ...]:
-        """See :class:`EncodeText`; ``request_id`` only labels the trace."""
-        return await self._ref.ask(
-            EncodeText, text=text, add_special_tokens=add_special_tokens, request_id=request_id
-        )
-
-    async def decode_text(self, tokens: Seq[int]) -> str:
-        """See :class:`DecodeText`.
-
-        Raises:
-            InvalidInput: a token is out of range.
-        """
-        return await self._ref.ask(DecodeText, tokens=tuple(tokens))
-
-    async def new_detokenizer(self, *, request_id: Optional[str] = None) -> Any:
-        """See :class:`NewDetokenizer`; ``request_id`` only labels the trace."""
-        return await self._ref.ask(NewDetokenizer, request_id=request_id)
+    async def preparer(self) -> PromptPreparer:
+        """See :class:`NewPreparer`."""
+        return await self._ref.ask(NewPreparer)
 
     async def describe(self) -> ModelInfo:
         """See :class:`Describe`."""

@@ -192,7 +192,12 @@ class DecodeBatch:
         fresh = [id(sequence) in self._fresh for sequence in self.rows]
         self._fresh.clear()
         inputs, fed_logprobs = self._next, self._next_logprobs
-        logits = self._runner.decode(inputs, self._cache, self.rows)
+        # The fed token's index: a fresh row's first token is already counted.
+        positions = [
+            sequence.num_tokens - 1 if fresh[index] else sequence.num_tokens
+            for index, sequence in enumerate(self.rows)
+        ]
+        logits = self._runner.decode(inputs, self._cache, self.rows, positions)
         if any(sequence.sampler is not None or sequence.keep_logits for sequence in self.rows):
             logits = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         # (Greedy rows take the argmax, which log-probabilities do not move.)

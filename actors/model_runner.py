@@ -26,9 +26,19 @@ import attrs
 
 from mlxkv.actors.sequence import Sequence
 from mlxkv.cache import kv_state
+from mlxkv.cache.errors import InvalidInput
 from mlxkv.cache.kv_state import BlockPayload
 
-__all__ = ["ModelInfo", "ModelRunner", "TextRunner"]
+__all__ = [
+    "CacheRunner",
+    "ImageEncoding",
+    "ModelInfo",
+    "ModelRunner",
+    "PreparedPrompt",
+    "PromptPreparer",
+    "TextPreparer",
+    "TextRunner",
+]
 
 #: Cache classes whose per-request caches mlx-lm merges into one exact batch.
 _BATCHABLE = frozenset({"KVCache", "RotatingKVCache", "ArraysCache"})
@@ -77,6 +87,71 @@ class ModelInfo:
         return block_size * self.kv_bytes_per_token + self.state_bytes
 
 
+@attrs.frozen(kw_only=True)
+class PreparedPrompt:
+    """A prompt ready for the model: its token ids, and what else the runner needs.
+
+    Attributes:
+        tokens: the token ids (a vision-language prompt's include one
+            image-pad token per image token).
+        inputs: runner-specific inputs (a vision model's pixels); None for
+            text.
+        num_image_tokens: image tokens among ``tokens``.
+    """
+
+    tokens: tuple[int, ...] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
+    inputs: Any = attrs.field(default=None, eq=False, repr=False)
+    num_image_tokens: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class ImageEncoding:
+    """What became of a request's images when its prefill started.
+
+    Attributes:
+        ran: the vision encoder ran (else the features came from the image
+            cache, or the cached prefix covered every image token).
+        features: what the image cache should keep for these images (the
+            encoder's output and whatever else the preparer needs to do
+            without pixels next time), evaluated; None unless it ran.
+    """
+
+    ran: bool
+    features: Any = attrs.field(default=None, eq=False, repr=False)
+
+
+class PromptPreparer(Protocol):
+    """Turns a request's prompt (and images) into token ids, and tokens back into text.
+
+    Made once per model and shared: it holds only read-only tokenizer and
+    processor state, and may run on any thread (a worker thread for images),
+    never touching MLX graphs of the MLX thread.
+    """
+
+    def prepare(self, prompt: str | Seq[int], images: Seq[Any] = (), encoded: Any = None) -> PreparedPrompt:
+        """The prompt's token ids.
+
+        Args:
+            prompt: text or token ids.
+            images: decoded pictures (``PIL.Image``), in order.
+            encoded: what the image cache holds for the images (an
+                :class:`ImageEncoding`'s ``features``), instead of ``images``.
+
+        Raises:
+            InvalidInput: images given to a model that does not take them,
+                or image tokens that do not match the images.
+        """
+        ...
+
+    def new_detokenizer(self) -> Any:
+        """A fresh mlx-lm streaming detokenizer, owned by the caller."""
+        ...
+
+    def decode(self, tokens: Seq[int]) -> str:
+        """The text of ``tokens``."""
+        ...
+
+
 class ModelRunner(Protocol):
     """One model family's computations, called on the MLX thread only.
 
@@ -92,9 +167,8 @@ class ModelRunner(Protocol):
         """The model's :class:`ModelInfo` (readable on any thread once started)."""
         ...
 
-    @property
-    def tokenizer(self) -> Any:
-        """The model's mlx-lm ``TokenizerWrapper``."""
+    def preparer(self) -> PromptPreparer:
+        """The model's prompt preparer (shared, usable on any thread)."""
         ...
 
     def start(self, sequence: Sequence) -> None:
@@ -116,8 +190,12 @@ class ModelRunner(Protocol):
         """
         ...
 
-    def decode(self, inputs: Any, cache: list[Any], rows: Seq[Sequence]) -> Any:
-        """Logits ``(batch, vocab)`` of feeding ``inputs`` (``(batch,)``) to a batch cache."""
+    def decode(self, inputs: Any, cache: list[Any], rows: Seq[Sequence], positions: Seq[int]) -> Any:
+        """Logits ``(batch, vocab)`` of feeding ``inputs`` (``(batch,)``) to a batch cache.
+
+        ``positions[i]`` is the index of row ``i``'s fed token in its
+        sequence (a model whose positions are not indices needs it).
+        """
         ...
 
     def merge(self, caches: Seq[list[Any]]) -> list[Any]:
@@ -138,49 +216,46 @@ class ModelRunner(Protocol):
         """Owned, evaluated payloads of full blocks ``[start, stop)`` of ``cache``."""
         ...
 
+    def take_encoding(self, sequence: Sequence) -> Optional[ImageEncoding]:
+        """What :meth:`start` did with the request's images (once), or None without images."""
+        ...
 
-class TextRunner:
-    """A model runner for mlx-lm language models.
 
-    Owns: the model (weights evaluated) and its tokenizer; the model's cold
-    cache layout, which rebuilt caches must match.
+class CacheRunner:
+    """What every runner over mlx-lm cache objects shares: describing the
+    model's cache, rebuilding, merging, extracting, snapshotting and slicing it.
+
+    Subclasses provide :meth:`_new_cache`, :meth:`_probe` (one token through
+    a fresh cache), :meth:`prefill`, :meth:`decode` and :meth:`preparer`.
+
+    Owns: the model's cold cache layout, which rebuilt caches must match.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, *, prefill_chunk: int) -> None:
-        """Describe ``model``: runs one token through a fresh cache (on the MLX thread)."""
-        self._model = model
-        self._tokenizer = tokenizer
-        self._chunk = prefill_chunk
-        self._info, self._layout = self._describe()
-
-    @classmethod
-    def load(cls, path: str, *, prefill_chunk: int) -> TextRunner:
-        """Load an mlx-lm model directory (or repo id) with ``mlx_lm.load``."""
-        from mlx_lm import load
-
-        model, tokenizer = load(str(path))
-        return cls(model, tokenizer, prefill_chunk=prefill_chunk)
+    _info: ModelInfo
+    _layout: tuple[tuple[Any, ...], ...]
 
     @property
     def info(self) -> ModelInfo:
         return self._info
 
-    @property
-    def tokenizer(self) -> Any:
-        return self._tokenizer
+    def _new_cache(self) -> list[Any]:
+        raise NotImplementedError  # pragma: no cover - every runner defines it
 
-    def _describe(self) -> tuple[ModelInfo, tuple[tuple[Any, ...], ...]]:
-        """The model's info and cold cache layout.
+    def _probe(self, cache: list[Any]) -> None:
+        raise NotImplementedError  # pragma: no cover - every runner defines it
+
+    def _measure(self) -> tuple[dict[str, Any], tuple[tuple[Any, ...], ...]]:
+        """The cache's share of :class:`ModelInfo`, and the cold layout.
 
         Bytes per token are measured, not computed from the config: one
         token is run through a fresh cache and its buffers are sized.
         """
         import mlx.core as mx
-        from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+        from mlx_lm.models.cache import ArraysCache
 
-        cold = make_prompt_cache(self._model)
+        cold = self._new_cache()
         layout = tuple(_layer_key(layer) for layer in cold)
-        self._model(mx.array([[0]]), cache=cold)
+        self._probe(cold)
         mx.eval([layer.state for layer in cold])
         kv_bytes = state_bytes = 0
         for layer in cold:
@@ -190,28 +265,19 @@ class TextRunner:
             for group in (getattr(layer, "keys", None), getattr(layer, "values", None)):
                 arrays = group if isinstance(group, (tuple, list)) else (group,)
                 kv_bytes += sum(a.nbytes // a.shape[2] for a in arrays if a is not None)
-        args = getattr(self._model, "args", None)
-        eos = getattr(self._tokenizer, "eos_token_ids", None) or ()
-        max_context = getattr(args, "max_position_embeddings", None)
         names = tuple(type(layer).__name__ for layer in cold)
-        info = ModelInfo(
-            vocab_size=getattr(args, "vocab_size", None),
-            eos_token_ids=frozenset(int(t) for t in eos),
-            cache_layers=names,
-            has_recurrent=any(isinstance(layer, ArraysCache) for layer in cold),
-            prefill_chunk=self._chunk,
-            batchable=all(name in _BATCHABLE for name in names),
-            max_context=max_context if isinstance(max_context, int) and max_context > 0 else None,
-            kv_bytes_per_token=kv_bytes,
-            state_bytes=state_bytes,
-        )
-        return info, layout
+        fields = {
+            "cache_layers": names,
+            "has_recurrent": any(isinstance(layer, ArraysCache) for layer in cold),
+            "batchable": all(name in _BATCHABLE for name in names),
+            "kv_bytes_per_token": kv_bytes,
+            "state_bytes": state_bytes,
+        }
+        return fields, layout
 
     # -- one request ---------------------------------------------------------
 
     def start(self, sequence: Sequence) -> None:
-        from mlx_lm.models.cache import make_prompt_cache
-
         prefix = sequence.prefix
         sequence.prefix = ()
         cache = None
@@ -221,7 +287,7 @@ class TextRunner:
             except kv_state.NotReconstructable:
                 sequence.cold_fallback = True
         if cache is None:
-            sequence.cache = make_prompt_cache(self._model)
+            sequence.cache = self._new_cache()
             sequence.num_cached = 0
         else:
             sequence.cache = cache
@@ -245,25 +311,29 @@ class TextRunner:
         start, total = sequence.num_computed, len(sequence.prompt)
         body_end = end if end < total else total - 1
         if body_end > start:
-            self._model(mx.array(sequence.prompt[start:body_end])[None], cache=cache)
+            self._run(sequence, cache, start, body_end)
             self._record_snapshot(sequence, cache, body_end)
             sequence.num_computed = body_end
         if end < total:
             mx.eval([layer.state for layer in cache])
             return None
-        logits = self._model(mx.array(sequence.prompt[total - 1 :])[None], cache=cache)[0, -1]
+        logits = self._run(sequence, cache, total - 1, total)[0, -1]
         sequence.num_computed = total
         self._record_snapshot(sequence, cache, total)
         return logits
+
+    def _run(self, sequence: Sequence, cache: list[Any], start: int, stop: int) -> Any:
+        """Prompt positions ``[start, stop)`` through the model: logits ``(1, n, vocab)``."""
+        raise NotImplementedError  # pragma: no cover - every runner defines it
+
+    def take_encoding(self, sequence: Sequence) -> Optional[ImageEncoding]:
+        return None
 
     def _record_snapshot(self, sequence: Sequence, cache: list[Any], position: int) -> None:
         if self._info.has_recurrent and position % sequence.block_size == 0:
             sequence.snapshots[position] = self.snapshot(cache, 0)
 
     # -- batches ---------------------------------------------------------------
-
-    def decode(self, inputs: Any, cache: list[Any], rows: Seq[Sequence]) -> Any:
-        return self._model(inputs[:, None], cache=cache)[:, -1]
 
     def merge(self, caches: Seq[list[Any]]) -> list[Any]:
         if not self._info.batchable:
@@ -313,3 +383,76 @@ def _with_snapshot(payload: BlockPayload, state: Optional[tuple[Any, ...]]) -> B
 
 def _layer_key(layer: Any) -> tuple[Any, ...]:
     return (type(layer).__name__, getattr(layer, "max_size", None), getattr(layer, "keep", None))
+
+
+class TextPreparer:
+    """The :class:`PromptPreparer` of a text model: its mlx-lm tokenizer."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    def prepare(self, prompt: str | Seq[int], images: Seq[Any] = (), encoded: Any = None) -> PreparedPrompt:
+        if images or encoded is not None:
+            raise InvalidInput("images", images, "this model does not take images")
+        if isinstance(prompt, str):
+            return PreparedPrompt(tokens=tuple(self._tokenizer.encode(prompt)))
+        return PreparedPrompt(tokens=tuple(prompt))
+
+    def new_detokenizer(self) -> Any:
+        return self._tokenizer.detokenizer
+
+    def decode(self, tokens: Seq[int]) -> str:
+        return self._tokenizer.decode(list(tokens))
+
+
+class TextRunner(CacheRunner):
+    """A model runner for mlx-lm language models.
+
+    Owns: the model (weights evaluated) and its tokenizer, and the cold
+    cache layout.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, *, prefill_chunk: int) -> None:
+        """Describe ``model``: runs one token through a fresh cache (on the MLX thread)."""
+        self._model = model
+        self._tokenizer = tokenizer
+        fields, self._layout = self._measure()
+        args = getattr(model, "args", None)
+        eos = getattr(tokenizer, "eos_token_ids", None) or ()
+        max_context = getattr(args, "max_position_embeddings", None)
+        self._info = ModelInfo(
+            vocab_size=getattr(args, "vocab_size", None),
+            eos_token_ids=frozenset(int(t) for t in eos),
+            prefill_chunk=prefill_chunk,
+            max_context=max_context if isinstance(max_context, int) and max_context > 0 else None,
+            **fields,
+        )
+
+    @classmethod
+    def load(cls, path: str, *, prefill_chunk: int) -> TextRunner:
+        """Load an mlx-lm model directory (or repo id) with ``mlx_lm.load``."""
+        from mlx_lm import load
+
+        model, tokenizer = load(str(path))
+        return cls(model, tokenizer, prefill_chunk=prefill_chunk)
+
+    def preparer(self) -> TextPreparer:
+        return TextPreparer(self._tokenizer)
+
+    def _new_cache(self) -> list[Any]:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        return make_prompt_cache(self._model)
+
+    def _probe(self, cache: list[Any]) -> None:
+        import mlx.core as mx
+
+        self._model(mx.array([[0]]), cache=cache)
+
+    def _run(self, sequence: Sequence, cache: list[Any], start: int, stop: int) -> Any:
+        import mlx.core as mx
+
+        return self._model(mx.array(sequence.prompt[start:stop])[None], cache=cache)
+
+    def decode(self, inputs: Any, cache: list[Any], rows: Seq[Sequence], positions: Seq[int]) -> Any:
+        return self._model(inputs[:, None], cache=cache)[:, -1]

@@ -314,7 +314,8 @@ class MLLMCacheStats:
 
 
 def _array_bytes(value: Any) -> int:
-    """Bytes held by the arrays in ``value`` (arrays, caches, nested lists)."""
+    """Bytes held by the arrays in ``value`` (arrays, caches, nested lists,
+    records with an int ``nbytes``)."""
     if value is None or isinstance(value, (int, float, str, bytes)):
         return 0
     if isinstance(value, (list, tuple)):
@@ -323,6 +324,8 @@ def _array_bytes(value: Any) -> int:
         return sum(_array_bytes(item) for item in value.values())
     if hasattr(value, "shape") and hasattr(value, "dtype") and hasattr(value, "nbytes"):
         return int(value.nbytes)
+    if isinstance(getattr(value, "nbytes", None), int):
+        return value.nbytes  # a record that counts its own arrays
     if hasattr(value, "state"):
         # mlx-lm cache layers expose their arrays through ``state``.
         return _array_bytes(value.state)

@@ -126,7 +126,19 @@ def _run_parser(subparsers: argparse._SubParsersAction) -> None:
         " built-in model (written on first use to $MLXKV_CACHE_DIR or ~/.cache/mlxkv)"
         " or --model PATH; prints a report.",
     )
-    parser.add_argument("--model", help="an mlx-lm model directory (default: the built-in model)")
+    parser.add_argument(
+        "--model",
+        help="an mlx-lm or mlx-vlm model directory (default: the built-in model; with"
+        " --images, the built-in vision-language model)",
+    )
+    parser.add_argument(
+        "--images",
+        type=int,
+        default=0,
+        metavar="N",
+        help="conversations about N images on a vision-language model (0: text only)"
+        "; needs the vlm extra",
+    )
     parser.add_argument("--requests", type=int, default=32, help="requests in all (32)")
     parser.add_argument(
         "--system-prompts", type=int, default=4, help="distinct shared system prompts (4)"
@@ -160,7 +172,18 @@ def _run(args: argparse.Namespace) -> int:
     from mlxkv.workload import WorkloadConfig, run_workload
 
     try:
-        model = args.model if args.model else str(ensure_model(DEFAULT_MODEL))
+        if args.model:
+            model = args.model
+        elif args.images:
+            from mlxkv.default_vlm import ensure_vlm
+
+            try:
+                model = str(ensure_vlm())
+            except ImportError:
+                print("mlxkv run: --images needs the vlm extra: pip install 'mlxkv[vlm]'", file=sys.stderr)
+                return 2
+        else:
+            model = str(ensure_model(DEFAULT_MODEL))
         config = WorkloadConfig(
             model=model,
             requests=args.requests,
@@ -173,6 +196,7 @@ def _run(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             max_blocks=args.max_blocks,
             kv_memory=args.kv_memory,
+            images=args.images,
             seed=args.seed,
             trace=args.trace is not None,
         )

@@ -56,17 +56,19 @@ from mlxkv.actors.compute import (
     Event,
     Failed,
     Finished,
+    ImagesEncoded,
     Prefilled,
     Published,
     Token,
     events_needed,
 )
 from mlxkv.actors.event_log import EventLog
-from mlxkv.actors.model_runner import ModelInfo
+from mlxkv.actors.model_runner import ModelInfo, PreparedPrompt, PromptPreparer
 from mlxkv.actors.sampling import Sampling
 from mlxkv.cache import kv_state
 from mlxkv.cache.errors import InvalidInput, OutOfBlocks
 from mlxkv.cache.token_ids import check_token_ids
+from mlxkv.images import digest_images, image_key_source, load_images
 
 if TYPE_CHECKING:
     from mlxkv.runtime import CacheRuntime
@@ -115,6 +117,9 @@ class GenerationReport:
         stored_bytes: bytes of KV those blocks hold.
         prompt_logits: logits at the last prompt position (the first token
             is sampled from them), an evaluated MLX array; for parity checks.
+        prompt_ids: the prompt's token ids as the model saw them (a text
+            prompt tokenized, image pad tokens included): the next turn of
+            a conversation is ``prompt_ids + tokens + new text``.
     """
 
     request_id: str
@@ -130,6 +135,7 @@ class GenerationReport:
     stored_blocks: int
     stored_bytes: int
     prompt_logits: Any = attrs.field(default=None, eq=False, repr=False)
+    prompt_ids: tuple[int, ...] = attrs.field(default=(), repr=False)
 
 
 #: What a :class:`Generation` yields.
@@ -201,7 +207,8 @@ def make_request(
     Raises:
         InvalidInput: an empty or out-of-vocabulary prompt, ``max_tokens``
             below 1, a token-id prompt that with ``max_tokens`` exceeds the
-            model's context, or a bad request id.
+            model's context, images for a model that does not take them, or
+            a bad request id.
     """
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise InvalidInput("max_tokens", max_tokens, "must be an int >= 1")
@@ -209,6 +216,12 @@ def make_request(
         request_id = f"gen-{next(_ids)}"
     elif not isinstance(request_id, str) or not request_id:
         raise InvalidInput("request_id", request_id, "must be a non-empty str or None")
+    if images is not None:
+        if isinstance(images, (str, bytes, bytearray, memoryview)) or not isinstance(images, Sequence):
+            raise InvalidInput("images", images, "must be a list of images")
+        if images and not info.takes_images:
+            raise InvalidInput("images", len(images), "this model does not take images (load a vision-language model)")
+        images = tuple(images) or None
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidInput("prompt", prompt, "must not be empty")
@@ -274,21 +287,37 @@ async def run_generation(
 
     try:
         with runtime._call():
-            if isinstance(request.prompt, str):
-                prompt = await compute.encode(request.prompt, request_id=request_id)
-                if not prompt:
-                    raise InvalidInput("prompt", request.prompt, "encodes to no tokens")
-                _check_context(len(prompt), request.max_tokens, info)
+            preparer = runtime._preparer
+            assert preparer is not None, "a runtime with a model has its preparer"
+            images_key = None
+            if request.images:
+                images_key = await digest_images([image_key_source(i) for i in request.images])
+                entry = await runtime._images.lookup(
+                    images_key, cache_salt=request.cache_salt, request_id=request_id
+                )
+                if entry is not None:
+                    # Seen before: their encoding (and grid) is all the model needs.
+                    prepared = preparer.prepare(request.prompt, encoded=entry.vision_embeddings)
+                else:
+                    # Decoding pixels and processing them run off the loop.
+                    prepared = await anyio.to_thread.run_sync(
+                        _prepare_with_pixels, preparer, request.prompt, list(request.images)
+                    )
             else:
-                prompt = request.prompt
+                prepared = preparer.prepare(request.prompt)
+            prompt = prepared.tokens
+            if not prompt:
+                raise InvalidInput("prompt", request.prompt, "encodes to no tokens")
+            if isinstance(request.prompt, str):
+                _check_context(len(prompt), request.max_tokens, info)
             _check_pool(runtime, len(prompt), log)
-            detokenizer = await compute.new_detokenizer(request_id=request_id)
+            detokenizer = preparer.new_detokenizer()
             # The last prompt token stays out of the lookup: it must be
             # computed to give the logits the first token is sampled from.
             fetch = await runtime._fetch(
                 request_id,
                 prompt[:-1],
-                images=request.images,
+                images_key=images_key,
                 cache_salt=request.cache_salt,
                 share=runtime.config.share_in_flight,
             )
@@ -298,6 +327,7 @@ async def run_generation(
             events_in, events = anyio.create_memory_object_stream[Event](
                 events_needed(len(prompt), request.max_tokens, block_size, info.prefill_chunk)
             )
+            inputs = prepared.inputs
             try:
                 # From here on the compute actor owns (and closes) ``events_in``.
                 await compute.generate(
@@ -308,6 +338,7 @@ async def run_generation(
                     sampling=request.sampling,
                     max_tokens=request.max_tokens,
                     block_size=block_size,
+                    inputs=inputs,
                 )
             except BaseException:
                 events_in.close()
@@ -326,6 +357,16 @@ async def run_generation(
                         raise runtime._closed_error() from None
                     if isinstance(event, Published):
                         held = await store(event, held)
+                        continue
+                    if isinstance(event, ImagesEncoded):
+                        assert images_key is not None, "images were encoded for a request without"
+                        await runtime._images.store(
+                            images_key,
+                            event.features,
+                            num_image_tokens=prepared.num_image_tokens,
+                            cache_salt=request.cache_salt,
+                            request_id=request_id,
+                        )
                         continue
                     if isinstance(event, Prefilled):
                         prefilled = event
@@ -371,6 +412,7 @@ async def run_generation(
             stored_blocks=stored_blocks,
             stored_bytes=int(stored_bytes),
             prompt_logits=prefilled.logits,
+            prompt_ids=prompt,
         )
         counts["finished"] += 1
         if runtime.config.trace:
@@ -397,6 +439,11 @@ async def run_generation(
                     pass  # the compute actor is gone, and every request with it
             if fetched:
                 await runtime._abandon(request_id)
+
+
+def _prepare_with_pixels(preparer: PromptPreparer, prompt: Any, images: list[Any]) -> PreparedPrompt:
+    """Runs on a worker thread: decode the images (refusing bad ones) and prepare."""
+    return preparer.prepare(prompt, load_images(images))
 
 
 def _check_pool(runtime: CacheRuntime, num_prompt: int, log: EventLog) -> None:

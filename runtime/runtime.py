@@ -47,7 +47,7 @@ from mlxkv.actors.compute import (
     ComputeHandle,
     ComputeStatistics,
 )
-from mlxkv.actors.model_runner import ModelInfo
+from mlxkv.actors.model_runner import ModelInfo, PromptPreparer
 from mlxkv.actors.sampling import Sampling
 from mlxkv.actors.model_source import check_model_source
 from mlxkv.actors.image_cache import (
@@ -62,10 +62,10 @@ from mlxkv.actors.prefix_index import (
     RequestId,
     TokenIds,
 )
-from mlxkv.cache.errors import CacheError, InvalidInput, UnknownRequest
-from mlxkv.cache.mllm import images_digest
+from mlxkv.cache.errors import InvalidInput, UnknownRequest
 from mlxkv.cache.token_ids import check_token_ids
 from mlxkv.errors import RuntimeClosed
+from mlxkv.images import digest_images
 from mlxkv.units import format_bytes, parse_bytes
 from mlxkv.generation import Generation, make_request, run_generation
 
@@ -427,6 +427,7 @@ class CacheRuntime:
         self._images: Optional[ImageCacheHandle] = None
         self._index: Optional[PrefixIndexHandle] = None
         self._model_info: Optional[ModelInfo] = None
+        self._preparer: Optional[PromptPreparer] = None
         self._num_blocks = self.config.max_blocks
         #: Counted by generations (all on the event loop): see GenerationStatistics.
         self._generation_counts: collections.Counter[str] = collections.Counter()
@@ -453,11 +454,10 @@ class CacheRuntime:
         try:
             if source is not None:
                 # First: the pool is sized from the loaded model's bytes per token.
-                compute = ComputeActor.loading(
-                    source.path, prefill_chunk=config.prefill_chunk, **options
-                )
+                compute = ComputeActor.loading(source, prefill_chunk=config.prefill_chunk, **options)
                 self._compute = ComputeHandle(await self._start_actor(compute))
                 self._model_info = await self._compute.describe()
+                self._preparer = await self._compute.preparer()
             self._num_blocks = _pool_size(config, self._model_info)
             allocator = BlockAllocatorActor(
                 block_size=config.block_size, max_blocks=self._num_blocks, **options
@@ -634,22 +634,28 @@ class CacheRuntime:
         tokens: Sequence[int],
         *,
         images: Optional[Sequence[Any]] = None,
+        images_key: Optional[str] = None,
         cache_salt: Optional[str] = None,
         share: bool = False,
     ) -> FetchResult:
         """:meth:`fetch`; with ``share``, also wait for prefix blocks that other
         requests are computing right now, and claim the rest (generation's way:
-        see :mod:`mlxkv.actors.prefix_index`). The caller counts the call."""
+        see :mod:`mlxkv.actors.prefix_index`). ``images_key`` is the images'
+        digest when the caller has it (and has looked them up in the image
+        cache) already. The caller counts the call."""
         request_id = _request_id(request_id)
         token_ids = check_token_ids(tokens)
         salt = _salt(cache_salt)
-        images_key = await _images_key(images)
+        # A caller with the key has looked the images up itself.
+        look_up = images_key is None
+        if look_up:
+            images_key = await digest_images(images)
         extra_keys = _extra_keys(salt, images_key)
         match = await self._index.begin(request_id, token_ids, extra_keys, claim=share)
         grants: list[BlockGrant] = []
         try:
             entry = None
-            if images_key is not None:
+            if look_up and images_key is not None:
                 entry = await self._images.lookup(images_key, cache_salt=salt, request_id=request_id)
             while True:
                 if match.num_hinted:
@@ -830,7 +836,7 @@ class CacheRuntime:
         """
         with self._call():
             salt = _salt(cache_salt)
-            images_key = await _images_key(images)
+            images_key = await digest_images(images)
             if images_key is None:
                 raise InvalidInput("images", images, "must name at least one image")
             await self._images.store(
@@ -945,8 +951,10 @@ class CacheRuntime:
             top_k: sample among the ``k`` most likely tokens; off at 0.
             min_p: drop tokens below ``min_p`` times the top probability.
             seed: makes sampling reproducible.
-            images: the request's images, in order; for now they only key the
-                cache (see :mod:`mlxkv.generation`).
+            images: the request's images, in order (paths, data URLs,
+                encoded bytes, PIL images or uint8 arrays), for a
+                vision-language model; they also key the cache, so requests
+                share blocks only with the same images in the same order.
             cache_salt: a tenant namespace: requests with different salts
                 never share blocks.
             request_id: a name not used by any active request (default: a
@@ -958,7 +966,10 @@ class CacheRuntime:
         Raises:
             InvalidInput: the runtime has no model, or a bad argument (an
                 empty prompt, ``max_tokens`` < 1, a token out of the
-                vocabulary, bad sampling settings); nothing was sent.
+                vocabulary, bad sampling settings, images for a model that
+                does not take them); nothing was sent. An image that cannot
+                be read is refused the same way while iterating, before
+                anything is computed or cached, naming the image.
             RuntimeClosed: the runtime is not running (also raised while
                 iterating, if it stops meanwhile).
             DuplicateRequest: ``request_id`` is active (while iterating).
@@ -989,9 +1000,11 @@ class CacheRuntime:
             RuntimeClosed: the runtime is not running.
         """
         with self._call():
-            if self._compute is None:
+            if self._preparer is None:
                 raise InvalidInput("model", None, "the runtime has no model: pass model=PATH")
-            return await self._compute.encode(text)
+            if not isinstance(text, str):
+                raise InvalidInput("text", text, "must be a str")
+            return self._preparer.prepare(text).tokens
 
     @property
     def model_info(self) -> Optional[ModelInfo]:
@@ -1160,28 +1173,3 @@ def _extra_keys(salt: Optional[str], images_key: Optional[str]) -> tuple[Any, ..
     if images_key is not None:
         keys += (("images", images_key),)
     return keys
-
-
-async def _images_key(images: Any) -> Optional[str]:
-    """The order-sensitive digest of ``images``, or None for no images.
-
-    Paths are hashed on a worker thread: reading files must not block the
-    event loop. Anything else (bytes, URLs, arrays) is hashed here, because an
-    unevaluated MLX array can only be evaluated on the thread that built it.
-    """
-    if images is None:
-        return None
-    if isinstance(images, (str, bytes, bytearray, os.PathLike)) or not isinstance(
-        images, Sequence
-    ):
-        raise InvalidInput("images", images, "must be a list of images")
-    if not images:
-        return None
-    try:
-        if any(isinstance(image, (str, os.PathLike)) for image in images):
-            return await anyio.to_thread.run_sync(images_digest, list(images))
-        return images_digest(list(images))
-    except CacheError:
-        raise
-    except Exception as error:  # an image type the hasher cannot read
-        raise InvalidInput("images", images, f"cannot be hashed: {error}") from error

@@ -10,6 +10,12 @@ Prompts are token ids: the system prompts and user messages are text,
 tokenized by the model's tokenizer and cut to length, so the workload runs on
 any mlx-lm model. A request is *cold* when it reused nothing from the cache,
 *warm* otherwise; the report compares their times to first token.
+
+With ``images`` (a vision-language model), conversation ``c`` is about image
+``c % images`` (seeded noise pictures): every turn carries the image, turn 1
+puts it before the system prompt, and turn n+1 continues turn n's prompt as
+the model saw it (``GenerationReport.prompt_ids``, image tokens included).
+The report adds how often the vision encoder ran and was skipped.
 """
 
 from __future__ import annotations
@@ -61,6 +67,8 @@ class WorkloadConfig:
         user_tokens: tokens in each user message.
         block_size: tokens per KV block.
         max_blocks: blocks in the pool (unless ``kv_memory`` is given).
+        images: distinct images the conversations are about (0: text only;
+            needs a vision-language model).
         kv_memory: bytes the KV pool may hold (sizes the pool from the model).
         seed: seeds the texts (decoding is greedy).
         trace: emit the runtime's structured events.
@@ -79,6 +87,7 @@ class WorkloadConfig:
     kv_memory: Optional[int] = attrs.field(
         default=None, converter=lambda v: None if v is None else parse_bytes(v, argument="kv_memory")
     )
+    images: int = attrs.field(default=0, validator=_at_least(0))
     seed: int = 0
     trace: bool = False
 
@@ -106,6 +115,10 @@ class WorkloadReport:
         mean_batch_size: requests served per decode model call, on average.
         shared_waits: requests that waited for a prefix another request was
             computing, instead of computing it again.
+        image_requests: requests that carried images.
+        vision_encoder_runs: requests whose images the vision encoder encoded.
+        vision_encoder_skips: image requests that did without it (cached
+            embeddings, or a cached prefix covering the images).
         blocks_stored: blocks computed and stored.
         blocks_evicted: cached blocks evicted to make room.
         blocks_cached: blocks cached at the end.
@@ -137,6 +150,9 @@ class WorkloadReport:
     decode_steps: int
     mean_batch_size: float
     shared_waits: int
+    image_requests: int
+    vision_encoder_runs: int
+    vision_encoder_skips: int
     blocks_stored: int
     blocks_evicted: int
     blocks_cached: int
@@ -171,6 +187,17 @@ class WorkloadReport:
                 f" ({self.decode_steps} calls)",
             ),
             ("shared in flight", f"{self.shared_waits} requests waited for a prefix being computed"),
+            *(
+                [
+                    (
+                        "vision encoder",
+                        f"{self.vision_encoder_runs} runs, {self.vision_encoder_skips} skipped"
+                        f" ({self.image_requests} requests with images)",
+                    )
+                ]
+                if self.image_requests
+                else []
+            ),
             (
                 "blocks",
                 f"{self.blocks_stored} stored, {self.blocks_evicted} evicted,"
@@ -203,6 +230,16 @@ def _percentile(values: list[float], q: float) -> Optional[float]:
         return None
     ordered = sorted(values)
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def _pictures(count: int, seed: int) -> list[Any]:
+    """``count`` distinct 64x64 RGB noise pictures (uint8 arrays), seeded."""
+    if not count:
+        return []
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (64, 64, 3), dtype=np.uint8) for _ in range(count)]
 
 
 def _text(rng: random.Random, words: int) -> str:
@@ -258,12 +295,14 @@ async def run_workload(config: WorkloadConfig, *, progress: Optional[Progress] =
             ]
             for _ in range(num_conversations)
         ]
+        pictures = _pictures(config.images, config.seed)
         limiter = anyio.CapacityLimiter(config.concurrency)
         remaining = [config.requests]
         started = time.perf_counter()
 
         async def conversation(index: int) -> None:
             history = list(systems[index % len(systems)])
+            images = [pictures[index % len(pictures)]] if pictures else None
             for turn in range(config.turns):
                 if remaining[0] == 0:
                     return
@@ -272,13 +311,17 @@ async def run_workload(config: WorkloadConfig, *, progress: Optional[Progress] =
                 async with limiter:
                     answer: list[int] = []
                     async with rt.generate(
-                        prompt, max_tokens=config.max_tokens, request_id=f"c{index}-t{turn}"
+                        prompt,
+                        images=images,
+                        max_tokens=config.max_tokens,
+                        request_id=f"c{index}-t{turn}",
                     ) as stream:
                         async for record in stream:
                             if isinstance(record, GenerationReport):
                                 reports.append(record)
                                 if progress is not None:
                                     _show(progress, reports, time.perf_counter() - started)
+                                prompt = list(record.prompt_ids)
                             else:
                                 answer.append(record.token)
                 history = prompt + answer
@@ -333,6 +376,9 @@ async def run_workload(config: WorkloadConfig, *, progress: Optional[Progress] =
         decode_steps=stats.compute.num_decode_steps,
         mean_batch_size=round(stats.compute.mean_batch_size, 2),
         shared_waits=stats.index.num_waits,
+        image_requests=len(reports) if config.images else 0,
+        vision_encoder_runs=stats.compute.num_vision_encoder_runs,
+        vision_encoder_skips=stats.compute.num_vision_encoder_skips,
         blocks_stored=stats.allocator.num_stored,
         blocks_evicted=stats.allocator.num_evictions,
         blocks_cached=stats.allocator.num_cached,

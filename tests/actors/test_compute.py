@@ -651,10 +651,14 @@ class TestMessages:
         assert stats.num_live == 0
 
     async def test_text_round_trip_and_model_info(self, running, tiny_llama):
-        """The tokenizer helpers round-trip text; Describe reports the model."""
+        """The model's preparer round-trips text and refuses images; Describe reports the model."""
         async with _serving(running, _actor(tiny_llama)) as compute:
-            tokens = await compute.encode("hello, world", add_special_tokens=False)
-            assert await compute.decode_text(tokens) == "hello, world"
+            preparer = await compute.preparer()
+            tokens = preparer.prepare("hello, world").tokens
+            assert preparer.decode(tokens) == "hello, world"
+            assert preparer.prepare(tokens).tokens == tokens
+            with pytest.raises(InvalidInput, match="does not take images"):
+                preparer.prepare("hello", ["picture"])
             info = await compute.describe()
         assert info.vocab_size == 259 and info.eos_token_ids
         assert info.cache_layers == ("KVCache", "KVCache")

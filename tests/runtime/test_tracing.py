@@ -88,8 +88,8 @@ class TestTrace:
             assert ({"Statistics", "CheckInvariants"} <= traced) is polls
             assert traced or not polls
 
-    async def test_tokenizer_calls_carry_the_request(self, model_dir):
-        """A generation's tokenizer messages are traced under its request id."""
+    async def test_a_generation_is_traced_under_its_request(self, model_dir):
+        """Every message a generation sends carries its request id."""
         from mlxkv.default_model import TINY_LLAMA, ensure_model
 
         with capture_logs() as logs:
@@ -97,9 +97,10 @@ class TestTrace:
                 async with rt.generate("hello", max_tokens=2, request_id="g1") as stream:
                     async for _ in stream:
                         pass
-        mine = {log.get("message") for log in logs if log.get("request_id") == "g1"}
-        assert {"EncodeText", "NewDetokenizer"} <= mine
-        assert not [log for log in logs if log.get("message") in ("EncodeText", "NewDetokenizer") and log["request_id"] is None]
+        handled = [log for log in logs if log["event"] == "message.handled"]
+        mine = {log["message"] for log in handled if log["request_id"] == "g1"}
+        assert {"Begin", "Generate", "Close"} <= mine
+        assert all(log["request_id"] is not None for log in handled)
 
     async def test_domain_errors_are_traced(self):
         """A refused message is traced with its error type."""

@@ -1,0 +1,223 @@
+"""Images end to end on the built-in tiny Qwen2-VL: parity, reuse of embeddings and KV, bad images.
+
+Parity is exact here (the recipe measured max abs differences of 0 on this
+model); the tests keep the generation tests' tolerance, ``ATOL = 1e-4``. A
+"cold" run is the same request under a fresh ``cache_salt``: no block and no
+cached image features are shared with it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+from mlxkv import CacheRuntime, GenerationReport, InvalidInput
+from mlxkv.default_model import TINY_LLAMA, ensure_model
+from parity import ATOL, assert_clean, run
+
+pytest.importorskip("mlx_vlm")
+from PIL import Image  # noqa: E402  (pillow comes with the vlm extra)
+
+
+@pytest.fixture(scope="module")
+def pictures(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Three noise PNGs: 64x64, 64x64 and 80x48."""
+    folder = tmp_path_factory.mktemp("pictures")
+    out = []
+    for seed, (width, height) in enumerate([(64, 64), (64, 64), (80, 48)]):
+        rng = np.random.default_rng(seed)
+        path = folder / f"p{seed}.png"
+        Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(path)
+        out.append(str(path))
+    return out
+
+
+def _logits(report: GenerationReport) -> np.ndarray:
+    return np.array(report.prompt_logits)
+
+
+def _same(warm: tuple[list[int], GenerationReport], cold: tuple[list[int], GenerationReport]) -> None:
+    assert warm[0] == cold[0]
+    np.testing.assert_allclose(_logits(warm[1]), _logits(cold[1]), atol=ATOL, rtol=0)
+
+
+class TestVisionGeneration:
+    async def test_a_cold_request_equals_mlx_vlm(self, vlm_path, tiny_vlm, pictures):
+        """A request with an image gives mlx-vlm's own greedy tokens and first logits."""
+        import mlx.core as mx
+        from mlx_vlm.generate import stream_generate
+
+        model, processor = tiny_vlm
+        prompt = "<|vision_start|><|image_pad|><|vision_end|>Describe this image."
+        captured: list[Any] = []
+
+        def capture(_tokens: Any, logits: Any) -> Any:
+            captured.append(np.array(logits.astype(mx.float32)).reshape(-1))
+            return logits
+
+        reference = [
+            r.token
+            for r in stream_generate(
+                model, processor, prompt, image=[pictures[0]], max_tokens=6, logits_processors=[capture]
+            )
+        ]
+        model.language_model._position_ids = model.language_model._rope_deltas = None
+        async with CacheRuntime(model=str(vlm_path), block_size=16) as rt:
+            tokens, report = await run(rt, prompt, images=[pictures[0]], max_tokens=6)
+            await assert_clean(rt)
+        assert tokens == reference[: len(tokens)]
+        np.testing.assert_allclose(_logits(report), captured[0], atol=ATOL, rtol=0)
+
+    async def test_cached_embeddings_skip_the_encoder_exactly(self, vlm_path, pictures):
+        """A second request about the same image feeds its cached embeddings (no encoder
+        run) and equals the same request computed cold."""
+        # Blocks of 64: the prompts share no full block, so only embeddings are reused.
+        async with CacheRuntime(model=str(vlm_path), block_size=64) as rt:
+            await run(rt, "What is this?", images=[pictures[0]])
+            warm = await run(rt, "Describe the colours.", images=[pictures[0]])
+            stats = await rt.stats()
+            cold = await run(rt, "Describe the colours.", images=[pictures[0]], cache_salt="cold")
+            await assert_clean(rt)
+        assert warm[1].cached_tokens == 0
+        assert stats.compute is not None
+        assert (stats.compute.num_vision_encoder_runs, stats.compute.num_vision_encoder_skips) == (1, 1)
+        assert stats.images.num_hits == 1
+        _same(warm, cold)
+
+    async def test_a_second_turn_reuses_the_first(self, vlm_path, pictures):
+        """Turn 2 (turn 1's prompt + answer + new text, same image) reuses turn 1's
+        image+prompt KV, needs no encoder, and equals turn 2 computed cold."""
+        async with CacheRuntime(model=str(vlm_path), block_size=16) as rt:
+            preparer_tokens = await rt.tokenize(" And the shapes?")
+            first = await run(rt, "Describe this image.", images=[pictures[0]], max_tokens=8)
+            turn1 = await _prompt_tokens(rt, "Describe this image.", [pictures[0]])
+            turn2 = turn1 + first[0] + list(preparer_tokens)
+            warm = await run(rt, turn2, images=[pictures[0]], max_tokens=8)
+            stats = await rt.stats()
+            cold = await run(rt, turn2, images=[pictures[0]], max_tokens=8, cache_salt="cold")
+            await assert_clean(rt)
+        assert warm[1].cached_tokens == (len(turn1) + len(first[0])) // 16 * 16
+        assert stats.compute is not None and stats.compute.num_vision_encoder_runs == 1
+        _same(warm, cold)
+
+    async def test_image_order_is_part_of_the_key(self, vlm_path, pictures):
+        """[A, B] and [B, A] share nothing and answer differently."""
+        async with CacheRuntime(model=str(vlm_path), block_size=16) as rt:
+            ab = await run(rt, "Compare them.", images=[pictures[0], pictures[2]])
+            ba = await run(rt, "Compare them.", images=[pictures[2], pictures[0]])
+            stats = await rt.stats()
+        assert ba[1].cached_tokens == 0
+        assert stats.images.num_hits == 0
+        assert np.abs(_logits(ab[1]) - _logits(ba[1])).max() > 1e-3
+
+    async def test_a_text_only_request_on_the_vision_model(self, vlm_path, pictures):
+        """Without images the vision model generates as a text model, and reuses text prefixes."""
+        prompt = "A plain question without any image, long enough to fill a block or two."
+        async with CacheRuntime(model=str(vlm_path), block_size=16) as rt:
+            first = await run(rt, prompt)
+            again = await run(rt, prompt)
+            cold = await run(rt, prompt, cache_salt="cold")
+            stats = await rt.stats()
+        assert again[1].cached_tokens > 0
+        _same(again, cold)
+        assert first[0] == cold[0]
+        assert stats.compute is not None and stats.compute.num_vision_encoder_runs == 0
+
+    async def test_image_requests_decode_together_exactly(self, vlm_path, pictures):
+        """Concurrent requests with different images (and one without) decode in one batch,
+        each as it would alone."""
+        requests = [("Describe it.", [pictures[0]]), ("Which one?", [pictures[2]]), ("No picture here.", None)]
+        async with CacheRuntime(model=str(vlm_path), block_size=16) as rt:
+            alone = [await run(rt, p, images=i, max_tokens=10, cache_salt="alone") for p, i in requests]
+            together: list[Any] = [None] * len(requests)
+
+            async def one(k: int) -> None:
+                prompt, images = requests[k]
+                together[k] = await run(rt, prompt, images=images, max_tokens=10, cache_salt="together")
+
+            async with anyio.create_task_group() as tg:
+                for k in range(len(requests)):
+                    tg.start_soon(one, k)
+            stats = await rt.stats()
+        for mine, theirs in zip(together, alone):
+            _same(mine, theirs)
+        assert stats.compute is not None and stats.compute.mean_batch_size > 1
+
+
+class TestBadImages:
+    @pytest.mark.parametrize(
+        "make_bad, reason",
+        [
+            (lambda tmp: str(tmp / "missing.png"), "cannot be read"),
+            (lambda tmp: b"these bytes are not a picture", "cannot be read"),
+            (lambda tmp: _write(tmp / "truncated.png", _png_bytes()[:200]), "cannot be read"),
+            (lambda tmp: np.zeros((1, 400, 3), dtype=np.uint8), "elongated"),
+            (lambda tmp: "https://example.com/cat.png", "URLs are not fetched"),
+            (lambda tmp: np.zeros((8, 8, 3), dtype=np.float32), "uint8"),
+        ],
+        ids=["missing", "not-an-image", "truncated", "too-elongated", "url", "float-array"],
+    )
+    async def test_refused_before_anything_is_computed(self, vlm_path, pictures, tmp_path, make_bad, reason):
+        """A bad image is InvalidInput naming it (images[1]); nothing is computed, cached or held."""
+        bad = make_bad(tmp_path)
+        async with CacheRuntime(model=str(vlm_path), block_size=16) as rt:
+            with pytest.raises(InvalidInput, match=reason) as info:
+                await run(rt, "Look at these.", images=[pictures[0], bad])
+            assert info.value.argument == "images[1]"
+            stats = await rt.stats()
+            assert stats.compute is not None and stats.compute.num_prefill_tokens == 0
+            assert stats.index.num_lookups == 0 and stats.images.num_entries == 0
+            await assert_clean(rt)
+
+    async def test_placeholders_must_match_the_images(self, vlm_path, pictures):
+        """A prompt with more image placeholders than images, or image tokens without
+        images, is refused."""
+        async with CacheRuntime(model=str(vlm_path), block_size=16) as rt:
+            with pytest.raises(InvalidInput, match="placeholders"):
+                await run(rt, "<|image_pad|><|image_pad|>two?", images=[pictures[0]])
+            with pytest.raises(InvalidInput, match="image tokens"):
+                await run(rt, [1, 2, 261, 3])  # 261: the image-pad token
+            await assert_clean(rt)
+
+    async def test_a_text_model_refuses_images(self, model_dir, pictures):
+        """Images given to a text model are refused up front."""
+        async with CacheRuntime(model=str(ensure_model(TINY_LLAMA, model_dir))) as rt:
+            with pytest.raises(InvalidInput, match="does not take images"):
+                rt.generate("hi", images=[pictures[0]], max_tokens=2)
+
+
+class TestImageBudget:
+    async def test_embeddings_are_bounded_by_bytes(self, vlm_path, pictures):
+        """The image cache keeps embeddings within memory_budget, evicting the least recent."""
+        async with CacheRuntime(model=str(vlm_path), block_size=64, memory_budget=6000) as rt:
+            for picture in pictures:
+                await run(rt, "What is it?", images=[picture], max_tokens=2)
+            stats = await rt.stats()
+        # One 64x64 image's features: 16 tokens x 64 floats x 4 bytes = 4 KiB.
+        assert stats.images.num_bytes <= 6000 and stats.images.num_evictions >= 1
+        assert stats.images.num_entries == 1
+
+
+async def _prompt_tokens(rt: CacheRuntime, text: str, images: list[str]) -> list[int]:
+    """The token ids generate made of ``text`` and ``images`` (image pads included)."""
+    loaded = [Image.open(path).convert("RGB") for path in images]
+    assert rt._preparer is not None
+    return list(rt._preparer.prepare(text, loaded).tokens)
+
+
+def _png_bytes() -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    noise = np.random.default_rng(5).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _write(path: Path, data: bytes) -> str:
+    path.write_bytes(data)
+    return str(path)
