@@ -75,7 +75,9 @@ class Tell:
 
     ``polled`` marks a message type that only asks for information
     (statistics, invariant checks, descriptions), which callers may send
-    often: tracing leaves it out unless asked.
+    often: tracing leaves it out unless asked. A Tell that carries a stream
+    its sender reads defines ``fail(error)`` (tell the sender the message
+    failed) and ``close_streams()`` (the actor stopped before handling it).
     """
 
     polled: ClassVar[bool] = False
@@ -345,13 +347,17 @@ class Actor:
             finally:
                 message.reply.close()
         elif isinstance(result, Failure):
-            # Nobody waits for a Tell's outcome: a failed one must not vanish.
-            self._log.warning(
-                "message.failed",
-                message=type(message).__name__,
-                request_id=message.request_id,
-                error=f"{type(result.error).__name__}: {result.error}",
-            )
+            fail = getattr(message, "fail", None)
+            if fail is not None:
+                fail(result.error)  # the Tell carries a stream its sender reads
+            else:
+                # Nobody waits for this Tell's outcome: it must not vanish.
+                self._log.warning(
+                    "message.failed",
+                    message=type(message).__name__,
+                    request_id=message.request_id,
+                    error=f"{type(result.error).__name__}: {result.error}",
+                )
         if self._trace is not None and (self._trace_polls or not message.polled):
             done = time.perf_counter()
             failed = isinstance(result, Failure)

@@ -339,6 +339,11 @@ class Generate(Tell):
         """End the request's event stream (the actor stopped before handling this)."""
         self.events.close()
 
+    def fail(self, error: CacheError) -> None:
+        """Tell the request it failed before it started, and end its stream."""
+        _send(self.events, Failed(error=error))
+        self.events.close()
+
 
 @attrs.frozen(kw_only=True)
 class Cancel(Tell):
@@ -638,14 +643,7 @@ class ComputeActor(Actor):
         check_token_ids(tokens, vocab_size=vocab, allow_empty=allow_empty)
 
     def _start(self, message: Generate) -> None:
-        events = message.events
-        try:
-            sequence = self._sequence(message)
-        except CacheError as error:
-            # The caller hears it on its stream; nothing else changed.
-            _send(events, Failed(error=error))
-            events.close()
-            return
+        sequence = self._sequence(message)  # a CacheError reaches the caller via Generate.fail
         self._live[sequence.request_id] = sequence
         self._queue.append(sequence)
         self._arrivals.append(sequence)

@@ -58,6 +58,16 @@ def _stress_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="shorthand: --cancel-rate 0.1 --error-rate 0.02 --max-blocks 48",
     )
+    parser.add_argument(
+        "--generate",
+        action="store_true",
+        help="clients also generate on the built-in model (or --model): shared prefixes"
+        " in flight, batched decoding, cancellations and failures of computing requests",
+    )
+    parser.add_argument("--model", help="the model for --generate (default: the built-in model)")
+    parser.add_argument(
+        "--generate-rate", type=float, default=0.2, help="share of operations that generate (0.2)"
+    )
     _backend_option(parser)
     _json_option(parser)
 
@@ -103,7 +113,12 @@ def _stress(args: argparse.Namespace) -> int:
         cancel_rate=args.cancel_rate,
         error_rate=args.error_rate,
         backend=args.backend,
+        generate_rate=args.generate_rate,
     )
+    if args.generate or args.model:
+        from mlxkv.default_model import ensure_model
+
+        fields["model"] = args.model or str(ensure_model())
     if args.faults:
         fields.update(cancel_rate=0.1, error_rate=0.02, max_blocks=48)
     try:
@@ -255,14 +270,13 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _show_warnings() -> None:
-    """Route the library's warnings and errors to standard error (the CLI is an
-    application: it may show them; the library alone prints nothing). Idempotent."""
+def _show_warnings(level: int = logging.WARNING) -> None:
+    """Route the library's events from ``level`` up to standard error (the CLI is
+    an application: it may show them; the library alone prints nothing). Idempotent."""
     logger = logging.getLogger("mlxkv")
     if _STDERR_HANDLER not in logger.handlers:
         logger.addHandler(_STDERR_HANDLER)
-    if logger.level == logging.NOTSET or logger.level > logging.WARNING:
-        logger.setLevel(logging.WARNING)
+    logger.setLevel(level)
 
 
 _STDERR_HANDLER = logging.StreamHandler(sys.stderr)
@@ -291,7 +305,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if extra and args.command != "bench":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.args = extra
-    _show_warnings()
+    # A stress run provokes failures on purpose: it reports them itself.
+    _show_warnings(logging.ERROR if args.command == "stress" else logging.WARNING)
     if args.command == "run":
         return _run(args)
     if args.command == "bench":

@@ -973,6 +973,8 @@ class CacheRuntime:
             RuntimeClosed: the runtime is not running (also raised while
                 iterating, if it stops meanwhile).
             DuplicateRequest: ``request_id`` is active (while iterating).
+            ComputeFailed: a model call of this request raised (while
+                iterating); other requests go on, this one holds nothing.
         """
         if self._state is not _RUNNING:
             raise self._closed_error()

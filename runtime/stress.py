@@ -10,6 +10,13 @@ with no call in flight, every invariant is checked, including that block
 references equal what request tables hold. At the end every request is
 released and nothing may stay referenced.
 
+With a model, clients also generate: prompts over a few shared prefixes,
+so that requests arriving together wait for each other's prefix blocks in
+flight and decode in one batch, with the same random cancellations and
+injected failures (a failing ``Generate`` is a computing request that fails
+while others wait for its blocks). After each round, with no call in flight,
+no request may be live in the compute actor and no block claimed.
+
 Used by ``mlxkv stress``, ``scripts/stress.py`` and the test suite.
 """
 
@@ -31,13 +38,13 @@ from mlxkv.runtime import CacheRuntime
 
 __all__ = ["InjectedFault", "OperationStatistics", "StressConfig", "StressReport", "run_stress"]
 
-_KINDS = ("fetch", "store", "fork", "release")
+_KINDS = ("fetch", "store", "fork", "release", "generate")
 
 #: Messages that take or hand over something: where an injected error must be
 #: rolled back. Releasing messages (Close, Release, Discard) are never faulted:
 #: a release that fails is a leak by definition, not a fault to survive.
 _FAULTABLE = frozenset(
-    {"Begin", "Acquire", "StoreBlocks", "Retain", "Snapshot", "Extend", "Record", "Adopt"}
+    {"Begin", "Acquire", "StoreBlocks", "Retain", "Snapshot", "Extend", "Record", "Adopt", "Generate"}
 )
 
 
@@ -81,6 +88,10 @@ class StressConfig:
         cancel_rate: probability that a call runs under a random deadline.
         error_rate: probability that a faultable message fails in its handler.
         backend: ``"asyncio"`` or ``"trio"``.
+        model: a model directory: clients also generate (see the module
+            docstring); None for the cache alone.
+        generate_rate: with a model, the share of operations that are
+            generations.
     """
 
     clients: int = attrs.field(default=16, validator=_at_least(1))
@@ -96,6 +107,8 @@ class StressConfig:
     cancel_rate: float = attrs.field(default=0.0, validator=_rate)
     error_rate: float = attrs.field(default=0.0, validator=_rate)
     backend: str = attrs.field(default="asyncio")
+    model: Optional[str] = None
+    generate_rate: float = attrs.field(default=0.2, validator=_rate)
 
     @backend.validator
     def _check_backend(self, attribute: attrs.Attribute, value: Any) -> None:
@@ -139,6 +152,10 @@ class StressReport:
         cancellations: calls that ended cancelled.
         injected_errors: calls that failed with an injected fault.
         out_of_blocks: stores refused for lack of blocks.
+        generations: generations that finished.
+        generated_tokens: tokens they generated.
+        shared_waits: generations that waited for a prefix in flight.
+        mean_batch_size: requests per decode model call, on average.
         checks: invariant checks passed.
         leaked_blocks: blocks still referenced after every request ended.
         open_tables: request tables left after every request ended.
@@ -156,6 +173,10 @@ class StressReport:
     cancellations: int
     injected_errors: int
     out_of_blocks: int
+    generations: int
+    generated_tokens: int
+    shared_waits: int
+    mean_batch_size: float
     checks: int
     leaked_blocks: int
     open_tables: int
@@ -187,6 +208,15 @@ class StressReport:
             f" {self.hit_tokens} cached tokens",
             f"  evictions: {self.evictions}  cancellations: {self.cancellations}"
             f"  injected errors: {self.injected_errors}  out of blocks: {self.out_of_blocks}",
+            *(
+                [
+                    f"  generations: {self.generations} finished, {self.generated_tokens} tokens,"
+                    f" {self.shared_waits} waited for a prefix in flight,"
+                    f" mean decode batch {self.mean_batch_size:.1f}"
+                ]
+                if c.model
+                else []
+            ),
             f"  invariant checks passed: {self.checks}  leaked blocks: {self.leaked_blocks}"
             f"  open tables: {self.open_tables}",
             "  violations: " + ("none" if self.ok else f"{len(self.violations)}"),
@@ -211,6 +241,8 @@ class _Tally:
     cancellations: int = 0
     injected_errors: int = 0
     out_of_blocks: int = 0
+    generations: int = 0
+    generated_tokens: int = 0
     violations: list[str] = attrs.field(factory=list)
 
 
@@ -224,11 +256,13 @@ class _Client:
         config: StressConfig,
         prefixes: Sequence[tuple[int, ...]],
         tally: _Tally,
+        text_prefixes: Sequence[tuple[int, ...]] = (),
     ) -> None:
         self._rng = random.Random(config.seed * 1_000_003 + number)
         self._rt = rt
         self._config = config
         self._prefixes = prefixes
+        self._text_prefixes = text_prefixes
         self._tally = tally
         self._name = f"c{number}"
         self._serial = 0
@@ -253,7 +287,9 @@ class _Client:
         rng = self._rng
         held = self.held
         roll = rng.random()
-        if not held or (len(held) < self._config.max_held and roll < 0.35):
+        if self._text_prefixes and rng.random() < self._config.generate_rate:
+            kind = "generate"
+        elif not held or (len(held) < self._config.max_held and roll < 0.35):
             kind = "fetch"
         elif len(held) >= self._config.max_held or roll < 0.55:
             kind = "release"
@@ -263,10 +299,11 @@ class _Client:
             kind = "fork"
         with anyio.CancelScope() as scope:
             if rng.random() < self._config.cancel_rate:
-                # Typical calls take tens to hundreds of microseconds: the
-                # deadline lands anywhere from before the first await to after
-                # the last.
-                scope.deadline = anyio.current_time() + rng.expovariate(1 / 150e-6)
+                # Typical calls take tens to hundreds of microseconds (a
+                # generation tens of milliseconds): the deadline lands
+                # anywhere from before the first await to after the last.
+                scale = 20e-3 if kind == "generate" else 150e-6
+                scope.deadline = anyio.current_time() + rng.expovariate(1 / scale)
             started = time.perf_counter()
             try:
                 await getattr(self, "_" + kind)()
@@ -311,6 +348,17 @@ class _Client:
         await self._rt.fork(source_id, request_id)
         self.held[request_id] = attrs.evolve(self.held[source_id])
 
+    async def _generate(self) -> None:
+        from mlxkv.generation import GenerationReport
+
+        rng = self._rng
+        prompt = list(rng.choice(self._text_prefixes)) + [rng.randrange(1, 250) for _ in range(rng.randrange(1, 24))]
+        async with self._rt.generate(prompt, max_tokens=rng.randrange(1, 9), request_id=self._new_id()) as stream:
+            async for record in stream:
+                if isinstance(record, GenerationReport):
+                    self._tally.generations += 1
+                    self._tally.generated_tokens += record.generated_tokens
+
     async def _release(self) -> None:
         request_id = self._rng.choice(list(self.held))
         # Shielded inside: it completes even when the deadline passes.
@@ -347,6 +395,13 @@ async def _check(rt: CacheRuntime, violations: list[str], when: str) -> int:
     if not exact:
         violations.append(f"{when}: references could not be cross-checked (calls in flight)")
         return 0
+    stats = await rt.stats()
+    if stats.compute is not None and stats.compute.num_live:
+        violations.append(f"{when}: {stats.compute.num_live} requests still live in the compute actor")
+        return 0
+    if stats.index.num_in_flight:
+        violations.append(f"{when}: {stats.index.num_in_flight} block claims left with no request computing")
+        return 0
     return 1
 
 
@@ -365,6 +420,10 @@ async def run_stress(config: StressConfig) -> StressReport:
         tuple(rng.randrange(1, 50_000) for _ in range(config.prefix_blocks * config.block_size))
         for _ in range(config.num_prefixes)
     ]
+    text_prefixes = [
+        tuple(rng.randrange(1, 250) for _ in range(rng.randrange(2, 12) * config.block_size))
+        for _ in range(3 if config.model else 0)
+    ]
     tally = _Tally()
     checks = 0
     operations = 0
@@ -372,8 +431,9 @@ async def run_stress(config: StressConfig) -> StressReport:
         block_size=config.block_size,
         max_blocks=config.max_blocks,
         intercept=_faults(config.error_rate, config.seed),
+        model=config.model,
     ) as rt:
-        clients = [_Client(i, rt, config, prefixes, tally) for i in range(config.clients)]
+        clients = [_Client(i, rt, config, prefixes, tally, text_prefixes) for i in range(config.clients)]
         started = time.perf_counter()
         deadline = anyio.current_time() + config.duration
         while operations < config.operations and anyio.current_time() < deadline:
@@ -423,6 +483,10 @@ async def run_stress(config: StressConfig) -> StressReport:
         cancellations=tally.cancellations,
         injected_errors=tally.injected_errors,
         out_of_blocks=tally.out_of_blocks,
+        generations=tally.generations,
+        generated_tokens=tally.generated_tokens,
+        shared_waits=stats.index.num_waits,
+        mean_batch_size=0.0 if stats.compute is None else round(stats.compute.mean_batch_size, 2),
         checks=checks,
         leaked_blocks=leaked,
         open_tables=open_tables,

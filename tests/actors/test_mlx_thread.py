@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import anyio
@@ -77,25 +76,25 @@ class TestMLXThread:
                 np.array(hidden.array)
 
     async def test_event_loop_runs_while_a_job_computes(self):
-        """Other tasks keep running while the thread evaluates a heavy graph."""
-        ticks = 0
+        """A job can wait for the event loop to act: the loop is never blocked by it.
 
-        async def ticker() -> None:
-            nonlocal ticks
-            while True:
-                await anyio.sleep(0.002)
-                ticks += 1
+        The job holds until a task on the loop opens a gate, so it could
+        not finish if submitting or waiting blocked the loop.
+        """
+        gate = threading.Event()
 
-        x = mx.random.normal((400, 400))
-        mx.eval(x)
+        def job() -> Any:
+            assert gate.wait(10), "the event loop never ran while the job waited"
+            return mx.arange(3)
+
+        async def open_gate() -> None:
+            await anyio.lowlevel.checkpoint()
+            gate.set()
+
         async with MLXThread() as thread, anyio.create_task_group() as tg:
-            tg.start_soon(ticker)
-            started = time.perf_counter()
-            await thread.submit(lambda: [x @ x for _ in range(8)])
-            elapsed = time.perf_counter() - started
-            tg.cancel_scope.cancel()
-        assert elapsed > 0.05, "the job was too short to show anything"
-        assert ticks >= 5
+            tg.start_soon(open_gate)
+            result = await thread.submit(job)
+        assert np.array(result).tolist() == [0, 1, 2]
 
     async def test_job_errors_are_raised_in_the_caller(self):
         """An exception in a job reaches its caller; the thread keeps serving."""
@@ -181,10 +180,13 @@ class TestMLXThread:
         async with MLXThread() as thread:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(call, fatal)
-                await anyio.sleep(0.01)
+                while thread.statistics().num_submitted < 1:
+                    await anyio.lowlevel.checkpoint()
                 for _ in range(3):
                     tg.start_soon(call, lambda: mx.array(1))
-                await anyio.sleep(0.01)
+                # All four queued behind the fatal one before it is let go.
+                while thread.statistics().num_submitted < 4:
+                    await anyio.lowlevel.checkpoint()
                 gate.set()
             assert len(errors) == 4
             assert all(isinstance(e.cause, Fatal) for e in errors)

@@ -224,9 +224,13 @@ class TestFreeKVCacheBlockQueue:
             queue.append_n([taken, blocks[2]])
         assert queue.get_all_free_blocks() == blocks[1:]
 
-    def test_docstring_states_the_order(self):
-        """The class docstring states the ordering invariant."""
-        assert "Ordering" in FreeKVCacheBlockQueue.__doc__
+    def test_blocks_leave_in_the_order_they_came(self):
+        """The queue is FIFO whatever was removed from its middle: the ordering invariant."""
+        blocks, queue = self.make(6)
+        queue.remove(blocks[3])
+        queue.append(blocks[3])
+        order = [queue.popleft().block_id for _ in range(len(blocks))]
+        assert order == [0, 1, 2, 4, 5, 3]
 
 
 class TestBlockHashToBlockMap:

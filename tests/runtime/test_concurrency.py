@@ -14,8 +14,13 @@ BS = 4
 PREFIXES = [[p * 1000 + t for t in range(1, 4 * BS + 1)] for p in range(5)]
 
 
-async def client(rt: CacheRuntime, number: int, seed: int, cancel: bool) -> None:
-    """Fetch a shared prefix, store the rest, fork, release; maybe cancelled midway."""
+async def client(
+    rt: CacheRuntime, number: int, seed: int, cancel: bool, refused: list[int] | None = None
+) -> None:
+    """Fetch a shared prefix, store the rest, fork, release; maybe cancelled midway.
+
+    A store refused for lack of blocks is counted in ``refused``.
+    """
     rng = random.Random(seed * 7919 + number)
     prompt = rng.choice(PREFIXES) + [rng.randrange(1, 50) for _ in range(rng.randrange(0, 2 * BS))]
     with anyio.CancelScope() as scope:
@@ -26,6 +31,8 @@ async def client(rt: CacheRuntime, number: int, seed: int, cancel: bool) -> None
             try:
                 await req.store(prompt, [mx.array([i]) for i in range(held, len(prompt) // BS)])
             except OutOfBlocks:
+                if refused is not None:
+                    refused.append(number)
                 return
             if rng.random() < 0.5:
                 async with rt.request(f"r{number}-probe", prompt) as probe:
@@ -43,12 +50,15 @@ class TestConcurrency:
     async def test_hundreds_of_requests(self, max_blocks, cancel):
         """300 concurrent requests (some cancelled, some refused for lack of blocks)
         leave every invariant intact and no block referenced."""
+        refused: list[int] = []
         async with CacheRuntime(block_size=BS, max_blocks=max_blocks, mailbox_size=16) as rt:
             async with anyio.create_task_group() as tg:
                 for number in range(300):
-                    tg.start_soon(client, rt, number, max_blocks, cancel)
+                    tg.start_soon(client, rt, number, max_blocks, cancel, refused)
             assert await rt.check_invariants()
             stats = await rt.stats()
+        # The tiny pool really refused requests; the roomy one never did.
+        assert (len(refused) > 0) is (max_blocks < 100)
         assert stats.allocator.num_referenced == 0
         assert stats.index.num_active_requests == 0
         assert stats.allocator.num_hits > 0

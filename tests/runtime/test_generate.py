@@ -94,10 +94,12 @@ class TestParity:
             await assert_clean(rt)
 
     @pytest.mark.parametrize("how", ["evict", "small_pool"])
-    async def test_partly_evicted_prefix(self, llama, how):
-        """With the tail of a prefix evicted, the rest is reused and the result is cold-exact."""
+    async def test_partly_evicted_prefix(self, any_model, how):
+        """With the tail of a prefix evicted, the rest is reused and the result is
+        cold-exact, on every model kind (a hybrid's blocks each carry their snapshot)."""
+        _, path = any_model
         prompt = SYSTEM + _tokens(60, salt=4)  # 160 tokens: 9 full blocks before the last
-        async with CacheRuntime(model=llama, block_size=BS, max_blocks=14) as rt:
+        async with CacheRuntime(model=path, block_size=BS, max_blocks=14) as rt:
             await run(rt, prompt, max_tokens=4)  # stores 10 blocks (prompt and answer)
             if how == "evict":
                 assert await rt.evict(4) == 4
@@ -310,3 +312,141 @@ class TestBadInput:
                 await run(rt, "hello there", max_tokens=32_760)
             await assert_clean(rt)
             assert (await rt.stats()).index.num_lookups == 0
+
+
+class TestSlidingWindow:
+    async def test_past_the_window(self, model_dir):
+        """A prompt longer than the sliding window (512) is reused up to the window, where
+        the rotating cache wraps and blocks can no longer be cut exactly (a documented
+        miss), and the rest is computed: cold-exact."""
+        path = str(ensure_model(TINY_SLIDING_LLAMA, model_dir))
+        prompt = _tokens(600, salt=8)
+        async with CacheRuntime(model=path, block_size=BS) as rt:
+            first = await run(rt, prompt, max_tokens=6)
+            warm = await run(rt, prompt, max_tokens=6)
+            stats = await rt.stats()
+            assert first[1].stored_blocks == 512 // BS
+            assert warm[1].cached_tokens == 512
+            assert stats.compute is not None and stats.compute.num_unpublishable >= 1
+            await assert_matches_cold(rt, prompt, warm, "cold")
+            await assert_clean(rt)
+
+
+class TestFailuresAreHeard:
+    async def test_blocks_that_do_not_fit_are_counted_and_warned(self, llama):
+        """A pool too small for a prompt's blocks: generation goes on, the blocks not
+        stored are counted and a warning says so."""
+        from structlog.testing import capture_logs
+
+        with capture_logs() as logs:
+            async with CacheRuntime(model=llama, block_size=BS, max_blocks=4) as rt:
+                tokens, report = await run(rt, SYSTEM + _tokens(40), max_tokens=4)
+                stats = await rt.stats()
+        assert len(tokens) == 4
+        assert stats.generation is not None and stats.generation.num_blocks_not_stored > 0
+        assert stats.generation.num_prompts_over_pool == 1
+        events = {log["event"] for log in logs if log["log_level"] == "warning"}
+        assert {"generation.not_stored", "generation.prompt_exceeds_pool"} <= events
+
+    async def test_a_prefix_that_cannot_be_rebuilt_falls_back_cold(self, llama, model_dir):
+        """Cached blocks of another model's layout under the prompt's hashes: the prompt
+        is computed whole, exactly, counted and warned about."""
+        from structlog.testing import capture_logs
+
+        prompt = SYSTEM + _tokens(30, salt=2)
+        async with CacheRuntime(model=str(ensure_model(TINY_HYBRID, model_dir)), block_size=BS) as hybrid:
+            await run(hybrid, prompt, max_tokens=1)
+            foreign = await hybrid.fetch("grab", prompt[:-1])
+            await hybrid.release("grab")
+        assert foreign.grants
+        with capture_logs() as logs:
+            async with CacheRuntime(model=llama, block_size=BS) as rt:
+                await rt.fetch("plant", prompt[:-1])
+                cut = len(foreign.payloads) * BS
+                await rt.store("plant", prompt[:cut], list(foreign.payloads))
+                await rt.release("plant")
+                warm = await run(rt, prompt)
+                stats = await rt.stats()
+                await assert_matches_cold(rt, prompt, warm, "cold")
+        assert warm[1].cached_tokens == 0
+        assert stats.generation is not None and stats.generation.num_cold_fallbacks == 1
+        assert "prefill.cold_fallback" in {log["event"] for log in logs if log["log_level"] == "warning"}
+
+
+class TestComputeFailed:
+    async def test_a_failing_model_call_fails_its_request(self, llama, monkeypatch):
+        """A model call that raises surfaces as ComputeFailed from generate; another
+        request is untouched and nothing leaks."""
+        from mlxkv import ComputeFailed
+        from mlxkv.actors.model_runner import TextRunner
+
+        original = TextRunner._run
+
+        def failing(self: Any, sequence: Any, cache: Any, start: int, stop: int) -> Any:
+            if 255 in sequence.prompt:  # prompts here stay below 250
+                raise RuntimeError("injected model failure")
+            return original(self, sequence, cache, start, stop)
+
+        monkeypatch.setattr(TextRunner, "_run", failing)
+        async with CacheRuntime(model=llama, block_size=BS) as rt:
+            with pytest.raises(ComputeFailed, match="injected model failure") as info:
+                await run(rt, SYSTEM + [255])
+            assert isinstance(info.value.cause, RuntimeError)
+            tokens, _ = await run(rt, SYSTEM)
+            stats = await rt.stats()
+            assert len(tokens) == 8 and stats.compute is not None and stats.compute.num_model_errors == 1
+            await assert_clean(rt)
+
+
+class TestSampling:
+    async def test_a_seeded_request_is_reproducible(self, llama):
+        """The same seed gives the same tokens; another seed other tokens."""
+        prompt = _tokens(80, salt=3)
+        async with CacheRuntime(model=llama, block_size=BS) as rt:
+            a = await run(rt, prompt, max_tokens=24, temperature=2.0, seed=11)
+            b = await run(rt, prompt, max_tokens=24, temperature=2.0, seed=11)
+            c = await run(rt, prompt, max_tokens=24, temperature=2.0, seed=12)
+        assert a[0] == b[0]
+        assert a[0] != c[0]
+
+    @pytest.mark.parametrize(
+        "narrowing", [{"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}], ids=["top_k", "top_p", "min_p"]
+    )
+    async def test_each_filter_narrows_sampling(self, llama, narrowing):
+        """At a high temperature, top_k=1, a tiny top_p or min_p=1 leave only the most
+        likely token: the greedy answer; without them the answer differs."""
+        prompt = _tokens(80, salt=4)
+        async with CacheRuntime(model=llama, block_size=BS) as rt:
+            greedy = await run(rt, prompt, max_tokens=24)
+            narrowed = await run(rt, prompt, max_tokens=24, temperature=2.0, seed=3, **narrowing)
+            free = await run(rt, prompt, max_tokens=24, temperature=2.0, seed=3)
+        assert narrowed[0] == greedy[0]
+        assert free[0] != greedy[0]
+
+
+class TestConfiguration:
+    async def test_model_info_through_the_runtime(self, llama):
+        """model_info describes the loaded model; it is None without one."""
+        async with CacheRuntime(model=llama) as rt:
+            info = rt.model_info
+        assert info is not None and info.vocab_size == 259 and info.eos_token_ids
+        assert info.cache_layers == ("KVCache", "KVCache") and info.batchable
+        async with CacheRuntime() as bare:
+            assert bare.model_info is None
+
+    async def test_image_cache_bounds(self):
+        """image_cache_entries and memory_budget bound the image cache."""
+        import mlx.core as mx
+
+        features = [mx.ones((16, 64)) for _ in range(3)]  # 4 KiB each
+        async with CacheRuntime(image_cache_entries=2) as rt:
+            for i, value in enumerate(features):
+                await rt.store_images([f"image-{i}"], value, num_image_tokens=16)
+            by_count = (await rt.stats()).images
+        async with CacheRuntime(memory_budget=5000) as rt:
+            for i, value in enumerate(features):
+                await rt.store_images([f"image-{i}"], value, num_image_tokens=16)
+            by_bytes = (await rt.stats()).images
+        assert (by_count.num_entries, by_count.num_evictions) == (2, 1)
+        assert by_bytes.num_entries == 1 and by_bytes.num_bytes <= 5000
+

@@ -13,12 +13,12 @@ from mlxkv.stress import StressConfig, run_stress
 
 class TestStress:
     async def test_faults_break_no_invariant(self, anyio_backend):
-        """A 1.5 s run with cancellations, injected errors and a tiny pool leaves every
-        invariant intact."""
+        """3,000 operations with cancellations, injected errors and a tiny pool leave every
+        invariant intact (how long they take does not matter)."""
         config = StressConfig(
             clients=8,
-            operations=1_000_000,
-            duration=1.5,
+            operations=3_000,
+            duration=120.0,
             check_every=500,
             max_blocks=40,
             cancel_rate=0.15,
@@ -27,9 +27,34 @@ class TestStress:
         )
         report = await run_stress(config)
         assert report.ok, report.format()
-        assert report.checks >= 2
+        assert report.operations == 3_000 and report.checks >= 6
         assert report.cancellations > 0 and report.injected_errors > 0
-        assert report.evictions > 0
+        assert report.evictions > 0 and report.out_of_blocks > 0
+        assert (report.leaked_blocks, report.open_tables) == (0, 0)
+
+    async def test_generation_under_faults(self, anyio_backend, model_dir):
+        """Generating clients over shared prefixes, with cancellations and failing
+        computing requests while others wait for their blocks, leave nothing live,
+        claimed or leaked."""
+        from mlxkv.default_model import TINY_LLAMA, ensure_model
+
+        config = StressConfig(
+            clients=8,
+            operations=400,
+            duration=120.0,
+            check_every=100,
+            max_blocks=200,
+            cancel_rate=0.15,
+            error_rate=0.05,
+            generate_rate=0.4,
+            model=str(ensure_model(TINY_LLAMA, model_dir)),
+            backend=anyio_backend,
+        )
+        report = await run_stress(config)
+        assert report.ok, report.format()
+        assert report.generations > 0 and report.generated_tokens > 0
+        assert report.shared_waits > 0 and report.mean_batch_size > 1
+        assert report.cancellations > 0 and report.injected_errors > 0
         assert (report.leaked_blocks, report.open_tables) == (0, 0)
 
     async def test_shared_prefixes_hit(self, anyio_backend):

@@ -11,7 +11,7 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
-from mlxkv import CacheRuntime, InvalidInput
+from mlxkv import CacheRuntime, DuplicateRequest, InvalidInput
 from mlxkv.tracing import configure
 
 BS = 4
@@ -107,7 +107,7 @@ class TestTrace:
         with capture_logs() as logs:
             async with CacheRuntime(block_size=BS, max_blocks=16, trace=True) as rt:
                 await rt.fetch("r1", PROMPT)
-                with pytest.raises(Exception):
+                with pytest.raises(DuplicateRequest):
                     await rt.fetch("r1", PROMPT)
                 await rt.release("r1")
         begins = [log for log in logs if log.get("message") == "Begin"]
