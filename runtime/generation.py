@@ -5,16 +5,17 @@
 ends with one :class:`GenerationReport`. Its flow:
 
 1. tokenize a text prompt (compute actor, ``EncodeText``);
-2. fetch the prompt *minus its last token* (so that at least one prompt token
-   is computed and yields the logits the first token is sampled from),
-   sharing what others compute: take every cached full block of its prefix;
-   if the blocks right after them are being computed by another request,
-   wait for them to be published and take them too; claim the rest (see
-   :mod:`mlxkv.actors.prefix_index`);
+2. fetch the prompt, sharing what others compute: take every cached full
+   block of it; if the blocks right after them are being computed by another
+   request, wait for them to be published and take them too; claim the rest
+   (see :mod:`mlxkv.actors.prefix_index`);
 3. hand the compute actor the prompt and the leading reconstructable
-   payloads (a hybrid model's chain ends at the last block with a recurrent
-   snapshot, and every block it publishes has one); it rebuilds the prefix,
-   prefills the rest in chunks and decodes in its batch
+   payloads, stopping before the block that holds the last prompt token
+   (that token must be computed: its logits give the first token; a cached
+   block holding it is held, so it is not stored again, but recomputed). A
+   hybrid model's chain ends at the last block with a recurrent snapshot,
+   and every block it publishes has one. The compute actor rebuilds the
+   prefix, prefills the rest in chunks and decodes in its batch
    (:mod:`mlxkv.actors.compute`);
 4. store each chunk's new full blocks as soon as they are published, so that
    requests waiting for them go on at once; drop the remaining claims once
@@ -43,6 +44,7 @@ order), but a text model does not see them.
 from __future__ import annotations
 
 import itertools
+from array import array
 import time
 from collections.abc import AsyncGenerator, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
@@ -268,7 +270,7 @@ async def run_generation(
         if not storing or end <= held:
             return held
         payloads = published.payloads[held - published.start :]
-        tokens = (prompt + tuple(generated))[: end * block_size]
+        tokens = (prompt_ids + array("I", generated))[: end * block_size]
         try:
             with runtime._call():
                 result = await runtime.store(request_id, tokens, payloads)
@@ -308,22 +310,25 @@ async def run_generation(
             prompt = prepared.tokens
             if not prompt:
                 raise InvalidInput("prompt", request.prompt, "encodes to no tokens")
+            prompt_ids = check_token_ids(prompt)  # once: every later check passes it through
             if isinstance(request.prompt, str):
                 _check_context(len(prompt), request.max_tokens, info)
             _check_pool(runtime, len(prompt), log)
             detokenizer = preparer.new_detokenizer()
-            # The last prompt token stays out of the lookup: it must be
-            # computed to give the logits the first token is sampled from.
             fetch = await runtime._fetch(
                 request_id,
-                prompt[:-1],
+                prompt_ids,
                 images_key=images_key,
                 cache_salt=request.cache_salt,
                 share=runtime.config.share_in_flight,
             )
             fetched = True
             held = len(fetch.grants)
-            usable = kv_state.num_reconstructable_blocks(fetch.payloads)
+            # The last prompt token is computed, whatever is cached: its
+            # logits give the first token.
+            usable = min(
+                kv_state.num_reconstructable_blocks(fetch.payloads), (len(prompt) - 1) // block_size
+            )
             events_in, events = anyio.create_memory_object_stream[Event](
                 events_needed(len(prompt), request.max_tokens, block_size, info.prefill_chunk)
             )
