@@ -96,6 +96,7 @@ from mlxkv.cache.token_ids import check_token_ids
 __all__ = [
     "DEFAULT_DECODE_BURST",
     "DEFAULT_PREFILL_CHUNK",
+    "MAX_BURST_STEPS",
     "Cancel",
     "ComputeActor",
     "ComputeFailed",
@@ -117,11 +118,17 @@ __all__ = [
 
 T = TypeVar("T")
 
-#: Decode steps one job may run back to back while nothing else waits: it
-#: saves the hop between the event loop and the MLX thread on all but one
-#: of them; a message that arrives meanwhile waits for at most this many
-#: steps (a few ms), and tokens reach the consumer in bursts of up to it.
-DEFAULT_DECODE_BURST = 4
+#: Request-steps one decode job may run back to back while nothing else
+#: waits: ``decode_burst // batch size`` steps, at least one and at most
+#: :data:`MAX_BURST_STEPS`. A small batch thus saves the hop between the
+#: event loop and the MLX thread on most steps (the hop is about a tenth of
+#: a lone request's step on this CPU); a batch of 32, whose step dwarfs the
+#: hop, runs one step per job. A message that arrives meanwhile waits for at
+#: most that many steps, and tokens reach the consumer in bursts of as many.
+DEFAULT_DECODE_BURST = 32
+
+#: The most decode steps one job runs.
+MAX_BURST_STEPS = 8
 
 #: Tokens per prefill chunk: 30-150 ms of the default model on a 2-core CPU
 #: (more as the context grows), so a decode step waits about that long at
@@ -439,8 +446,9 @@ class ComputeActor(Actor):
             runner: a model runner already made (on the MLX thread it will
                 run on: see :meth:`loading` for real models).
             prefill_chunk: tokens per prefill chunk, > 0.
-            decode_burst: the most decode steps one job runs while no message
-                or prefill waits, > 0.
+            decode_burst: the most request-steps one decode job runs while no
+                message or prefill waits (``decode_burst // batch size``
+                steps, at least one, at most :data:`MAX_BURST_STEPS`), > 0.
             loader: called on the MLX thread with ``prefill_chunk`` to make
                 the runner, instead of ``runner``.
             source: what the loader loads, for error messages.
@@ -603,7 +611,9 @@ class ComputeActor(Actor):
                 # Several steps in one job while nothing else waits: fewer
                 # hops between threads; a message waits for at most the burst.
                 idle = not (self._queue or mailbox.statistics().current_buffer_used)
-                await self._decode_step(self._burst if idle else 1)
+                rows = sum(len(batch) for batch in self._batches) + len(self._joining)
+                burst = min(MAX_BURST_STEPS, max(1, self._burst // max(1, rows)))
+                await self._decode_step(burst if idle else 1)
             arrivals, self._arrivals = self._arrivals, []
             for sequence in arrivals:
                 if sequence.phase is Phase.QUEUED:

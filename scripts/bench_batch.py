@@ -13,11 +13,19 @@ requests on the built-in model, side by side in one process:
   the runtime's blocks (stored by a warm-up request), so each request
   rebuilds it, prefills its 32 tokens and joins the decode batch.
 
-Rounds alternate the three methods (order rotated each round), with fresh own
+With ``--baseline-python PATH`` a fourth method, ``baseline``, runs the same
+``mlxkv`` workload in a child process of another environment -- say a
+checkout of an earlier mlxkv in its own venv -- alternating with the others:
+
+    git worktree add /tmp/mlxkv-old <commit> && python3 -m venv /tmp/mlxkv-old/.venv
+    /tmp/mlxkv-old/.venv/bin/pip install -e /tmp/mlxkv-old
+    .venv/bin/python scripts/bench_batch.py --baseline-python /tmp/mlxkv-old/.venv/bin/python
+
+Rounds alternate the methods (order rotated each round), with fresh own
 tokens every round so nothing but the prefix is ever cached. Figures are
 medians over rounds: generated tokens per second of wall time, and time to
 first token (p50, p95) measured from the moment all N requests were handed
-over. Greedy tokens are compared across the three methods (they must agree).
+over. Greedy tokens are compared across the methods (they must agree).
 
     .venv/bin/python scripts/bench_batch.py [--rounds 5] [--json FILE]
 """
@@ -29,6 +37,7 @@ import json
 import math
 import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -113,6 +122,72 @@ class MlxLm:
         return {"wall": time.perf_counter() - started, "ttft": ttft, "tokens": outs}
 
 
+#: The baseline child: one round per JSON line on stdin (own tokens, max
+#: tokens), one JSON line back; written against the public API only.
+CHILD = r"""
+import json, sys, time, anyio
+from mlxkv import CacheRuntime, GenerationReport
+path, prefix = sys.argv[1], json.loads(sys.argv[2])
+
+async def main():
+    async with CacheRuntime(model=path, block_size=64) as rt:
+        async with rt.generate(prefix + [33], max_tokens=1) as warm:
+            async for _ in warm:
+                pass
+        print(json.dumps({"ready": True}), flush=True)
+        while line := sys.stdin.readline():
+            owns, tokens = json.loads(line)
+            reports = [None] * len(owns)
+            started = time.perf_counter()
+
+            async def one(i):
+                async with rt.generate(prefix + owns[i], max_tokens=tokens) as stream:
+                    async for record in stream:
+                        if isinstance(record, GenerationReport):
+                            reports[i] = record
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(owns)):
+                    tg.start_soon(one, i)
+            print(json.dumps({"wall": time.perf_counter() - started,
+                              "ttft": [r.time_to_first_token for r in reports],
+                              "tokens": [list(r.tokens) for r in reports]}), flush=True)
+
+anyio.run(main)
+"""
+
+
+class Baseline:
+    """The same mlxkv workload on another environment's mlxkv, in a child process."""
+
+    def __init__(self, python: str, path: str) -> None:
+        self.proc = subprocess.Popen(
+            [python, "-c", CHILD, path, json.dumps(_prefix())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self._receive().get("ready"), "the baseline child did not start"
+
+    def _receive(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the baseline child exited")
+        return json.loads(line)
+
+    def run(self, owns: list[list[int]], tokens: int) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps([owns, tokens]) + "\n")
+        self.proc.stdin.flush()
+        return self._receive()
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
 async def _mlxkv(rt: Any, owns: list[list[int]], tokens: int) -> dict[str, Any]:
     from mlxkv import GenerationReport
 
@@ -144,6 +219,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
     path = args.model or str(ensure_model())
     mlx_lm = MlxLm(path)
+    baseline = Baseline(args.baseline_python, path) if args.baseline_python else None
     results: dict[str, Any] = {}
     async with CacheRuntime(model=path, block_size=64) as rt:
         async with rt.generate(_prefix() + [33], max_tokens=1) as warm:  # stores the prefix
@@ -151,20 +227,25 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 pass
         for n, tokens in SETTINGS:
             samples: dict[str, list[dict[str, Any]]] = {"batch_generate": [], "stream_generate": [], "mlxkv": []}
+            if baseline is not None:
+                samples["baseline"] = []
             for round_ in range(args.rounds):
                 owns = _own(round_, n)
-                order = list(samples)[round_ % 3 :] + list(samples)[: round_ % 3]
+                shift = round_ % len(samples)
+                order = list(samples)[shift:] + list(samples)[:shift]
                 outs = {}
                 for method in order:
                     if method == "mlxkv":
                         outs[method] = await _mlxkv(rt, owns, tokens)
                     elif method == "batch_generate":
                         outs[method] = mlx_lm.batch(owns, tokens)
+                    elif method == "baseline":
+                        outs[method] = baseline.run(owns, tokens)  # type: ignore[union-attr]
                     else:
                         outs[method] = mlx_lm.sequential(owns, tokens)
                     samples[method].append(outs[method])
                 reference = outs["stream_generate"]["tokens"]
-                for method in ("batch_generate", "mlxkv"):
+                for method in [m for m in samples if m != "stream_generate"]:
                     if outs[method]["tokens"] != reference:
                         print(f"warning: {method} tokens differ from stream_generate's (n={n})", file=sys.stderr)
             row = {}
@@ -178,6 +259,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 }
             results[f"{n}x{tokens}"] = row
         stats = await rt.stats()
+    if baseline is not None:
+        baseline.close()
     assert stats.compute is not None
     results["mlxkv_mean_batch_size"] = stats.compute.mean_batch_size
     return results
@@ -207,6 +290,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="rounds per setting (5)")
     parser.add_argument("--model", help="an mlx-lm model directory (default: the built-in model)")
     parser.add_argument("--json", help="also write the results as JSON to FILE")
+    parser.add_argument(
+        "--baseline-python", help="python of another environment whose mlxkv runs as 'baseline'"
+    )
     args = parser.parse_args()
     results = anyio.run(main_async, args)
     print(_table(results))
