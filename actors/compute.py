@@ -199,16 +199,16 @@ class Prefilled:
 
 @attrs.frozen(kw_only=True)
 class Token:
-    """One generated token.
+    """The tokens a request generated in one job (one, or a decode burst's).
 
     Attributes:
-        token: the token id.
-        logprobs: its step's log-probabilities ``(vocab,)`` when the request
-            asked to keep them (``keep_logits``), else None.
+        tokens: the token ids, in order.
+        logprobs: each token's step log-probabilities ``(vocab,)`` when the
+            request asked to keep them (``keep_logits``), else empty.
     """
 
-    token: int
-    logprobs: Any = attrs.field(default=None, eq=False, repr=False)
+    tokens: tuple[int, ...]
+    logprobs: tuple[Any, ...] = attrs.field(default=(), eq=False, repr=False)
 
 
 @attrs.frozen(kw_only=True)
@@ -821,7 +821,7 @@ class ComputeActor(Actor):
             self._finish(sequence, Finished(reason="stop", num_stored=sequence.num_published * sequence.block_size))
             return
         sequence.generated.append(token)
-        sequence.emit(Token(token=token, logprobs=outcome.logprobs if sequence.keep_logits else None))
+        sequence.emit(Token(tokens=(token,), logprobs=(outcome.logprobs,) if sequence.keep_logits else ()))
         if sequence.max_tokens == 1:
             self._finish(sequence, Finished(reason="length", num_stored=sequence.num_published * sequence.block_size))
             return
@@ -902,20 +902,35 @@ class ComputeActor(Actor):
             sequence.emit(Failed(error=ComputeFailed(sequence.request_id, failure.error)))
             sequence.cancelled = True
             self._leaving[id(sequence)] = (sequence, False)
+        rows: dict[int, list[Emitted]] = {}
         for item in outcome.emitted:
-            self._emit_token(item)
+            rows.setdefault(id(item.sequence), []).append(item)
+        for items in rows.values():
+            self._emit_tokens(items)
 
-    def _emit_token(self, item: Emitted) -> None:
-        sequence = item.sequence
+    def _emit_tokens(self, items: list[Emitted]) -> None:
+        """Send one row's tokens of this job, up to where it is done."""
+        sequence = items[0].sequence
         if sequence.cancelled or id(sequence) in self._leaving:
             return
-        if item.token in sequence.stop_tokens:
-            del sequence.generated[item.index :]  # the stop token is not part of the answer
-            self._end_decoding(sequence, "stop")
-            return
-        sequence.emit(Token(token=item.token, logprobs=item.logprobs))
-        if item.index + 1 >= sequence.max_tokens:
-            self._end_decoding(sequence, "length")
+        tokens: list[int] = []
+        logprobs: list[Any] = []
+        reason: Optional[Literal["stop", "length"]] = None
+        for item in items:
+            if item.token in sequence.stop_tokens:
+                del sequence.generated[item.index :]  # the stop token is not part of the answer
+                reason = "stop"
+                break
+            tokens.append(item.token)
+            if sequence.keep_logits:
+                logprobs.append(item.logprobs)
+            if item.index + 1 >= sequence.max_tokens:
+                reason = "length"
+                break
+        if tokens:
+            sequence.emit(Token(tokens=tuple(tokens), logprobs=tuple(logprobs)))
+        if reason is not None:
+            self._end_decoding(sequence, reason)
 
     def _end_decoding(self, sequence: Sequence, reason: Literal["stop", "length"]) -> None:
         """Make a finished row leave the batch; its answer is published as it leaves."""

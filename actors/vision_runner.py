@@ -196,8 +196,10 @@ def _pad_runs(tokens: tuple[int, ...], pad: int) -> list[tuple[int, int]]:
 class _Placement:
     """Where a request's prompt stands in rope space (the runner's per-request state)."""
 
-    positions: Any  # (3, 1, prompt length)
+    positions: Any  # (3, 1, prompt length - offset)
     delta: int
+    #: the prompt index of ``positions``' first column
+    offset: int = 0
     #: inputs_embeds of the uncached part, or None when it holds no image token
     embeds: Optional[Any] = None
     #: what happened to the request's images, until taken
@@ -279,18 +281,26 @@ class VisionRunner(CacheRunner):
 
         super().start(sequence)
         inputs: Optional[VisionInputs] = sequence.inputs
-        ids = mx.array(sequence.prompt)[None]
-        grid = None if inputs is None else inputs.grid
-        positions, deltas = self._language.get_rope_index(ids, grid)
-        if positions.ndim == 2:  # text only: the index on all three axes
-            positions = mx.broadcast_to(positions[None], (3, *positions.shape))
-        placement = _Placement(positions=positions, delta=int(deltas.reshape(-1)[0].item()))
+        pad = self._config.image_token_id
+        cached = sequence.num_cached
+        needed = 0 if inputs is None else sum(1 for t in sequence.prompt[cached:] if t == pad)
+        if needed:
+            # Image tokens still to compute: their 2-D positions from the model.
+            ids = mx.array(sequence.prompt)[None]
+            positions, deltas = self._language.get_rope_index(ids, inputs.grid)
+            placement = _Placement(positions=positions, delta=int(deltas.reshape(-1)[0].item()))
+        else:
+            # Text only from here on: index + delta, where each image before
+            # advanced the position by its largest grid side, not its tokens.
+            delta = 0 if inputs is None else self._image_delta(inputs.grid)
+            span = mx.arange(cached + delta, len(sequence.prompt) + delta, dtype=mx.int32)
+            positions = mx.broadcast_to(span[None, None], (3, 1, span.size))
+            placement = _Placement(positions=positions, delta=delta, offset=cached)
         if inputs is not None:
-            pad = self._config.image_token_id
-            before = sum(1 for t in sequence.prompt[: sequence.num_cached] if t == pad)
-            needed = sum(1 for t in sequence.prompt[sequence.num_cached :] if t == pad)
+            before = sum(1 for t in sequence.prompt[:cached] if t == pad)
             placement.encoding = ImageEncoding(ran=False)
             if needed:
+                ids = mx.array(sequence.prompt)[None]
                 features = inputs.features
                 if features is None:
                     features = self._encode(inputs)
@@ -303,6 +313,16 @@ class VisionRunner(CacheRunner):
                     pad, self._config.video_token_id, features[before : before + needed], embeds, suffix
                 )
         sequence.inputs = placement
+
+    def _image_delta(self, grid: Any) -> int:
+        """How far text after these images sits from its index: each image
+        spans ``max(t, h, w)`` positions (its merged grid) but ``t*h*w`` tokens."""
+        merge = int(getattr(self._config.vision_config, "spatial_merge_size", 1))
+        delta = 0
+        for t, h, w in grid.tolist():
+            h, w = h // merge, w // merge
+            delta += max(t, h, w) - t * h * w
+        return delta
 
     def _encode(self, inputs: VisionInputs) -> Any:
         import mlx.core as mx
@@ -322,8 +342,9 @@ class VisionRunner(CacheRunner):
             offset = sequence.num_cached
             embeds = placement.embeds[:, start - offset : stop - offset]
         ids = mx.array(sequence.prompt[start:stop])[None]
+        at = placement.offset
         out = self._language(
-            ids, inputs_embeds=embeds, cache=cache, position_ids=placement.positions[:, :, start:stop]
+            ids, inputs_embeds=embeds, cache=cache, position_ids=placement.positions[:, :, start - at : stop - at]
         )
         return out.logits
 

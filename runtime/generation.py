@@ -50,6 +50,7 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import anyio
+import anyio.lowlevel
 import attrs
 
 from mlxkv.actors.actor import ActorFailed
@@ -381,14 +382,16 @@ async def run_generation(
                         await runtime._index.unclaim(request_id)
                         continue
                 if isinstance(event, Token):
-                    generated.append(event.token)
-                    detokenizer.add_token(event.token)
-                    last = len(generated) >= request.max_tokens
-                    if last:
-                        detokenizer.finalize()
-                    yield GeneratedToken(
-                        index=len(generated) - 1, token=event.token, text=detokenizer.last_segment
-                    )
+                    for token in event.tokens:
+                        # Each token is a cancellation point, as if received alone.
+                        await anyio.lowlevel.checkpoint_if_cancelled()
+                        generated.append(token)
+                        detokenizer.add_token(token)
+                        if len(generated) >= request.max_tokens:
+                            detokenizer.finalize()
+                        yield GeneratedToken(
+                            index=len(generated) - 1, token=token, text=detokenizer.last_segment
+                        )
                 elif isinstance(event, Finished):
                     finish = event.reason
                     finished_at = time.perf_counter()

@@ -221,3 +221,24 @@ def _png_bytes() -> bytes:
 def _write(path: Path, data: bytes) -> str:
     path.write_bytes(data)
     return str(path)
+
+
+class TestPositions:
+    def test_text_after_images_sits_at_index_plus_delta(self, tiny_vlm, pictures):
+        """The position of text after the images, computed from their grids alone,
+        equals what mlx-vlm's get_rope_index gives for the whole prompt."""
+        import mlx.core as mx
+
+        from mlxkv.actors.vision_runner import VisionRunner
+
+        model, processor = tiny_vlm
+        runner = VisionRunner(model, processor, prefill_chunk=256)
+        loaded = [Image.open(path).convert("RGB") for path in (pictures[0], pictures[2])]
+        prepared = runner.preparer().prepare("Two pictures, then some text after them.", loaded)
+        positions, deltas = model.language_model.get_rope_index(
+            mx.array(prepared.tokens)[None], prepared.inputs.grid
+        )
+        delta = runner._image_delta(prepared.inputs.grid)
+        assert delta == int(deltas.reshape(-1)[0].item()) < 0
+        last = len(prepared.tokens) - 1
+        assert np.array(positions[:, 0, last]).tolist() == [last + delta] * 3
