@@ -264,7 +264,7 @@ class ComputeStatistics:
         num_decode_steps: decode model calls.
         num_decode_rows: request-steps those calls served (their sum of
             batch sizes).
-        num_batched: whether the model decodes requests together (else
+        batched: whether the model decodes requests together (else
             every request decodes at batch size one).
         num_published_blocks: block payloads handed out.
         num_cold_fallbacks: prefixes that could not be rebuilt (the prompt
@@ -288,7 +288,7 @@ class ComputeStatistics:
     num_prefill_chunks: int
     num_decode_steps: int
     num_decode_rows: int
-    num_batched: bool
+    batched: bool
     num_published_blocks: int
     num_cold_fallbacks: int
     num_unpublishable: int
@@ -953,7 +953,7 @@ class ComputeActor(Actor):
             num_prefill_chunks=self._num_prefill_chunks,
             num_decode_steps=self._num_decode_steps,
             num_decode_rows=self._num_decode_rows,
-            num_batched=bool(self._info is not None and self._info.batchable),
+            batched=bool(self._info is not None and self._info.batchable),
             num_published_blocks=self._num_published_blocks,
             num_cold_fallbacks=self._num_cold_fallbacks,
             num_unpublishable=self._num_unpublishable,

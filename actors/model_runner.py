@@ -19,6 +19,7 @@ one.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence as Seq
 from typing import Any, Optional, Protocol
 
@@ -221,7 +222,7 @@ class ModelRunner(Protocol):
         ...
 
 
-class CacheRunner:
+class CacheRunner(abc.ABC):
     """What every runner over mlx-lm cache objects shares: describing the
     model's cache, rebuilding, merging, extracting, snapshotting and slicing it.
 
@@ -238,11 +239,13 @@ class CacheRunner:
     def info(self) -> ModelInfo:
         return self._info
 
+    @abc.abstractmethod
     def _new_cache(self) -> list[Any]:
-        raise NotImplementedError  # pragma: no cover - every runner defines it
+        """A fresh, empty cache for one request."""
 
+    @abc.abstractmethod
     def _probe(self, cache: list[Any]) -> None:
-        raise NotImplementedError  # pragma: no cover - every runner defines it
+        """Run one token through the model into ``cache`` (to size its buffers)."""
 
     def _measure(self) -> tuple[dict[str, Any], tuple[tuple[Any, ...], ...]]:
         """The cache's share of :class:`ModelInfo`, and the cold layout.
@@ -322,9 +325,9 @@ class CacheRunner:
         self._record_snapshot(sequence, cache, total)
         return logits
 
+    @abc.abstractmethod
     def _run(self, sequence: Sequence, cache: list[Any], start: int, stop: int) -> Any:
         """Prompt positions ``[start, stop)`` through the model: logits ``(1, n, vocab)``."""
-        raise NotImplementedError  # pragma: no cover - every runner defines it
 
     def take_encoding(self, sequence: Sequence) -> Optional[ImageEncoding]:
         return None

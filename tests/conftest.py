@@ -69,3 +69,21 @@ def tiny_vlm(vlm_path):
     from mlx_vlm import load
 
     return load(str(vlm_path))
+
+
+@pytest.fixture
+def run_optimized():
+    """``run_optimized(script)``: run Python source under ``python -O`` (asserts
+    stripped) in a fresh interpreter; the completed process, its exit checked."""
+    import subprocess
+    import sys
+
+    def run(script: str) -> "subprocess.CompletedProcess[str]":
+        done = subprocess.run(
+            [sys.executable, "-O", "-c", script], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        return done
+
+    return run
+

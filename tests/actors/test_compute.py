@@ -314,7 +314,7 @@ class TestBatching:
             _assert_same(mine, theirs)
         batched_steps = stats.num_decode_steps - solo_steps
         assert batched_steps < solo_steps  # 4 x 15 steps alone; far fewer together
-        assert stats.num_batched and stats.mean_batch_size > 1
+        assert stats.batched and stats.mean_batch_size > 1
 
     async def test_requests_join_and_leave_without_disturbing_others(self, running, tiny_llama):
         """A request that arrives mid-decode and one that ends early leave the rest exact."""
@@ -377,7 +377,7 @@ class TestBatching:
         for i in range(len(prompts)):
             _assert_same(together[i], alone[i])
             assert together[i].published == []
-        assert not stats.num_batched and stats.mean_batch_size == 1.0
+        assert not stats.batched and stats.mean_batch_size == 1.0
         assert stats.num_unpublishable == 2 * len(prompts)
 
     async def test_a_long_prefill_does_not_starve_decoding(self, running, tiny_llama):

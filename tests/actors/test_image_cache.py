@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import mlx.core as mx
 import pytest
@@ -75,7 +73,7 @@ class TestImageCache:
             (violation,) = await handle.check_invariants()
         assert violation.startswith("image_cache: byte count")
 
-    def test_violations_are_reported_under_python_o(self):
+    def test_violations_are_reported_under_python_o(self, run_optimized):
         """With asserts stripped (python -O) the actor still reports a broken invariant."""
         script = (
             "import anyio\n"
@@ -96,8 +94,5 @@ class TestImageCache:
             "        ref.close()\n"
             "anyio.run(main)\n"
         )
-        done = subprocess.run(
-            [sys.executable, "-O", "-c", script], capture_output=True, text=True, timeout=60
-        )
-        assert done.returncode == 0, done.stderr
+        done = run_optimized(script)
         assert "image_cache: image index out of step" in done.stdout

@@ -5,8 +5,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import itertools
-import subprocess
-import sys
 import urllib.parse
 
 import mlx.core as mx
@@ -537,7 +535,7 @@ class TestCheckInvariants:
         with pytest.raises(InvariantViolation, match=message):
             mgr.check_invariants()
 
-    def test_checks_survive_python_o(self):
+    def test_checks_survive_python_o(self, run_optimized):
         """Under python -O (asserts stripped) a corrupted manager is still reported."""
         script = (
             "from mlxkv.cache.errors import InvariantViolation\n"
@@ -551,8 +549,5 @@ class TestCheckInvariants:
             "except InvariantViolation as error:\n"
             "    print('reported:', error)\n"
         )
-        done = subprocess.run(
-            [sys.executable, "-O", "-c", script], capture_output=True, text=True, timeout=60
-        )
-        assert done.returncode == 0, done.stderr
+        done = run_optimized(script)
         assert done.stdout.startswith("reported: byte count")

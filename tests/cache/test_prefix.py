@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import mlx.core as mx
 import pytest
@@ -465,7 +463,7 @@ class TestCheckInvariants:
         with pytest.raises(InvariantViolation, match=message):
             mgr.check_invariants()
 
-    def test_checks_survive_python_o(self):
+    def test_checks_survive_python_o(self, run_optimized):
         """Under python -O (asserts stripped) a corrupted trie is still reported."""
         script = (
             "from mlxkv.cache.errors import InvariantViolation\n"
@@ -479,10 +477,7 @@ class TestCheckInvariants:
             "except InvariantViolation as error:\n"
             "    print('reported:', error)\n"
         )
-        done = subprocess.run(
-            [sys.executable, "-O", "-c", script], capture_output=True, text=True, timeout=60
-        )
-        assert done.returncode == 0, done.stderr
+        done = run_optimized(script)
         assert done.stdout.startswith("reported:")
 
 
