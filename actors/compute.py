@@ -322,6 +322,8 @@ class Generate(Tell):
             model's end-of-sequence tokens if None.
         block_size: tokens per block of the payloads it publishes.
         keep_logits: attach each token's log-probabilities to its event.
+        held_blocks: leading full blocks of the prompt the request holds
+            already (cached): they are not published again.
         inputs: what the model runner needs beyond the tokens (a
             vision-language prompt's images), as its preparer made them.
         events: where the request's events go; its buffer must hold
@@ -335,6 +337,7 @@ class Generate(Tell):
     stop_tokens: Optional[frozenset[int]] = None
     block_size: int
     keep_logits: bool = False
+    held_blocks: int = 0
     inputs: Any = attrs.field(default=None, eq=False, repr=False)
     events: MemoryObjectSendStream[Event] = attrs.field(repr=False, eq=False)
 
@@ -669,10 +672,10 @@ class ComputeActor(Actor):
             raise InvalidInput("prompt", message.prompt, "must hold at least one token")
         if not isinstance(message.sampling, Sampling):
             raise InvalidInput("sampling", message.sampling, "must be a Sampling")
-        for name in ("max_tokens", "block_size"):
+        for name, least in (("max_tokens", 1), ("block_size", 1), ("held_blocks", 0)):
             value = getattr(message, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidInput(name, value, "must be an int >= 1")
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise InvalidInput(name, value, f"must be an int >= {least}")
         prefix = message.prefix
         if not all(isinstance(p, BlockPayload) for p in prefix):
             raise InvalidInput("prefix", prefix, "must hold BlockPayloads")
@@ -700,6 +703,7 @@ class ComputeActor(Actor):
             keep_logits=bool(message.keep_logits),
             emit=emit,
             inputs=message.inputs,
+            num_held=message.held_blocks,
         )
 
     # -- life of a request ---------------------------------------------------------
@@ -758,8 +762,10 @@ class ComputeActor(Actor):
             if queued:
                 runner.start(sequence)
                 encoding = runner.take_encoding(sequence)
-                # The rebuilt prefix is made of blocks already stored.
-                sequence.num_published = sequence.num_cached // sequence.block_size
+                # Blocks the request rebuilt or holds already are stored.
+                sequence.num_published = max(
+                    sequence.num_cached // sequence.block_size, sequence.num_held
+                )
                 boundary = sequence.block_size if runner.info.has_recurrent else None
                 sequence.chunk_ends = plan_chunks(
                     sequence.num_computed, len(sequence.prompt), chunk, boundary
@@ -1042,6 +1048,7 @@ class ComputeHandle(ActorHandle):
         block_size: int,
         stop_tokens: Optional[frozenset[int]] = None,
         keep_logits: bool = False,
+        held_blocks: int = 0,
         inputs: Any = None,
     ) -> None:
         """Send :class:`Generate`; the request's events arrive on ``events``.
@@ -1059,6 +1066,7 @@ class ComputeHandle(ActorHandle):
                 block_size=block_size,
                 stop_tokens=stop_tokens,
                 keep_logits=keep_logits,
+                held_blocks=held_blocks,
                 inputs=inputs,
                 events=events,
             )

@@ -56,6 +56,7 @@ class Sequence:
         "num_computed",
         "chunk_ends",
         "num_published",
+        "num_held",
         "generated",
         "snapshots",
         "cold_fallback",
@@ -76,6 +77,7 @@ class Sequence:
         keep_logits: bool,
         emit: Callable[[Any], bool],
         inputs: Any = None,
+        num_held: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -96,6 +98,8 @@ class Sequence:
         self.num_computed = 0
         self.chunk_ends: list[int] = []
         self.num_published = 0
+        #: Leading full blocks the request holds already (never published again).
+        self.num_held = num_held
         self.generated: list[int] = []
         #: position -> recurrent-layer states after that many tokens (hybrid models).
         self.snapshots: dict[int, tuple[Optional[tuple[Any, ...]], ...]] = {}

@@ -344,6 +344,7 @@ async def run_generation(
                     sampling=request.sampling,
                     max_tokens=request.max_tokens,
                     block_size=block_size,
+                    held_blocks=held,
                     inputs=inputs,
                 )
             except BaseException:

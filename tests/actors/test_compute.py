@@ -267,6 +267,20 @@ class TestGeneration:
         for a, b in zip(before, after):
             np.testing.assert_array_equal(a, b)
 
+    async def test_held_blocks_are_not_published_again(self, running, tiny_llama):
+        """Blocks the request already holds are skipped; publishing resumes after them."""
+        prompt = _prompt(3 * BLOCK)
+        async with _serving(running, _actor(tiny_llama)) as compute:
+            first = await _run(compute, "a", prompt, max_tokens=2, stop_tokens=frozenset())
+            # The prompt's last block is held but not restored: its last token is recomputed.
+            again = await _run(compute, "b", prompt, prefix=first.published[:2], max_tokens=BLOCK, stop_tokens=frozenset())
+            held = await _run(
+                compute, "c", prompt, prefix=first.published[:2], held_blocks=3, max_tokens=BLOCK, stop_tokens=frozenset()
+            )
+        assert [e.start for e in again.events if isinstance(e, Published)] == [2, 3]
+        assert [e.start for e in held.events if isinstance(e, Published)] == [3]
+        assert held.tokens == again.tokens == first.tokens[:2] + again.tokens[2:]
+
     async def test_a_stop_token_ends_the_request_unsent(self, running, tiny_llama):
         """A stop token finishes with reason 'stop' and is not emitted."""
         async with _serving(running, _actor(tiny_llama)) as compute:
@@ -636,6 +650,7 @@ class TestMessages:
             {"prompt": [1, 100_000]},
             {"max_tokens": 0},
             {"block_size": 0},
+            {"held_blocks": -1},
             {"prefix": ["not a payload"]},
             {"sampling": "greedy"},
         ],
