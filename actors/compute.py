@@ -41,6 +41,14 @@ first among those that fit one chunk). A request waiting for another's
 prefix (see :mod:`mlxkv.generation`) is not here at all until that prefix is
 published, so it delays nobody.
 
+The last cache. When a request finishes, the runner keeps its cache (one
+request's KV, beside the block pool; plain KV layers and prompts without
+images only). The next request whose cached prefix that cache holds takes
+it, cut back to the prefix, instead of rebuilding the prefix from block
+payloads: the next turn of a conversation, or the same prompt again, skips
+the copy. The tokens are compared, so it is used only for a prefix the
+request holds blocks for; ``keep_last_cache=False`` turns it off.
+
 Failures. A domain error (bad input) is answered as :class:`Failed` and
 changes nothing. A prefill whose model call raises fails that request only
 (:class:`ComputeFailed`); a decode step that raises fails the rows of that
@@ -260,6 +268,9 @@ class ComputeStatistics:
         num_decoding: requests in the decode batch.
         num_prefill_tokens: prompt tokens run through the model.
         num_cached_tokens: prompt tokens rebuilt from cached blocks instead.
+        num_last_cache_reuses: requests that took the last finished
+            request's cache, cut back to their cached prefix, instead of
+            rebuilding it from blocks.
         num_prefill_chunks: prefill jobs run.
         num_decode_steps: decode model calls.
         num_decode_rows: request-steps those calls served (their sum of
@@ -285,6 +296,7 @@ class ComputeStatistics:
     num_decoding: int
     num_prefill_tokens: int
     num_cached_tokens: int
+    num_last_cache_reuses: int
     num_prefill_chunks: int
     num_decode_steps: int
     num_decode_rows: int
@@ -439,6 +451,7 @@ class ComputeActor(Actor):
         *,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         decode_burst: int = DEFAULT_DECODE_BURST,
+        keep_last_cache: bool = True,
         loader: Optional[Callable[[int], ModelRunner]] = None,
         source: Optional[str] = None,
         **options: Any,
@@ -452,6 +465,9 @@ class ComputeActor(Actor):
             decode_burst: the most request-steps one decode job runs while no
                 message or prefill waits (``decode_burst // batch size``
                 steps, at least one, at most :data:`MAX_BURST_STEPS`), > 0.
+            keep_last_cache: keep the cache of the request that finished
+                last (one request's KV, outside the block pool) so that a
+                request bringing its prefix skips the rebuild.
             loader: called on the MLX thread with ``prefill_chunk`` to make
                 the runner, instead of ``runner``.
             source: what the loader loads, for error messages.
@@ -465,6 +481,8 @@ class ComputeActor(Actor):
             raise InvalidInput("prefill_chunk", prefill_chunk, "must be a positive int")
         if not isinstance(decode_burst, int) or isinstance(decode_burst, bool) or decode_burst <= 0:
             raise InvalidInput("decode_burst", decode_burst, "must be a positive int")
+        if not isinstance(keep_last_cache, bool):
+            raise InvalidInput("keep_last_cache", keep_last_cache, "must be a bool")
         if (runner is None) == (loader is None):
             raise InvalidInput("runner", runner, "give a runner or a loader, not both or neither")
         super().__init__(**options)
@@ -473,6 +491,7 @@ class ComputeActor(Actor):
         self._source = source
         self._chunk = prefill_chunk
         self._burst = decode_burst
+        self._keep_last_cache = keep_last_cache
         self._thread = MLXThread(name="mlxkv-compute", log=self._log)
         self._info: Optional[ModelInfo] = None if runner is None else runner.info
         self._live: dict[str, Sequence] = {}
@@ -484,6 +503,7 @@ class ComputeActor(Actor):
         self._batches: list[DecodeBatch] = []
         self._num_prefill_tokens = 0
         self._num_cached_tokens = 0
+        self._num_last_cache_reuses = 0
         self._num_prefill_chunks = 0
         self._num_decode_steps = 0
         self._num_decode_rows = 0
@@ -756,6 +776,7 @@ class ComputeActor(Actor):
         queued = sequence.phase is Phase.QUEUED
 
         chunk = self._chunk
+        keep_cache = self._keep_last_cache
 
         def job() -> _PrefillOutcome:
             encoding = None
@@ -776,6 +797,8 @@ class ComputeActor(Actor):
             first = logprobs = None
             if logits is not None:
                 first, logprobs = _first_token(sequence, logits)
+                if keep_cache and (first in sequence.stop_tokens or sequence.max_tokens == 1):
+                    runner.keep(sequence, sequence.cache)  # the request ends here
             return _PrefillOutcome(
                 encoding, sequence.num_computed - start, published, unpublishable, first, logits, logprobs
             )
@@ -800,6 +823,7 @@ class ComputeActor(Actor):
                 sequence.emit(ImagesEncoded(features=outcome.encoding.features))
         if queued:
             self._num_cached_tokens += sequence.num_cached
+            self._num_last_cache_reuses += sequence.reused_last_cache
             self._num_cold_fallbacks += sequence.cold_fallback
             if sequence.cold_fallback:
                 self._log.warning(
@@ -847,6 +871,7 @@ class ComputeActor(Actor):
         self._leaving.clear()
         joining, self._joining = self._joining, []
         batches = list(self._batches)
+        keep_cache = self._keep_last_cache
 
         def job() -> _DecodeOutcome:
             answers: dict[int, Optional[Published]] = {}
@@ -859,6 +884,8 @@ class ComputeActor(Actor):
                         answer, failed = _publish(runner, sequence, caches[id(sequence)], sequence.num_tokens)
                         answers[id(sequence)] = answer
                         unpublishable += failed
+                        if keep_cache:
+                            runner.keep(sequence, caches[id(sequence)])
             kept = [batch for batch in batches if len(batch)]
             if runner.info.batchable:
                 if joining and not kept:
@@ -956,6 +983,7 @@ class ComputeActor(Actor):
             num_decoding=decoding,
             num_prefill_tokens=self._num_prefill_tokens,
             num_cached_tokens=self._num_cached_tokens,
+            num_last_cache_reuses=self._num_last_cache_reuses,
             num_prefill_chunks=self._num_prefill_chunks,
             num_decode_steps=self._num_decode_steps,
             num_decode_rows=self._num_decode_rows,

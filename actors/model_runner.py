@@ -43,6 +43,8 @@ __all__ = [
 
 #: Cache classes whose per-request caches mlx-lm merges into one exact batch.
 _BATCHABLE = frozenset({"KVCache", "RotatingKVCache", "ArraysCache"})
+#: Cache classes that cut back exactly to any earlier length (``trim``).
+_TRIMMABLE = frozenset({"KVCache", "QuantizedKVCache"})
 
 
 @attrs.frozen(kw_only=True)
@@ -173,11 +175,19 @@ class ModelRunner(Protocol):
         ...
 
     def start(self, sequence: Sequence) -> None:
-        """Give ``sequence`` its cache: rebuilt from its prefix payloads, else cold.
+        """Give ``sequence`` its cache: the kept one or one rebuilt from its
+        prefix payloads, else cold.
 
         Sets ``cache``, ``num_cached`` and ``num_computed``; a prefix that
         cannot be rebuilt exactly falls back to a cold cache and sets
         ``cold_fallback``.
+        """
+        ...
+
+    def keep(self, sequence: Sequence, cache: list[Any]) -> None:
+        """Keep ``cache``, finished ``sequence``'s, for the next request whose
+        cached prefix it holds (which then skips the rebuild); the runner
+        keeps one cache at most. The caller gives up ``cache``.
         """
         ...
 
@@ -229,11 +239,20 @@ class CacheRunner(abc.ABC):
     Subclasses provide :meth:`_new_cache`, :meth:`_probe` (one token through
     a fresh cache), :meth:`prefill`, :meth:`decode` and :meth:`preparer`.
 
-    Owns: the model's cold cache layout, which rebuilt caches must match.
+    Owns: the model's cold cache layout, which rebuilt caches must match,
+    and the kept cache (:meth:`keep`).
+
+    Invariants:
+        - the kept cache's KV holds exactly its ``tokens``, computed without
+          images; nothing else refers to its arrays (payloads are copies);
+        - a request gets the kept cache only for the prefix it brings
+          payloads for, so it sees nothing it is not entitled to.
     """
 
     _info: ModelInfo
     _layout: tuple[tuple[Any, ...], ...]
+    _trimmable: bool = False
+    _kept: Optional[_KeptCache] = None
 
     @property
     def info(self) -> ModelInfo:
@@ -269,6 +288,7 @@ class CacheRunner(abc.ABC):
                 arrays = group if isinstance(group, (tuple, list)) else (group,)
                 kv_bytes += sum(a.nbytes // a.shape[2] for a in arrays if a is not None)
         names = tuple(type(layer).__name__ for layer in cold)
+        self._trimmable = all(name in _TRIMMABLE for name in names)
         fields = {
             "cache_layers": names,
             "has_recurrent": any(isinstance(layer, ArraysCache) for layer in cold),
@@ -285,6 +305,8 @@ class CacheRunner(abc.ABC):
         sequence.prefix = ()
         cache = None
         if prefix:
+            cache = self._take_kept(sequence, prefix)
+        if prefix and cache is None:
             try:
                 cache = self._rebuild(prefix, len(sequence.prompt) - prefix[-1].end)
             except kv_state.NotReconstructable:
@@ -296,6 +318,40 @@ class CacheRunner(abc.ABC):
             sequence.cache = cache
             sequence.num_cached = prefix[-1].end
         sequence.num_computed = sequence.num_cached
+
+    def keep(self, sequence: Sequence, cache: list[Any]) -> None:
+        """Only a cache of plain KV layers (which cut back exactly), filled
+        without images, is kept; it replaces the one kept before."""
+        if not self._trimmable or not self._text_only(sequence):
+            return
+        held = cache[0].offset
+        self._kept = _KeptCache(
+            cache=cache,
+            tokens=(*sequence.prompt, *sequence.generated)[:held],
+            layers=kv_state.describe_cache(cache).layers,
+        )
+
+    def _text_only(self, sequence: Sequence) -> bool:
+        """Whether the request's KV depends on its tokens alone (no images)."""
+        return True
+
+    def _take_kept(self, sequence: Sequence, prefix: tuple[BlockPayload, ...]) -> Optional[list[Any]]:
+        """The kept cache cut back to the prefix, if it holds the request's
+        tokens there and the prefix could be rebuilt (it is no longer kept
+        then), else None."""
+        kept = self._kept
+        num_tokens = prefix[-1].end
+        if kept is None or len(kept.tokens) < num_tokens or not self._text_only(sequence):
+            return None
+        if kept.tokens[:num_tokens] != tuple(sequence.prompt[:num_tokens]):
+            return None
+        if prefix[0].layers != kept.layers or kv_state.num_reconstructable_blocks(prefix) != len(prefix):
+            return None
+        self._kept = None
+        for layer in kept.cache:
+            layer.trim(layer.offset - num_tokens)
+        sequence.reused_last_cache = True
+        return kept.cache
 
     def _rebuild(self, prefix: tuple[BlockPayload, ...], num_new: int) -> list[Any]:
         # The model call that follows evaluates the copy in the same graph.
@@ -368,6 +424,15 @@ class CacheRunner(abc.ABC):
         if self._info.has_recurrent:
             payloads = [_with_snapshot(p, sequence.snapshots.get(p.end)) for p in payloads]
         return tuple(payloads)
+
+
+@attrs.frozen
+class _KeptCache:
+    """A finished request's cache and the tokens its KV holds."""
+
+    cache: list[Any] = attrs.field(eq=False, repr=False)
+    tokens: tuple[int, ...] = attrs.field(repr=False)
+    layers: tuple[kv_state.LayerSpec, ...]
 
 
 def _with_snapshot(payload: BlockPayload, state: Optional[tuple[Any, ...]]) -> BlockPayload:

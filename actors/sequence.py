@@ -60,6 +60,7 @@ class Sequence:
         "generated",
         "snapshots",
         "cold_fallback",
+        "reused_last_cache",
         "cancelled",
         "final",
     )
@@ -104,6 +105,9 @@ class Sequence:
         #: position -> recurrent-layer states after that many tokens (hybrid models).
         self.snapshots: dict[int, tuple[Optional[tuple[Any, ...]], ...]] = {}
         self.cold_fallback = False
+        #: Its cache was the last finished request's, cut back to the prefix
+        #: (see :meth:`CacheRunner.keep`), instead of rebuilt from payloads.
+        self.reused_last_cache = False
         self.cancelled = False
         #: The final event, once decided, sent when the request leaves its batch.
         self.final: Any = None

@@ -204,6 +204,8 @@ class _Placement:
     embeds: Optional[Any] = None
     #: what happened to the request's images, until taken
     encoding: Optional[ImageEncoding] = None
+    #: whether the prompt has images (its KV then depends on more than its tokens)
+    has_images: bool = False
 
 
 class VisionRunner(CacheRunner):
@@ -312,7 +314,12 @@ class VisionRunner(CacheRunner):
                 placement.embeds = self._model.merge_input_ids_with_image_features(
                     pad, self._config.video_token_id, features[before : before + needed], embeds, suffix
                 )
+        placement.has_images = inputs is not None
         sequence.inputs = placement
+
+    def _text_only(self, sequence: Sequence) -> bool:
+        inputs = sequence.inputs
+        return inputs is None or (isinstance(inputs, _Placement) and not inputs.has_images)
 
     def _image_delta(self, grid: Any) -> int:
         """How far text after these images sits from its index: each image

@@ -48,10 +48,28 @@ def check_token_ids(
         except (TypeError, OverflowError, ValueError):
             raise InvalidInput(argument, tokens, "must be ints in [0, 2**32)") from None
         # array('I') takes True and False as 1 and 0; a list of flags is a bug.
-        if bool in set(map(type, tokens)):
+        if _has_bools(tokens, ids):
             raise InvalidInput(argument, tokens, "must be ints, not bools")
     if not ids and not allow_empty:
         raise InvalidInput(argument, tokens, "must hold at least one token")
-    if vocab_size is not None and ids and max(ids) >= vocab_size:
-        raise InvalidInput(argument, max(ids), f"token ids must be in [0, {vocab_size})")
+    if vocab_size is not None and ids:
+        largest = int(_view(ids).max())
+        if largest >= vocab_size:
+            raise InvalidInput(argument, largest, f"token ids must be in [0, {vocab_size})")
     return ids
+
+
+def _view(ids: TokenIds) -> Any:
+    import numpy as np
+
+    return np.frombuffer(ids, dtype=np.uint32)
+
+
+def _has_bools(tokens: Any, ids: TokenIds) -> bool:
+    """Whether ``tokens`` (converted to ``ids``) holds a ``bool``: only the
+    places holding 0 or 1 are looked at (a prompt has few)."""
+    if len(ids) < 64 or not isinstance(tokens, (list, tuple)):
+        return bool in set(map(type, tokens))
+    import numpy as np
+
+    return any(tokens[i].__class__ is bool for i in np.flatnonzero(_view(ids) <= 1).tolist())

@@ -140,6 +140,10 @@ class RuntimeConfig:
         share_in_flight: a generation whose prefix another generation is
             computing right now waits for those blocks instead of computing
             them again (on by default; off only to measure what it saves).
+        keep_last_cache: the compute actor keeps the KV of the generation
+            that finished last (one request's, beside the block pool) and
+            hands it to the next one whose cached prefix it holds, which
+            then skips rebuilding that prefix from blocks (on by default).
 
     Raises:
         InvalidInput: a field is out of range, or ``kv_memory`` without a model.
@@ -156,6 +160,7 @@ class RuntimeConfig:
     kv_memory: Optional[int] = attrs.field(default=None, converter=_byte_budget)
     prefill_chunk: int = attrs.field(default=DEFAULT_PREFILL_CHUNK, validator=_int_at_least(1))
     share_in_flight: bool = attrs.field(default=True, validator=_is_bool)
+    keep_last_cache: bool = attrs.field(default=True, validator=_is_bool)
 
     def __attrs_post_init__(self) -> None:
         if self.kv_memory is not None and self.model is None:
@@ -325,7 +330,8 @@ class RuntimeStatistics:
                 (
                     "compute",
                     f"{compute.num_prefill_tokens} tokens prefilled, {compute.num_cached_tokens}"
-                    f" reused, {compute.num_decode_steps} decode steps (mean batch"
+                    f" reused ({compute.num_last_cache_reuses} from the last cache),"
+                    f" {compute.num_decode_steps} decode steps (mean batch"
                     f" {compute.mean_batch_size:.1f}), {compute.num_live} live",
                 )
             )
@@ -454,7 +460,12 @@ class CacheRuntime:
         try:
             if source is not None:
                 # First: the pool is sized from the loaded model's bytes per token.
-                compute = ComputeActor.loading(source, prefill_chunk=config.prefill_chunk, **options)
+                compute = ComputeActor.loading(
+                    source,
+                    prefill_chunk=config.prefill_chunk,
+                    keep_last_cache=config.keep_last_cache,
+                    **options,
+                )
                 self._compute = ComputeHandle(await self._start_actor(compute))
                 self._model_info = await self._compute.describe()
                 self._preparer = await self._compute.preparer()

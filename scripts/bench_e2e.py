@@ -1,11 +1,19 @@
-"""End to end: time to first token of a 2048-token prompt whose first 1984 tokens are cached.
+"""End to end: time to first token of a prompt whose leading blocks are cached.
+
+By default a 2048-token prompt whose first 1984 tokens (31 blocks of 64) are
+cached; ``--cached N --new M`` sets another shape (N a multiple of 64).
 
 Four ways to get the first token of the same prompt on the built-in model:
 
 - cold: ``CacheRuntime.generate`` with nothing cached (a fresh ``cache_salt``
   per repeat): the whole 2048-token prefill;
 - warm: ``CacheRuntime.generate`` with the first 1984 tokens (31 blocks of
-  64) cached: fetch, reconstruct, prefill the 64 new tokens, sample;
+  64) cached, as shipped: fetch, take the cache the previous request left
+  (the runtime keeps the last finished request's cache; here the previous
+  request had the same tokens), prefill the 64 new tokens, sample;
+- rebuilt: the same right after an unrelated 8-token request (untimed), so
+  the kept cache holds other tokens and the 1984 tokens of KV are rebuilt
+  from the 31 blocks' payloads (what ``keep_last_cache=False`` always does);
 - ideal: plain mlx-lm on one thread, prefilling the 64 new tokens on a cache
   that already holds the 1984 (no lookup, no reconstruction; the cache is
   trimmed back after each repeat);
@@ -15,12 +23,14 @@ Four ways to get the first token of the same prompt on the built-in model:
   needs ``mlx-lm<0.32``; see ``scripts/bench_cache.py`` for its set-up).
 
 Repeats are interleaved, the order rotated every repeat (so no method
-always follows the heavy cold prefill), and the
-table shows medians and ratios of medians. Parity is checked: the warm and
-vllm-mlx logits at the last prompt position must equal the cold ones within
-1e-4, and the warm greedy token must equal the cold one.
+always follows the heavy cold prefill), and the table shows medians and
+ratios of medians; the "paired" ratios are the median of each repeat's own
+ratio (its runs seconds apart), steadier when the machine drifts. Parity is
+checked: the warm, rebuilt and vllm-mlx logits at the last prompt position
+must equal the cold ones within 1e-4, and the warm greedy token must equal
+the cold one.
 
-    .venv/bin/python scripts/bench_e2e.py [--repeats 9] [--json FILE]
+    .venv/bin/python scripts/bench_e2e.py [--repeats 9] [--model DIR] [--json FILE]
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_VLLM_PYTHON = REPO / ".bench" / "vllm" / "bin" / "python"
-PROMPT, CACHED, BLOCK = 2048, 1984, 64
+BLOCK = 64
 ATOL = 1e-4
 
 #: The child process: one repeat per "go" line on stdin, one JSON line back.
@@ -80,17 +90,17 @@ for line in sys.stdin:
 """
 
 
-def _prompt() -> list[int]:
+def _prompt(length: int) -> list[int]:
     # Printable bytes of the byte-level tokenizer, in a long non-repeating pattern.
-    return [32 + (i * 37 + (i // 11) ** 2) % 95 for i in range(PROMPT)]
+    return [32 + (i * 37 + (i // 11) ** 2) % 95 for i in range(length)]
 
 
 class Vllm:
     """The vllm-mlx child: one timed fetch+reconstruct+prefill per :meth:`repeat`."""
 
-    def __init__(self, python: Path, model: str, prompt: list[int]) -> None:
+    def __init__(self, python: Path, model: str, prompt: list[int], cached: int) -> None:
         self.proc = subprocess.Popen(
-            [str(python), "-c", CHILD, model, str(CACHED), str(BLOCK)],
+            [str(python), "-c", CHILD, model, str(cached), str(BLOCK)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -129,36 +139,38 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     from mlxkv import CacheRuntime
     from mlxkv.default_model import DEFAULT_MODEL, ensure_model
 
-    model_dir = str(ensure_model(DEFAULT_MODEL))
-    prompt = _prompt()
+    model_dir = args.model or str(ensure_model(DEFAULT_MODEL))
+    cached, total = args.cached, args.cached + args.new
+    prompt = _prompt(total)
     vllm = None
     if args.vllm_python.is_file():
-        vllm = Vllm(args.vllm_python, model_dir, prompt)
+        vllm = Vllm(args.vllm_python, model_dir, prompt, cached)
     else:
         print(f"no reference environment at {args.vllm_python}: vllm-mlx skipped", file=sys.stderr)
 
     # The ideal: mlx-lm alone, a cache already holding the cached prefix.
     model, _ = load(model_dir)
     ideal_cache = make_prompt_cache(model)
-    for start in range(0, CACHED, 256):
-        model(mx.array(prompt[start : min(start + 256, CACHED)])[None], cache=ideal_cache)
+    for start in range(0, cached, 256):
+        model(mx.array(prompt[start : min(start + 256, cached)])[None], cache=ideal_cache)
         mx.eval([c.state for c in ideal_cache])
 
     def ideal() -> tuple[float, Any]:
         start = time.perf_counter()
-        model(mx.array(prompt[CACHED:-1])[None], cache=ideal_cache)
+        model(mx.array(prompt[cached:-1])[None], cache=ideal_cache)
         logits = model(mx.array(prompt[-1:])[None], cache=ideal_cache)[0, -1]
         token = mx.argmax(logits)
         mx.eval(token, logits)
         elapsed = time.perf_counter() - start
         for layer in ideal_cache:
-            layer.trim(PROMPT - CACHED)
+            layer.trim(total - cached)
         return elapsed, logits
 
-    samples: dict[str, list[float]] = {"cold": [], "warm": [], "ideal": [], "vllm-mlx": []}
-    worst: dict[str, float] = {"warm": 0.0, "ideal": 0.0, "vllm-mlx": 0.0}
+    samples: dict[str, list[float]] = {"cold": [], "warm": [], "rebuilt": [], "ideal": [], "vllm-mlx": []}
+    worst: dict[str, float] = {"warm": 0.0, "rebuilt": 0.0, "ideal": 0.0, "vllm-mlx": 0.0}
     same_token = True
-    async with CacheRuntime(model=model_dir, block_size=BLOCK, max_blocks=4096) as rt:
+    blocks = max(4096, 4 * (total // BLOCK + 2))
+    async with CacheRuntime(model=model_dir, block_size=BLOCK, max_blocks=blocks) as rt:
 
         async def first(prompt_ids: list[int], salt: str) -> Any:
             async with rt.generate(prompt_ids, max_tokens=1, cache_salt=salt) as stream:
@@ -166,8 +178,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                     pass
             return stream.report
 
-        await first(prompt[: CACHED + 1], "warm")  # stores the 31 blocks of the prefix
-        kinds = ["cold", "warm", "ideal"] + (["vllm-mlx"] if vllm is not None else [])
+        await first(prompt[: cached + 1], "warm")  # stores the blocks of the prefix
+        kinds = ["cold", "warm", "rebuilt", "ideal"] + (["vllm-mlx"] if vllm is not None else [])
         for i in range(args.warmup + args.repeats):
             # Rotate the order, so that no method always follows the heavy cold prefill.
             shift = i % len(kinds)
@@ -175,18 +187,21 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             for kind in kinds[shift:] + kinds[:shift]:
                 if kind == "cold":
                     results[kind] = await first(prompt, f"cold-{i}")
-                elif kind == "warm":
+                elif kind in ("warm", "rebuilt"):
+                    if kind == "rebuilt":
+                        await first(list(range(40, 48)), "other")  # now the kept cache
                     results[kind] = await first(prompt, "warm")
-                    assert results[kind].cached_tokens == CACHED, results[kind]
+                    assert results[kind].cached_tokens == cached, results[kind]
                 elif kind == "ideal":
                     results[kind] = ideal()
                 else:
                     results[kind] = vllm.repeat()  # type: ignore[union-attr]
-                    assert results[kind]["cached"] == CACHED, results[kind]["cached"]
+                    assert results[kind]["cached"] == cached, results[kind]["cached"]
             cold, warm = results["cold"], results["warm"]
             reference = np.array(cold.prompt_logits)
             diffs = {
                 "warm": np.abs(np.array(warm.prompt_logits) - reference).max(),
+                "rebuilt": np.abs(np.array(results["rebuilt"].prompt_logits) - reference).max(),
                 "ideal": np.abs(np.array(results["ideal"][1]) - reference).max(),
             }
             same_token &= warm.tokens[:1] == cold.tokens[:1]
@@ -196,6 +211,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 continue
             samples["cold"].append(cold.time_to_first_token)
             samples["warm"].append(warm.time_to_first_token)
+            samples["rebuilt"].append(results["rebuilt"].time_to_first_token)
             samples["ideal"].append(results["ideal"][0])
             if vllm is not None:
                 samples["vllm-mlx"].append(results["vllm-mlx"]["seconds"])
@@ -208,11 +224,16 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     parity = same_token and all(diff <= ATOL for diff in worst.values())
     return {
         "model": model_dir,
-        "prompt_tokens": PROMPT,
-        "cached_tokens": CACHED,
+        "prompt_tokens": total,
+        "cached_tokens": cached,
         "repeats": args.repeats,
         "median_ms": {name: round(m * 1e3, 3) for name, m in medians.items()},
         "warm_over_ideal": round(medians["warm"] / medians["ideal"], 3),
+        "rebuilt_over_ideal": round(medians["rebuilt"] / medians["ideal"], 3),
+        # Each repeat's ratio (its runs were seconds apart), then their median:
+        # steadier than a ratio of medians when the machine drifts.
+        "paired_warm_over_ideal": round(_paired(samples["warm"], samples["ideal"]), 3),
+        "paired_rebuilt_over_ideal": round(_paired(samples["rebuilt"], samples["ideal"]), 3),
         "cold_over_warm": round(medians["cold"] / medians["warm"], 2),
         "vllm_over_warm": (
             round(medians["vllm-mlx"] / medians["warm"], 3) if "vllm-mlx" in medians else None
@@ -222,28 +243,41 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _paired(mine: list[float], ideal: list[float]) -> float:
+    return statistics.median(a / b for a, b in zip(mine, ideal))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=9, help="timed repeats of each (9)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed repeats first (2)")
     parser.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
+    parser.add_argument("--cached", type=int, default=1984, help="cached prompt tokens (1984)")
+    parser.add_argument("--new", type=int, default=64, help="prompt tokens after them (64)")
+    parser.add_argument("--model", help="an mlx-lm model directory (default: the built-in model)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
+    if args.cached <= 0 or args.cached % BLOCK or args.new <= 0:
+        parser.error(f"--cached must be a positive multiple of {BLOCK}, --new positive")
     import anyio
 
     result = anyio.run(bench, args)
     m = result["median_ms"]
+    total, cached = result["prompt_tokens"], result["cached_tokens"]
     rows = [
-        ("cold: full 2048-token prefill", m["cold"], result["cold_over_warm"]),
-        ("warm: mlxkv generate, 1984 cached", m["warm"], 1.0),
-        ("ideal: 64-token prefill on a present cache", m["ideal"], m["ideal"] / m["warm"]),
+        (f"cold: full {total}-token prefill", m["cold"], result["cold_over_warm"]),
+        (f"warm: mlxkv generate, {cached} cached", m["warm"], 1.0),
+        ("rebuilt: the same, rebuilt from blocks", m["rebuilt"], m["rebuilt"] / m["warm"]),
+        (f"ideal: {total - cached}-token prefill on a present cache", m["ideal"], m["ideal"] / m["warm"]),
     ]
     if "vllm-mlx" in m:
         rows.append(("vllm-mlx 0.6.0 fetch+reconstruct+prefill", m["vllm-mlx"], m["vllm-mlx"] / m["warm"]))
     print(f"{'time to first token (median)':<46} {'ms':>9}  {'/ warm':>7}")
     for label, ms, ratio in rows:
         print(f"{label:<46} {ms:9.2f}  {ratio:7.3f}")
-    print(f"warm / ideal = {result['warm_over_ideal']}; parity (|logits - cold| <= {ATOL}):"
+    print(f"warm / ideal = {result['warm_over_ideal']} (paired {result['paired_warm_over_ideal']}),"
+          f" rebuilt / ideal = {result['rebuilt_over_ideal']} (paired {result['paired_rebuilt_over_ideal']})")
+    print(f"parity (|logits - cold| <= {ATOL}):"
           f" {result['parity']} {result['max_logit_diff_vs_cold']}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -236,7 +236,8 @@ class TestGeneration:
         """A request rebuilt from another's published blocks decodes like the cold one."""
         model_and_tokenizer = request.getfixturevalue(model_name)
         prompt = _prompt(200)
-        async with _serving(running, _actor(model_and_tokenizer, prefill_chunk=64)) as compute:
+        actor = _actor(model_and_tokenizer, prefill_chunk=64, keep_last_cache=False)
+        async with _serving(running, actor) as compute:
             cold = await _run(compute, "cold", prompt, stop_tokens=frozenset())
             blocks = cold.published[: (len(prompt) - 1) // BLOCK]
             assert kv_state.num_reconstructable_blocks(blocks) == len(blocks) == 6
@@ -244,7 +245,7 @@ class TestGeneration:
             stats = await compute.statistics()
         assert warm.prefilled.num_cached == 6 * BLOCK
         _assert_same(warm, cold)
-        assert stats.num_cached_tokens == 6 * BLOCK
+        assert stats.num_cached_tokens == 6 * BLOCK and stats.num_last_cache_reuses == 0
 
     async def test_every_hybrid_block_carries_its_snapshot(self, running, hybrid_model):
         """A hybrid's published blocks (prompt and answer) can each end a reused prefix."""
@@ -303,6 +304,73 @@ class TestGeneration:
         _assert_same(run, cold)
         assert stats.num_cold_fallbacks == 1
         assert [log["event"] for log in logs] == ["prefill.cold_fallback"]
+
+
+class TestLastCache:
+    """The cache of the request that finished last, cut back for the next one
+    that brings its prefix (instead of rebuilding that prefix from blocks)."""
+
+    async def test_the_next_turn_takes_the_last_cache_and_equals_a_rebuild(self, running, tiny_llama):
+        """Turn 2 (turn 1's prompt, answer and more) reuses turn 1's cache; results equal a rebuild."""
+        first_prompt = _prompt(100)
+        runs: dict[bool, tuple[Run, Any]] = {}
+        for keep in (True, False):
+            async with _serving(running, _actor(tiny_llama, keep_last_cache=keep)) as compute:
+                first = await _run(compute, "t1", first_prompt, max_tokens=40, stop_tokens=frozenset())
+                second_prompt = first_prompt + first.tokens + _prompt(30, salt=5)
+                # Turn 1's 140 tokens in the KV: blocks 0..3 (128 tokens) are the prefix.
+                second = await _run(
+                    compute, "t2", second_prompt, prefix=first.published[:4], max_tokens=12, stop_tokens=frozenset()
+                )
+                runs[keep] = (second, await compute.statistics())
+        (reused, stats), (rebuilt, cold_stats) = runs[True], runs[False]
+        assert stats.num_last_cache_reuses == 1 and cold_stats.num_last_cache_reuses == 0
+        assert reused.prefilled.num_cached == rebuilt.prefilled.num_cached == 4 * BLOCK
+        _assert_same(reused, rebuilt)
+        starts = [[e.start for e in run.events if isinstance(e, Published)] for run in (reused, rebuilt)]
+        assert starts[0] == starts[1] == [4]  # 182 tokens in all: block 4 is the last full one
+
+    async def test_a_request_that_ends_at_its_first_token_is_kept_too(self, running, tiny_llama):
+        """max_tokens=1 finishes in the prefill; the same prompt again reuses that cache."""
+        prompt = _prompt(3 * BLOCK + 5)
+        async with _serving(running, _actor(tiny_llama)) as compute:
+            first = await _run(compute, "a", prompt, max_tokens=1)
+            again = await _run(compute, "b", prompt, prefix=first.published, max_tokens=1)
+            stats = await compute.statistics()
+        assert stats.num_last_cache_reuses == 1
+        _assert_same(again, first)
+
+    async def test_only_a_request_with_its_tokens_takes_it(self, running, tiny_llama):
+        """A request with other tokens rebuilds; the latest finished request is the one kept."""
+        prompt = _prompt(4 * BLOCK + 3)
+        async with _serving(running, _actor(tiny_llama)) as compute:
+            first = await _run(compute, "a", prompt, max_tokens=2)
+            other = _prompt(4 * BLOCK + 3, salt=9)
+            other_blocks = (await _run(compute, "o", other, max_tokens=1)).published
+            # "o" finished last: its cache is kept now, not "a"'s.
+            await _run(compute, "b", prompt, prefix=first.published[:2], max_tokens=2)
+            assert (await compute.statistics()).num_last_cache_reuses == 0
+            await _run(compute, "b2", prompt, prefix=first.published[:3], max_tokens=2)
+            await _run(compute, "c", other, prefix=other_blocks[:2], max_tokens=2)
+            stats = await compute.statistics()
+        # "b2" took "b"'s cache; "c" found "b2"'s (other tokens) and rebuilt.
+        assert stats.num_last_cache_reuses == 1
+
+    @pytest.mark.parametrize("model_name", ["sliding_llama", "hybrid_model"])
+    async def test_caches_that_cannot_be_cut_back_are_not_kept(self, request, running, model_name):
+        """Sliding-window and recurrent layers cannot be cut back exactly: always rebuilt."""
+        model_and_tokenizer = request.getfixturevalue(model_name)
+        prompt = _prompt(4 * BLOCK + 3)
+        async with _serving(running, _actor(model_and_tokenizer)) as compute:
+            first = await _run(compute, "a", prompt, max_tokens=2)
+            again = await _run(compute, "b", prompt, prefix=first.published[:3], max_tokens=2)
+            stats = await compute.statistics()
+        assert stats.num_last_cache_reuses == 0 and stats.num_cached_tokens == 3 * BLOCK
+        _assert_same(again, first)
+
+    def test_keep_last_cache_must_be_a_bool(self, tiny_llama):
+        with pytest.raises(InvalidInput, match="keep_last_cache"):
+            _actor(tiny_llama, keep_last_cache=1)
 
 
 class TestBatching:

@@ -47,3 +47,18 @@ class TestCheckTokenIds:
         assert len(check_token_ids([])) == 0
         with pytest.raises(InvalidInput):
             check_token_ids([], allow_empty=False)
+
+    @pytest.mark.parametrize("kind", [list, tuple])
+    def test_long_prompts_are_checked_alike(self, kind):
+        """Past 64 ids only the places holding 0 or 1 are looked at for bools: a
+        bool anywhere is still refused, ints 0 and 1 are not, and the vocabulary
+        bound holds."""
+        ids = [(i * 7) % 5 for i in range(300)]  # plenty of 0s and 1s
+        assert list(check_token_ids(kind(ids), vocab_size=5)) == ids
+        for where, flag in ((0, False), (150, True), (299, True)):
+            flagged = ids[:where] + [flag] + ids[where + 1 :]
+            with pytest.raises(InvalidInput, match="bools"):
+                check_token_ids(kind(flagged))
+        with pytest.raises(InvalidInput) as info:
+            check_token_ids(kind(ids + [5]), vocab_size=5)
+        assert info.value.value == 5

@@ -45,13 +45,17 @@ def llama(model_dir: Any) -> str:
 
 
 class TestParity:
-    """Requests served from cached blocks give the cold greedy tokens and logits."""
+    """Requests served from cached blocks give the cold greedy tokens and logits.
+
+    These runtimes do not keep the last cache, so every warm prefix is rebuilt
+    from blocks; :meth:`test_multi_turn_from_the_last_cache` covers the kept one.
+    """
 
     async def test_shared_system_prompt(self, any_model):
         """Request B reuses the system-prompt blocks request A stored, on every model
         kind: a hybrid model's prefill snapshots its recurrent state at every block end."""
         _, path = any_model
-        async with CacheRuntime(model=path, block_size=BS) as rt:
+        async with CacheRuntime(model=path, block_size=BS, keep_last_cache=False) as rt:
             await run(rt, SYSTEM + _tokens(30, salt=1))
             prompt_b = SYSTEM + _tokens(25, salt=2)
             warm = await run(rt, prompt_b)
@@ -62,7 +66,7 @@ class TestParity:
     async def test_multi_turn_conversation(self, any_model):
         """Turn n+1 (prompt n + answer n + new text) reuses turn n's prompt and answer."""
         _, path = any_model
-        async with CacheRuntime(model=path, block_size=BS) as rt:
+        async with CacheRuntime(model=path, block_size=BS, keep_last_cache=False) as rt:
             prompt = SYSTEM + _tokens(20, salt=1)
             previous_cache = 0
             for turn in range(3):
@@ -80,7 +84,7 @@ class TestParity:
     async def test_forked_request(self, any_model):
         """A generation served by blocks that only a forked request keeps alive."""
         _, path = any_model
-        async with CacheRuntime(model=path, block_size=BS) as rt:
+        async with CacheRuntime(model=path, block_size=BS, keep_last_cache=False) as rt:
             prompt = SYSTEM + _tokens(40, salt=3)
             await run(rt, prompt)
             await rt.fetch("holder", prompt[:-1])
@@ -99,7 +103,7 @@ class TestParity:
         cold-exact, on every model kind (a hybrid's blocks each carry their snapshot)."""
         _, path = any_model
         prompt = SYSTEM + _tokens(60, salt=4)  # 160 tokens: 9 full blocks before the last
-        async with CacheRuntime(model=path, block_size=BS, max_blocks=14) as rt:
+        async with CacheRuntime(model=path, block_size=BS, keep_last_cache=False, max_blocks=14) as rt:
             await run(rt, prompt, max_tokens=4)  # stores 10 blocks (prompt and answer)
             if how == "evict":
                 assert await rt.evict(4) == 4
@@ -111,6 +115,21 @@ class TestParity:
             stats = await rt.stats()
             assert stats.allocator.num_evictions >= 3
             await assert_clean(rt)
+
+    async def test_multi_turn_from_the_last_cache(self, llama):
+        """With the last cache kept (the default), each turn takes the previous
+        one's cache instead of rebuilding it, and still equals a cold run."""
+        async with CacheRuntime(model=llama, block_size=BS) as rt:
+            prompt = SYSTEM + _tokens(20, salt=1)
+            for turn in range(3):
+                answer, report = await run(rt, prompt, max_tokens=12)
+                if turn:
+                    assert report.cached_tokens > 0
+                    await assert_matches_cold(rt, prompt, (answer, report), f"cold-{turn}")
+                prompt = prompt + answer + _tokens(15, salt=turn + 5)
+            stats = await rt.stats()
+            await assert_clean(rt)
+        assert stats.compute is not None and stats.compute.num_last_cache_reuses == 2
 
     async def test_cold_generation_equals_mlx_lm(self, llama):
         """A cold greedy generation gives mlx-lm's own generate_step tokens."""

@@ -102,6 +102,8 @@ class TestVisionGeneration:
             await assert_clean(rt)
         assert warm[1].cached_tokens == (len(turn1) + len(first[0])) // 16 * 16
         assert stats.compute is not None and stats.compute.num_vision_encoder_runs == 1
+        # A cache holding image tokens is never kept: its KV is more than its tokens.
+        assert stats.compute.num_last_cache_reuses == 0
         _same(warm, cold)
 
     async def test_image_order_is_part_of_the_key(self, vlm_path, pictures):
@@ -126,6 +128,7 @@ class TestVisionGeneration:
         _same(again, cold)
         assert first[0] == cold[0]
         assert stats.compute is not None and stats.compute.num_vision_encoder_runs == 0
+        assert stats.compute.num_last_cache_reuses == 1  # "again" took "first"'s cache
 
     async def test_image_requests_decode_together_exactly(self, vlm_path, pictures):
         """Concurrent requests with different images (and one without) decode in one batch,
