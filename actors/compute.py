@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import collections
 import traceback
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable, Hashable, Sequence as Seq
 from typing import Any, Literal, Optional, TypeVar
 
 import anyio
@@ -336,6 +336,9 @@ class Generate(Tell):
         keep_logits: attach each token's log-probabilities to its event.
         held_blocks: leading full blocks of the prompt the request holds
             already (cached): they are not published again.
+        namespace: what the request's blocks are keyed under beside its
+            tokens (cache salt, images); a request may use all the KV the
+            last cache shares with it only within its namespace.
         inputs: what the model runner needs beyond the tokens (a
             vision-language prompt's images), as its preparer made them.
         events: where the request's events go; its buffer must hold
@@ -350,6 +353,7 @@ class Generate(Tell):
     block_size: int
     keep_logits: bool = False
     held_blocks: int = 0
+    namespace: Hashable = None
     inputs: Any = attrs.field(default=None, eq=False, repr=False)
     events: MemoryObjectSendStream[Event] = attrs.field(repr=False, eq=False)
 
@@ -724,6 +728,7 @@ class ComputeActor(Actor):
             emit=emit,
             inputs=message.inputs,
             num_held=message.held_blocks,
+            namespace=message.namespace,
         )
 
     # -- life of a request ---------------------------------------------------------
@@ -781,11 +786,13 @@ class ComputeActor(Actor):
         def job() -> _PrefillOutcome:
             encoding = None
             if queued:
+                # Blocks of the prefix payloads or held by the request are
+                # stored; any the last cache gave beyond them are published.
+                brought = sequence.prefix[-1].end // sequence.block_size if sequence.prefix else 0
                 runner.start(sequence)
                 encoding = runner.take_encoding(sequence)
-                # Blocks the request rebuilt or holds already are stored.
                 sequence.num_published = max(
-                    sequence.num_cached // sequence.block_size, sequence.num_held
+                    min(brought, sequence.num_cached // sequence.block_size), sequence.num_held
                 )
                 boundary = sequence.block_size if runner.info.has_recurrent else None
                 sequence.chunk_ends = plan_chunks(
@@ -1077,6 +1084,7 @@ class ComputeHandle(ActorHandle):
         stop_tokens: Optional[frozenset[int]] = None,
         keep_logits: bool = False,
         held_blocks: int = 0,
+        namespace: Hashable = None,
         inputs: Any = None,
     ) -> None:
         """Send :class:`Generate`; the request's events arrive on ``events``.
@@ -1095,6 +1103,7 @@ class ComputeHandle(ActorHandle):
                 stop_tokens=stop_tokens,
                 keep_logits=keep_logits,
                 held_blocks=held_blocks,
+                namespace=namespace,
                 inputs=inputs,
                 events=events,
             )

@@ -185,9 +185,9 @@ class ModelRunner(Protocol):
         ...
 
     def keep(self, sequence: Sequence, cache: list[Any]) -> None:
-        """Keep ``cache``, finished ``sequence``'s, for the next request whose
-        cached prefix it holds (which then skips the rebuild); the runner
-        keeps one cache at most. The caller gives up ``cache``.
+        """Keep ``cache``, finished ``sequence``'s, for the next request that
+        shares its first tokens (which then computes only the rest); the
+        runner keeps one cache at most. The caller gives up ``cache``.
         """
         ...
 
@@ -243,10 +243,13 @@ class CacheRunner(abc.ABC):
     and the kept cache (:meth:`keep`).
 
     Invariants:
-        - the kept cache's KV holds exactly its ``tokens``, computed without
-          images; nothing else refers to its arrays (payloads are copies);
-        - a request gets the kept cache only for the prefix it brings
-          payloads for, so it sees nothing it is not entitled to.
+        - the kept cache's KV holds exactly its ``tokens`` (and its images,
+          if its namespace has any); nothing else refers to its arrays
+          (payloads are copies);
+        - a request uses of it only what it is entitled to: within the kept
+          cache's namespace (cache salt and images) every shared token, else
+          only the prefix it brings payloads for, and only if neither has
+          images (then the tokens alone decide the KV).
     """
 
     _info: ModelInfo
@@ -303,55 +306,72 @@ class CacheRunner(abc.ABC):
     def start(self, sequence: Sequence) -> None:
         prefix = sequence.prefix
         sequence.prefix = ()
-        cache = None
-        if prefix:
-            cache = self._take_kept(sequence, prefix)
-        if prefix and cache is None:
+        cache, num_cached = self._take_kept(sequence, prefix)
+        if cache is None and prefix:
             try:
                 cache = self._rebuild(prefix, len(sequence.prompt) - prefix[-1].end)
+                num_cached = prefix[-1].end
             except kv_state.NotReconstructable:
                 sequence.cold_fallback = True
         if cache is None:
-            sequence.cache = self._new_cache()
-            sequence.num_cached = 0
-        else:
-            sequence.cache = cache
-            sequence.num_cached = prefix[-1].end
-        sequence.num_computed = sequence.num_cached
+            cache, num_cached = self._new_cache(), 0
+        sequence.cache = cache
+        sequence.num_cached = sequence.num_computed = num_cached
 
     def keep(self, sequence: Sequence, cache: list[Any]) -> None:
-        """Only a cache of plain KV layers (which cut back exactly), filled
-        without images, is kept; it replaces the one kept before."""
-        if not self._trimmable or not self._text_only(sequence):
+        """Only a cache of plain KV layers (which cut back exactly) is kept;
+        it replaces the one kept before."""
+        if not self._trimmable:
             return
         held = cache[0].offset
         self._kept = _KeptCache(
             cache=cache,
-            tokens=(*sequence.prompt, *sequence.generated)[:held],
+            tokens=tuple((*sequence.prompt, *sequence.generated)[:held]),
             layers=kv_state.describe_cache(cache).layers,
+            namespace=sequence.namespace,
+            text_only=self._text_only(sequence),
         )
 
     def _text_only(self, sequence: Sequence) -> bool:
         """Whether the request's KV depends on its tokens alone (no images)."""
         return True
 
-    def _take_kept(self, sequence: Sequence, prefix: tuple[BlockPayload, ...]) -> Optional[list[Any]]:
-        """The kept cache cut back to the prefix, if it holds the request's
-        tokens there and the prefix could be rebuilt (it is no longer kept
-        then), else None."""
+    def _take_kept(
+        self, sequence: Sequence, prefix: tuple[BlockPayload, ...]
+    ) -> tuple[Optional[list[Any]], int]:
+        """The kept cache cut back to what the request may use of it, and
+        that many tokens (it is no longer kept then); or ``(None, 0)`` when
+        it has nothing for the request beyond what ``prefix`` rebuilds.
+
+        Within the kept cache's namespace the request uses every token they
+        share but the prompt's last (which must run for its logits); in
+        another namespace only its payloads' prefix, and only if both are
+        text and the payloads could be rebuilt.
+        """
         kept = self._kept
-        num_tokens = prefix[-1].end
-        if kept is None or len(kept.tokens) < num_tokens or not self._text_only(sequence):
-            return None
-        if kept.tokens[:num_tokens] != tuple(sequence.prompt[:num_tokens]):
-            return None
-        if prefix[0].layers != kept.layers or kv_state.num_reconstructable_blocks(prefix) != len(prefix):
-            return None
+        if kept is None:
+            return None, 0
+        floor = prefix[-1].end if prefix else 0
+        shared = _shared_length(kept.tokens, sequence.prompt, len(sequence.prompt) - 1)
+        if kept.namespace == sequence.namespace:
+            usable = shared
+        elif (
+            prefix
+            and kept.text_only
+            and self._text_only(sequence)
+            and prefix[0].layers == kept.layers
+            and kv_state.num_reconstructable_blocks(prefix) == len(prefix)
+        ):
+            usable = min(shared, floor)
+        else:
+            return None, 0
+        if usable <= 0 or usable < floor:
+            return None, 0
         self._kept = None
         for layer in kept.cache:
-            layer.trim(layer.offset - num_tokens)
+            layer.trim(layer.offset - usable)
         sequence.reused_last_cache = True
-        return kept.cache
+        return kept.cache, usable
 
     def _rebuild(self, prefix: tuple[BlockPayload, ...], num_new: int) -> list[Any]:
         # The model call that follows evaluates the copy in the same graph.
@@ -433,6 +453,25 @@ class _KeptCache:
     cache: list[Any] = attrs.field(eq=False, repr=False)
     tokens: tuple[int, ...] = attrs.field(repr=False)
     layers: tuple[kv_state.LayerSpec, ...]
+    namespace: Any
+    #: whether its KV depends on its tokens alone (no images)
+    text_only: bool
+
+
+def _shared_length(kept: tuple[int, ...], prompt: Seq[int], limit: int) -> int:
+    """How many leading tokens ``kept`` and ``prompt`` share, at most ``limit``."""
+    prompt = tuple(prompt)
+    end = min(len(kept), limit)
+    if kept[:end] == prompt[:end]:
+        return end  # the usual case: the prompt extends the kept tokens
+    low, high = 0, end  # kept[:low] == prompt[:low]; kept[:high] != prompt[:high]
+    while high - low > 1:
+        middle = (low + high) // 2
+        if kept[low:middle] == prompt[low:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 def _with_snapshot(payload: BlockPayload, state: Optional[tuple[Any, ...]]) -> BlockPayload:

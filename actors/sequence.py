@@ -10,7 +10,7 @@ two threads never touch a sequence at the same time.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, Optional
 
 from mlxkv.actors.sampling import Sampler
@@ -57,6 +57,7 @@ class Sequence:
         "chunk_ends",
         "num_published",
         "num_held",
+        "namespace",
         "generated",
         "snapshots",
         "cold_fallback",
@@ -79,6 +80,7 @@ class Sequence:
         emit: Callable[[Any], bool],
         inputs: Any = None,
         num_held: int = 0,
+        namespace: Hashable = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -101,6 +103,9 @@ class Sequence:
         self.num_published = 0
         #: Leading full blocks the request holds already (never published again).
         self.num_held = num_held
+        #: What the request's blocks are keyed under beside its tokens (cache
+        #: salt, images): requests of one namespace may share all their KV.
+        self.namespace = namespace
         self.generated: list[int] = []
         #: position -> recurrent-layer states after that many tokens (hybrid models).
         self.snapshots: dict[int, tuple[Optional[tuple[Any, ...]], ...]] = {}

@@ -345,6 +345,7 @@ async def run_generation(
                     max_tokens=request.max_tokens,
                     block_size=block_size,
                     held_blocks=held,
+                    namespace=(request.cache_salt, images_key),
                     inputs=inputs,
                 )
             except BaseException:

@@ -295,7 +295,8 @@ class TestGeneration:
         """Payloads of another model's layout are not half-used: the prompt is computed whole."""
         async with _serving(running, _actor(hybrid_model)) as compute:
             foreign = (await _run(compute, "h", _prompt(100), max_tokens=1)).published
-        async with _serving(running, _actor(tiny_llama)) as compute:
+        # Without the last cache, which holds these tokens and would be used instead.
+        async with _serving(running, _actor(tiny_llama, keep_last_cache=False)) as compute:
             cold = await _run(compute, "cold", _prompt(100))
             with capture_logs() as logs:
                 run = await _run(compute, "r", _prompt(100), prefix=foreign[:2])
@@ -325,10 +326,42 @@ class TestLastCache:
                 runs[keep] = (second, await compute.statistics())
         (reused, stats), (rebuilt, cold_stats) = runs[True], runs[False]
         assert stats.num_last_cache_reuses == 1 and cold_stats.num_last_cache_reuses == 0
-        assert reused.prefilled.num_cached == rebuilt.prefilled.num_cached == 4 * BLOCK
+        # The last cache holds all of turn 1 (prompt and answer); the blocks only 128 tokens.
+        assert (reused.prefilled.num_cached, rebuilt.prefilled.num_cached) == (140, 4 * BLOCK)
         _assert_same(reused, rebuilt)
         starts = [[e.start for e in run.events if isinstance(e, Published)] for run in (reused, rebuilt)]
         assert starts[0] == starts[1] == [4]  # 182 tokens in all: block 4 is the last full one
+
+    async def test_another_namespace_takes_only_its_prefix(self, running, tiny_llama):
+        """Across namespaces (cache salts) only the prefix the request brings blocks for is used."""
+        prompt = _prompt(4 * BLOCK + 10)
+        async with _serving(running, _actor(tiny_llama)) as compute:
+            first = await _run(compute, "a", prompt, max_tokens=4, namespace=("tenant-a", None))
+            other = await _run(
+                compute, "b", prompt, prefix=first.published[:2], max_tokens=4, namespace=("tenant-b", None)
+            )
+            same = await _run(compute, "c", prompt, max_tokens=4, namespace=("tenant-b", None))
+            stats = await compute.statistics()
+        assert other.prefilled.num_cached == 2 * BLOCK
+        # "c" brings no blocks, but "b" (its namespace) left the whole prompt but its last token.
+        assert same.prefilled.num_cached == len(prompt) - 1
+        assert stats.num_last_cache_reuses == 2
+        _assert_same(other, first)
+        _assert_same(same, first)
+
+    async def test_blocks_taken_from_the_last_cache_are_published(self, running, tiny_llama):
+        """Blocks the request neither brought nor holds, got from the last cache, are
+        handed out like computed ones (so the pool gets them)."""
+        prompt = _prompt(3 * BLOCK + 10)
+        async with _serving(running, _actor(tiny_llama)) as compute:
+            first = await _run(compute, "a", prompt, max_tokens=2)
+            again = await _run(compute, "b", prompt, max_tokens=2)
+        assert again.prefilled.num_cached == len(prompt) - 1
+        assert [p.start for p in again.published] == [p.start for p in first.published] == [0, 32, 64]
+        for mine, theirs in zip(again.published, first.published):
+            for a, b in zip(mine.arrays, theirs.arrays):
+                for x, y in zip(a, b):
+                    np.testing.assert_allclose(np.array(x), np.array(y), atol=ATOL, rtol=0)
 
     async def test_a_request_that_ends_at_its_first_token_is_kept_too(self, running, tiny_llama):
         """max_tokens=1 finishes in the prefill; the same prompt again reuses that cache."""

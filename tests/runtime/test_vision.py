@@ -75,8 +75,9 @@ class TestVisionGeneration:
     async def test_cached_embeddings_skip_the_encoder_exactly(self, vlm_path, pictures):
         """A second request about the same image feeds its cached embeddings (no encoder
         run) and equals the same request computed cold."""
-        # Blocks of 64: the prompts share no full block, so only embeddings are reused.
-        async with CacheRuntime(model=str(vlm_path), block_size=64) as rt:
+        # Blocks of 64: the prompts share no full block, so only embeddings are
+        # reused (the last cache, which holds the shared image tokens, is off).
+        async with CacheRuntime(model=str(vlm_path), block_size=64, keep_last_cache=False) as rt:
             await run(rt, "What is this?", images=[pictures[0]])
             warm = await run(rt, "Describe the colours.", images=[pictures[0]])
             stats = await rt.stats()
@@ -88,10 +89,12 @@ class TestVisionGeneration:
         assert stats.images.num_hits == 1
         _same(warm, cold)
 
-    async def test_a_second_turn_reuses_the_first(self, vlm_path, pictures):
+    @pytest.mark.parametrize("keep_last_cache", [False, True])
+    async def test_a_second_turn_reuses_the_first(self, vlm_path, pictures, keep_last_cache):
         """Turn 2 (turn 1's prompt + answer + new text, same image) reuses turn 1's
-        image+prompt KV, needs no encoder, and equals turn 2 computed cold."""
-        async with CacheRuntime(model=str(vlm_path), block_size=16) as rt:
+        image+prompt KV, needs no encoder, and equals turn 2 computed cold: from
+        the blocks (full blocks only), or from the last cache (all of turn 1)."""
+        async with CacheRuntime(model=str(vlm_path), block_size=16, keep_last_cache=keep_last_cache) as rt:
             preparer_tokens = await rt.tokenize(" And the shapes?")
             first = await run(rt, "Describe this image.", images=[pictures[0]], max_tokens=8)
             turn1 = await _prompt_tokens(rt, "Describe this image.", [pictures[0]])
@@ -100,10 +103,10 @@ class TestVisionGeneration:
             stats = await rt.stats()
             cold = await run(rt, turn2, images=[pictures[0]], max_tokens=8, cache_salt="cold")
             await assert_clean(rt)
-        assert warm[1].cached_tokens == (len(turn1) + len(first[0])) // 16 * 16
+        turn1_tokens = len(turn1) + len(first[0])
+        assert warm[1].cached_tokens == (turn1_tokens if keep_last_cache else turn1_tokens // 16 * 16)
         assert stats.compute is not None and stats.compute.num_vision_encoder_runs == 1
-        # A cache holding image tokens is never kept: its KV is more than its tokens.
-        assert stats.compute.num_last_cache_reuses == 0
+        assert stats.compute.num_last_cache_reuses == int(keep_last_cache)
         _same(warm, cold)
 
     async def test_image_order_is_part_of_the_key(self, vlm_path, pictures):
