@@ -36,6 +36,8 @@ __all__ = ["MAX_PIXELS", "digest_images", "image_key_source", "load_images"]
 #: The most pixels an image may have (64 megapixels): beyond it decoding
 #: alone costs seconds and hundreds of MB, and PIL warns of a decompression bomb.
 MAX_PIXELS = 8192 * 8192
+#: Image files up to this many bytes in all are hashed on the event loop.
+INLINE_FILE_BYTES = 256 * 1024
 _MAX_ASPECT = 200
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 
@@ -132,12 +134,26 @@ def _describe(image: Any) -> Any:
     return image
 
 
+def _file_bytes(images: Sequence[Any]) -> float:
+    """Bytes of the image files among ``images`` (infinite if one cannot be sized)."""
+    total = 0.0
+    for image in images:
+        if isinstance(image, (str, os.PathLike)) and not _URL.match(str(image)):
+            try:
+                total += os.stat(image).st_size
+            except OSError:
+                return float("inf")  # the hasher reports it, off the loop
+    return total
+
+
 async def digest_images(images: Any) -> Optional[str]:
     """The order-sensitive digest of ``images``, or None for no images.
 
-    Paths are hashed on a worker thread: reading files must not block the
-    event loop. Anything else (bytes, URLs, arrays) is hashed here, because an
-    unevaluated MLX array can only be evaluated on the thread that built it.
+    Paths to files of more than :data:`INLINE_FILE_BYTES` in all are hashed
+    on a worker thread: reading them must not block the event loop (a small
+    file is read and hashed here, faster than the hop to a thread). Anything
+    else (bytes, URLs, arrays) is hashed here, because an unevaluated MLX
+    array can only be evaluated on the thread that built it.
     """
     if images is None:
         return None
@@ -148,7 +164,7 @@ async def digest_images(images: Any) -> Optional[str]:
     if not images:
         return None
     try:
-        if any(isinstance(image, (str, os.PathLike)) for image in images):
+        if _file_bytes(images) > INLINE_FILE_BYTES:
             return await anyio.to_thread.run_sync(images_digest, list(images))
         return images_digest(list(images))
     except CacheError:
