@@ -42,12 +42,12 @@ prefix (see :mod:`mlxkv.generation`) is not here at all until that prefix is
 published, so it delays nobody.
 
 The last cache. When a request finishes, the runner keeps its cache (one
-request's KV, beside the block pool; plain KV layers and prompts without
-images only). The next request whose cached prefix that cache holds takes
-it, cut back to the prefix, instead of rebuilding the prefix from block
-payloads: the next turn of a conversation, or the same prompt again, skips
-the copy. The tokens are compared, so it is used only for a prefix the
-request holds blocks for; ``keep_last_cache=False`` turns it off.
+request's KV, beside the block pool; plain KV layers only). The next request
+that shares its first tokens takes it, cut back to what it may use: within
+the kept cache's namespace (cache salt and images) every shared token but
+the prompt's last, in another namespace only the prefix it brings payloads
+for, and only when neither has images. Full blocks it gets that way beyond
+the blocks it holds are published. ``keep_last_cache=False`` turns it off.
 
 Failures. A domain error (bad input) is answered as :class:`Failed` and
 changes nothing. A prefill whose model call raises fails that request only
@@ -193,7 +193,8 @@ class Prefilled:
     """The prompt is computed; sent just before the first :class:`Token`.
 
     Attributes:
-        num_cached: prompt tokens taken from the cached prefix.
+        num_cached: prompt tokens not computed: rebuilt from the cached
+            prefix, or taken from the last cache.
         cold_fallback: the prefix could not be rebuilt, so the whole prompt
             was computed.
         logits: the logits of the last prompt position (the first token is
@@ -267,10 +268,11 @@ class ComputeStatistics:
         num_prefilling: requests with an unfinished prefill (queued ones too).
         num_decoding: requests in the decode batch.
         num_prefill_tokens: prompt tokens run through the model.
-        num_cached_tokens: prompt tokens rebuilt from cached blocks instead.
+        num_cached_tokens: prompt tokens not computed (rebuilt from cached
+            blocks, or taken from the last cache).
         num_last_cache_reuses: requests that took the last finished
-            request's cache, cut back to their cached prefix, instead of
-            rebuilding it from blocks.
+            request's cache, cut back to what they may use of it, instead
+            of rebuilding their prefix from blocks.
         num_prefill_chunks: prefill jobs run.
         num_decode_steps: decode model calls.
         num_decode_rows: request-steps those calls served (their sum of
@@ -470,8 +472,9 @@ class ComputeActor(Actor):
                 message or prefill waits (``decode_burst // batch size``
                 steps, at least one, at most :data:`MAX_BURST_STEPS`), > 0.
             keep_last_cache: keep the cache of the request that finished
-                last (one request's KV, outside the block pool) so that a
-                request bringing its prefix skips the rebuild.
+                last (one request's KV, outside the block pool) for the next
+                request that shares its first tokens (see the module
+                docstring).
             loader: called on the MLX thread with ``prefill_chunk`` to make
                 the runner, instead of ``runner``.
             source: what the loader loads, for error messages.

@@ -106,7 +106,8 @@ class GenerationReport:
     Attributes:
         request_id: the request.
         prompt_tokens: tokens in the prompt.
-        cached_tokens: prompt tokens taken from cached blocks (not computed).
+        cached_tokens: prompt tokens not computed: taken from cached blocks
+            or from the last finished generation's cache.
         generated_tokens: tokens generated (an end-of-sequence token excluded).
         finish_reason: ``"stop"`` (end-of-sequence token) or ``"length"``
             (``max_tokens`` reached).

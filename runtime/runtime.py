@@ -142,8 +142,10 @@ class RuntimeConfig:
             them again (on by default; off only to measure what it saves).
         keep_last_cache: the compute actor keeps the KV of the generation
             that finished last (one request's, beside the block pool) and
-            hands it to the next one whose cached prefix it holds, which
-            then skips rebuilding that prefix from blocks (on by default).
+            hands it to the next one that shares its first tokens, which
+            then computes only the rest: all shared tokens within one cache
+            salt and set of images, only its cached blocks' tokens across
+            salts (on by default).
 
     Raises:
         InvalidInput: a field is out of range, or ``kv_memory`` without a model.
