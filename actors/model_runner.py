@@ -323,11 +323,13 @@ class CacheRunner(abc.ABC):
         it replaces the one kept before."""
         if not self._trimmable:
             return
-        held = cache[0].offset
+        tokens = tuple((*sequence.prompt, *sequence.generated)[: cache[0].offset])
+        for layer in cache:
+            # A stop token was fed but is not part of the answer.
+            layer.trim(layer.offset - len(tokens))
         self._kept = _KeptCache(
             cache=cache,
-            tokens=tuple((*sequence.prompt, *sequence.generated)[:held]),
-            layers=kv_state.describe_cache(cache).layers,
+            tokens=tokens,
             namespace=sequence.namespace,
             text_only=self._text_only(sequence),
         )
@@ -346,7 +348,8 @@ class CacheRunner(abc.ABC):
         Within the kept cache's namespace the request uses every token they
         share but the prompt's last (which must run for its logits); in
         another namespace only its payloads' prefix, and only if both are
-        text and the payloads could be rebuilt.
+        text and the payloads line up from token 0 (they are what entitles
+        it).
         """
         kept = self._kept
         if kept is None:
@@ -359,7 +362,6 @@ class CacheRunner(abc.ABC):
             prefix
             and kept.text_only
             and self._text_only(sequence)
-            and prefix[0].layers == kept.layers
             and kv_state.num_reconstructable_blocks(prefix) == len(prefix)
         ):
             usable = min(shared, floor)
@@ -452,7 +454,6 @@ class _KeptCache:
 
     cache: list[Any] = attrs.field(eq=False, repr=False)
     tokens: tuple[int, ...] = attrs.field(repr=False)
-    layers: tuple[kv_state.LayerSpec, ...]
     namespace: Any
     #: whether its KV depends on its tokens alone (no images)
     text_only: bool

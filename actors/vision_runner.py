@@ -285,7 +285,7 @@ class VisionRunner(CacheRunner):
         inputs: Optional[VisionInputs] = sequence.inputs
         pad = self._config.image_token_id
         cached = sequence.num_cached
-        needed = 0 if inputs is None else sum(1 for t in sequence.prompt[cached:] if t == pad)
+        needed = 0 if inputs is None else sequence.prompt[cached:].count(pad)
         if needed:
             # Image tokens still to compute: their 2-D positions from the model.
             ids = mx.array(sequence.prompt)[None]
@@ -299,7 +299,7 @@ class VisionRunner(CacheRunner):
             positions = mx.broadcast_to(span[None, None], (3, 1, span.size))
             placement = _Placement(positions=positions, delta=delta, offset=cached)
         if inputs is not None:
-            before = sum(1 for t in sequence.prompt[:cached] if t == pad)
+            before = sequence.prompt[:cached].count(pad)
             placement.encoding = ImageEncoding(ran=False)
             if needed:
                 ids = mx.array(sequence.prompt)[None]

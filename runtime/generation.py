@@ -4,7 +4,10 @@
 :class:`Generation`, an async iterator of :class:`GeneratedToken` records that
 ends with one :class:`GenerationReport`. Its flow:
 
-1. tokenize a text prompt (compute actor, ``EncodeText``);
+1. prepare the prompt with the model's preparer, on the caller's side: a
+   text prompt is tokenized; images are looked up in the image cache by
+   digest (their cached features are all the model needs) or decoded and
+   processed on a worker thread;
 2. fetch the prompt, sharing what others compute: take every cached full
    block of it; if the blocks right after them are being computed by another
    request, wait for them to be published and take them too; claim the rest
@@ -36,9 +39,9 @@ rebuilt (then the whole prompt is computed).
 
 Only the awaits on actors count as calls in flight (so ``async with`` exit
 waits for them); a generation parked at a ``yield`` does not keep the runtime
-open. Images are keys only for now: ``images=`` namespaces the request's
-blocks (two requests share blocks only with the same images, in the same
-order), but a text model does not see them.
+open. ``images=`` also namespaces the request's blocks: two requests share
+blocks only with the same images, in the same order (a text model refuses
+images).
 """
 
 from __future__ import annotations

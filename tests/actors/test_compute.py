@@ -363,6 +363,24 @@ class TestLastCache:
                 for x, y in zip(a, b):
                     np.testing.assert_allclose(np.array(x), np.array(y), atol=ATOL, rtol=0)
 
+    async def test_an_answer_ended_by_a_stop_token_continues_exactly(self, running, tiny_llama):
+        """The stop token was fed but is not part of the answer: the next turn,
+        prompt + answer + more, reuses prompt and answer only, and equals a rebuild."""
+        prompt = _prompt(70)
+        async with _serving(running, _actor(tiny_llama)) as compute:
+            free = await _run(compute, "free", prompt, max_tokens=12, stop_tokens=frozenset())
+        stop = free.tokens[6]
+        answer = free.tokens[: free.tokens.index(stop)]
+        turn2 = prompt + answer + _prompt(20, salt=4)
+        results = {}
+        for keep in (True, False):
+            async with _serving(running, _actor(tiny_llama, keep_last_cache=keep)) as compute:
+                first = await _run(compute, "t1", prompt, max_tokens=12, stop_tokens=frozenset({stop}))
+                assert first.tokens == answer and first.final.reason == "stop"
+                results[keep] = await _run(compute, "t2", turn2, prefix=first.published[:2], max_tokens=6)
+        assert results[True].prefilled.num_cached == len(prompt) + len(answer)
+        _assert_same(results[True], results[False])
+
     async def test_a_request_that_ends_at_its_first_token_is_kept_too(self, running, tiny_llama):
         """max_tokens=1 finishes in the prefill; the same prompt again reuses that cache."""
         prompt = _prompt(3 * BLOCK + 5)
