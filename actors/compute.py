@@ -10,12 +10,17 @@ Messages (each :class:`~mlxkv.actors.actor.Ask` answers with the noun after
 the arrow):
 
 - :class:`Generate` (no reply of its own): start a request. Its events --
-  :class:`Published` (payloads of full blocks, as soon as the prefill chunk
-  that computed them is evaluated), :class:`Prefilled`, one :class:`Token`
-  per token, then :class:`Finished` or :class:`Failed` -- go to the event
-  stream the caller passes, sized so that the actor never waits on it.
-  A vision-language request also gets :class:`ImagesEncoded` when the
-  vision encoder ran for it (its features, to be cached).
+  :class:`Prefilled`, one :class:`Token` per token (or burst of tokens),
+  then :class:`Finished` or :class:`Failed` -- go to the event stream the
+  caller passes, sized so that the actor never waits on it. What is to be
+  cached goes to a second stream if the caller passes one (else to the
+  same): :class:`Published` (payloads of full blocks, as soon as the
+  prefill chunk that computed them is evaluated; the final chunk's just
+  after its first token, which is not kept waiting for them),
+  :class:`PromptPublished` once the prompt's blocks are all out, the
+  answer's blocks as the request finishes, and, for a vision-language
+  request, :class:`ImagesEncoded` when the vision encoder ran for it (its
+  features). Both streams end when the request does.
 - :class:`Cancel` (no reply): stop a request; a request whose event stream
   nobody reads any more is cancelled the same way.
 - :class:`NewPreparer` -> the model's
@@ -118,6 +123,7 @@ __all__ = [
     "ImagesEncoded",
     "NewPreparer",
     "Prefilled",
+    "PromptPublished",
     "Published",
     "Statistics",
     "Token",
@@ -171,10 +177,22 @@ class Published:
         start: index of the first block.
         payloads: their KV, owned and evaluated; each block of a model with
             recurrent layers carries the state snapshot at its end.
+        tokens: the token ids those blocks hold (prompt or answer),
+            ``block_size`` per block.
     """
 
     start: int
     payloads: tuple[BlockPayload, ...] = attrs.field(eq=False, repr=lambda p: f"<{len(p)} blocks>")
+    tokens: tuple[int, ...] = attrs.field(default=(), eq=False, repr=False)
+
+
+@attrs.frozen(kw_only=True)
+class PromptPublished:
+    """Every full block of the prompt that the request publishes is out.
+
+    Blocks it was asked to compute but could not publish (its KV cannot be
+    sliced exactly) will not come: whoever waits for them should stop.
+    """
 
 
 @attrs.frozen(kw_only=True)
@@ -245,18 +263,19 @@ class Failed:
 
 
 #: What a request's event stream carries.
-Event = Published | ImagesEncoded | Prefilled | Token | Finished | Failed
+Event = Published | PromptPublished | ImagesEncoded | Prefilled | Token | Finished | Failed
 
 
 def events_needed(num_prompt: int, max_tokens: int, block_size: int, chunk: int) -> int:
     """How many events a request can receive at most: size its stream so.
 
     One per prefill job (a published batch of blocks each), the images'
-    features, the prefilled mark, one per token, the answer's blocks, and
-    the end.
+    features, the prompt-published and prefilled marks, one per token, the
+    answer's blocks, and the end. Enough for either of a request's two
+    streams, or for both on one.
     """
     jobs = -(-num_prompt // min(chunk, block_size)) + 1
-    return jobs + max_tokens + 4
+    return jobs + max_tokens + 5
 
 
 @attrs.frozen(kw_only=True)
@@ -345,6 +364,9 @@ class Generate(Tell):
             vision-language prompt's images), as its preparer made them.
         events: where the request's events go; its buffer must hold
             :func:`events_needed` events.
+        to_cache: where what is to be cached goes (:class:`Published`,
+            :class:`PromptPublished`, :class:`ImagesEncoded`), sized the
+            same; None: to ``events``.
     """
 
     prompt: tuple[int, ...] = attrs.field(converter=tuple, repr=lambda t: f"<{len(t)} tokens>")
@@ -358,19 +380,22 @@ class Generate(Tell):
     namespace: Hashable = None
     inputs: Any = attrs.field(default=None, eq=False, repr=False)
     events: MemoryObjectSendStream[Event] = attrs.field(repr=False, eq=False)
+    to_cache: Optional[MemoryObjectSendStream[Event]] = attrs.field(default=None, repr=False, eq=False)
 
     def trace_fields(self) -> dict[str, int]:
         """The request's size, for tracing."""
         return {"prompt_tokens": len(self.prompt), "prefix_blocks": len(self.prefix)}
 
     def close_streams(self) -> None:
-        """End the request's event stream (the actor stopped before handling this)."""
+        """End the request's streams (the actor stopped before handling this)."""
         self.events.close()
+        if self.to_cache is not None:
+            self.to_cache.close()
 
     def fail(self, error: CacheError) -> None:
-        """Tell the request it failed before it started, and end its stream."""
+        """Tell the request it failed before it started, and end its streams."""
         _send(self.events, Failed(error=error))
-        self.events.close()
+        self.close_streams()
 
 
 @attrs.frozen(kw_only=True)
@@ -711,13 +736,16 @@ class ComputeActor(Actor):
         info = self._info
         assert info is not None, "the actor handles messages only once started"
         stop = info.eos_token_ids if message.stop_tokens is None else frozenset(message.stop_tokens)
-        events = message.events
+        events, to_cache = message.events, message.to_cache
 
         def emit(event: Any) -> bool:
             if event is None:
-                events.close()
+                message.close_streams()
                 return False
             return _send(events, event)
+
+        def publish(event: Any) -> bool:
+            return _send(to_cache, event) if to_cache is not None else emit(event)
 
         return Sequence(
             request_id=request_id,
@@ -729,6 +757,7 @@ class ComputeActor(Actor):
             block_size=message.block_size,
             keep_logits=bool(message.keep_logits),
             emit=emit,
+            publish=publish,
             inputs=message.inputs,
             num_held=message.held_blocks,
             namespace=message.namespace,
@@ -803,15 +832,15 @@ class ComputeActor(Actor):
                 )
             start = sequence.num_computed
             logits = runner.prefill(sequence, sequence.chunk_ends[0])
-            published, unpublishable = _publish(runner, sequence, sequence.cache)
-            first = logprobs = None
-            if logits is not None:
-                first, logprobs = _first_token(sequence, logits)
-                if keep_cache and (first in sequence.stop_tokens or sequence.max_tokens == 1):
-                    runner.keep(sequence, sequence.cache)  # the request ends here
-            return _PrefillOutcome(
-                encoding, sequence.num_computed - start, published, unpublishable, first, logits, logprobs
-            )
+            computed = sequence.num_computed - start
+            if logits is None:
+                published, unpublishable = _publish(runner, sequence, sequence.cache)
+                return _PrefillOutcome(encoding, computed, published, unpublishable, None, None, None)
+            # The last chunk: its blocks are sliced after the first token is out.
+            first, logprobs = _first_token(sequence, logits)
+            if keep_cache and (first in sequence.stop_tokens or sequence.max_tokens == 1):
+                runner.keep(sequence, sequence.cache)  # the request ends here
+            return _PrefillOutcome(encoding, computed, None, False, first, logits, logprobs)
 
         sequence.phase = Phase.PREFILLING
         try:
@@ -830,7 +859,7 @@ class ComputeActor(Actor):
             self._num_encoder_runs += outcome.encoding.ran
             self._num_encoder_skips += not outcome.encoding.ran
             if outcome.encoding.ran and not sequence.cancelled:
-                sequence.emit(ImagesEncoded(features=outcome.encoding.features))
+                sequence.publish(ImagesEncoded(features=outcome.encoding.features))
         if queued:
             self._num_cached_tokens += sequence.num_cached
             self._num_last_cache_reuses += sequence.reused_last_cache
@@ -845,7 +874,7 @@ class ComputeActor(Actor):
         if sequence.cancelled:
             return
         if outcome.published is not None:
-            sequence.emit(outcome.published)
+            sequence.publish(outcome.published)
         if outcome.first_token is None:
             return
         self._queue.remove(sequence)
@@ -857,16 +886,44 @@ class ComputeActor(Actor):
             )
         )
         token = outcome.first_token
-        if token in sequence.stop_tokens:
-            self._finish(sequence, Finished(reason="stop", num_stored=sequence.num_published * sequence.block_size))
+        stopped = token in sequence.stop_tokens
+        if not stopped:
+            sequence.generated.append(token)
+            sequence.emit(Token(tokens=(token,), logprobs=(outcome.logprobs,) if sequence.keep_logits else ()))
+        if not await self._publish_prompt(sequence):
             return
-        sequence.generated.append(token)
-        sequence.emit(Token(tokens=(token,), logprobs=(outcome.logprobs,) if sequence.keep_logits else ()))
-        if sequence.max_tokens == 1:
-            self._finish(sequence, Finished(reason="length", num_stored=sequence.num_published * sequence.block_size))
+        if stopped or sequence.max_tokens == 1:
+            reason: Literal["stop", "length"] = "stop" if stopped else "length"
+            stored = max(sequence.num_published, 0) * sequence.block_size
+            self._finish(sequence, Finished(reason=reason, num_stored=stored))
             return
         sequence.phase = Phase.DECODING
         self._joining.append(sequence)
+
+    async def _publish_prompt(self, sequence: Sequence) -> bool:
+        """Publish the prompt's blocks the last chunk computed (a job of their
+        own, after the first token), then :class:`PromptPublished`.
+
+        Returns:
+            False if slicing them raised: the request failed.
+        """
+        runner = self._require_runner()
+        cache = sequence.cache
+        if 0 <= sequence.num_published < sequence.num_computed // sequence.block_size:
+            try:
+                published, unpublishable = await self._compute(lambda: _publish(runner, sequence, cache))
+            except MLXThreadStopped:
+                raise
+            except Exception as error:
+                traceback.clear_frames(error.__traceback__)
+                self._num_model_errors += 1
+                self._finish(sequence, Failed(error=ComputeFailed(sequence.request_id, error)))
+                return False
+            self._count_published(published, unpublishable)
+            if published is not None:
+                sequence.publish(published)
+        sequence.publish(PromptPublished())
+        return True
 
     def _count_published(self, published: Optional[Published], unpublishable: bool) -> None:
         if published is not None:
@@ -932,7 +989,7 @@ class ComputeActor(Actor):
                 answer = outcome.answers.get(id(sequence))
                 self._count_published(answer, False)
                 if answer is not None:
-                    sequence.emit(answer)
+                    sequence.publish(answer)
                 self._finish(sequence, sequence.final)
             else:
                 self._forget(sequence)
@@ -1065,7 +1122,8 @@ def _publish(
         sequence.num_published = -1  # never again: this KV cannot be cut exactly
         return None, True
     sequence.num_published = stop
-    return Published(start=start, payloads=payloads), False
+    tokens = (*sequence.prompt, *sequence.generated)[start * size : stop * size]
+    return Published(start=start, payloads=payloads, tokens=tokens), False
 
 
 class ComputeHandle(ActorHandle):
@@ -1089,8 +1147,10 @@ class ComputeHandle(ActorHandle):
         held_blocks: int = 0,
         namespace: Hashable = None,
         inputs: Any = None,
+        to_cache: Optional[MemoryObjectSendStream[Event]] = None,
     ) -> None:
-        """Send :class:`Generate`; the request's events arrive on ``events``.
+        """Send :class:`Generate`; the request's events arrive on ``events``
+        (what is to be cached on ``to_cache``, if given).
 
         Raises:
             ActorFailed: the actor is not running.
@@ -1109,6 +1169,7 @@ class ComputeHandle(ActorHandle):
                 namespace=namespace,
                 inputs=inputs,
                 events=events,
+                to_cache=to_cache,
             )
         )
 

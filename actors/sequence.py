@@ -49,6 +49,7 @@ class Sequence:
         "block_size",
         "keep_logits",
         "emit",
+        "publish",
         "phase",
         "cache",
         "inputs",
@@ -78,6 +79,7 @@ class Sequence:
         block_size: int,
         keep_logits: bool,
         emit: Callable[[Any], bool],
+        publish: Optional[Callable[[Any], bool]] = None,
         inputs: Any = None,
         num_held: int = 0,
         namespace: Hashable = None,
@@ -93,6 +95,9 @@ class Sequence:
         self.keep_logits = keep_logits
         #: Hands an event to the request's stream; False once nobody listens.
         self.emit = emit
+        #: Hands what is to be cached (blocks, image features) to whoever
+        #: stores it: its own stream, or the event stream.
+        self.publish = emit if publish is None else publish
         self.phase = Phase.QUEUED
         self.cache: Optional[list[Any]] = None
         #: What the model runner prepared for this request (its own business).

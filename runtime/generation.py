@@ -20,16 +20,21 @@ ends with one :class:`GenerationReport`. Its flow:
    and every block it publishes has one. The compute actor rebuilds the
    prefix, prefills the rest in chunks and decodes in its batch
    (:mod:`mlxkv.actors.compute`);
-4. store each chunk's new full blocks as soon as they are published, so that
-   requests waiting for them go on at once; drop the remaining claims once
-   the prompt is computed (or a store fails), so that no one waits in vain;
+4. meanwhile a :class:`~mlxkv.storer.RequestStorer`, in a task of its own,
+   stores each chunk's new full blocks as soon as they are published (so
+   that requests waiting for them go on at once, however slowly this
+   request's consumer takes its tokens), the images' features if the
+   encoder ran, and the answer's blocks as the request finishes (so that
+   the next turn of a conversation, prompt + answer + new text, reuses
+   them); it drops the remaining claims once the prompt's blocks are out
+   (or a store fails), so that no one waits in vain;
 5. stream tokens through a per-request detokenizer; stop at an
-   end-of-sequence token or ``max_tokens``;
-6. store the full blocks of the answer too, so that the next turn of a
-   conversation (prompt + answer + new text) reuses it;
-7. on every exit -- normal, error, cancellation, or the consumer closing the
-   iterator early -- cancel the compute request and release the request's
-   blocks (which drops its claims: waiters take over), shielded.
+   end-of-sequence token or ``max_tokens``; the report follows once the
+   storer is done;
+6. on every exit -- normal, error, cancellation, or the consumer closing the
+   iterator early -- cancel the compute request, wait for the storer, and
+   release the request's blocks (which drops its claims: waiters take
+   over), shielded.
 
 Storing is best effort: a pool too small for the new blocks (``OutOfBlocks``)
 or KV that cannot be sliced exactly (a wrapped sliding window) only means the
@@ -47,7 +52,6 @@ images).
 from __future__ import annotations
 
 import itertools
-from array import array
 import time
 from collections.abc import AsyncGenerator, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
@@ -62,9 +66,7 @@ from mlxkv.actors.compute import (
     Event,
     Failed,
     Finished,
-    ImagesEncoded,
     Prefilled,
-    Published,
     Token,
     events_needed,
 )
@@ -72,9 +74,10 @@ from mlxkv.actors.event_log import EventLog
 from mlxkv.actors.model_runner import ModelInfo, PreparedPrompt, PromptPreparer
 from mlxkv.actors.sampling import Sampling
 from mlxkv.cache import kv_state
-from mlxkv.cache.errors import InvalidInput, OutOfBlocks
+from mlxkv.cache.errors import InvalidInput
 from mlxkv.cache.token_ids import check_token_ids
 from mlxkv.images import digest_images, image_key_source, load_images
+from mlxkv.storer import RequestStorer
 
 if TYPE_CHECKING:
     from mlxkv.runtime import CacheRuntime
@@ -262,36 +265,10 @@ async def run_generation(
     counts = runtime._generation_counts
     log = _LOG.bind(request_id=request_id)
     fetched = live = done = False
-    storing = True  # until a store fails: later blocks cannot follow a gap
-    stored_blocks = stored_bytes = 0
+    storer: Optional[RequestStorer] = None
     prompt: tuple[int, ...] = ()
     generated: list[int] = []
     counts["started"] += 1
-
-    async def store(published: Published, held: int) -> int:
-        """Store the published blocks beyond the ``held`` ones; best effort."""
-        nonlocal storing, stored_blocks, stored_bytes
-        end = published.start + len(published.payloads)
-        if not storing or end <= held:
-            return held
-        payloads = published.payloads[held - published.start :]
-        tokens = (prompt_ids + array("I", generated))[: end * block_size]
-        try:
-            with runtime._call():
-                result = await runtime.store(request_id, tokens, payloads)
-        except OutOfBlocks as error:
-            storing = False
-            counts["blocks_not_stored"] += len(payloads)
-            log.warning("generation.not_stored", blocks=len(payloads), error=str(error))
-            with runtime._call():
-                await runtime._index.unclaim(request_id)  # waiters compute it themselves
-            return held
-        new = result.num_blocks - result.num_reused
-        stored_blocks += new
-        # Blocks of one model are alike in size.
-        stored_bytes += new * payloads[0].nbytes
-        return result.num_held_blocks
-
     try:
         with runtime._call():
             preparer = runtime._preparer
@@ -334,12 +311,25 @@ async def run_generation(
             usable = min(
                 kv_state.num_reconstructable_blocks(fetch.payloads), (len(prompt) - 1) // block_size
             )
-            events_in, events = anyio.create_memory_object_stream[Event](
-                events_needed(len(prompt), request.max_tokens, block_size, info.prefill_chunk)
+            needed = events_needed(len(prompt), request.max_tokens, block_size, info.prefill_chunk)
+            events_in, events = anyio.create_memory_object_stream[Event](needed)
+            to_cache_in, to_cache = anyio.create_memory_object_stream[Event](needed)
+            starting = RequestStorer(
+                runtime,
+                request_id,
+                prompt_ids,
+                held=held,
+                images_key=images_key,
+                cache_salt=request.cache_salt,
+                num_image_tokens=prepared.num_image_tokens,
+                log=log,
             )
+            runtime._start_task(starting.run, to_cache)
+            storer = starting
             inputs = prepared.inputs
             try:
-                # From here on the compute actor owns (and closes) ``events_in``.
+                # From here on the compute actor owns (and closes) ``events_in``
+                # and ``to_cache_in``.
                 await compute.generate(
                     request_id,
                     prompt,
@@ -351,9 +341,11 @@ async def run_generation(
                     held_blocks=held,
                     namespace=(request.cache_salt, images_key),
                     inputs=inputs,
+                    to_cache=to_cache_in,
                 )
             except BaseException:
                 events_in.close()
+                to_cache_in.close()
                 events.close()
                 raise
             live = True
@@ -367,25 +359,11 @@ async def run_generation(
                         event = await events.receive()
                     except anyio.EndOfStream:
                         raise runtime._closed_error() from None
-                    if isinstance(event, Published):
-                        held = await store(event, held)
-                        continue
-                    if isinstance(event, ImagesEncoded):
-                        assert images_key is not None, "images were encoded for a request without"
-                        await runtime._images.store(
-                            images_key,
-                            event.features,
-                            num_image_tokens=prepared.num_image_tokens,
-                            cache_salt=request.cache_salt,
-                            request_id=request_id,
-                        )
-                        continue
                     if isinstance(event, Prefilled):
                         prefilled = event
                         first_token_at = time.perf_counter()
                         if event.cold_fallback:
                             counts["cold_fallbacks"] += 1
-                        await runtime._index.unclaim(request_id)
                         continue
                 if isinstance(event, Token):
                     for token in event.tokens:
@@ -405,6 +383,9 @@ async def run_generation(
                 else:
                     assert isinstance(event, Failed), f"unexpected event {event!r}"
                     raise event.error
+        await storer.done.wait()  # the compute actor ended its stream with Finished
+        if storer.error is not None:
+            raise storer.error
         done = True
         if finish == "stop":
             detokenizer.finalize()
@@ -423,8 +404,8 @@ async def run_generation(
                 (len(generated) - 1) / decode_time if len(generated) > 1 and decode_time > 0 else 0.0
             ),
             total_time=finished_at - started,
-            stored_blocks=stored_blocks,
-            stored_bytes=int(stored_bytes),
+            stored_blocks=storer.stored_blocks,
+            stored_bytes=int(storer.stored_bytes),
             prompt_logits=prefilled.logits,
             prompt_ids=prompt,
         )
@@ -451,6 +432,9 @@ async def run_generation(
                     await compute.cancel(request_id)
                 except ActorFailed:
                     pass  # the compute actor is gone, and every request with it
+            if storer is not None:
+                # Its stream ends with the compute request (or the actor).
+                await storer.done.wait()
             if fetched:
                 await runtime._abandon(request_id)
 

@@ -25,7 +25,7 @@ import collections
 import contextlib
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, Optional
 
 import anyio
@@ -599,6 +599,13 @@ class CacheRuntime:
             self._in_flight -= 1
             if not self._in_flight and self._state is not _RUNNING:
                 self._drained.set()  # type: ignore[union-attr]
+
+    def _start_task(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        """Run ``fn(*args)`` in the runtime's task group (it must not raise:
+        an exception there would crash the runtime)."""
+        if self._state is not _RUNNING or self._task_group is None:
+            raise self._closed_error()
+        self._task_group.start_soon(fn, *args)
 
     def _closed_error(self) -> RuntimeClosed:
         if self._failure is not None:

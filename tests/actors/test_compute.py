@@ -212,7 +212,9 @@ class TestGeneration:
             np.testing.assert_allclose(mine, theirs, atol=ATOL, rtol=0)
 
     async def test_events_arrive_in_order_and_cover_the_request(self, running, tiny_llama):
-        """Blocks per chunk, the prefilled mark, each token, the answer's blocks, then Finished."""
+        """Blocks per chunk, the prefilled mark, the first token, the last chunk's
+        blocks (none here) and the prompt-published mark, each token, the
+        answer's blocks, then Finished."""
         prompt = _prompt(150)
         actor = _actor(tiny_llama, prefill_chunk=64)
         async with _serving(running, actor) as compute:
@@ -220,16 +222,35 @@ class TestGeneration:
             stats = await compute.statistics()
         kinds = [type(e).__name__ for e in run.events]
         tokens = kinds.count("Token")
-        assert kinds == ["Published", "Published", "Prefilled", *["Token"] * tokens, "Published", "Finished"]
+        assert kinds == [
+            "Published", "Published", "Prefilled", "Token", "PromptPublished",
+            *["Token"] * (tokens - 1), "Published", "Finished",
+        ]
         assert len(run.tokens) == 20 and tokens < 20  # decode bursts send several at once
         assert run.final == Finished(reason="length", num_stored=160)
         # The prompt's 4 full blocks as the chunks ending at 64 and 128+ were
         # computed, then the answer's: prompt + 20 tokens = 170 -> 5 blocks.
         assert [len(e.payloads) for e in run.events if isinstance(e, Published)] == [2, 2, 1]
         assert [p.start for p in run.published] == [0, 32, 64, 96, 128]
+        # Each batch of blocks names its tokens: the prompt's, then the answer's.
+        published = [e for e in run.events if isinstance(e, Published)]
+        assert [list(e.tokens) for e in published] == [
+            prompt[:64], prompt[64:128], (prompt + run.tokens)[128:160]
+        ]
         assert run.prefilled.num_cached == 0 and not run.prefilled.cold_fallback
         assert stats.num_prefill_tokens == 150 and stats.num_published_blocks == 5
         assert stats.num_live == 0
+
+    async def test_the_last_chunk_publishes_after_the_first_token(self, running, tiny_llama):
+        """A one-chunk prompt: its first token is out before its blocks are sliced."""
+        prompt = _prompt(100)
+        async with _serving(running, _actor(tiny_llama)) as compute:
+            run = await _run(compute, "r", prompt, max_tokens=3, stop_tokens=frozenset())
+        kinds = [type(e).__name__ for e in run.events]
+        assert kinds[:4] == ["Prefilled", "Token", "Published", "PromptPublished"]
+        published = run.events[2]
+        assert published.start == 0 and len(published.payloads) == 3
+        assert list(published.tokens) == prompt[:96]
 
     @pytest.mark.parametrize("model_name", MODELS)
     async def test_warm_request_equals_cold(self, request, running, model_name):

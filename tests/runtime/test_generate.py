@@ -368,6 +368,27 @@ class TestFailuresAreHeard:
         events = {log["event"] for log in logs if log["log_level"] == "warning"}
         assert {"generation.not_stored", "generation.prompt_exceeds_pool"} <= events
 
+    async def test_a_store_that_fails_unexpectedly_fails_the_generation(self, llama):
+        """The storer's failure (not a full pool) reaches the generation that owns
+        it, after the tokens it computed; nothing leaks and the runtime serves on."""
+        from mlxkv.actors.actor import Message
+
+        def intercept(actor: str, message: Message) -> None:
+            if type(message).__name__ == "Extend" and message.request_id == "doomed":
+                raise InvalidInput("tokens", "injected", "fails on purpose")
+
+        async with CacheRuntime(model=llama, block_size=BS, intercept=intercept) as rt:
+            tokens: list[int] = []
+            with pytest.raises(InvalidInput, match="fails on purpose"):
+                async with rt.generate(SYSTEM, max_tokens=5, request_id="doomed") as stream:
+                    async for record in stream:
+                        if isinstance(record, GeneratedToken):
+                            tokens.append(record.token)
+            assert len(tokens) == 5
+            await assert_clean(rt)
+            await run(rt, SYSTEM, max_tokens=2)
+            await assert_clean(rt)
+
     async def test_a_prefix_that_cannot_be_rebuilt_falls_back_cold(self, llama, model_dir):
         """Cached blocks of another model's layout under the prompt's hashes: the prompt
         is computed whole, exactly, counted and warned about."""

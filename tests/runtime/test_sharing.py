@@ -139,6 +139,37 @@ class TestTakeOver:
             await assert_clean(rt)
 
 
+class TestSlowConsumer:
+    async def test_a_consumer_stalled_after_its_first_token_holds_no_waiter_back(self, model_dir):
+        """The last chunk's blocks are stored by the request's own storer task,
+        not between the tokens its consumer takes: a request waiting for them
+        goes on while the computing request's consumer sits on its first token."""
+        path = str(ensure_model(TINY_LLAMA, model_dir))
+        first, second = PREFIX + _suffix(0), PREFIX + _suffix(1)
+        async with CacheRuntime(model=path, block_size=BS, prefill_chunk=512) as rt:
+            stalled, resume = anyio.Event(), anyio.Event()
+
+            async def stalling_consumer() -> None:
+                async with rt.generate(first, max_tokens=4) as stream:
+                    async for _ in stream:
+                        stalled.set()
+                        await resume.wait()
+
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(stalling_consumer)
+                    # The second request arrives while the first computes its one chunk.
+                    while (await rt.stats()).index.num_in_flight == 0:
+                        await anyio.sleep(0)
+                    _, report = await run(rt, second, max_tokens=4)
+                    assert stalled.is_set()
+                    resume.set()
+            assert report.cached_tokens == len(PREFIX)
+            assert (await rt.stats()).index.num_waits == 1  # it did wait for the first one's blocks
+            await assert_matches_cold(rt, second, (list(report.tokens), report), "cold")
+            await assert_clean(rt)
+
+
 async def _run_in(scope: anyio.CancelScope, rt: CacheRuntime, prompt: list[int]) -> None:
     with scope:
         await run(rt, prompt, max_tokens=4)
