@@ -808,6 +808,19 @@ class ComputeActor(Actor):
         """Run ``fn`` on the MLX thread; a dead thread crashes the actor."""
         return await self._thread.submit(fn)
 
+    async def _request_job(self, sequence: Sequence, fn: Callable[[], T]) -> Optional[T]:
+        """``fn`` (which returns no None) on the MLX thread for one request;
+        None if it raised: the request has failed then (:class:`ComputeFailed`)."""
+        try:
+            return await self._compute(fn)
+        except MLXThreadStopped:
+            raise
+        except Exception as error:
+            traceback.clear_frames(error.__traceback__)
+            self._num_model_errors += 1
+            self._finish(sequence, Failed(error=ComputeFailed(sequence.request_id, error)))
+            return None
+
     async def _prefill_chunk(self, sequence: Sequence) -> None:
         runner = self._require_runner()
         queued = sequence.phase is Phase.QUEUED
@@ -843,14 +856,8 @@ class ComputeActor(Actor):
             return _PrefillOutcome(encoding, computed, None, False, first, logits, logprobs)
 
         sequence.phase = Phase.PREFILLING
-        try:
-            outcome = await self._compute(job)
-        except MLXThreadStopped:
-            raise
-        except Exception as error:
-            traceback.clear_frames(error.__traceback__)
-            self._num_model_errors += 1
-            self._finish(sequence, Failed(error=ComputeFailed(sequence.request_id, error)))
+        outcome = await self._request_job(sequence, job)
+        if outcome is None:
             return
         self._num_prefill_chunks += 1
         self._num_prefill_tokens += outcome.computed
@@ -910,15 +917,10 @@ class ComputeActor(Actor):
         runner = self._require_runner()
         cache = sequence.cache
         if 0 <= sequence.num_published < sequence.num_computed // sequence.block_size:
-            try:
-                published, unpublishable = await self._compute(lambda: _publish(runner, sequence, cache))
-            except MLXThreadStopped:
-                raise
-            except Exception as error:
-                traceback.clear_frames(error.__traceback__)
-                self._num_model_errors += 1
-                self._finish(sequence, Failed(error=ComputeFailed(sequence.request_id, error)))
+            outcome = await self._request_job(sequence, lambda: _publish(runner, sequence, cache))
+            if outcome is None:
                 return False
+            published, unpublishable = outcome
             self._count_published(published, unpublishable)
             if published is not None:
                 sequence.publish(published)
