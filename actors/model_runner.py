@@ -100,11 +100,14 @@ class PreparedPrompt:
         inputs: runner-specific inputs (a vision model's pixels); None for
             text.
         num_image_tokens: image tokens among ``tokens``.
+        image_start: the index of the first image token (None without):
+            the KV before it depends on the tokens alone.
     """
 
     tokens: tuple[int, ...] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
     inputs: Any = attrs.field(default=None, eq=False, repr=False)
     num_image_tokens: int = 0
+    image_start: Optional[int] = None
 
 
 @attrs.frozen(kw_only=True)
@@ -144,6 +147,11 @@ class PromptPreparer(Protocol):
             InvalidInput: images given to a model that does not take them,
                 or image tokens that do not match the images.
         """
+        ...
+
+    def encode(self, text: str) -> tuple[int, ...]:
+        """The tokenizer's ids for ``text`` as written: an image placeholder
+        stays one pad token (for building prompts; :meth:`prepare` widens it)."""
         ...
 
     def new_detokenizer(self) -> Any:
@@ -503,8 +511,11 @@ class TextPreparer:
         if images or encoded is not None:
             raise InvalidInput("images", images, "this model does not take images")
         if isinstance(prompt, str):
-            return PreparedPrompt(tokens=tuple(self._tokenizer.encode(prompt)))
+            return PreparedPrompt(tokens=self.encode(prompt))
         return PreparedPrompt(tokens=tuple(prompt))
+
+    def encode(self, text: str) -> tuple[int, ...]:
+        return tuple(self._tokenizer.encode(text))
 
     def new_detokenizer(self) -> Any:
         return self._tokenizer.detokenizer

@@ -135,6 +135,8 @@ class TableSnapshot:
         tail: tokens known beyond the blocks.
         tail_hashes: computed hashes of the full blocks in ``tail``.
         extra_keys: the namespace of the request's first block.
+        late_keys: the namespace that enters at block ``late_block``.
+        late_block: where ``late_keys`` enter.
     """
 
     block_ids: tuple[BlockId, ...]
@@ -142,6 +144,8 @@ class TableSnapshot:
     tail: TokenIds
     tail_hashes: tuple[BlockHash, ...]
     extra_keys: tuple[Any, ...]
+    late_keys: tuple[Any, ...] = ()
+    late_block: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -203,10 +207,17 @@ class Begin(Ask[PrefixMatch]):
     With ``claim``, also claim the blocks it will compute, or be told to wait
     for blocks in flight (see the module docstring). Raises DuplicateRequest
     if the request is active.
+
+    ``extra_keys`` namespace the whole chain (they enter its first block);
+    ``late_keys`` only the blocks from ``late_block`` on (a prompt's images,
+    from the block that holds its first image token: the blocks before
+    depend on their tokens alone and are shared with any request).
     """
 
     tokens: Sequence[int]
     extra_keys: tuple[Any, ...] = ()
+    late_keys: tuple[Any, ...] = ()
+    late_block: int = 0
     claim: bool = False
 
 
@@ -304,6 +315,8 @@ class CheckInvariants(Ask[IndexReport]):
 @attrs.define(slots=True)
 class _Table:
     extra_keys: tuple[Any, ...]
+    late_keys: tuple[Any, ...] = ()
+    late_block: int = 0
     block_ids: list[BlockId] = attrs.field(factory=list)
     hashes: list[BlockHash] = attrs.field(factory=list)
     tail: TokenIds = attrs.field(factory=lambda: array("I"))
@@ -434,13 +447,15 @@ class PrefixIndexActor(Actor):
         if request_id in self._tables:
             raise DuplicateRequest(request_id)
         tokens = check_token_ids(message.tokens)
-        hashes = tuple(
-            hash_block_chain(tokens, self._block_size, extra_keys=message.extra_keys or None)
-        )
-        num_hinted = self._num_hinted(hashes)
+        late_block = message.late_block
+        if isinstance(late_block, bool) or not isinstance(late_block, int) or late_block < 0:
+            raise InvalidInput("late_block", late_block, "must be an int >= 0")
         table = _Table(
-            extra_keys=message.extra_keys, tail=tokens, tail_hashes=hashes, num_hinted=num_hinted
+            extra_keys=message.extra_keys, late_keys=message.late_keys, late_block=late_block, tail=tokens
         )
+        hashes = tuple(_chain(table, tokens, self._block_size))
+        num_hinted = self._num_hinted(hashes)
+        table.tail_hashes, table.num_hinted = hashes, num_hinted
         self._tables[request_id] = table
         self._num_lookups += 1
         self._num_hinted_blocks += num_hinted
@@ -561,11 +576,12 @@ class PrefixIndexActor(Actor):
         if num_new > reusable:
             parent = hashes[-1] if hashes else (table.hashes[-1] if table.hashes else None)
             hashes += tuple(
-                hash_block_chain(
+                _chain(
+                    table,
                     new[reusable * size : num_new * size],
                     size,
-                    parent_hash=parent,
-                    extra_keys=None if parent is not None else (table.extra_keys or None),
+                    start_block=start + reusable,
+                    parent=parent,
                 )
             )
         longest = new if len(new) >= len(known) else known
@@ -587,6 +603,8 @@ class PrefixIndexActor(Actor):
             tail=table.tail,
             tail_hashes=table.tail_hashes,
             extra_keys=table.extra_keys,
+            late_keys=table.late_keys,
+            late_block=table.late_block,
         )
 
     def _adopt(self, message: Adopt) -> None:
@@ -598,6 +616,8 @@ class PrefixIndexActor(Actor):
             raise InvalidInput("grants", len(message.grants), "are not the snapshot's blocks")
         self._tables[request_id] = _Table(
             extra_keys=snapshot.extra_keys,
+            late_keys=snapshot.late_keys,
+            late_block=snapshot.late_block,
             block_ids=list(snapshot.block_ids),
             hashes=list(snapshot.hashes),
             tail=snapshot.tail,
@@ -690,6 +710,28 @@ class PrefixIndexActor(Actor):
         return table
 
 
+def _chain(
+    table: _Table, tokens: Sequence[int], size: int, *, start_block: int = 0, parent: Optional[BlockHash] = None
+) -> list[BlockHash]:
+    """The hashes of the full blocks of ``tokens``, which start at block
+    ``start_block`` of ``table``'s request (``parent``: the hash of the block
+    before, None for the first), under the table's keys."""
+    late, late_block = table.late_keys, table.late_block
+    if late and late_block == 0:
+        # Keys from the first block on: one namespace, as if all were extra.
+        first, late = table.extra_keys + late, ()
+    else:
+        first = table.extra_keys
+    return hash_block_chain(
+        tokens,
+        size,
+        extra_keys=(first or None) if parent is None else None,
+        parent_hash=parent,
+        late_keys=late or None,
+        late_block=late_block - start_block,
+    )
+
+
 def _request_id(value: Any) -> RequestId:
     if not isinstance(value, str) or not value:
         raise InvalidInput("request_id", value, "must be a non-empty str")
@@ -708,6 +750,8 @@ class PrefixIndexHandle(ActorHandle):
         tokens: Sequence[int],
         extra_keys: tuple[Any, ...] = (),
         *,
+        late_keys: tuple[Any, ...] = (),
+        late_block: int = 0,
         claim: bool = False,
     ) -> PrefixMatch:
         """See :class:`Begin`.
@@ -718,7 +762,13 @@ class PrefixIndexHandle(ActorHandle):
             ActorFailed: the actor is not running.
         """
         return await self._ref.ask(
-            Begin, request_id=request_id, tokens=tokens, extra_keys=extra_keys, claim=claim
+            Begin,
+            request_id=request_id,
+            tokens=tokens,
+            extra_keys=extra_keys,
+            late_keys=late_keys,
+            late_block=late_block,
+            claim=claim,
         )
 
     async def record(

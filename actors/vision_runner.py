@@ -134,7 +134,9 @@ class VisionPreparer:
         counts = tuple(int(t * h * w) // self._merge for t, h, w in grid.tolist())
         tokens = self._widen(tokens, counts)
         inputs = VisionInputs(grid=grid, token_counts=counts, pixel_values=pixels, features=features)
-        return PreparedPrompt(tokens=tokens, inputs=inputs, num_image_tokens=sum(counts))
+        return PreparedPrompt(
+            tokens=tokens, inputs=inputs, num_image_tokens=sum(counts), image_start=tokens.index(self._pad)
+        )
 
     def _tokens(self, prompt: str | Seq[int], num_images: int) -> tuple[int, ...]:
         """The prompt's ids, with one placeholder per image at the start if it has none."""
@@ -149,7 +151,10 @@ class VisionPreparer:
             raise InvalidInput("prompt", prompt, f"has {placeholders} image placeholders for {num_images} images")
         if num_images and not placeholders:
             prompt = _PLACEHOLDER * num_images + prompt
-        return tuple(self._tokenizer.encode(prompt))
+        return self.encode(prompt)
+
+    def encode(self, text: str) -> tuple[int, ...]:
+        return tuple(self._tokenizer.encode(text))
 
     def _widen(self, tokens: tuple[int, ...], counts: tuple[int, ...]) -> tuple[int, ...]:
         """Each image's single pad token repeated once per image token (runs

@@ -79,12 +79,16 @@ def hash_block_chain(
     *,
     extra_keys: Optional[Tuple[Any, ...]] = None,
     parent_hash: Optional[BlockHash] = None,
+    late_keys: Optional[Tuple[Any, ...]] = None,
+    late_block: int = -1,
 ) -> list[BlockHash]:
     """Hash every *full* block of ``token_ids``, each chained to the one before.
 
     ``extra_keys`` enter the first block only; through the chain they reach
-    every later block. A trailing partial block gets no hash (it can't be
-    shared: the next token changes it).
+    every later block. ``late_keys`` enter block ``late_block`` (counted from
+    this call's first block) the same way, so they namespace that block and
+    every later one but none before it. A trailing partial block gets no
+    hash (it can't be shared: the next token changes it).
 
     Args:
         token_ids: the sequence.
@@ -92,6 +96,9 @@ def hash_block_chain(
         extra_keys: namespace of the whole sequence.
         parent_hash: hash of the block before ``token_ids[0]`` when extending
             an existing chain; ``extra_keys`` then apply to nothing.
+        late_keys: namespace of the sequence from block ``late_block`` on.
+        late_block: where ``late_keys`` enter; none of this call's blocks
+            if negative or past its last.
 
     Returns:
         ``len(token_ids) // block_size`` hashes, in order.
@@ -108,7 +115,10 @@ def hash_block_chain(
     chain: list[BlockHash] = []
     parent = parent_hash or ROOT_HASH
     extra = _extra_bytes(extra_keys) if parent_hash is None else b""
+    late_start = late_block * width if late_keys and late_block >= 0 else -1
     for start in range(0, len(data) - width + 1, width):
+        if start == late_start:
+            extra += _extra_bytes(late_keys)
         # One hashlib call per block: the same bytes compute_block_hash feeds.
         parent = BlockHash(
             sha256(b"".join((parent, length_prefix, data[start : start + width], extra))).digest()

@@ -44,9 +44,10 @@ rebuilt (then the whole prompt is computed).
 
 Only the awaits on actors count as calls in flight (so ``async with`` exit
 waits for them); a generation parked at a ``yield`` does not keep the runtime
-open. ``images=`` also namespaces the request's blocks: two requests share
-blocks only with the same images, in the same order (a text model refuses
-images).
+open. ``images=`` also namespaces the request's blocks from the one that
+holds the first image token on: two requests share those only with the same
+images, in the same order, and the blocks before them with any request (a
+text model refuses images).
 """
 
 from __future__ import annotations
@@ -301,6 +302,7 @@ async def run_generation(
                 request_id,
                 prompt_ids,
                 images_key=images_key,
+                images_start=prepared.image_start,
                 cache_salt=request.cache_salt,
                 share=runtime.config.share_in_flight,
             )

@@ -655,6 +655,7 @@ class CacheRuntime:
         *,
         images: Optional[Sequence[Any]] = None,
         images_key: Optional[str] = None,
+        images_start: Optional[int] = None,
         cache_salt: Optional[str] = None,
         share: bool = False,
     ) -> FetchResult:
@@ -662,7 +663,11 @@ class CacheRuntime:
         requests are computing right now, and claim the rest (generation's way:
         see :mod:`mlxkv.actors.prefix_index`). ``images_key`` is the images'
         digest when the caller has it (and has looked them up in the image
-        cache) already. The caller counts the call."""
+        cache) already; ``images_start``, the index of the prompt's first
+        image token, when the caller knows it: the images then key the blocks
+        from the one that holds it on, and the blocks before are shared with
+        any request (with the images of the whole chain otherwise). The
+        caller counts the call."""
         request_id = _request_id(request_id)
         token_ids = check_token_ids(tokens)
         salt = _salt(cache_salt)
@@ -670,8 +675,19 @@ class CacheRuntime:
         look_up = images_key is None
         if look_up:
             images_key = await digest_images(images)
-        extra_keys = _extra_keys(salt, images_key)
-        match = await self._index.begin(request_id, token_ids, extra_keys, claim=share)
+        # The images key the whole chain, or, their first token known, the
+        # blocks from the one that holds it on.
+        whole_chain = images_key if images_start is None else None
+        late_keys = _extra_keys(None, images_key) if whole_chain is None else ()
+        late_block = images_start // self.config.block_size if late_keys else 0
+        match = await self._index.begin(
+            request_id,
+            token_ids,
+            _extra_keys(salt, whole_chain),
+            late_keys=late_keys,
+            late_block=late_block,
+            claim=share,
+        )
         grants: list[BlockGrant] = []
         try:
             entry = None
@@ -1015,7 +1031,10 @@ class CacheRuntime:
         return Generation(run_generation(self, self._compute, self._model_info, request))
 
     async def tokenize(self, text: str) -> tuple[int, ...]:
-        """The model's token ids for ``text`` (special tokens as its tokenizer adds them).
+        """The model's token ids for ``text`` (special tokens as its tokenizer
+        adds them; an image placeholder, ``<|vision_start|><|image_pad|><|vision_end|>``
+        for Qwen2-VL, stays one pad token, which ``generate`` widens to the
+        image's tokens: a token-id prompt can place its images).
 
         Raises:
             InvalidInput: the runtime has no model, or ``text`` is not a str.
@@ -1026,7 +1045,7 @@ class CacheRuntime:
                 raise InvalidInput("model", None, "the runtime has no model: pass model=PATH")
             if not isinstance(text, str):
                 raise InvalidInput("text", text, "must be a str")
-            return self._preparer.prepare(text).tokens
+            return self._preparer.encode(text)
 
     @property
     def model_info(self) -> Optional[ModelInfo]:

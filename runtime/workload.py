@@ -13,8 +13,10 @@ any mlx-lm model. A request is *cold* when it reused nothing from the cache,
 
 With ``images`` (a vision-language model), conversation ``c`` is about image
 ``c % images`` (seeded noise pictures): every turn carries the image, turn 1
-puts it before the system prompt, and turn n+1 continues turn n's prompt as
-the model saw it (``GenerationReport.prompt_ids``, image tokens included).
+puts it after the system prompt (as chat templates do, so conversations
+about different images share their system prompt's blocks), and turn n+1
+continues turn n's prompt as the model saw it
+(``GenerationReport.prompt_ids``, image tokens included).
 The report adds how often the vision encoder ran and was skipped.
 """
 
@@ -35,6 +37,10 @@ from mlxkv.runtime import CacheRuntime, RuntimeConfig
 from mlxkv.units import format_bytes, parse_bytes
 
 __all__ = ["WorkloadConfig", "WorkloadReport", "run_workload"]
+
+#: Where an image goes in a prompt (Qwen2-VL's chat template; the processor
+#: widens the pad token to the image's tokens).
+_IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 
 _WORDS = (
     "cache block prefix token model answer question system user assistant memory "
@@ -296,12 +302,13 @@ async def run_workload(config: WorkloadConfig, *, progress: Optional[Progress] =
             for _ in range(num_conversations)
         ]
         pictures = _pictures(config.images, config.seed)
+        placeholder = list(await rt.tokenize(_IMAGE_PLACEHOLDER)) if pictures else []
         limiter = anyio.CapacityLimiter(config.concurrency)
         remaining = [config.requests]
         started = time.perf_counter()
 
         async def conversation(index: int) -> None:
-            history = list(systems[index % len(systems)])
+            history = list(systems[index % len(systems)]) + placeholder
             images = [pictures[index % len(pictures)]] if pictures else None
             for turn in range(config.turns):
                 if remaining[0] == 0:

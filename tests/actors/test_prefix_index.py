@@ -34,6 +34,21 @@ class TestBegin:
         assert match.hashes == tuple(hash_block_chain(TOKENS, BS, extra_keys=(("salt", "a"),)))
         assert match.num_hinted == 0
 
+    async def test_late_keys_namespace_the_chain_from_their_block(self, index, running):
+        """Late keys enter at their block; at block 0 they hash as extra keys do."""
+        salt, images = (("salt", "a"),), (("images", "k"),)
+        async with running(index) as ref:
+            handle = PrefixIndexHandle(ref)
+            late = await handle.begin("r1", TOKENS, salt, late_keys=images, late_block=2)
+            first = await handle.begin("r2", TOKENS, salt, late_keys=images, late_block=0)
+            with pytest.raises(InvalidInput):
+                await handle.begin("r3", TOKENS, salt, late_keys=images, late_block=-1)
+        assert late.hashes == tuple(
+            hash_block_chain(TOKENS, BS, extra_keys=salt, late_keys=images, late_block=2)
+        )
+        assert late.hashes[:2] == tuple(hash_block_chain(TOKENS, BS, extra_keys=salt))[:2]
+        assert first.hashes == tuple(hash_block_chain(TOKENS, BS, extra_keys=salt + images))
+
     async def test_recorded_hashes_become_hints(self, index, running):
         """After a request records blocks, the next one with that prefix is hinted."""
         async with running(index) as ref:
@@ -146,6 +161,22 @@ class TestExtend:
 
 
 class TestTables:
+    async def test_a_fork_extends_under_the_late_keys(self, index, running):
+        """A forked table stores an extension across the late block as the original would."""
+        images = (("images", "k"),)
+        prompt = TOKENS[: 2 * BS + 1]  # the late block (2) is not full yet
+        async with running(index) as ref:
+            handle = PrefixIndexHandle(ref)
+            match = await handle.begin("r1", prompt, late_keys=images, late_block=2)
+            given = grants(match.hashes)
+            await handle.record("r1", 0, given)
+            snapshot = await handle.snapshot("r1", "r2")
+            await handle.adopt("r2", snapshot, given)
+            extension = await handle.extend("r2", TOKENS, 2)
+        assert extension.hashes == tuple(
+            hash_block_chain(TOKENS, BS, late_keys=images, late_block=2)
+        )[2:4]
+
     async def test_snapshot_and_adopt_fork_a_table(self, index, running):
         """A snapshot adopted under a new id lists the same blocks."""
         async with running(index) as ref:

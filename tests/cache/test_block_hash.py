@@ -47,6 +47,20 @@ class TestHashBlockChain:
         b = hash_block_chain(list(range(8)), 2, extra_keys=("tenant-b",))
         assert not set(a) & set(b)
 
+    def test_late_keys_namespace_from_their_block_on(self):
+        """Late keys leave the blocks before theirs alone and change theirs and every later one."""
+        tokens = list(range(12))
+        plain = hash_block_chain(tokens, 2, extra_keys=("salt",))
+        late = hash_block_chain(tokens, 2, extra_keys=("salt",), late_keys=("images",), late_block=3)
+        assert late[:3] == plain[:3]
+        assert not set(late[3:]) & set(plain)
+        # Counted from the call's first block when extending a chain.
+        tail = hash_block_chain(tokens[6:], 2, parent_hash=late[2], late_keys=("images",), late_block=0)
+        assert tail == late[3:]
+        # Negative or past the end: no block takes them.
+        assert hash_block_chain(tokens, 2, late_keys=("images",), late_block=-1) == hash_block_chain(tokens, 2)
+        assert hash_block_chain(tokens, 2, late_keys=("images",), late_block=6) == hash_block_chain(tokens, 2)
+
     def test_types_kept_apart(self):
         """Extra keys '1' and 1 are different namespaces."""
         assert compute_block_hash(None, [1], ("1",)) != compute_block_hash(None, [1], (1,))

@@ -17,6 +17,7 @@ import pytest
 
 from mlxkv import CacheRuntime, GenerationReport, InvalidInput
 from mlxkv.default_model import TINY_LLAMA, ensure_model
+from mlxkv.default_vlm import DEFAULT_VLM
 from parity import ATOL, assert_clean, run
 
 pytest.importorskip("mlx_vlm")
@@ -119,6 +120,55 @@ class TestVisionGeneration:
         assert stats.images.num_hits == 0
         assert np.abs(_logits(ab[1]) - _logits(ba[1])).max() > 1e-3
 
+    async def test_text_before_the_images_is_shared_across_images(self, vlm_path, pictures):
+        """Images key the blocks from the one holding their first token on: a
+        system prompt before the image is computed once for requests about
+        different images (and for text alone), each exact; the image blocks
+        are never shared."""
+        system = "<|im_start|>system\nYou look at pictures and say what you see in them.<|im_end|>\n"
+        ask = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is this?<|im_end|>\n"
+        async with CacheRuntime(model=str(vlm_path), block_size=16, keep_last_cache=False) as rt:
+            system_tokens = len(await rt.tokenize(system + "<|im_start|>user\n"))
+            shared = system_tokens // 16 * 16  # full blocks before the image
+            assert shared >= 32
+            first = await run(rt, system + ask, images=[pictures[0]], max_tokens=6)
+            other = await run(rt, system + ask, images=[pictures[1]], max_tokens=6)
+            text = await run(rt, system + "<|im_start|>user\nNo picture today.<|im_end|>\n", max_tokens=6)
+            same = await run(rt, system + ask, images=[pictures[1]], max_tokens=6)
+            cold = await run(rt, system + ask, images=[pictures[1]], max_tokens=6, cache_salt="cold")
+            await assert_clean(rt)
+        assert first[1].cached_tokens == 0
+        assert other[1].cached_tokens == shared  # the system prompt, not the other image
+        assert text[1].cached_tokens == shared
+        assert same[1].cached_tokens > shared  # its own image's blocks too
+        _same(other, cold)
+        _same(same, cold)
+        assert first[0] != other[0] or np.abs(_logits(first[1]) - _logits(other[1])).max() > 1e-3
+
+    async def test_an_answer_completing_the_block_of_the_image_is_reused(self, vlm_path, tmp_path):
+        """An image whose tokens all sit in the prompt's last, partial block: the
+        answer completes that block, which the images key too (stored as an
+        extension); turn 2 finds it and every later one, exactly."""
+        small = _write(tmp_path / "small.png", _png_bytes(32, 32))  # 4 image tokens
+        lead = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"
+        async with CacheRuntime(model=str(vlm_path), block_size=16, keep_last_cache=False) as rt:
+            lead_tokens = len(await rt.tokenize(lead))
+            # <|vision_start|> at offset 7 of a block: the 4 image tokens, the
+            # end token and "?" fill offsets 8-13, and the prompt ends there.
+            pad = (7 - lead_tokens) % 16 + 16
+            text = lead + "x" * pad + "<|vision_start|><|image_pad|><|vision_end|>?"
+            prompt = await _prompt_tokens(rt, text, [small])
+            pad_id = DEFAULT_VLM.image_token_id
+            assert len(prompt) % 16 == 14 and prompt.index(pad_id) == len(prompt) - 6
+            assert prompt.count(pad_id) == 4
+            first = await run(rt, text, images=[small], max_tokens=24)
+            turn2 = prompt + first[0] + list(await rt.tokenize(" More?"))
+            warm = await run(rt, turn2, images=[small], max_tokens=4)
+            cold = await run(rt, turn2, images=[small], max_tokens=4, cache_salt="cold")
+            await assert_clean(rt)
+        assert warm[1].cached_tokens == (len(prompt) + len(first[0])) // 16 * 16 > len(prompt)
+        _same(warm, cold)
+
     async def test_a_text_only_request_on_the_vision_model(self, vlm_path, pictures):
         """Without images the vision model generates as a text model, and reuses text prefixes."""
         prompt = "A plain question without any image, long enough to fill a block or two."
@@ -215,11 +265,11 @@ async def _prompt_tokens(rt: CacheRuntime, text: str, images: list[str]) -> list
     return list(rt._preparer.prepare(text, loaded).tokens)
 
 
-def _png_bytes() -> bytes:
+def _png_bytes(width: int = 64, height: int = 64) -> bytes:
     import io
 
     buffer = io.BytesIO()
-    noise = np.random.default_rng(5).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    noise = np.random.default_rng(5).integers(0, 256, (height, width, 3), dtype=np.uint8)
     Image.fromarray(noise).save(buffer, format="PNG")
     return buffer.getvalue()
 
