@@ -23,6 +23,19 @@ class TestHashBlockChain:
             assert h == parent
         assert len(chain) == len(token_ids) // block_size
 
+    @given(tokens, st.integers(1, 16), st.integers(1, 40))
+    def test_late_keys_match_blockwise_compute(self, token_ids, block_size, late_block):
+        """Late keys are the extra keys of their block, and of no other."""
+        chain = hash_block_chain(
+            token_ids, block_size, extra_keys=("salt",), late_keys=("images",), late_block=late_block
+        )
+        parent = None
+        for i, h in enumerate(chain):
+            block = token_ids[i * block_size : (i + 1) * block_size]
+            keys = ("salt",) if i == 0 else ("images",) if i == late_block else None
+            parent = compute_block_hash(parent, block, keys)
+            assert h == parent
+
     @given(tokens, st.integers(1, 16))
     def test_extension_continues_chain(self, token_ids, block_size):
         """Hashing a tail from the last parent gives the rest of the full chain."""
