@@ -620,6 +620,7 @@ class CacheRuntime:
         tokens: Sequence[int],
         *,
         images: Optional[Sequence[Any]] = None,
+        images_start: Optional[int] = None,
         cache_salt: Optional[str] = None,
     ) -> FetchResult:
         """Start a request: take a reference to each cached block of its prefix.
@@ -634,6 +635,10 @@ class CacheRuntime:
             images: the request's images, in order (paths, URLs, bytes,
                 arrays); they namespace the blocks and are looked up in the
                 image cache.
+            images_start: the index in ``tokens`` of the first image token:
+                the images then namespace the blocks from the one holding
+                it on, and the blocks before are shared with any request
+                (as ``generate`` keys them); None: every block.
             cache_salt: a tenant namespace: requests with different salts
                 never share blocks.
 
@@ -646,7 +651,9 @@ class CacheRuntime:
             RuntimeClosed: the runtime is not running.
         """
         with self._call():
-            return await self._fetch(request_id, tokens, images=images, cache_salt=cache_salt)
+            return await self._fetch(
+                request_id, tokens, images=images, images_start=images_start, cache_salt=cache_salt
+            )
 
     async def _fetch(
         self,
@@ -671,6 +678,13 @@ class CacheRuntime:
         request_id = _request_id(request_id)
         token_ids = check_token_ids(tokens)
         salt = _salt(cache_salt)
+        if images_start is not None:
+            if isinstance(images_start, bool) or not isinstance(images_start, int):
+                raise InvalidInput("images_start", images_start, "must be an int or None")
+            if not 0 <= images_start < len(token_ids):
+                raise InvalidInput("images_start", images_start, f"must index the {len(token_ids)} tokens")
+            if images is None and images_key is None:
+                raise InvalidInput("images_start", images_start, "is given without images")
         # A caller with the key has looked the images up itself.
         look_up = images_key is None
         if look_up:
@@ -1058,6 +1072,7 @@ class CacheRuntime:
         tokens: Sequence[int],
         *,
         images: Optional[Sequence[Any]] = None,
+        images_start: Optional[int] = None,
         cache_salt: Optional[str] = None,
     ) -> RequestHandle:
         """A request as an async context manager: fetched on enter, released on exit.
@@ -1068,7 +1083,9 @@ class CacheRuntime:
         Returns:
             The handle; ``handle.result`` is the :class:`FetchResult`.
         """
-        return RequestHandle(self, request_id, tokens, images=images, cache_salt=cache_salt)
+        return RequestHandle(
+            self, request_id, tokens, images=images, images_start=images_start, cache_salt=cache_salt
+        )
 
     # -- orchestration helpers -------------------------------------------------
 
@@ -1128,18 +1145,24 @@ class RequestHandle:
         tokens: Sequence[int],
         *,
         images: Optional[Sequence[Any]] = None,
+        images_start: Optional[int] = None,
         cache_salt: Optional[str] = None,
     ) -> None:
         self._runtime = runtime
         self.request_id = request_id
         self._tokens = tokens
         self._images = images
+        self._images_start = images_start
         self._cache_salt = cache_salt
         self.result: Optional[FetchResult] = None
 
     async def __aenter__(self) -> RequestHandle:
         self.result = await self._runtime.fetch(
-            self.request_id, self._tokens, images=self._images, cache_salt=self._cache_salt
+            self.request_id,
+            self._tokens,
+            images=self._images,
+            images_start=self._images_start,
+            cache_salt=self._cache_salt,
         )
         return self
 

@@ -229,6 +229,28 @@ class TestFetchAndStore:
                 await rt.release(request_id)
             await assert_clean(rt)
 
+    async def test_images_from_their_first_token(self):
+        """With ``images_start``, the blocks before the one holding the first image
+        token are shared across images (and with text); those from it on are not."""
+        a, b = b"image-a", b"image-b"
+        async with runtime() as rt:
+            await rt.fetch("a", PROMPT, images=[a], images_start=2 * BS + 1)
+            await rt.store("a", PROMPT, kv(3))
+            other = await rt.fetch("b", PROMPT, images=[b], images_start=2 * BS + 1)
+            text = await rt.fetch("t", PROMPT)
+            same = await rt.fetch("a2", PROMPT, images=[a], images_start=2 * BS + 1)
+            whole = await rt.fetch("w", PROMPT, images=[b])
+            assert (other.num_cached_tokens, text.num_cached_tokens) == (2 * BS, 2 * BS)
+            assert (same.num_cached_tokens, whole.num_cached_tokens) == (3 * BS, 0)
+            for request_id in ("a", "b", "t", "a2", "w"):
+                await rt.release(request_id)
+            for bad, reason in [(True, "int"), (len(PROMPT), "index"), (-1, "index")]:
+                with pytest.raises(InvalidInput, match=reason):
+                    await rt.fetch("x", PROMPT, images=[a], images_start=bad)
+            with pytest.raises(InvalidInput, match="without images"):
+                await rt.fetch("x", PROMPT, images_start=0)
+            await assert_clean(rt)
+
     async def test_image_embeddings_are_cached(self, tmp_path):
         """Vision embeddings stored for images (files read off the loop) come back with fetch."""
         picture = tmp_path / "cat.png"
