@@ -1124,7 +1124,7 @@ def _publish(
         sequence.num_published = -1  # never again: this KV cannot be cut exactly
         return None, True
     sequence.num_published = stop
-    tokens = (*sequence.prompt, *sequence.generated)[start * size : stop * size]
+    tokens = sequence.tokens(start * size, stop * size)
     return Published(start=start, payloads=payloads, tokens=tokens), False
 
 

@@ -331,7 +331,7 @@ class CacheRunner(abc.ABC):
         it replaces the one kept before."""
         if not self._trimmable:
             return
-        tokens = tuple((*sequence.prompt, *sequence.generated)[: cache[0].offset])
+        tokens = sequence.tokens(0, cache[0].offset)
         for layer in cache:
             # A stop token was fed but is not part of the answer.
             layer.trim(layer.offset - len(tokens))

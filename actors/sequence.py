@@ -127,6 +127,15 @@ class Sequence:
         """Tokens in the KV once decoding: the prompt and every generated token."""
         return len(self.prompt) + len(self.generated)
 
+    def tokens(self, start: int, stop: int) -> tuple[int, ...]:
+        """Positions ``[start, stop)`` of the prompt followed by the generated
+        tokens, without copying the rest of either."""
+        prompt = self.prompt
+        if stop <= len(prompt):
+            return prompt[start:stop]
+        answer = self.generated[max(0, start - len(prompt)) : stop - len(prompt)]
+        return prompt[start:] + tuple(answer)
+
     def __repr__(self) -> str:
         return f"Sequence({self.request_id!r}, {self.phase.value}, {self.num_computed} computed)"
 
