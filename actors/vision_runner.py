@@ -139,19 +139,47 @@ class VisionPreparer:
         )
 
     def _tokens(self, prompt: str | Seq[int], num_images: int) -> tuple[int, ...]:
-        """The prompt's ids, with one placeholder per image at the start if it has none."""
+        """The prompt's ids, with one placeholder per image at the start if it
+        has none, and every image's pad tokens framed."""
         if not isinstance(prompt, str):
             tokens = tuple(prompt)
             if num_images and self._pad not in tokens:
                 start, end = self._frame
                 tokens = (start, self._pad, end) * num_images + tokens
-            return tokens
+            return self._framed(tokens)
         placeholders = prompt.count("<|image_pad|>")
         if placeholders and placeholders != num_images:
             raise InvalidInput("prompt", prompt, f"has {placeholders} image placeholders for {num_images} images")
         if num_images and not placeholders:
             prompt = _PLACEHOLDER * num_images + prompt
-        return self.encode(prompt)
+        return self._framed(self.encode(prompt))
+
+    def _framed(self, tokens: tuple[int, ...]) -> tuple[int, ...]:
+        """``tokens`` with ``<|vision_start|>`` before and ``<|vision_end|>``
+        after every run of pad tokens that lacks them.
+
+        The model finds an image by the start token before its pads (its
+        rope positions, ``get_rope_index``): unframed pads would be text
+        positions to it, and 2-D image positions to a prefix rebuilt from
+        cache, so a bare placeholder is framed as the chat template frames it.
+        """
+        start, end = self._frame
+        runs = _pad_runs(tokens, self._pad)
+        if all(at > 0 and tokens[at - 1] == start for at, _ in runs):
+            return tokens
+        out: list[int] = []
+        previous = 0
+        for at, length in runs:
+            out.extend(tokens[previous:at])
+            stop = at + length
+            if not (at > 0 and tokens[at - 1] == start):
+                out.append(start)
+            out.extend(tokens[at:stop])
+            if not (stop < len(tokens) and tokens[stop] == end):
+                out.append(end)
+            previous = stop
+        out.extend(tokens[previous:])
+        return tuple(out)
 
     def encode(self, text: str) -> tuple[int, ...]:
         return tuple(self._tokenizer.encode(text))

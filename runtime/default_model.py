@@ -29,13 +29,16 @@ import attrs
 __all__ = [
     "BYTE_VOCAB",
     "DEFAULT_MODEL",
+    "MATRIX_SCALE",
     "ModelSpec",
     "TINY_HYBRID",
     "TINY_LLAMA",
     "TINY_SLIDING_LLAMA",
+    "UNTIED_SHARP",
     "default_cache_dir",
     "ensure_model",
     "ensure_written",
+    "shape_weights",
     "spec_digest",
     "write_byte_tokenizer",
     "write_model",
@@ -58,12 +61,16 @@ class ModelSpec:
 
     ``config`` holds the fields of the model's ``ModelArgs`` except
     ``model_type`` and ``vocab_size`` (the vocabulary is always the byte-level
-    tokenizer's). ``seed`` makes the weights deterministic.
+    tokenizer's). ``weight_scales`` shapes the random weights (see
+    :func:`shape_weights`). ``seed`` makes the weights deterministic.
     """
 
     name: str
     model_type: str
     config: Mapping[str, Any] = attrs.field(converter=lambda c: dict(sorted(c.items())))
+    weight_scales: Mapping[str, float] = attrs.field(
+        factory=dict, converter=lambda c: dict(sorted(c.items()))
+    )
     seed: int = 0
 
     @property
@@ -80,7 +87,14 @@ class ModelSpec:
         }
 
     def digest(self) -> str:
-        return spec_digest({"config": self.full_config(), "seed": self.seed, "format": 1})
+        return spec_digest(
+            {
+                "config": self.full_config(),
+                "weight_scales": self.weight_scales,
+                "seed": self.seed,
+                "format": 1,
+            }
+        )
 
 
 def spec_digest(payload: Mapping[str, Any]) -> str:
@@ -93,6 +107,42 @@ def spec_digest(payload: Mapping[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
+#: Every weight matrix is its initialiser's draw times this, unless a
+#: ``weight_scales`` pattern says otherwise: activations stay in a sane range.
+MATRIX_SCALE = 0.5
+
+#: Random weights that continue a prompt in an input-dependent way. With a
+#: tied output head and the plain initialisers, the residual stream is
+#: dominated by the input token's embedding, so greedy decoding repeats the
+#: prompt's last token whatever the KV holds, and a check of "the same greedy
+#: tokens" can never fail. So: an untied head where the architecture has
+#: one, sharper attention (queries and keys x2, so a query picks out a few
+#: positions rather than averaging them all), and where the head must stay
+#: tied, embeddings 10x smaller than the layers' outputs. Measured on 300-token
+#: prompts (``tests/runtime/test_teeth.py`` keeps it so): replacing one cached
+#: 64-token block with another prompt's changes the greedy tokens within a
+#: few steps on every built-in model.
+UNTIED_SHARP = {"q_proj": 2 * MATRIX_SCALE, "k_proj": 2 * MATRIX_SCALE}
+
+
+def shape_weights(weights: Mapping[str, Any], scales: Mapping[str, float]) -> dict[str, Any]:
+    """``weights`` scaled and cast to float32, ready to save.
+
+    A weight whose name contains a key of ``scales`` is multiplied by its
+    factor (the first matching key in sorted order); any other matrix by
+    :data:`MATRIX_SCALE`; any other vector (norms, biases) is left as drawn.
+    """
+    import mlx.core as mx
+
+    shaped = {}
+    for name, value in weights.items():
+        factor = next((f for key, f in sorted(scales.items()) if key in name), None)
+        if factor is None:
+            factor = MATRIX_SCALE if value.ndim > 1 else 1.0
+        shaped[name] = (value * factor).astype(mx.float32)
+    return shaped
+
+
 def _llama(**overrides: Any) -> dict[str, Any]:
     base = {
         "hidden_size": 64,
@@ -103,14 +153,16 @@ def _llama(**overrides: Any) -> dict[str, Any]:
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "max_position_embeddings": 32768,
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": False,
     }
     base.update(overrides)
     return base
 
 
 #: The smallest useful model: fast enough for property and parity tests.
-TINY_LLAMA = ModelSpec(name="tiny-llama", model_type="llama", config=_llama())
+TINY_LLAMA = ModelSpec(
+    name="tiny-llama", model_type="llama", config=_llama(), weight_scales=UNTIED_SHARP
+)
 
 #: Llama whose odd layers use sliding-window attention (``RotatingKVCache``).
 TINY_SLIDING_LLAMA = ModelSpec(
@@ -121,6 +173,7 @@ TINY_SLIDING_LLAMA = ModelSpec(
         layer_types=["full_attention", "sliding_attention"],
         sliding_window=512,
     ),
+    weight_scales=UNTIED_SHARP,
 )
 
 #: A hybrid model: attention layers (``KVCache``) next to short-convolution
@@ -144,7 +197,16 @@ TINY_HYBRID = ModelSpec(
         "block_auto_adjust_ff_dim": False,
         "full_attn_idxs": [1],
         "rope_theta": 10000.0,
-        "tie_embedding": True,
+        "tie_embedding": True,  # lfm2 has no untied head
+    },
+    # Its q/k norms set the attention's sharpness; attention values and
+    # output x2, embeddings (which are also its output head) x0.1.
+    weight_scales={
+        "embed_tokens": 0.1 * MATRIX_SCALE,
+        "q_layernorm": 3.0,
+        "k_layernorm": 3.0,
+        "self_attn.v_proj": 2 * MATRIX_SCALE,
+        "self_attn.out_proj": 2 * MATRIX_SCALE,
     },
 )
 
@@ -166,6 +228,7 @@ DEFAULT_MODEL = ModelSpec(
         num_attention_heads=2,
         num_key_value_heads=1,
     ),
+    weight_scales=UNTIED_SHARP,
 )
 
 
@@ -235,7 +298,8 @@ def write_model(spec: ModelSpec, directory: Path) -> None:
     """Write ``spec`` in the mlx-lm format into ``directory`` (which must exist).
 
     The weights come from the model's own initialisers under a seeded MLX
-    generator, so the same spec always writes the same bytes.
+    generator, shaped by :func:`shape_weights`, so the same spec always
+    writes the same bytes.
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -246,10 +310,7 @@ def write_model(spec: ModelSpec, directory: Path) -> None:
     model_class, args_class = _get_classes(config)
     mx.random.seed(spec.seed)
     model = model_class(args_class.from_dict(config))
-    weights = dict(tree_flatten(model.parameters()))
-    # Scale the random init down so activations stay in a sane range and
-    # logits are not dominated by a single token.
-    weights = {k: (v * 0.5 if v.ndim > 1 else v).astype(mx.float32) for k, v in weights.items()}
+    weights = shape_weights(dict(tree_flatten(model.parameters())), spec.weight_scales)
     mx.eval(weights)
     mx.save_safetensors(str(directory / "model.safetensors"), weights)
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))

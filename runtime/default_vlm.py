@@ -38,10 +38,19 @@ from typing import Any, Mapping, Union
 
 import attrs
 
-from mlxkv.default_model import BYTE_VOCAB, ensure_written, spec_digest, write_byte_tokenizer
+from mlxkv.default_model import (
+    BYTE_VOCAB,
+    MATRIX_SCALE,
+    UNTIED_SHARP,
+    ensure_written,
+    shape_weights,
+    spec_digest,
+    write_byte_tokenizer,
+)
 
 __all__ = [
     "DEFAULT_VLM",
+    "VISIBLE_IMAGES",
     "VLMSpec",
     "ensure_vlm",
     "is_vlm_directory",
@@ -85,14 +94,18 @@ class VLMSpec:
     always the byte-level tokenizer's), ``vision`` the vision tower's
     (``VisionConfig`` less ``model_type`` and ``hidden_size``, which is the
     text model's), ``image`` the image processor's (``min_pixels``,
-    ``max_pixels``, ``image_mean``, ``image_std``). ``seed`` makes the weights
-    deterministic.
+    ``max_pixels``, ``image_mean``, ``image_std``). ``weight_scales`` shapes
+    the random weights (:func:`mlxkv.default_model.shape_weights`). ``seed``
+    makes the weights deterministic.
     """
 
     name: str
     text: Mapping[str, Any] = attrs.field(converter=lambda c: dict(sorted(c.items())))
     vision: Mapping[str, Any] = attrs.field(converter=lambda c: dict(sorted(c.items())))
     image: Mapping[str, Any] = attrs.field(converter=lambda c: dict(sorted(c.items())))
+    weight_scales: Mapping[str, float] = attrs.field(
+        factory=lambda: dict(VISIBLE_IMAGES), converter=lambda c: dict(sorted(c.items()))
+    )
     seed: int = 0
 
     @property
@@ -146,11 +159,22 @@ class VLMSpec:
                 "config": self.full_config(),
                 "preprocessor": self.preprocessor_config(),
                 "chat_template": _CHAT_TEMPLATE,
+                "weight_scales": self.weight_scales,
                 "seed": self.seed,
                 "format": 1,
             }
         )
 
+
+#: The VLM's weight shaping: the text model's (:data:`UNTIED_SHARP`), and
+#: image features large enough against text embeddings (patch embedding x8,
+#: merger x4), so different pictures continue differently, not only the
+#: same prompt with slightly different logits.
+VISIBLE_IMAGES = {
+    **UNTIED_SHARP,
+    "vision_tower.patch_embed": 8 * MATRIX_SCALE,
+    "vision_tower.merger": 4 * MATRIX_SCALE,
+}
 
 #: The built-in VLM. Text: hidden 64, 2 layers, 4 query / 2 KV heads
 #: (head_dim 16, mrope sections 2+3+3 = 8 frequency pairs). Vision: 2 blocks of
@@ -169,7 +193,7 @@ DEFAULT_VLM = VLMSpec(
         "rope_theta": 10000.0,
         "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
         "max_position_embeddings": 32768,
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": False,
     },
     vision={
         "depth": 2,
@@ -219,8 +243,10 @@ def write_vlm(spec: VLMSpec, directory: Path) -> None:
     """Write ``spec`` in the mlx-vlm format into ``directory`` (which must exist).
 
     The weights come from mlx-vlm's qwen2_vl classes' own initialisers under a
-    seeded MLX generator, scaled down (x0.5 for matrices) so activations stay
-    in a sane range, and stored as float32.
+    seeded MLX generator, shaped by ``spec.weight_scales`` (see
+    :func:`mlxkv.default_model.shape_weights`: an untied head and sharper
+    text attention, so continuations depend on the prompt and the image),
+    and stored as float32.
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -233,8 +259,7 @@ def write_vlm(spec: VLMSpec, directory: Path) -> None:
     model_config.vision_config = qwen2_vl.VisionConfig.from_dict(config["vision_config"])
     mx.random.seed(spec.seed)
     model = qwen2_vl.Model(model_config)
-    weights = dict(tree_flatten(model.parameters()))
-    weights = {k: (v * 0.5 if v.ndim > 1 else v).astype(mx.float32) for k, v in weights.items()}
+    weights = shape_weights(dict(tree_flatten(model.parameters())), spec.weight_scales)
     mx.eval(weights)
     mx.save_safetensors(str(directory / "model.safetensors"), weights)
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))

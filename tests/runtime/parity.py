@@ -34,13 +34,18 @@ async def run(rt: CacheRuntime, prompt: Any, **kwargs: Any) -> tuple[list[int], 
 
 
 async def assert_matches_cold(
-    rt: CacheRuntime, prompt: Sequence[int], warm: tuple[list[int], GenerationReport], salt: str
+    rt: CacheRuntime,
+    prompt: Sequence[int],
+    warm: tuple[list[int], GenerationReport],
+    salt: str,
+    **kwargs: Any,
 ) -> None:
-    """A cold run of ``prompt`` gives ``warm``'s greedy tokens and prompt logits."""
+    """A cold run of ``prompt`` (with ``kwargs``: images, say) gives ``warm``'s
+    greedy tokens and prompt logits."""
     warm_tokens, report = warm
     # As many tokens as the warm run, and one more if it stopped at an end token.
     budget = len(warm_tokens) + (report.finish_reason == "stop")
-    cold_tokens, cold = await run(rt, prompt, cache_salt=salt, max_tokens=budget)
+    cold_tokens, cold = await run(rt, prompt, cache_salt=salt, max_tokens=budget, **kwargs)
     assert cold.cached_tokens == 0
     assert cold.finish_reason == report.finish_reason
     assert warm_tokens == cold_tokens

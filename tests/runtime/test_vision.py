@@ -280,9 +280,19 @@ def _write(path: Path, data: bytes) -> str:
 
 
 class TestPositions:
-    def test_text_after_images_sits_at_index_plus_delta(self, tiny_vlm, pictures):
+    @pytest.mark.parametrize(
+        "prompt",
+        [
+            "Two pictures, then some text after them.",
+            "A bare <|image_pad|> and another <|image_pad|>, then some text after them.",
+            (*b"bare pads: ", DEFAULT_VLM.image_token_id, *b", ", DEFAULT_VLM.image_token_id, *b" text"),
+        ],
+        ids=["placed", "bare-text", "bare-ids"],
+    )
+    def test_text_after_images_sits_at_index_plus_delta(self, tiny_vlm, pictures, prompt):
         """The position of text after the images, computed from their grids alone,
-        equals what mlx-vlm's get_rope_index gives for the whole prompt."""
+        equals what mlx-vlm's get_rope_index gives for the whole prompt, also
+        for bare (unframed) placeholders, which the preparer frames."""
         import mlx.core as mx
 
         from mlxkv.actors.vision_runner import VisionRunner
@@ -290,7 +300,7 @@ class TestPositions:
         model, processor = tiny_vlm
         runner = VisionRunner(model, processor, prefill_chunk=256)
         loaded = [Image.open(path).convert("RGB") for path in (pictures[0], pictures[2])]
-        prepared = runner.preparer().prepare("Two pictures, then some text after them.", loaded)
+        prepared = runner.preparer().prepare(prompt, loaded)
         positions, deltas = model.language_model.get_rope_index(
             mx.array(prepared.tokens)[None], prepared.inputs.grid
         )
