@@ -472,7 +472,9 @@ class ActorRef:
         """anyio's statistics of the actor's mailbox."""
         return self._mailbox.statistics()
 
-    def _failed(self) -> ActorFailed:
+    def failed(self) -> ActorFailed:
+        """The error for a caller the actor stopped answering: names it, and
+        carries the crash that stopped it, if one did."""
         return ActorFailed(self.name, self._crash_cause())
 
     async def tell(self, message: Tell) -> None:
@@ -484,7 +486,7 @@ class ActorRef:
         try:
             await self._mailbox.send(_Envelope(message, time.perf_counter()))
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            raise self._failed() from None
+            raise self.failed() from None
 
     async def tell_shielded(self, message: Tell) -> None:
         """:meth:`tell`, immune to the caller's cancellation (for releases).
@@ -506,7 +508,7 @@ class ActorRef:
             except anyio.WouldBlock:
                 await self._mailbox.send(envelope)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            raise self._failed() from None
+            raise self.failed() from None
 
     async def ask(self, message_type: type[Ask[R]], /, **fields: Any) -> R:
         """Send ``message_type(**fields, reply=...)`` and wait for the reply.
@@ -533,7 +535,7 @@ class ActorRef:
                 try:
                     result = await reply_out.receive()
                 except anyio.EndOfStream:
-                    raise self._failed() from None
+                    raise self.failed() from None
             except BaseException:
                 await self._give_back_late_reply(message, reply_out)
                 raise
@@ -573,6 +575,11 @@ class ActorHandle:
     def close(self) -> None:
         """Close the underlying ref."""
         self._ref.close()
+
+    def failed(self) -> ActorFailed:
+        """See :meth:`ActorRef.failed`: for a caller whose stream from the
+        actor ended without its last word."""
+        return self._ref.failed()
 
     def mailbox_statistics(self) -> MemoryObjectStreamStatistics:
         """anyio's statistics of the actor's mailbox."""

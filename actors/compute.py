@@ -55,13 +55,18 @@ for, and only when neither has images. Full blocks it gets that way beyond
 the blocks it holds are published. ``keep_last_cache=False`` turns it off.
 
 Failures. A domain error (bad input) is answered as :class:`Failed` and
-changes nothing. A prefill whose model call raises fails that request only
-(:class:`ComputeFailed`); a decode step that raises fails the rows of that
-model call (they shared it), not the requests prefilling or decoding
-elsewhere; a row whose own sampler raises leaves the batch alone. If the MLX
-thread dies or a handler has a bug, the actor crashes loudly: every waiting
-caller gets :class:`~mlxkv.actors.actor.ActorFailed` and every request's
-event stream is closed.
+changes nothing. Every step done for one request fails that request only
+(:class:`ComputeFailed`, with the cause): its prefill chunks, publishing its
+prompt's or its answer's blocks, keeping its cache, merging its cache into
+the decode batch or taking it out, sampling its token, snapshotting its
+state; the tokens it was sent before stand, and the requests beside it go
+on exactly. A draw that raises after a request's last token (never used)
+is no failure. What the rows of a batch share -- its model call, cutting
+its batch cache down or extending it -- fails those rows, not the requests
+prefilling or decoding elsewhere. If the MLX thread dies or a handler has a
+bug, the actor crashes loudly: every waiting caller gets
+:class:`~mlxkv.actors.actor.ActorFailed` (with the crash), and every
+request's event stream is closed.
 
 Cancellation. Stopping a request drops it from the prefill queue or makes it
 leave the batch before the next step; its cache is freed. A job that is
@@ -89,7 +94,7 @@ from mlxkv.actors.actor import (
     Message,
     Tell,
 )
-from mlxkv.actors.decode_batch import DecodeBatch, Emitted, SampleFailed
+from mlxkv.actors.decode_batch import BatchBroken, DecodeBatch, Emitted, RowFailed
 from mlxkv.actors.mlx_thread import MLXThread, MLXThreadStatistics, MLXThreadStopped
 from mlxkv.actors.model_runner import (
     ImageEncoding,
@@ -303,7 +308,9 @@ class ComputeStatistics:
             was computed in full instead).
         num_unpublishable: requests whose KV could not be sliced into
             blocks exactly (not cached; a wrapped sliding window, say).
-        num_model_errors: model calls that raised.
+        num_model_errors: computations that raised: model calls (one for
+            all the rows that shared it) and steps done for one request
+            (slicing, keeping, merging, extracting its cache, sampling).
         num_cancelled: requests stopped before they finished.
         num_vision_encoder_runs: requests whose images the vision encoder
             encoded.
@@ -442,12 +449,16 @@ class _PrefillOutcome:
 class _DecodeOutcome:
     batches: list[DecodeBatch]
     emitted: list[Emitted]
-    sample_failures: list[SampleFailed]
+    #: rows whose own step raised, each failing alone: as they left (their
+    #: cache extracted, sliced or kept), as they joined, as they decoded
+    leave_failures: list[RowFailed]
+    join_failures: list[RowFailed]
+    step_failures: list[RowFailed]
     #: id(sequence) -> the answer's blocks (None if there are none or they
     #: could not be sliced)
     answers: dict[int, Optional[Published]]
     unpublishable: int
-    #: batches whose step raised, with the error
+    #: batches whose model call or batch-cache change raised, with the error
     broken: list[tuple[DecodeBatch, Exception]]
     #: sizes of the batches that stepped
     steps: list[int]
@@ -818,7 +829,7 @@ class ComputeActor(Actor):
         except Exception as error:
             traceback.clear_frames(error.__traceback__)
             self._num_model_errors += 1
-            self._finish(sequence, Failed(error=ComputeFailed(sequence.request_id, error)))
+            self._fail(sequence, error)
             return None
 
     async def _prefill_chunk(self, sequence: Sequence) -> None:
@@ -934,7 +945,13 @@ class ComputeActor(Actor):
 
     async def _decode_step(self, steps: int) -> None:
         """One job: rows leave (finished ones publish their answer), rows join,
-        and every batch advances up to ``steps`` tokens (fewer once a row is done)."""
+        and every batch advances up to ``steps`` tokens (fewer once a row is done).
+
+        A step done for one row (extracting, publishing or keeping its cache,
+        merging it in, sampling, snapshotting) that raises fails that request
+        alone; a batch whose model call or batch cache change raises fails its
+        rows.
+        """
         runner = self._require_runner()
         leaving = list(self._leaving.values())
         self._leaving.clear()
@@ -944,32 +961,55 @@ class ComputeActor(Actor):
 
         def job() -> _DecodeOutcome:
             answers: dict[int, Optional[Published]] = {}
+            faults: list[RowFailed] = []
+            join_faults: list[RowFailed] = []
+            step_faults: list[RowFailed] = []
+            broken: list[tuple[DecodeBatch, Exception]] = []
             unpublishable = 0
             for batch in batches:
                 mine = [(s, keep) for s, keep in leaving if s in batch.rows]
-                caches = batch.leave([s for s, _ in mine], keep=[s for s, keep in mine if keep])
+                try:
+                    caches, failed = batch.leave([s for s, _ in mine], keep=[s for s, keep in mine if keep])
+                except BatchBroken as error:
+                    broken.append((batch, error.error))
+                    continue
+                faults.extend(failed)
                 for sequence, keep in mine:
-                    if keep:
-                        answer, failed = _publish(runner, sequence, caches[id(sequence)], sequence.num_tokens)
-                        answers[id(sequence)] = answer
-                        unpublishable += failed
+                    cache = caches.get(id(sequence))
+                    if cache is None:
+                        continue
+                    try:
+                        answer, failed_slice = _publish(runner, sequence, cache, sequence.num_tokens)
                         if keep_cache:
-                            runner.keep(sequence, caches[id(sequence)])
-            kept = [batch for batch in batches if len(batch)]
+                            runner.keep(sequence, cache)
+                    except Exception as error:
+                        traceback.clear_frames(error.__traceback__)
+                        faults.append(RowFailed(sequence, error))
+                        continue
+                    answers[id(sequence)] = answer
+                    unpublishable += failed_slice
+            kept = [batch for batch in batches if len(batch) and all(batch is not b for b, _ in broken)]
+            groups: list[tuple[DecodeBatch, list[Sequence]]] = []
             if runner.info.batchable:
                 if joining and not kept:
                     kept.append(DecodeBatch(runner))
                 if joining:
-                    kept[0].join(joining)
+                    groups.append((kept[0], joining))
             else:
                 for sequence in joining:
                     kept.append(DecodeBatch(runner))
-                    kept[-1].join([sequence])
+                    groups.append((kept[-1], [sequence]))
+            for batch, rows in groups:
+                try:
+                    join_faults.extend(batch.join(rows))
+                except BatchBroken as error:
+                    broken.append((batch, error.error))
+                    join_faults.extend(RowFailed(sequence, error.error) for sequence in rows)
             emitted: list[Emitted] = []
-            failures: list[SampleFailed] = []
-            broken: list[tuple[DecodeBatch, Exception]] = []
             sizes: list[int] = []
             for batch in kept:
+                if not len(batch) or any(batch is b for b, _ in broken):
+                    continue
                 try:
                     tokens, failed, ran = batch.advance(steps)
                 except Exception as error:
@@ -978,37 +1018,68 @@ class ComputeActor(Actor):
                     continue
                 sizes.extend([len(batch)] * ran)
                 emitted.extend(tokens)
-                failures.extend(failed)
-            return _DecodeOutcome(kept, emitted, failures, answers, unpublishable, broken, sizes)
+                step_faults.extend(failed)
+            live = [batch for batch in kept if len(batch) and all(batch is not b for b, _ in broken)]
+            return _DecodeOutcome(
+                live, emitted, faults, join_faults, step_faults, answers, unpublishable, broken, sizes
+            )
 
         outcome = await self._compute(job)
-        self._batches = [batch for batch in outcome.batches if all(batch is not b for b, _ in outcome.broken)]
+        self._batches = outcome.batches
         self._num_decode_steps += len(outcome.steps)
         self._num_decode_rows += sum(outcome.steps)
         self._num_unpublishable += outcome.unpublishable
+        left = {id(failure.sequence): failure for failure in outcome.leave_failures}
         for sequence, keep in leaving:
-            if keep and not sequence.cancelled:
+            fault = left.pop(id(sequence), None)
+            if not keep or sequence.cancelled:
+                self._forget(sequence)
+            elif fault is not None:
+                self._num_model_errors += 1
+                self._fail(sequence, fault.error)
+            else:
                 answer = outcome.answers.get(id(sequence))
                 self._count_published(answer, False)
                 if answer is not None:
                     sequence.publish(answer)
                 self._finish(sequence, sequence.final)
-            else:
-                self._forget(sequence)
         for batch, error in outcome.broken:
             self._num_model_errors += 1
             for sequence in batch.rows:
-                self._finish(sequence, Failed(error=ComputeFailed(sequence.request_id, error)))
-        for failure in outcome.sample_failures:
+                if not sequence.cancelled and sequence.phase is not Phase.FINISHED:
+                    self._fail(sequence, error)
+        for failure in outcome.join_failures:
             sequence = failure.sequence
-            sequence.emit(Failed(error=ComputeFailed(sequence.request_id, failure.error)))
-            sequence.cancelled = True
-            self._leaving[id(sequence)] = (sequence, False)
+            if sequence.phase is Phase.FINISHED:
+                continue
+            if sequence.cancelled:
+                self._forget(sequence)
+            else:
+                self._num_model_errors += 1
+                self._fail(sequence, failure.error)
         rows: dict[int, list[Emitted]] = {}
         for item in outcome.emitted:
             rows.setdefault(id(item.sequence), []).append(item)
         for items in rows.values():
             self._emit_tokens(items)
+        # Rows whose own decode step raised (and the last row of a batch whose
+        # cache could not be taken back out): the tokens they emitted before
+        # stand; each fails, and leaves its batch if it is still in one.
+        for failure in [*left.values(), *outcome.step_failures]:
+            sequence = failure.sequence
+            if sequence.phase is Phase.FINISHED or sequence.cancelled or id(sequence) in self._leaving:
+                continue
+            self._num_model_errors += 1
+            if not any(sequence in batch.rows for batch in self._batches):
+                self._fail(sequence, failure.error)
+                continue
+            sequence.emit(Failed(error=ComputeFailed(sequence.request_id, failure.error)))
+            sequence.cancelled = True
+            self._leaving[id(sequence)] = (sequence, False)
+
+    def _fail(self, sequence: Sequence, error: Exception) -> None:
+        """End a request that holds no batch row with :class:`ComputeFailed`."""
+        self._finish(sequence, Failed(error=ComputeFailed(sequence.request_id, error)))
 
     def _emit_tokens(self, items: list[Emitted]) -> None:
         """Send one row's tokens of this job, up to where it is done."""

@@ -18,10 +18,19 @@ leave when finished or cancelled; joining and leaving copy the batch cache
 one row keeps that request's own cache (no merge, no padding mask): a lone
 request decodes as fast as mlx-lm's ``generate_step``; the cache is merged
 when a second row joins and extracted again when one row is left.
+
+Failures. What is done for one row -- merging its cache in, extracting it on
+the way out, sampling its next token, snapshotting its recurrent state --
+fails that row alone (:class:`RowFailed`); the batch goes on without it. A
+draw that raises after the row's last token (its next token is never used)
+is no failure. What is done for the whole batch -- the model call, cutting
+the batch cache down or extending it -- raises: every row of the batch
+shared it.
 """
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Iterable
 from typing import Any, Optional
 
@@ -30,7 +39,7 @@ import attrs
 from mlxkv.actors.model_runner import ModelRunner
 from mlxkv.actors.sequence import Sequence
 
-__all__ = ["DecodeBatch", "Emitted", "SampleFailed"]
+__all__ = ["BatchBroken", "DecodeBatch", "Emitted", "RowFailed"]
 
 
 @attrs.frozen
@@ -52,11 +61,29 @@ class Emitted:
 
 
 @attrs.frozen
-class SampleFailed:
-    """A row whose sampler raised; it leaves the batch, the others go on."""
+class RowFailed:
+    """A step done for one row raised; the row is out of the batch (or leaves
+    it now), the others go on.
+
+    Attributes:
+        sequence: the row.
+        error: what raised.
+    """
 
     sequence: Sequence
     error: Exception
+
+
+class BatchBroken(Exception):
+    """Changing the batch cache as a whole raised: the batch is unusable.
+
+    Attributes:
+        error: what raised.
+    """
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.error = error
 
 
 class DecodeBatch:
@@ -88,19 +115,25 @@ class DecodeBatch:
 
     def leave(
         self, sequences: Iterable[Sequence], *, keep: Iterable[Sequence] = ()
-    ) -> dict[int, list[Any]]:
+    ) -> tuple[dict[int, list[Any]], list[RowFailed]]:
         """Remove rows; return the caches of those in ``keep`` (by ``id()``).
 
         A kept cache is the row's own request cache (``extract``), holding
-        its prompt and its emitted tokens.
+        its prompt and its emitted tokens. A row whose cache cannot be
+        extracted leaves all the same, and is among the failures; so is the
+        one row left, out of the batch too, if its cache cannot be.
+
+        Raises:
+            BatchBroken: cutting the batch cache down to the other rows raised.
         """
         import mlx.core as mx
 
         leaving = {id(sequence) for sequence in sequences}
         wanted = {id(sequence) for sequence in keep}
         caches: dict[int, list[Any]] = {}
+        failed: list[RowFailed] = []
         if not leaving:
-            return caches
+            return caches, failed
         assert self._cache is not None, "rows leave an empty batch"
         stay = []
         for index, sequence in enumerate(self.rows):
@@ -109,73 +142,131 @@ class DecodeBatch:
                 continue
             self._fresh.discard(id(sequence))
             if id(sequence) in wanted:
-                caches[id(sequence)] = self._row_cache(index)
+                try:
+                    caches[id(sequence)] = self._row_cache(index)
+                except Exception as error:
+                    failed.append(RowFailed(sequence, _cleared(error)))
+        if len(stay) == 1:
+            # The last row keeps its own cache again (no padding mask).
+            try:
+                self._cache, self._merged = self._row_cache(stay[0]), False
+            except Exception as error:
+                failed.append(RowFailed(self.rows[stay[0]], _cleared(error)))
+                stay = []
         if not stay:
             self.rows, self._cache, self._next, self._next_logprobs = [], None, None, []
             self._merged = False
-            return caches
+            return caches, failed
         kept = mx.array(stay)
-        if len(stay) == 1:
-            self._cache, self._merged = self._row_cache(stay[0]), False
-        else:
-            for layer in self._cache:
-                layer.filter(kept)
+        if len(stay) > 1:
+            try:
+                for layer in self._cache:
+                    layer.filter(kept)
+            except Exception as error:
+                raise BatchBroken(_cleared(error)) from None
         self.rows = [self.rows[i] for i in stay]
         self._next = self._next[kept]
         self._next_logprobs = [self._next_logprobs[i] for i in stay]
-        return caches
+        return caches, failed
 
     def _row_cache(self, index: int) -> list[Any]:
         assert self._cache is not None, "an empty batch has no rows"
         return self._runner.extract(self._cache, index) if self._merged else self._cache
 
-    def join(self, sequences: list[Sequence]) -> None:
+    def join(self, sequences: list[Sequence]) -> list[RowFailed]:
         """Add rows whose prefill is done; their caches move into the batch.
 
         Each row's next token is the last of its ``generated`` (its first
-        token, sampled and emitted by the prefill).
+        token, sampled and emitted by the prefill). A row whose cache cannot
+        be merged (even on its own) stays out, its cache dropped, and is
+        among the returned failures; the others join.
+
+        Raises:
+            BatchBroken: the batch cache could not take the rows in.
         """
+        if not sequences:
+            return []
+        try:
+            self._join(sequences)
+            return []
+        except BatchBroken:
+            raise
+        except Exception:
+            pass
+        # Whose cache it was (a rare path): each merged on its own is refused
+        # if it raises; if the others still do not merge in, the batch's own
+        # cache is at fault.
+        failed, fine = [], []
+        for sequence in sequences:
+            try:
+                self._runner.merge([sequence.cache])
+            except Exception as error:
+                failed.append(self._refuse(sequence, error))
+                continue
+            fine.append(sequence)
+        if fine:
+            try:
+                self._join(fine)
+            except BatchBroken:
+                raise
+            except Exception as error:
+                raise BatchBroken(_cleared(error)) from None
+        return failed
+
+    def _refuse(self, sequence: Sequence, error: Exception) -> RowFailed:
+        sequence.cache = None
+        return RowFailed(sequence, _cleared(error))
+
+    def _join(self, sequences: list[Sequence]) -> None:
+        """Merge ``sequences`` in; nothing changes if the merge raises, and
+        only :class:`BatchBroken` leaves the batch changed."""
         import mlx.core as mx
 
-        if not sequences:
-            return
         caches = []
         for sequence in sequences:
             assert sequence.cache is not None, f"{sequence!r} joins without a cache"
             caches.append(sequence.cache)
-            sequence.cache = None
-            self._fresh.add(id(sequence))
         tokens = mx.array([sequence.generated[-1] for sequence in sequences], dtype=mx.uint32)
         if self._cache is None and len(caches) == 1:
             self._cache, self._merged, self._next = caches[0], False, tokens
         elif self._cache is None:
             self._cache, self._merged, self._next = self._runner.merge(caches), True, tokens
-        else:
-            if not self._merged:
-                caches.insert(0, self._cache)
-                self._cache, self._merged = self._runner.merge(caches), True
-            else:
-                for layer, new in zip(self._cache, self._runner.merge(caches)):
-                    layer.extend(new)
+        elif not self._merged:
+            self._cache, self._merged = self._runner.merge([self._cache, *caches]), True
             self._next = mx.concatenate([self._next, tokens])
+        else:
+            merged = self._runner.merge(caches)
+            try:
+                for layer, new in zip(self._cache, merged):
+                    layer.extend(new)
+            except Exception as error:
+                raise BatchBroken(_cleared(error)) from None
+            self._next = mx.concatenate([self._next, tokens])
+        for sequence in sequences:
+            sequence.cache = None
+            self._fresh.add(id(sequence))
         self.rows.extend(sequences)
         self._next_logprobs.extend([None] * len(sequences))
 
-    def advance(self, max_steps: int = 1) -> tuple[list[Emitted], list[SampleFailed], int]:
+    def advance(self, max_steps: int = 1) -> tuple[list[Emitted], list[RowFailed], int]:
         """Run up to ``max_steps`` decode steps; stop early once a row is done.
 
         Each step feeds every row's next token, samples the following one and
         emits the fed ones. A row is done when it emits a stop token or
-        reaches ``max_tokens``, or when its sampler raised.
+        reaches ``max_tokens``, or when a step for it alone raised.
 
         Returns:
             The tokens emitted, in order (by every row but those that just
             joined, whose first fed token their prefill emitted), the rows
-            whose sampler raised (still in the batch: make them leave), and
-            the number of steps (model calls) run.
+            whose own step raised (still in the batch: make them leave; the
+            tokens they emitted before are valid), and the number of steps
+            (model calls) run.
+
+        Raises:
+            Exception: the model call raised (every row shared it).
         """
         emitted: list[Emitted] = []
-        failed: list[SampleFailed] = []
+        failed: list[RowFailed] = []
         steps = 0
         while steps < max_steps and self.rows:
             tokens, failures = self._step()
@@ -186,7 +277,7 @@ class DecodeBatch:
                 break
         return emitted, failed, steps
 
-    def _step(self) -> tuple[list[Emitted], list[SampleFailed]]:
+    def _step(self) -> tuple[list[Emitted], list[RowFailed]]:
         import mlx.core as mx
 
         fresh = [id(sequence) in self._fresh for sequence in self.rows]
@@ -205,7 +296,8 @@ class DecodeBatch:
         self._next_logprobs = [
             logits[i] if sequence.keep_logits else None for i, sequence in enumerate(self.rows)
         ]
-        snapshots = self._snapshot_block_ends(fresh)
+        snapshots, unsnapped = self._snapshot_block_ends(fresh)
+        failed.extend(unsnapped)
         mx.async_eval(self._next, [lp for lp in self._next_logprobs if lp is not None], snapshots)
         values = inputs.tolist()
         emitted = []
@@ -216,9 +308,12 @@ class DecodeBatch:
             emitted.append(
                 Emitted(sequence, len(sequence.generated) - 1, values[index], fed_logprobs[index])
             )
-        return emitted, failed
+        # A row done with the token it fed never uses what was drawn after it
+        # (a fresh row is never done: its prefill would have finished it).
+        done = {id(item.sequence) for item in emitted if _done(item)}
+        return emitted, [failure for failure in failed if id(failure.sequence) not in done]
 
-    def _sample(self, logprobs: Any) -> tuple[Any, list[SampleFailed]]:
+    def _sample(self, logprobs: Any) -> tuple[Any, list[RowFailed]]:
         """Each row's next token: one argmax for greedy rows, each sampler for the rest."""
         import mlx.core as mx
 
@@ -233,27 +328,38 @@ class DecodeBatch:
                 try:
                     token = sequence.sampler(logprobs[index : index + 1])[0].astype(mx.uint32)
                 except Exception as error:
-                    failed.append(SampleFailed(sequence, error))
+                    failed.append(RowFailed(sequence, _cleared(error)))
             tokens.append(token)
         return mx.stack(tokens), failed
 
-    def _snapshot_block_ends(self, fresh: list[bool]) -> list[Any]:
+    def _snapshot_block_ends(self, fresh: list[bool]) -> tuple[list[Any], list[RowFailed]]:
         """Record recurrent state of rows whose KV ends on a block boundary after this step."""
         if not self._runner.info.has_recurrent:
-            return []
+            return [], []
         arrays = []
+        failed = []
         for index, sequence in enumerate(self.rows):
             # A fresh row feeds its first token, already in ``generated``;
             # any other row feeds a token that joins ``generated`` below.
             position = sequence.num_tokens + (0 if fresh[index] else 1)
             if position % sequence.block_size == 0:
-                state = self._runner.snapshot(self._cache, index)
+                try:
+                    state = self._runner.snapshot(self._cache, index)
+                except Exception as error:
+                    failed.append(RowFailed(sequence, _cleared(error)))
+                    continue
                 sequence.snapshots[position] = state
                 arrays.extend(a for group in state if group for a in group if a is not None)
-        return arrays
+        return arrays, failed
 
 
 def _done(item: Emitted) -> bool:
     """Whether the row that emitted ``item`` is finished with it."""
     sequence = item.sequence
     return item.token in sequence.stop_tokens or item.index + 1 >= sequence.max_tokens
+
+
+def _cleared(error: Exception) -> Exception:
+    """``error`` without the frames its traceback holds (they hold MLX arrays)."""
+    traceback.clear_frames(error.__traceback__)
+    return error

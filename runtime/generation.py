@@ -360,7 +360,9 @@ async def run_generation(
                     try:
                         event = await events.receive()
                     except anyio.EndOfStream:
-                        raise runtime._closed_error() from None
+                        # The compute actor stopped (crashed, or the runtime
+                        # closed): ``_call`` says which, with the crash.
+                        raise compute.failed() from None
                     if isinstance(event, Prefilled):
                         prefilled = event
                         first_token_at = time.perf_counter()

@@ -594,7 +594,7 @@ class CacheRuntime:
         try:
             yield
         except ActorFailed as error:
-            raise self._closed_error() from error
+            raise self._closed_error(error) from error
         finally:
             self._in_flight -= 1
             if not self._in_flight and self._state is not _RUNNING:
@@ -607,9 +607,14 @@ class CacheRuntime:
             raise self._closed_error()
         self._task_group.start_soon(fn, *args)
 
-    def _closed_error(self) -> RuntimeClosed:
-        if self._failure is not None:
-            return RuntimeClosed(_FAILED, self._failure)
+    def _closed_error(self, stopped: Optional[ActorFailed] = None) -> RuntimeClosed:
+        """Why calls are refused; ``stopped``: the actor a call found stopped
+        (its crash counts before the task group has recorded it)."""
+        failure = self._failure
+        if failure is None and stopped is not None:
+            failure = stopped.cause
+        if failure is not None:
+            return RuntimeClosed(_FAILED, failure)
         return RuntimeClosed(_CLOSED if self._state is _RUNNING else self._state)
 
     # -- the low-level API --------------------------------------------------
