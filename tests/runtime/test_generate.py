@@ -368,6 +368,23 @@ class TestFailuresAreHeard:
         events = {log["event"] for log in logs if log["log_level"] == "warning"}
         assert {"generation.not_stored", "generation.prompt_exceeds_pool"} <= events
 
+    async def test_a_pool_smaller_than_a_chunk_keeps_its_leading_blocks(self, llama):
+        """A 256-token chunk publishes 16 blocks into a pool of 7: the leading 7
+        are stored (the rest counted), and the same prompt then reuses them,
+        exactly."""
+        prompt = _tokens(300, salt=7)
+        async with CacheRuntime(model=llama, block_size=BS, max_blocks=8, keep_last_cache=False) as rt:
+            first = await run(rt, prompt, max_tokens=4)
+            warm = await run(rt, prompt, max_tokens=4)
+            stats = await rt.stats()
+            await assert_matches_cold(rt, prompt, warm, "cold")
+            await assert_clean(rt)
+        assert first[1].stored_blocks == 7
+        assert warm[1].cached_tokens == 7 * BS
+        # Each request's prompt and answer blocks beyond the 7.
+        assert stats.generation is not None
+        assert stats.generation.num_blocks_not_stored == 2 * ((300 + 4) // BS - 7)
+
     async def test_a_store_that_fails_unexpectedly_fails_the_generation(self, llama):
         """The storer's failure (not a full pool) reaches the generation that owns
         it, after the tokens it computed; nothing leaks and the runtime serves on."""
