@@ -84,33 +84,42 @@ class MlxVlm:
         self.model.language_model._position_ids = None
         self.model.language_model._rope_deltas = None
 
-    def first_token(self, prompt: str, image: str, state: Any = None) -> tuple[float, int]:
+    def _generate(self, ids: list[int], image: str, tokens: int, state: Any) -> Any:
+        """mlx-vlm's ``stream_generate`` on token ids (the image processed
+        here, as its text path would): the turn's tokens exactly as mlxkv
+        has them, whatever text they decode to."""
+        import mlx.core as mx
         from mlx_vlm.generate import stream_generate
+        from mlx_vlm.utils import prepare_inputs
 
         self._reset()
+        inputs = prepare_inputs(self.processor, images=[image], prompts=PLACEHOLDER)
+        input_ids = mx.array(ids)[None]
+        return stream_generate(
+            self.model,
+            self.processor,
+            "",
+            input_ids=input_ids,
+            pixel_values=inputs["pixel_values"],
+            mask=mx.ones_like(input_ids),
+            image_grid_thw=inputs["image_grid_thw"],
+            max_tokens=tokens,
+            prompt_cache_state=state,
+        )
+
+    def first_token(self, ids: list[int], image: str, state: Any = None) -> tuple[float, int]:
         started = time.perf_counter()
-        for result in stream_generate(
-            self.model, self.processor, prompt, image=[image], max_tokens=1, prompt_cache_state=state
-        ):
+        for result in self._generate(ids, image, 1, state):
             return time.perf_counter() - started, int(result.token)
         raise RuntimeError("mlx-vlm generated nothing")
 
-    def fill(self, prompt: str, image: str) -> Any:
-        """A PromptCacheState after turn 1 (prompt + answer)."""
-        from mlx_vlm.generate import PromptCacheState, stream_generate
+    def fill(self, ids: list[int], image: str) -> tuple[Any, list[int]]:
+        """A PromptCacheState after turn 1 (prompt + answer), and the answer."""
+        from mlx_vlm.generate import PromptCacheState
 
-        self._reset()
         state = PromptCacheState()
-        for _ in stream_generate(
-            self.model, self.processor, prompt, image=[image], max_tokens=ANSWER_TOKENS, prompt_cache_state=state
-        ):
-            pass
-        return state
-
-    def token_ids(self, text: str, image: str) -> list[int]:
-        from mlx_vlm.utils import prepare_inputs
-
-        return prepare_inputs(self.processor, images=[image], prompts=text)["input_ids"][0].tolist()
+        answer = [int(result.token) for result in self._generate(ids, image, ANSWER_TOKENS, state)]
+        return state, answer
 
     def encoder_seconds(self, image: str) -> float:
         import mlx.core as mx
@@ -204,16 +213,16 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 async with rt.generate(QUESTION_1, images=[image], max_tokens=ANSWER_TOKENS, cache_salt=salt) as stream:
                     async for record in stream:
                         if isinstance(record, GenerationReport):
-                            turn1 = list(record.prompt_ids) + list(record.tokens)
+                            prompt1 = list(record.prompt_ids)
+                            turn1 = prompt1 + list(record.tokens)
                         else:
                             answer.append(record.token)
                 turn2 = turn1 + list(await rt.tokenize(QUESTION_2))
-                # mlx-vlm takes text with one placeholder per image.
-                text1 = PLACEHOLDER + QUESTION_1
-                text2 = text1 + reference.processor.tokenizer.decode(answer) + QUESTION_2
-                if reference.token_ids(text2, image) != turn2:
-                    raise RuntimeError("mlx-vlm reads turn 2's text as other tokens than mlxkv's turn 2")
-                state = reference.fill(text1, image)
+                # Every method runs on these token ids (the answer need not
+                # decode to text that encodes back to it).
+                state, theirs = reference.fill(prompt1, image)
+                if theirs[: len(answer)] != answer:
+                    raise RuntimeError("mlx-vlm's greedy answer to turn 1 differs from mlxkv's")
                 tokens = {}
                 shift = round_ % len(samples)
                 order = list(samples)[shift:] + list(samples)[:shift]
@@ -224,9 +233,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                                 if isinstance(record, GenerationReport):
                                     seconds, token = record.time_to_first_token, record.tokens[0]
                     elif method == "mlx-vlm cold":
-                        seconds, token = reference.first_token(text2, image)
+                        seconds, token = reference.first_token(turn2, image)
                     elif method == "mlx-vlm prompt cache":
-                        seconds, token = reference.first_token(text2, image, state)
+                        seconds, token = reference.first_token(turn2, image, state)
                     elif method == "ideal":
                         new_tokens = reference.ideal(turn1, turn2, image)
                         started = time.perf_counter()
