@@ -68,6 +68,12 @@ def _stress_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--generate-rate", type=float, default=0.2, help="share of operations that generate (0.2)"
     )
+    parser.add_argument(
+        "--verify",
+        type=int,
+        default=64,
+        help="finished generations computed again cold at the end, whose tokens must match (64)",
+    )
     _backend_option(parser)
     _json_option(parser)
 
@@ -114,6 +120,7 @@ def _stress(args: argparse.Namespace) -> int:
         error_rate=args.error_rate,
         backend=args.backend,
         generate_rate=args.generate_rate,
+        verify=args.verify,
     )
     if args.generate or args.model:
         from mlxkv.default_model import ensure_model

@@ -15,7 +15,12 @@ so that requests arriving together wait for each other's prefix blocks in
 flight and decode in one batch, with the same random cancellations and
 injected failures (a failing ``Generate`` is a computing request that fails
 while others wait for its blocks). After each round, with no call in flight,
-no request may be live in the compute actor and no block claimed.
+no request may be live in the compute actor and no block claimed. At the
+end, with faults off, finished generations (up to ``verify`` of them) are
+computed again cold, under a cache salt of their own, and must give the
+same tokens: the built-in models' greedy tokens depend on the KV they
+attend to, so a wrong cached prefix, a mixed-up batch row or a stale kept
+cache shows here.
 
 Used by ``mlxkv stress``, ``scripts/stress.py`` and the test suite.
 """
@@ -92,6 +97,8 @@ class StressConfig:
             docstring); None for the cache alone.
         generate_rate: with a model, the share of operations that are
             generations.
+        verify: with a model, the most finished generations computed again
+            cold at the end, whose tokens must match.
     """
 
     clients: int = attrs.field(default=16, validator=_at_least(1))
@@ -109,6 +116,7 @@ class StressConfig:
     backend: str = attrs.field(default="asyncio")
     model: Optional[str] = None
     generate_rate: float = attrs.field(default=0.2, validator=_rate)
+    verify: int = attrs.field(default=64, validator=_at_least(0))
 
     @backend.validator
     def _check_backend(self, attribute: attrs.Attribute, value: Any) -> None:
@@ -155,6 +163,8 @@ class StressReport:
         generations: generations that finished.
         generated_tokens: tokens they generated.
         shared_waits: generations that waited for a prefix in flight.
+        token_checks: finished generations computed again cold whose tokens
+            matched (a mismatch is a violation).
         mean_batch_size: requests per decode model call, on average.
         checks: invariant checks passed.
         leaked_blocks: blocks still referenced after every request ended.
@@ -176,6 +186,7 @@ class StressReport:
     generations: int
     generated_tokens: int
     shared_waits: int
+    token_checks: int
     mean_batch_size: float
     checks: int
     leaked_blocks: int
@@ -212,7 +223,8 @@ class StressReport:
                 [
                     f"  generations: {self.generations} finished, {self.generated_tokens} tokens,"
                     f" {self.shared_waits} waited for a prefix in flight,"
-                    f" mean decode batch {self.mean_batch_size:.1f}"
+                    f" mean decode batch {self.mean_batch_size:.1f}",
+                    f"  token checks: {self.token_checks} generations matched a cold run",
                 ]
                 if c.model
                 else []
@@ -243,6 +255,8 @@ class _Tally:
     out_of_blocks: int = 0
     generations: int = 0
     generated_tokens: int = 0
+    #: (prompt, max_tokens) -> (tokens, finish reason) of finished generations
+    finished: dict[tuple[tuple[int, ...], int], tuple[tuple[int, ...], str]] = attrs.field(factory=dict)
     violations: list[str] = attrs.field(factory=list)
 
 
@@ -353,11 +367,15 @@ class _Client:
 
         rng = self._rng
         prompt = list(rng.choice(self._text_prefixes)) + [rng.randrange(1, 250) for _ in range(rng.randrange(1, 24))]
-        async with self._rt.generate(prompt, max_tokens=rng.randrange(1, 9), request_id=self._new_id()) as stream:
+        max_tokens = rng.randrange(1, 9)
+        async with self._rt.generate(prompt, max_tokens=max_tokens, request_id=self._new_id()) as stream:
             async for record in stream:
                 if isinstance(record, GenerationReport):
                     self._tally.generations += 1
                     self._tally.generated_tokens += record.generated_tokens
+                    if len(self._tally.finished) < self._config.verify:
+                        key = (tuple(prompt), max_tokens)
+                        self._tally.finished[key] = (record.tokens, record.finish_reason)
 
     async def _release(self) -> None:
         request_id = self._rng.choice(list(self.held))
@@ -366,17 +384,41 @@ class _Client:
         del self.held[request_id]
 
 
-def _faults(rate: float, seed: int) -> Optional[Any]:
-    if rate <= 0:
-        return None
-    rng = random.Random(seed ^ 0x5EED)
+class _Faults:
+    """The runtime's intercept: raises :class:`InjectedFault` in a share of the
+    faultable messages while :attr:`enabled`."""
 
-    def intercept(actor: str, message: Message) -> None:
+    def __init__(self, rate: float, seed: int) -> None:
+        self._rate = rate
+        self._rng = random.Random(seed ^ 0x5EED)
+        self.enabled = rate > 0
+
+    def __call__(self, actor: str, message: Message) -> None:
         kind = type(message).__name__
-        if kind in _FAULTABLE and rng.random() < rate:
+        if self.enabled and kind in _FAULTABLE and self._rng.random() < self._rate:
             raise InjectedFault(actor, kind)
 
-    return intercept
+
+async def _verify(rt: CacheRuntime, tally: _Tally) -> int:
+    """Compute every recorded generation again, cold and alone; count matches
+    and record every mismatch as a violation."""
+    matched = 0
+    for number, ((prompt, max_tokens), (tokens, reason)) in enumerate(tally.finished.items()):
+        salt = f"stress-verify-{number}"
+        async with rt.generate(list(prompt), max_tokens=max_tokens, cache_salt=salt) as stream:
+            async for _ in stream:
+                pass
+        cold = stream.report
+        assert cold is not None, "a generation that ran to its end has a report"
+        if (cold.tokens, cold.finish_reason) == (tokens, reason):
+            matched += 1
+            continue
+        at = next((i for i, (a, b) in enumerate(zip(tokens, cold.tokens)) if a != b), min(len(tokens), len(cold.tokens)))
+        tally.violations.append(
+            f"a generation of a {len(prompt)}-token prompt gave other tokens than a cold run"
+            f" from token {at} on ({len(tokens)} {reason} against {len(cold.tokens)} {cold.finish_reason})"
+        )
+    return matched
 
 
 def _quantile(samples: list[float], q: float) -> float:
@@ -427,10 +469,11 @@ async def run_stress(config: StressConfig) -> StressReport:
     tally = _Tally()
     checks = 0
     operations = 0
+    faults = _Faults(config.error_rate, config.seed)
     async with CacheRuntime(
         block_size=config.block_size,
         max_blocks=config.max_blocks,
-        intercept=_faults(config.error_rate, config.seed),
+        intercept=faults if faults.enabled else None,
         model=config.model,
     ) as rt:
         clients = [_Client(i, rt, config, prefixes, tally, text_prefixes) for i in range(config.clients)]
@@ -455,6 +498,10 @@ async def run_stress(config: StressConfig) -> StressReport:
                 await rt.release(request_id)
             client.held.clear()
         checks += await _check(rt, tally.violations, "after releasing every request")
+        workload = await rt.stats()
+        faults.enabled = False
+        token_checks = await _verify(rt, tally)
+        checks += await _check(rt, tally.violations, "after the token checks")
         stats = await rt.stats()
     leaked = stats.allocator.num_referenced
     open_tables = stats.index.num_active_requests
@@ -479,14 +526,15 @@ async def run_stress(config: StressConfig) -> StressReport:
         fetches=tally.fetches,
         hits=tally.hits,
         hit_tokens=tally.hit_tokens,
-        evictions=stats.allocator.num_evictions,
+        evictions=workload.allocator.num_evictions,
         cancellations=tally.cancellations,
         injected_errors=tally.injected_errors,
         out_of_blocks=tally.out_of_blocks,
         generations=tally.generations,
         generated_tokens=tally.generated_tokens,
-        shared_waits=stats.index.num_waits,
-        mean_batch_size=0.0 if stats.compute is None else round(stats.compute.mean_batch_size, 2),
+        shared_waits=workload.index.num_waits,
+        token_checks=token_checks,
+        mean_batch_size=0.0 if workload.compute is None else round(workload.compute.mean_batch_size, 2),
         checks=checks,
         leaked_blocks=leaked,
         open_tables=open_tables,

@@ -56,6 +56,41 @@ class TestStress:
         assert report.shared_waits > 0 and report.mean_batch_size > 1
         assert report.cancellations > 0 and report.injected_errors > 0
         assert (report.leaked_blocks, report.open_tables) == (0, 0)
+        assert report.token_checks == min(64, report.generations) > 0
+
+    async def test_a_wrong_prefix_fails_the_token_checks(self, anyio_backend, model_dir, monkeypatch):
+        """With every prefix rebuilt from blocks made wrong (block 0's KV
+        replaced by block 1's), finished generations no longer match their
+        cold runs, and the report says so."""
+        import mlx.core as mx
+
+        from mlxkv.cache import kv_state
+        from mlxkv.default_model import TINY_LLAMA, ensure_model
+
+        honest = kv_state.reconstruct
+
+        def broken(*args, **kwargs):
+            cache = honest(*args, **kwargs)
+            for layer in cache:
+                if isinstance(layer.keys, mx.array) and layer.offset >= 8:
+                    layer.keys[..., :4, :] = layer.keys[..., 4:8, :]
+            return cache
+
+        monkeypatch.setattr(kv_state, "reconstruct", broken)
+        config = StressConfig(
+            clients=4,
+            operations=200,
+            duration=120.0,
+            check_every=100,
+            generate_rate=0.5,
+            verify=16,
+            model=str(ensure_model(TINY_LLAMA, model_dir)),
+            backend=anyio_backend,
+        )
+        report = await run_stress(config)
+        assert not report.ok
+        assert any("other tokens than a cold run" in v for v in report.violations)
+        assert report.token_checks < 16
 
     async def test_shared_prefixes_hit(self, anyio_backend):
         """Without faults, most fetches reuse blocks and every kind of call is measured."""
