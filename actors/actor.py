@@ -209,6 +209,23 @@ class Actor:
         """
         raise TypeError(f"{self.name} cannot handle {type(message).__name__}")
 
+    def has_work(self) -> bool:
+        """Whether the actor has work to do beyond handling messages (see
+        :meth:`work`). By default it has none."""
+        return False
+
+    async def work(self) -> None:
+        """Do one piece of the actor's own work; the loop calls it between
+        messages while :meth:`has_work` says so, after handling every
+        message already waiting. It may await (the only await besides
+        receiving); messages wait meanwhile. What it raises crashes the
+        actor as a handler's bug would.
+        """
+
+    def messages_waiting(self) -> bool:
+        """Whether messages wait in the mailbox (for :meth:`work` to keep short)."""
+        return self._mailbox_out.statistics().current_buffer_used > 0
+
     def undo(self, message: Ask[Any], reply: Any) -> Optional[Tell]:
         """The message that gives back what ``reply`` granted, if anything.
 
@@ -265,7 +282,9 @@ class Actor:
         )
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Handle messages until every sender is closed; then return.
+        """Handle messages (and :meth:`work` between them) until every sender
+        is closed; then return. Work left then is dropped: nobody can ask
+        for its results any more.
 
         If a handler raises anything but a CacheError, the exception
         propagates (crashing the task group) after every pending caller's
@@ -277,6 +296,21 @@ class Actor:
         try:
             task_status.started()
             while True:
+                if self.has_work():
+                    # What waits now is handled first, then one piece of work.
+                    waiting = mailbox.statistics()
+                    if waiting.open_send_streams == 0 and waiting.current_buffer_used == 0:
+                        break  # nobody can ask for the rest of the work any more
+                    for _ in range(waiting.current_buffer_used):
+                        try:
+                            current = receive_nowait()
+                        except (anyio.WouldBlock, anyio.EndOfStream):
+                            break
+                        self._dispatch(current)
+                        current = None
+                    if self.has_work():
+                        await self.work()
+                    continue
                 # Messages already queued are handled back to back; the loop
                 # waits (and lets others run) only when the mailbox is empty.
                 try:

@@ -37,9 +37,10 @@ from typing import Any, Optional
 import attrs
 
 from mlxkv.actors.model_runner import ModelRunner
+from mlxkv.actors.request import stop_reason
 from mlxkv.actors.sequence import Sequence
 
-__all__ = ["BatchBroken", "DecodeBatch", "Emitted", "RowFailed"]
+__all__ = ["BatchBroken", "DecodeBatch", "Emitted", "RowFailed", "without_frames"]
 
 
 @attrs.frozen
@@ -145,13 +146,13 @@ class DecodeBatch:
                 try:
                     caches[id(sequence)] = self._row_cache(index)
                 except Exception as error:
-                    failed.append(RowFailed(sequence, _cleared(error)))
+                    failed.append(RowFailed(sequence, without_frames(error)))
         if len(stay) == 1:
             # The last row keeps its own cache again (no padding mask).
             try:
                 self._cache, self._merged = self._row_cache(stay[0]), False
             except Exception as error:
-                failed.append(RowFailed(self.rows[stay[0]], _cleared(error)))
+                failed.append(RowFailed(self.rows[stay[0]], without_frames(error)))
                 stay = []
         if not stay:
             self.rows, self._cache, self._next, self._next_logprobs = [], None, None, []
@@ -163,7 +164,7 @@ class DecodeBatch:
                 for layer in self._cache:
                     layer.filter(kept)
             except Exception as error:
-                raise BatchBroken(_cleared(error)) from None
+                raise BatchBroken(without_frames(error)) from None
         self.rows = [self.rows[i] for i in stay]
         self._next = self._next[kept]
         self._next_logprobs = [self._next_logprobs[i] for i in stay]
@@ -210,12 +211,12 @@ class DecodeBatch:
             except BatchBroken:
                 raise
             except Exception as error:
-                raise BatchBroken(_cleared(error)) from None
+                raise BatchBroken(without_frames(error)) from None
         return failed
 
     def _refuse(self, sequence: Sequence, error: Exception) -> RowFailed:
         sequence.cache = None
-        return RowFailed(sequence, _cleared(error))
+        return RowFailed(sequence, without_frames(error))
 
     def _join(self, sequences: list[Sequence]) -> None:
         """Merge ``sequences`` in; nothing changes if the merge raises, and
@@ -240,7 +241,7 @@ class DecodeBatch:
                 for layer, new in zip(self._cache, merged):
                     layer.extend(new)
             except Exception as error:
-                raise BatchBroken(_cleared(error)) from None
+                raise BatchBroken(without_frames(error)) from None
             self._next = mx.concatenate([self._next, tokens])
         for sequence in sequences:
             sequence.cache = None
@@ -328,7 +329,7 @@ class DecodeBatch:
                 try:
                     token = sequence.sampler(logprobs[index : index + 1])[0].astype(mx.uint32)
                 except Exception as error:
-                    failed.append(RowFailed(sequence, _cleared(error)))
+                    failed.append(RowFailed(sequence, without_frames(error)))
             tokens.append(token)
         return mx.stack(tokens), failed
 
@@ -346,7 +347,7 @@ class DecodeBatch:
                 try:
                     state = self._runner.snapshot(self._cache, index)
                 except Exception as error:
-                    failed.append(RowFailed(sequence, _cleared(error)))
+                    failed.append(RowFailed(sequence, without_frames(error)))
                     continue
                 sequence.snapshots[position] = state
                 arrays.extend(a for group in state if group for a in group if a is not None)
@@ -354,12 +355,12 @@ class DecodeBatch:
 
 
 def _done(item: Emitted) -> bool:
-    """Whether the row that emitted ``item`` is finished with it."""
-    sequence = item.sequence
-    return item.token in sequence.stop_tokens or item.index + 1 >= sequence.max_tokens
+    """Whether the row that emitted ``item`` is finished with it (the
+    scheduler's own rule: its end follows from the same tokens)."""
+    return stop_reason(item.sequence.spec, item.token, item.index) is not None
 
 
-def _cleared(error: Exception) -> Exception:
+def without_frames(error: Exception) -> Exception:
     """``error`` without the frames its traceback holds (they hold MLX arrays)."""
     traceback.clear_frames(error.__traceback__)
     return error

@@ -32,6 +32,7 @@ from mlxkv.cache.kv_state import BlockPayload
 
 __all__ = [
     "CacheRunner",
+    "cache_tokens",
     "ImageEncoding",
     "ModelInfo",
     "ModelRunner",
@@ -192,10 +193,12 @@ class ModelRunner(Protocol):
         """
         ...
 
-    def keep(self, sequence: Sequence, cache: list[Any]) -> None:
-        """Keep ``cache``, finished ``sequence``'s, for the next request that
-        shares its first tokens (which then computes only the rest); the
-        runner keeps one cache at most. The caller gives up ``cache``.
+    def keep(self, sequence: Sequence, cache: list[Any], num_tokens: int) -> None:
+        """Keep ``cache``, finished ``sequence``'s, cut to its first
+        ``num_tokens`` tokens (a fed stop token is not part of the answer),
+        for the next request that shares its first tokens (which then
+        computes only the rest); the runner keeps one cache at most. The
+        caller gives up ``cache``.
         """
         ...
 
@@ -313,7 +316,6 @@ class CacheRunner(abc.ABC):
 
     def start(self, sequence: Sequence) -> None:
         prefix = sequence.prefix
-        sequence.prefix = ()
         cache, num_cached = self._take_kept(sequence, prefix)
         if cache is None and prefix:
             try:
@@ -326,14 +328,13 @@ class CacheRunner(abc.ABC):
         sequence.cache = cache
         sequence.num_cached = sequence.num_computed = num_cached
 
-    def keep(self, sequence: Sequence, cache: list[Any]) -> None:
+    def keep(self, sequence: Sequence, cache: list[Any], num_tokens: int) -> None:
         """Only a cache of plain KV layers (which cut back exactly) is kept;
         it replaces the one kept before."""
         if not self._trimmable:
             return
-        tokens = sequence.tokens(0, cache[0].offset)
+        tokens = sequence.tokens(0, min(cache[0].offset, num_tokens))
         for layer in cache:
-            # A stop token was fed but is not part of the answer.
             layer.trim(layer.offset - len(tokens))
         self._kept = _KeptCache(
             cache=cache,
@@ -495,6 +496,12 @@ def _with_snapshot(payload: BlockPayload, state: Optional[tuple[Any, ...]]) -> B
     )
     mx.eval([a for group in arrays if group for a in group if a is not None])
     return attrs.evolve(payload, arrays=arrays)
+
+
+def cache_tokens(cache: Seq[Any]) -> int:
+    """Tokens one request's cache holds (its sequence layers' offset; a
+    recurrent layer has none)."""
+    return next(int(layer.offset) for layer in cache if hasattr(layer, "offset"))
 
 
 def _layer_key(layer: Any) -> tuple[Any, ...]:

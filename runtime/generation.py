@@ -73,6 +73,7 @@ from mlxkv.actors.compute import (
 )
 from mlxkv.actors.event_log import EventLog
 from mlxkv.actors.model_runner import ModelInfo, PreparedPrompt, PromptPreparer
+from mlxkv.actors.request import RequestSpec
 from mlxkv.actors.sampling import Sampling
 from mlxkv.cache import kv_state
 from mlxkv.cache.errors import InvalidInput
@@ -332,10 +333,9 @@ async def run_generation(
             try:
                 # From here on the compute actor owns (and closes) ``events_in``
                 # and ``to_cache_in``.
-                await compute.generate(
-                    request_id,
-                    prompt,
-                    events=events_in,
+                spec = RequestSpec(
+                    request_id=request_id,
+                    prompt=prompt,
                     prefix=fetch.payloads[:usable],
                     sampling=request.sampling,
                     max_tokens=request.max_tokens,
@@ -343,8 +343,8 @@ async def run_generation(
                     held_blocks=held,
                     namespace=(request.cache_salt, images_key),
                     inputs=inputs,
-                    to_cache=to_cache_in,
                 )
+                await compute.start(spec, events=events_in, to_cache=to_cache_in)
             except BaseException:
                 events_in.close()
                 to_cache_in.close()

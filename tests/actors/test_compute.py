@@ -24,8 +24,6 @@ import attrs
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from mlxkv.actors.actor import ActorFailed
@@ -43,7 +41,6 @@ from mlxkv.actors.compute import (
 )
 from mlxkv.actors.mlx_thread import MLXThreadStopped
 from mlxkv.actors.sampling import Sampling
-from mlxkv.actors.sequence import Sequence, plan_chunks
 from mlxkv.cache import kv_state
 from mlxkv.cache.errors import InvalidInput
 
@@ -178,34 +175,6 @@ def _assert_same(run: Run, reference: Run) -> None:
     assert run.tokens == reference.tokens
     for mine, theirs in zip(run.logprobs, reference.logprobs):
         np.testing.assert_allclose(mine, theirs, atol=ATOL, rtol=0)
-
-
-class TestPlanChunks:
-    def test_chunks_end_on_absolute_multiples_and_the_last_token_rides_last(self):
-        """Chunk ends are multiples of the chunk size; the final job ends at the total."""
-        assert plan_chunks(0, 200, 64) == [64, 128, 192, 200]
-        assert plan_chunks(100, 300, 64) == [128, 192, 256, 300]
-        assert plan_chunks(0, 1, 64) == [1]
-        assert plan_chunks(10, 65, 64) == [65]  # the last token joins the only chunk
-        assert plan_chunks(10, 66, 64) == [64, 66]
-
-    @given(st.integers(1, 40), st.integers(0, 40), st.data())
-    def test_a_sequence_slices_its_prompt_and_answer_as_one(self, num_prompt, num_generated, data):
-        """``Sequence.tokens`` equals slicing prompt + generated, wherever the cut falls."""
-        sequence = Sequence(
-            request_id="s", prompt=tuple(range(num_prompt)), prefix=(), sampler=None, max_tokens=1,
-            stop_tokens=frozenset(), block_size=4, keep_logits=False, emit=lambda event: True,
-        )
-        sequence.generated = list(range(100, 100 + num_generated))
-        whole = sequence.prompt + tuple(sequence.generated)
-        start = data.draw(st.integers(0, len(whole)))
-        stop = data.draw(st.integers(start, len(whole)))
-        assert sequence.tokens(start, stop) == whole[start:stop]
-
-    def test_a_boundary_ends_a_job_at_every_multiple(self):
-        """With a boundary stride (block ends of a hybrid model) jobs end on each multiple too."""
-        assert plan_chunks(0, 200, 256, boundary=48) == [48, 96, 144, 192, 200]
-        assert plan_chunks(0, 200, 64, boundary=96) == [64, 96, 128, 192, 200]
 
 
 class TestGeneration:

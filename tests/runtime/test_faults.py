@@ -20,7 +20,7 @@ import mlx.core as mx
 import pytest
 
 from mlxkv import CacheRuntime, ComputeFailed, RuntimeClosed
-from mlxkv.actors import compute, model_runner
+from mlxkv.actors import model_runner, scheduler
 from mlxkv.actors.sampling import Sampling
 from mlxkv.default_model import TINY_LLAMA, ensure_model
 from mlxkv.generation import GeneratedToken
@@ -70,10 +70,10 @@ def _inject(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
     elif where == "keep":
         keep = runner.keep
 
-        def failing_keep(self: Any, sequence: Any, cache: Any) -> None:
+        def failing_keep(self: Any, sequence: Any, cache: Any, num_tokens: int) -> None:
             if sequence.request_id == "victim":
                 raise Injected("keeping the cache")
-            keep(self, sequence, cache)
+            keep(self, sequence, cache, num_tokens)
 
         monkeypatch.setattr(runner, "keep", failing_keep)
     elif where == "merge":
@@ -217,14 +217,15 @@ class TestACrashSaysWhy:
         class Bug(Exception):
             pass
 
-        emit_tokens = compute.ComputeActor._emit_tokens
+        update = scheduler.Scheduler.update
 
-        def crashing(self: Any, items: Any) -> None:
-            if sum(len(batch) for batch in self._batches) == 3:  # all three decode
+        def crashing(self: Any, plan: Any, result: Any) -> Any:
+            decoding = [s for s in self.requests() if s.status is scheduler.Status.DECODING]
+            if len(decoding) == 3:  # all three decode
                 raise Bug("a bug in the compute actor")
-            emit_tokens(self, items)
+            return update(self, plan, result)
 
-        monkeypatch.setattr(compute.ComputeActor, "_emit_tokens", crashing)
+        monkeypatch.setattr(scheduler.Scheduler, "update", crashing)
         errors: list[BaseException] = []
         with pytest.raises(Bug):
             async with CacheRuntime(model=llama, block_size=BS) as rt:

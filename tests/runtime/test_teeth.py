@@ -77,9 +77,9 @@ def _break_reconstruction(monkeypatch: pytest.MonkeyPatch) -> None:
 def _break_kept_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     honest = model_runner.CacheRunner.keep
 
-    def broken(self: Any, sequence: Any, cache: list[Any]) -> None:
+    def broken(self: Any, sequence: Any, cache: list[Any], num_tokens: int) -> None:
         _swap_block_zero(cache)
-        honest(self, sequence, cache)
+        honest(self, sequence, cache, num_tokens)
 
     monkeypatch.setattr(model_runner.CacheRunner, "keep", broken)
 

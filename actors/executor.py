@@ -1,0 +1,317 @@
+"""The compute path's executor: runs the scheduler's plans on the MLX thread.
+
+:class:`Executor` owns every MLX object of the compute path: the model
+runner (and, through it, the kept last cache), each live request's
+:class:`~mlxkv.actors.sequence.Sequence` (its own cache while it
+prefills), and the decode batches (the caches of the requests decoding).
+:meth:`Executor.run` takes a :class:`~mlxkv.actors.scheduler.Plan`, does it
+in order -- publish, leave, join, decode steps, prefill -- and returns an
+immutable :class:`~mlxkv.actors.scheduler.Result`. It writes no scheduler
+state; everything it learns travels in the result.
+
+Failures. A step done for one request that raises (slicing, extracting,
+merging or keeping its cache, starting it, sampling its token,
+snapshotting its state) lets go of that request alone: it is among the
+result's failures and the executor holds nothing of it any more. A model
+call or a change of a batch cache as a whole that raises lets go of every
+request it served. Either way the other requests go on exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from mlxkv.actors.decode_batch import BatchBroken, DecodeBatch, RowFailed, without_frames
+from mlxkv.actors.model_runner import ModelRunner, cache_tokens
+from mlxkv.actors.request import next_chunk_end
+from mlxkv.actors.scheduler import (
+    Blocks,
+    Chunk,
+    ChunkDone,
+    Emitted,
+    Leave,
+    Plan,
+    RequestFailure,
+    Result,
+    Slice,
+)
+from mlxkv.actors.sequence import Sequence
+from mlxkv.cache import kv_state
+
+__all__ = ["Executor"]
+
+
+class Executor:
+    """Runs plans; owns the runner, the live requests' MLX state and the decode batches.
+
+    Every method runs on the MLX thread.
+
+    Invariants:
+        - a request is in ``_live`` from its first chunk until it leaves or
+          fails; while there it holds its own cache or a row of exactly one
+          decode batch, never both;
+        - a decode batch is never empty between plans.
+    """
+
+    def __init__(self, runner: ModelRunner, *, prefill_chunk: int, keep_last_cache: bool) -> None:
+        self._runner = runner
+        self._chunk = prefill_chunk
+        self._keep_last_cache = keep_last_cache
+        self._live: dict[str, Sequence] = {}
+        self._batches: list[DecodeBatch] = []
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self._runner
+
+    def run(self, plan: Plan) -> Result:
+        """Do ``plan``; what happened."""
+        run = _Run()
+        run.stage = "publish"
+        for piece in plan.publish:
+            self._publish(piece, run)
+        run.stage = "leave"
+        self._leave(plan.leave, run)
+        run.stage = "join"
+        self._join(plan.join, run)
+        run.stage = "decode"
+        if plan.steps:
+            self._decode(plan.steps, run)
+        run.stage = "prefill"
+        if plan.prefill:
+            self._prefill(plan.prefill, run)
+        self._batches = [batch for batch in self._batches if len(batch)]
+        return run.result()
+
+    # -- the pieces of a plan ---------------------------------------------------
+
+    def _publish(self, piece: Slice, run: _Run) -> None:
+        sequence = self._live.get(piece.request_id)
+        if sequence is None:
+            return  # failed earlier in this plan
+        assert sequence.cache is not None, f"{sequence!r} publishes from a batch"
+        try:
+            run.published.append(self._slice(sequence, sequence.cache, piece.start, piece.stop))
+        except Exception as error:
+            self._let_go(sequence, error, run)
+
+    def _slice(self, sequence: Sequence, cache: list[Any], start: int, stop: int) -> Blocks:
+        try:
+            payloads = self._runner.slice_blocks(sequence, cache, start, stop)
+        except kv_state.NotReconstructable:
+            return Blocks(sequence.request_id, start, (), exact=False)
+        return Blocks(sequence.request_id, start, payloads)
+
+    def _leave(self, leaves: tuple[Leave, ...], run: _Run) -> None:
+        """Take ended requests out: from their batch (one cut per batch), or
+        their own cache; publish their answer and keep their cache if asked."""
+        departing: dict[str, tuple[Sequence, Leave]] = {}
+        for leave in leaves:
+            sequence = self._live.pop(leave.request_id, None)
+            if sequence is not None:
+                departing[leave.request_id] = (sequence, leave)
+        caches: dict[int, list[Any]] = {}
+        for batch in list(self._batches):
+            mine = [sequence for sequence, _ in departing.values() if sequence in batch.rows]
+            if not mine:
+                continue
+            wanted = [s for s in mine if departing[s.request_id][1].answer or departing[s.request_id][1].keep]
+            try:
+                extracted, failed = batch.leave(mine, keep=wanted)
+            except BatchBroken as error:
+                run.num_model_errors += 1
+                self._break(batch, error.error, run)
+                continue
+            caches.update(extracted)
+            for failure in failed:
+                departing.pop(failure.sequence.request_id, None)
+                self._record(failure.sequence, failure.error, run)
+        for sequence, leave in departing.values():
+            cache = caches.get(id(sequence), sequence.cache)
+            sequence.cache = None
+            if cache is None:
+                continue
+            try:
+                if leave.answer is not None:
+                    start, stop = leave.answer
+                    stop = min(stop, cache_tokens(cache) // sequence.block_size)
+                    if stop > start:
+                        run.published.append(self._slice(sequence, cache, start, stop))
+                if leave.keep and self._keep_last_cache:
+                    self._runner.keep(sequence, cache, leave.num_tokens)
+            except Exception as error:
+                self._record(sequence, error, run)
+
+    def _join(self, request_ids: tuple[str, ...], run: _Run) -> None:
+        rows = [self._live[r] for r in request_ids if r in self._live]
+        if not rows:
+            return
+        groups: list[tuple[DecodeBatch, list[Sequence]]] = []
+        if self._runner.info.batchable:
+            if not self._batches:
+                self._batches.append(DecodeBatch(self._runner))
+            groups.append((self._batches[0], rows))
+        else:
+            for sequence in rows:
+                self._batches.append(DecodeBatch(self._runner))
+                groups.append((self._batches[-1], [sequence]))
+        for batch, joining in groups:
+            try:
+                failed = batch.join(joining)
+            except BatchBroken as error:
+                run.num_model_errors += 1
+                for sequence in joining:
+                    self._let_go(sequence, error.error, run, shared=True)
+                self._break(batch, error.error, run)
+                continue
+            for failure in failed:
+                self._let_go(failure.sequence, failure.error, run)
+
+    def _decode(self, steps: int, run: _Run) -> None:
+        for batch in list(self._batches):
+            if not len(batch):
+                continue
+            try:
+                tokens, failed, ran = batch.advance(steps)
+            except Exception as error:
+                run.num_model_errors += 1
+                self._break(batch, without_frames(error), run)
+                continue
+            run.steps.extend([len(batch)] * ran)
+            run.emitted.extend(
+                Emitted(item.sequence.request_id, item.index, item.token, item.logprobs) for item in tokens
+            )
+            if failed:
+                self._remove_rows(batch, failed, run)
+
+    def _prefill(self, chunks: tuple[Chunk, ...], run: _Run) -> None:
+        runner = self._runner
+        for chunk in chunks:
+            started = chunk.spec is not None
+            if started:
+                assert chunk.spec is not None
+                sequence = Sequence(chunk.spec)
+                try:
+                    runner.start(sequence)
+                    encoding = runner.take_encoding(sequence)
+                except Exception as error:
+                    self._record(sequence, error, run)
+                    continue
+                self._live[sequence.request_id] = sequence
+                boundary = sequence.block_size if runner.info.has_recurrent else None
+                end = next_chunk_end(sequence.num_computed, len(sequence.prompt), self._chunk, boundary)
+            else:
+                sequence = self._live[chunk.request_id]
+                encoding, end = None, chunk.end
+            try:
+                logits = runner.prefill(sequence, end)
+            except Exception as error:
+                self._let_go(sequence, error, run)
+                continue
+            run.prefill_calls.append(1)
+            first = logprobs = None
+            if logits is not None:
+                try:
+                    first, logprobs = _first_token(sequence, logits)
+                except Exception as error:
+                    self._let_go(sequence, error, run)
+                    continue
+                sequence.generated.append(first)
+            run.chunks.append(
+                ChunkDone(
+                    sequence.request_id,
+                    sequence.num_computed,
+                    started=started,
+                    num_cached=sequence.num_cached,
+                    cold_fallback=sequence.cold_fallback,
+                    reused_last_cache=sequence.reused_last_cache,
+                    encoder_ran=None if encoding is None else encoding.ran,
+                    features=None if encoding is None else encoding.features,
+                    first_token=first,
+                    logits=logits,
+                    logprobs=logprobs,
+                )
+            )
+
+    # -- letting go -----------------------------------------------------------------
+
+    def _let_go(self, sequence: Sequence, error: Exception, run: _Run, *, shared: bool = False) -> None:
+        """``sequence`` failed: hold nothing of it, say so."""
+        if self._live.pop(sequence.request_id, None) is not None:
+            sequence.cache = None
+        self._record(sequence, error, run, shared=shared)
+
+    def _record(self, sequence: Sequence, error: Exception, run: _Run, *, shared: bool = False) -> None:
+        """A failure of ``sequence``; one of its own computations raised
+        (counted), or one it shared with others (counted once, by the caller)."""
+        run.failures.append(RequestFailure(sequence.request_id, without_frames(error), run.stage))
+        run.num_model_errors += not shared
+
+    def _remove_rows(self, batch: DecodeBatch, failed: Iterable[RowFailed], run: _Run) -> None:
+        """Rows whose own step raised leave their batch; each fails alone."""
+        failed = list(failed)
+        try:
+            _, unextracted = batch.leave([f.sequence for f in failed])
+        except BatchBroken as error:
+            run.num_model_errors += 1
+            self._break(batch, error.error, run)
+            unextracted = []
+        for failure in [*failed, *unextracted]:
+            self._let_go(failure.sequence, failure.error, run)
+
+    def _break(self, batch: DecodeBatch, error: Exception, run: _Run) -> None:
+        """Every row of ``batch`` fails with ``error`` (counted by the
+        caller, once); the batch is dropped."""
+        for sequence in batch.rows:
+            self._let_go(sequence, error, run, shared=True)
+        if batch in self._batches:
+            self._batches.remove(batch)
+
+    # -- statistics -----------------------------------------------------------------
+
+    def num_rows(self) -> int:
+        """Requests in decode batches."""
+        return sum(len(batch) for batch in self._batches)
+
+
+class _Run:
+    """What one plan did so far (a builder of :class:`Result`)."""
+
+    def __init__(self) -> None:
+        self.published: list[Blocks] = []
+        self.chunks: list[ChunkDone] = []
+        self.emitted: list[Emitted] = []
+        self.steps: list[int] = []
+        self.failures: list[RequestFailure] = []
+        self.num_model_errors = 0
+        self.prefill_calls: list[int] = []
+        #: the piece of the plan being done (what a failure is tagged with)
+        self.stage = "publish"
+
+    def result(self) -> Result:
+        return Result(
+            published=tuple(self.published),
+            chunks=tuple(self.chunks),
+            emitted=tuple(self.emitted),
+            steps=tuple(self.steps),
+            failures=tuple(self.failures),
+            num_model_errors=self.num_model_errors,
+            prefill_calls=tuple(self.prefill_calls),
+        )
+
+
+def _first_token(sequence: Sequence, logits: Any) -> tuple[int, Any]:
+    """The first token, sampled from the last prompt position, and the
+    log-probabilities it was drawn from."""
+    import mlx.core as mx
+
+    logprobs = logits - mx.logsumexp(logits, keepdims=True)
+    if sequence.sampler is None:
+        token = mx.argmax(logprobs)
+    else:
+        token = sequence.sampler(logprobs[None])[0]
+    return int(token.item()), logprobs
+
+
+

@@ -1,0 +1,123 @@
+"""One generation request as it travels to the compute path, and the rules
+both sides of that path apply to it.
+
+A :class:`RequestSpec` is made once, by whoever starts the request
+(generation, or a test through :class:`~mlxkv.actors.compute.ComputeHandle`),
+and never changes: the scheduler reads its scheduling fields, the executor
+its MLX ones (the prefix payloads, the runner's inputs, the sampler). The
+pure functions here are the rules both apply -- where a prefill chunk ends,
+and whether a token ends a request -- written once so the two cannot drift.
+
+No anyio, no MLX: payloads and runner inputs are carried opaquely.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any, Literal, Optional
+
+import attrs
+
+from mlxkv.actors.sampling import GREEDY, Sampling
+
+__all__ = ["RequestSpec", "next_chunk_end", "plan_chunks", "prompt_and_answer", "stop_reason"]
+
+
+@attrs.frozen(kw_only=True)
+class RequestSpec:
+    """What to compute for one request.
+
+    Attributes:
+        request_id: the request, unique among live ones.
+        prompt: the whole prompt's token ids (at least one).
+        prefix: payloads of the cached blocks ``0..n-1`` to rebuild, in
+            order; empty for a cold start. They leave at least the last
+            prompt token to compute.
+        sampling: how tokens are sampled.
+        max_tokens: the most tokens to generate, >= 1.
+        stop_tokens: tokens that end the generation (not emitted); None
+            until the compute actor puts the model's end-of-sequence tokens.
+        block_size: tokens per block of the payloads it publishes.
+        keep_logits: attach each token's log-probabilities to its event.
+        held_blocks: leading full blocks of the prompt the request holds
+            already (cached): they are not published again.
+        namespace: what the request's blocks are keyed under beside its
+            tokens (cache salt, images).
+        inputs: what the model runner needs beyond the tokens (a
+            vision-language prompt's images), as its preparer made them.
+    """
+
+    request_id: str
+    prompt: tuple[int, ...] = attrs.field(converter=tuple, repr=lambda t: f"<{len(t)} tokens>")
+    prefix: tuple[Any, ...] = attrs.field(default=(), converter=tuple, eq=False, repr=lambda p: f"<{len(p)} blocks>")
+    sampling: Sampling = GREEDY
+    max_tokens: int
+    stop_tokens: Optional[frozenset[int]] = None
+    block_size: int
+    keep_logits: bool = False
+    held_blocks: int = 0
+    namespace: Hashable = None
+    inputs: Any = attrs.field(default=None, eq=False, repr=False)
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        """Prompt tokens the prefix payloads cover."""
+        return self.prefix[-1].end if self.prefix else 0
+
+
+def prompt_and_answer(
+    prompt: tuple[int, ...], answer: list[int], start: int, stop: int
+) -> tuple[int, ...]:
+    """Positions ``[start, stop)`` of ``prompt`` followed by ``answer``,
+    without building their whole concatenation."""
+    if stop <= len(prompt):
+        return prompt[start:stop]
+    return prompt[start:] + tuple(answer[max(0, start - len(prompt)) : stop - len(prompt)])
+
+
+def stop_reason(spec: RequestSpec, token: int, index: int) -> Optional[Literal["stop", "length"]]:
+    """Whether answer token ``index`` (from 0), ``token``, ends the request.
+
+    Returns:
+        ``"stop"`` for a stop token (which is not part of the answer),
+        ``"length"`` for the ``max_tokens``-th token, else None.
+    """
+    if spec.stop_tokens is not None and token in spec.stop_tokens:
+        return "stop"
+    if index + 1 >= spec.max_tokens:
+        return "length"
+    return None
+
+
+def next_chunk_end(start: int, total: int, chunk: int, boundary: Optional[int] = None) -> int:
+    """Where the prefill job that begins at position ``start`` ends.
+
+    Jobs end on multiples of ``chunk`` (absolute positions, so a warm and a
+    cold prefill of one prompt cut it alike) and, if ``boundary`` is given,
+    on every multiple of it too (block ends, where a hybrid model's
+    recurrent state must be snapshotted). The last prompt token is run on
+    its own inside the last job (so the output head runs on one position
+    only): a job that would end on it, or at it, ends at ``total``.
+
+    Args:
+        start: first position to run (tokens before it are cached).
+        total: one past the last prompt position; ``> start``.
+        chunk: tokens per chunk, ``> 0``.
+        boundary: a stride at which jobs must also end, if any.
+    """
+    last = total - 1
+    if start >= last:
+        return total
+    end = min((start // chunk + 1) * chunk, last)
+    if boundary is not None:
+        end = min(end, (start // boundary + 1) * boundary)
+    return total if end >= last else end
+
+
+def plan_chunks(start: int, total: int, chunk: int, boundary: Optional[int] = None) -> list[int]:
+    """Every job end of a prefill of positions ``[start, total)``, in order
+    (:func:`next_chunk_end` applied until ``total``)."""
+    ends = [next_chunk_end(start, total, chunk, boundary)]
+    while ends[-1] < total:
+        ends.append(next_chunk_end(ends[-1], total, chunk, boundary))
+    return ends

@@ -1,0 +1,684 @@
+"""The compute path's scheduler: every request's state, and what runs next.
+
+Plain Python: no anyio, no MLX. The compute actor feeds it requests
+(:meth:`Scheduler.add`) and cancellations (:meth:`Scheduler.cancel`), asks it
+for the next :class:`Plan` (:meth:`Scheduler.schedule`), has the executor run
+that plan on the MLX thread, and hands the executor's :class:`Result` back
+(:meth:`Scheduler.update`), which turns it into the events each request's
+streams get. Tests drive it with hand-built results, no model at all.
+
+A request's life (:class:`Status`): ``WAITING`` until its first prefill
+chunk, ``PREFILLING`` while chunks remain, ``JOINING`` once the last chunk
+sampled its first token (its prompt's last blocks are published and it
+joins the decode batch in the next plan), ``DECODING`` in the batch,
+``LEAVING`` once it has ended but the executor still holds its cache (the
+next plan takes its row out: publishing its answer's blocks and keeping its
+cache if it finished, dropping it if it was cancelled), ``FINISHED``.
+Whether and why a request ends is decided in one place, :meth:`Scheduler._end`:
+its length, a stop token, a cancellation or a failure.
+
+Plans. Each plan first does what earlier plans left: slice the prompt
+blocks the last chunks computed (``publish``; the last chunk's only after
+its first token went out), take out the requests that ended (``leave``),
+and merge the requests whose prompt is done into the batch (``join``). Then
+it either decodes -- every row of the batch advances ``steps`` tokens, up to
+:data:`MAX_BURST_STEPS` while nothing else waits (no prefill, no message,
+no blocks to publish) -- or prefills -- one chunk
+each for up to ``prefill_batch`` requests, in arrival order, while their
+chunks total at most ``prefill_budget`` tokens (the oldest always gets its
+chunk). Decode and prefill plans alternate while both have work.
+
+Fairness bound: between two decode plans runs at most one prefill plan, of
+at most ``max(prefill_budget, prefill_chunk + 1)`` new tokens (a chunk that
+reaches the prompt's last token takes it along); between two
+prefill plans at most one decode plan, of at most :data:`MAX_BURST_STEPS`
+steps. Requests prefill in arrival order.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from typing import Any, Literal, Optional
+
+import attrs
+
+from mlxkv.actors.events import (
+    ComputeFailed,
+    Event,
+    Failed,
+    Finished,
+    ImagesEncoded,
+    Prefilled,
+    PromptPublished,
+    Published,
+    Token,
+)
+from mlxkv.actors.request import RequestSpec, next_chunk_end, prompt_and_answer, stop_reason
+from mlxkv.cache.errors import CacheError
+
+__all__ = [
+    "MAX_BURST_STEPS",
+    "Blocks",
+    "Chunk",
+    "ChunkDone",
+    "Emitted",
+    "Leave",
+    "Plan",
+    "RequestFailure",
+    "RequestState",
+    "Result",
+    "Scheduler",
+    "SchedulerStatistics",
+    "Slice",
+    "Status",
+]
+
+#: The most decode steps one plan runs.
+MAX_BURST_STEPS = 8
+
+
+class Status(enum.Enum):
+    """Where a request stands (see the module docstring)."""
+
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    JOINING = "joining"
+    DECODING = "decoding"
+    LEAVING = "leaving"
+    FINISHED = "finished"
+
+
+#: Why a request ended.
+Reason = Literal["stop", "length", "cancelled", "failed"]
+
+
+@attrs.frozen
+class _End:
+    reason: Reason
+    error: Optional[CacheError] = None
+
+    @property
+    def completed(self) -> bool:
+        """Whether the request got every token it was to get."""
+        return self.reason in ("stop", "length")
+
+
+@attrs.define
+class RequestState:
+    """One request as the scheduler knows it; written by the scheduler only.
+
+    Invariants:
+        - ``num_published <= num_computed // block_size`` once started;
+        - ``end`` is set exactly when the status is ``LEAVING`` or
+          ``FINISHED`` (a request ends once);
+        - ``answer`` holds the tokens sent, a stop token never among them.
+    """
+
+    spec: RequestSpec
+    status: Status = Status.WAITING
+    #: prompt tokens the executor did not compute (rebuilt or kept)
+    num_cached: int = 0
+    #: prompt tokens in the request's KV
+    num_computed: int = 0
+    #: leading full blocks that are out: held, brought as payloads, or published
+    num_published: int = 0
+    #: False once its KV could not be sliced exactly: nothing more is published
+    publishing: bool = True
+    #: :class:`PromptPublished` was sent
+    prompt_out: bool = False
+    answer: list[int] = attrs.field(factory=list)
+    end: Optional[_End] = None
+
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt and answer tokens (what the published blocks may cover)."""
+        return len(self.spec.prompt) + len(self.answer)
+
+    def tokens(self, start: int, stop: int) -> tuple[int, ...]:
+        """Positions ``[start, stop)`` of the prompt followed by the answer."""
+        return prompt_and_answer(self.spec.prompt, self.answer, start, stop)
+
+
+# -- plans: what the executor is asked to do -----------------------------------
+
+
+@attrs.frozen
+class Slice:
+    """Slice blocks ``[start, stop)`` of a prefilling request's own cache."""
+
+    request_id: str
+    start: int
+    stop: int
+
+
+@attrs.frozen
+class Leave:
+    """Take an ended request out of the executor.
+
+    Attributes:
+        request_id: the request.
+        answer: blocks ``(start, stop)`` to slice first (the rest of its
+            prompt's and its answer's), capped at what its KV holds; None
+            to slice nothing.
+        keep: keep its cache as the last cache, cut to ``num_tokens``.
+        num_tokens: prompt and answer tokens (a fed stop token excluded).
+    """
+
+    request_id: str
+    answer: Optional[tuple[int, int]]
+    keep: bool
+    num_tokens: int
+
+
+@attrs.frozen
+class Chunk:
+    """Prefill one chunk of a request: positions up to ``end``.
+
+    ``spec`` comes with a request's first chunk (the executor starts it
+    then: its cache kept, rebuilt from the prefix or cold, and the chunk
+    ends where :func:`~mlxkv.actors.request.next_chunk_end` puts it from
+    what is cached; ``end`` is the scheduler's estimate).
+    """
+
+    request_id: str
+    end: int
+    spec: Optional[RequestSpec] = attrs.field(default=None, eq=False, repr=False)
+
+
+@attrs.frozen(kw_only=True)
+class Plan:
+    """One job for the executor, done in this order: publish, leave, join,
+    ``steps`` decode steps, prefill (several chunks in one model call where
+    exact)."""
+
+    publish: tuple[Slice, ...] = ()
+    leave: tuple[Leave, ...] = ()
+    join: tuple[str, ...] = ()
+    steps: int = 0
+    prefill: tuple[Chunk, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not (self.publish or self.leave or self.join or self.steps or self.prefill)
+
+
+# -- results: what the executor did ---------------------------------------------
+
+
+@attrs.frozen
+class Blocks:
+    """Payloads of blocks ``[start, start + len(payloads))`` of a request; no
+    payloads and ``exact=False`` if its KV could not be sliced exactly."""
+
+    request_id: str
+    start: int
+    payloads: tuple[Any, ...] = attrs.field(eq=False, repr=lambda p: f"<{len(p)} blocks>")
+    exact: bool = True
+
+
+@attrs.frozen
+class ChunkDone:
+    """A prefill chunk ran.
+
+    Attributes:
+        request_id: the request.
+        computed: prompt tokens in its KV now.
+        started: this was its first chunk (the fields below are set).
+        num_cached: prompt tokens it did not compute.
+        cold_fallback: its prefix could not be rebuilt (computed whole).
+        reused_last_cache: it took the last cache.
+        encoder_ran: its images went through the vision encoder (None
+            without images).
+        features: the encoder's output to cache, if it ran.
+        first_token: sampled after its last chunk (else None).
+        logits: the last prompt position's logits ``(vocab,)``.
+        logprobs: the log-probabilities the first token was drawn from.
+    """
+
+    request_id: str
+    computed: int
+    started: bool = False
+    num_cached: int = 0
+    cold_fallback: bool = False
+    reused_last_cache: bool = False
+    encoder_ran: Optional[bool] = None
+    features: Any = attrs.field(default=None, eq=False, repr=False)
+    first_token: Optional[int] = None
+    logits: Any = attrs.field(default=None, eq=False, repr=False)
+    logprobs: Any = attrs.field(default=None, eq=False, repr=False)
+
+
+@attrs.frozen
+class Emitted:
+    """A token a decode step fed for a request (its answer token ``index``)."""
+
+    request_id: str
+    index: int
+    token: int
+    logprobs: Any = attrs.field(default=None, eq=False, repr=False)
+
+
+@attrs.frozen
+class RequestFailure:
+    """A step for the request raised; the executor holds nothing of it any more.
+
+    Attributes:
+        request_id: the request.
+        error: what raised.
+        stage: the piece of the plan it raised in: ``"publish"``,
+            ``"leave"``, ``"join"``, ``"decode"`` or ``"prefill"``.
+    """
+
+    request_id: str
+    error: Exception
+    stage: str = "decode"
+
+
+@attrs.frozen(kw_only=True)
+class Result:
+    """What the executor did with a :class:`Plan`.
+
+    Attributes:
+        published: blocks sliced (by ``publish`` and ``leave``).
+        chunks: prefill chunks that ran.
+        emitted: tokens the decode steps fed, in step order.
+        steps: the batch size of each decode model call.
+        failures: requests that failed, each alone.
+        num_model_errors: model calls that raised (their rows are among
+            ``failures``).
+        prefill_calls: the rows of each prefill model call.
+    """
+
+    published: tuple[Blocks, ...] = ()
+    chunks: tuple[ChunkDone, ...] = ()
+    emitted: tuple[Emitted, ...] = ()
+    steps: tuple[int, ...] = ()
+    failures: tuple[RequestFailure, ...] = ()
+    num_model_errors: int = 0
+    prefill_calls: tuple[int, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerStatistics:
+    """The scheduler's counters (see :class:`~mlxkv.actors.compute.ComputeStatistics`)."""
+
+    num_live: int
+    num_prefilling: int
+    num_decoding: int
+    num_prefill_tokens: int
+    num_cached_tokens: int
+    num_last_cache_reuses: int
+    num_prefill_chunks: int
+    num_prefill_calls: int
+    num_decode_steps: int
+    num_decode_rows: int
+    num_published_blocks: int
+    num_cold_fallbacks: int
+    num_unpublishable: int
+    num_model_errors: int
+    num_cancelled: int
+    num_vision_encoder_runs: int
+    num_vision_encoder_skips: int
+
+
+#: What :meth:`Scheduler.update` and :meth:`Scheduler.cancel` hand out: an
+#: event for a request, or ``None``: its streams end now (nothing follows).
+Output = tuple[str, Optional[Event]]
+
+
+class Scheduler:
+    """Owns every live request's :class:`RequestState`; plans; turns results into events.
+
+    Invariants:
+        - every request added gets exactly one end, and then, unless it was
+          cancelled, exactly one final event (:class:`Finished` or
+          :class:`Failed`) -- and after it, or after a cancellation, the
+          ``None`` that ends its streams;
+        - the executor holds state for exactly the requests whose status is
+          ``PREFILLING``, ``JOINING``, ``DECODING`` or ``LEAVING`` (and for a
+          ``WAITING`` one only once a plan with its first chunk has run).
+    """
+
+    def __init__(
+        self,
+        *,
+        prefill_chunk: int,
+        prefill_budget: int,
+        prefill_batch: int,
+        decode_burst: int,
+        recurrent: bool = False,
+    ) -> None:
+        """Args:
+            prefill_chunk: tokens per prefill chunk of one request.
+            prefill_budget: new tokens one prefill plan runs at most (the
+                oldest request's chunk always fits).
+            prefill_batch: requests one prefill plan serves at most.
+            decode_burst: request-steps a decode plan runs while nothing
+                else waits (``decode_burst // rows`` steps, at least one).
+            recurrent: the model has recurrent layers: chunks also end at
+                every block end (where their state is snapshotted).
+        """
+        self._chunk = prefill_chunk
+        self._budget = prefill_budget
+        self._batch = prefill_batch
+        self._burst = decode_burst
+        self._recurrent = recurrent
+        self._requests: dict[str, RequestState] = {}
+        self._decoded_last = False
+        self._counts = dict.fromkeys(attrs.fields_dict(SchedulerStatistics), 0)
+
+    # -- requests ------------------------------------------------------------
+
+    def add(self, spec: RequestSpec) -> None:
+        """Queue a request (its id must not be live: the caller checks)."""
+        assert spec.request_id not in self._requests, f"{spec.request_id!r} is live already"
+        self._requests[spec.request_id] = RequestState(spec=spec)
+
+    def is_live(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def cancel(self, request_id: str) -> list[Output]:
+        """End a request without a final event; unknown or ended ones are ignored.
+
+        Returns:
+            What its streams get: only their end.
+        """
+        state = self._requests.get(request_id)
+        if state is None or state.end is not None:
+            return []
+        self._counts["num_cancelled"] += 1
+        return self._end(state, _End("cancelled"))
+
+    def drop_all(self) -> None:
+        """Forget every request (the actor is stopping; the executor goes with it)."""
+        self._requests.clear()
+
+    def requests(self) -> Iterable[RequestState]:
+        """Live requests, in arrival order (read-only use)."""
+        return self._requests.values()
+
+    # -- the one place a request ends ------------------------------------------
+
+    def _end(self, state: RequestState, end: _End, *, held: Optional[bool] = None) -> list[Output]:
+        """Decide that ``state`` ended, once, and why.
+
+        A cancelled request's streams end now, a failed one's after its
+        :class:`Failed`. A request the executor still holds leaves in the
+        next plan (a completed one publishes its answer and is kept then,
+        and gets :class:`Finished` after); one it does not hold is finished
+        now.
+
+        Args:
+            held: whether the executor holds the request; by default, from
+                its status (a failure the executor reports means it let go).
+        """
+        assert state.end is None, f"{state.request_id!r} ends twice"
+        state.end = end
+        out: list[Output] = []
+        if end.reason == "failed":
+            assert end.error is not None
+            out.append((state.request_id, Failed(error=end.error)))
+        if not end.completed:
+            out.append((state.request_id, None))
+        if held is None:
+            held = state.status is not Status.WAITING
+        if held:
+            state.status = Status.LEAVING
+        else:
+            out += self._finish(state)
+        return out
+
+    def _finish(self, state: RequestState, error: Optional[Exception] = None) -> list[Output]:
+        """The executor holds nothing of the request any more: a completed
+        one gets its last events (:class:`Failed` instead of
+        :class:`Finished` if taking it out raised)."""
+        end = state.end
+        assert end is not None, "a request finishes once it ended"
+        state.status = Status.FINISHED
+        del self._requests[state.request_id]
+        if not end.completed:
+            return []
+        request_id = state.request_id
+        if error is not None:
+            return [(request_id, Failed(error=ComputeFailed(request_id, error))), (request_id, None)]
+        size = state.spec.block_size
+        finished = Finished(reason=end.reason, num_stored=state.num_published * size)  # type: ignore[arg-type]
+        return [*self._prompt_out(state), (request_id, finished), (request_id, None)]
+
+    def _prompt_out(self, state: RequestState) -> list[Output]:
+        """:class:`PromptPublished`, once: the prompt's blocks are all out."""
+        if state.prompt_out:
+            return []
+        state.prompt_out = True
+        return [(state.request_id, PromptPublished())]
+
+    def _fail(self, state: RequestState, error: Exception) -> list[Output]:
+        """End a request the executor let go of because a step for it raised."""
+        failure = error if isinstance(error, CacheError) else ComputeFailed(state.request_id, error)
+        return self._end(state, _End("failed", failure), held=False)
+
+    # -- planning --------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        """Whether a plan would do anything."""
+        return bool(self._requests)
+
+    def schedule(self, *, messages_waiting: bool = False) -> Plan:
+        """The next plan (see the module docstring for the policy).
+
+        Args:
+            messages_waiting: messages wait for the actor: decode one step
+                only, so they are handled soon.
+        """
+        publish: list[Slice] = []
+        leave: list[Leave] = []
+        join: list[str] = []
+        decoding = prefilling = 0
+        for state in self._requests.values():
+            status = state.status
+            if status is Status.LEAVING:
+                leave.append(self._leave(state))
+            elif status is Status.JOINING:
+                publish.extend(self._slices(state))
+                join.append(state.request_id)
+            elif status is Status.DECODING:
+                decoding += 1
+            elif status is Status.PREFILLING:
+                publish.extend(self._slices(state))
+                prefilling += 1
+            else:
+                prefilling += 1
+        rows = decoding + len(join)
+        steps = 0
+        chunks: tuple[Chunk, ...] = ()
+        if rows and (not prefilling or not self._decoded_last):
+            # Blocks to publish may be awaited by requests that wait for a
+            # prefix in flight: then the plan is short (one step).
+            idle = not (prefilling or messages_waiting or publish)
+            steps = min(MAX_BURST_STEPS, max(1, self._burst // rows)) if idle else 1
+            self._decoded_last = True
+        elif prefilling:
+            chunks = self._chunks()
+            self._decoded_last = False
+        return Plan(publish=tuple(publish), leave=tuple(leave), join=tuple(join), steps=steps, prefill=chunks)
+
+    def _slices(self, state: RequestState) -> list[Slice]:
+        stop = state.num_computed // state.spec.block_size
+        if state.publishing and stop > state.num_published:
+            return [Slice(state.request_id, state.num_published, stop)]
+        return []
+
+    def _leave(self, state: RequestState) -> Leave:
+        end = state.end
+        assert end is not None
+        answer = None
+        if end.completed and state.publishing:
+            stop = state.num_tokens // state.spec.block_size
+            if stop > state.num_published:
+                answer = (state.num_published, stop)
+        return Leave(state.request_id, answer, keep=end.completed, num_tokens=state.num_tokens)
+
+    def _chunks(self) -> tuple[Chunk, ...]:
+        """One chunk each for the oldest prefilling requests, within the budget."""
+        chunks: list[Chunk] = []
+        used = 0
+        for state in self._requests.values():
+            if state.status not in (Status.WAITING, Status.PREFILLING):
+                continue
+            spec = state.spec
+            start = state.num_computed
+            if state.status is Status.WAITING:
+                start = spec.num_prefix_tokens  # at least; the last cache may give more
+            boundary = spec.block_size if self._recurrent else None
+            end = next_chunk_end(start, len(spec.prompt), self._chunk, boundary)
+            if chunks and (used + end - start > self._budget or len(chunks) >= self._batch):
+                break
+            used += end - start
+            first = state.status is Status.WAITING
+            chunks.append(Chunk(state.request_id, end, spec if first else None))
+        return tuple(chunks)
+
+    # -- results -----------------------------------------------------------------
+
+    def update(self, plan: Plan, result: Result) -> list[Output]:
+        """Apply what the executor did with ``plan``; the events it makes, in order."""
+        out: list[Output] = []
+        counts = self._counts
+        counts["num_model_errors"] += result.num_model_errors
+        counts["num_decode_steps"] += len(result.steps)
+        counts["num_decode_rows"] += sum(result.steps)
+        counts["num_prefill_calls"] += len(result.prefill_calls)
+        failed = {failure.request_id: failure.error for failure in result.failures}
+        # Failed before it was merged into the batch: it never decoded.
+        unjoined = {f.request_id for f in result.failures if f.stage in ("publish", "join")}
+        for blocks in result.published:
+            out += self._published(blocks)
+        for leave in plan.leave:
+            state = self._requests[leave.request_id]
+            out += self._finish(state, failed.pop(leave.request_id, None))
+        for request_id in plan.join:
+            state = self._requests.get(request_id)
+            if state is None or state.status is not Status.JOINING:
+                continue
+            if request_id in unjoined:
+                out += self._fail(state, failed.pop(request_id))
+            else:
+                out += self._prompt_out(state)
+                state.status = Status.DECODING
+        out += self._decoded(result.emitted, failed)
+        for chunk in result.chunks:
+            out += self._chunk_done(chunk)
+        for request_id, error in failed.items():
+            state = self._requests.get(request_id)
+            if state is not None and state.end is None:
+                out += self._fail(state, error)
+        return out
+
+    def _published(self, blocks: Blocks) -> list[Output]:
+        state = self._requests.get(blocks.request_id)
+        if state is None:
+            return []
+        if not blocks.exact:
+            state.publishing = False
+            self._counts["num_unpublishable"] += 1
+            return []
+        if not blocks.payloads:
+            return []
+        size = state.spec.block_size
+        stop = blocks.start + len(blocks.payloads)
+        state.num_published = stop
+        self._counts["num_published_blocks"] += len(blocks.payloads)
+        if state.end is not None and state.end.reason == "cancelled":
+            return []
+        tokens = state.tokens(blocks.start * size, stop * size)
+        return [(state.request_id, Published(start=blocks.start, payloads=blocks.payloads, tokens=tokens))]
+
+    def _decoded(self, emitted: tuple[Emitted, ...], failed: dict[str, Exception]) -> list[Output]:
+        """Each row's tokens of this plan, up to where it ends."""
+        rows: dict[str, list[Emitted]] = {}
+        for item in emitted:
+            rows.setdefault(item.request_id, []).append(item)
+        out: list[Output] = []
+        for request_id, items in rows.items():
+            state = self._requests.get(request_id)
+            if state is None or state.status is not Status.DECODING:
+                continue  # cancelled while the plan ran
+            tokens: list[int] = []
+            logprobs: list[Any] = []
+            reason = None
+            for item in items:
+                reason = stop_reason(state.spec, item.token, item.index)
+                if reason == "stop":
+                    break
+                tokens.append(item.token)
+                if state.spec.keep_logits:
+                    logprobs.append(item.logprobs)
+                if reason is not None:
+                    break
+            state.answer.extend(tokens)
+            if tokens:
+                out.append((request_id, Token(tokens=tuple(tokens), logprobs=tuple(logprobs))))
+            error = failed.pop(request_id, None)
+            if reason is not None:
+                out += self._end(state, _End(reason))
+            elif error is not None:
+                out += self._fail(state, error)
+        return out
+
+    def _chunk_done(self, chunk: ChunkDone) -> list[Output]:
+        state = self._requests.get(chunk.request_id)
+        if state is None or state.end is not None:
+            return []  # cancelled while the plan ran: it leaves in the next one
+        out: list[Output] = []
+        counts = self._counts
+        spec = state.spec
+        counts["num_prefill_chunks"] += 1
+        counts["num_prefill_tokens"] += chunk.computed - (chunk.num_cached if chunk.started else state.num_computed)
+        if chunk.started:
+            size = spec.block_size
+            state.num_cached = chunk.num_cached
+            brought = spec.num_prefix_tokens // size
+            # Blocks it brings or holds are stored; those the last cache
+            # gave beyond them are published.
+            state.num_published = max(min(brought, chunk.num_cached // size), spec.held_blocks)
+            counts["num_cached_tokens"] += chunk.num_cached
+            counts["num_last_cache_reuses"] += chunk.reused_last_cache
+            counts["num_cold_fallbacks"] += chunk.cold_fallback
+            if chunk.encoder_ran is not None:
+                counts["num_vision_encoder_runs"] += chunk.encoder_ran
+                counts["num_vision_encoder_skips"] += not chunk.encoder_ran
+                if chunk.encoder_ran:
+                    out.append((spec.request_id, ImagesEncoded(features=chunk.features)))
+        state.num_computed = chunk.computed
+        state.status = Status.PREFILLING
+        if chunk.first_token is None:
+            return out
+        token = chunk.first_token
+        out.append(
+            (spec.request_id, Prefilled(num_cached=state.num_cached, cold_fallback=chunk.cold_fallback, logits=chunk.logits))
+        )
+        reason = stop_reason(spec, token, 0)
+        if reason != "stop":
+            state.answer.append(token)
+            logprobs = (chunk.logprobs,) if spec.keep_logits else ()
+            out.append((spec.request_id, Token(tokens=(token,), logprobs=logprobs)))
+        if reason is not None:
+            return out + self._end(state, _End(reason))
+        state.status = Status.JOINING
+        return out
+
+    # -- statistics ----------------------------------------------------------------
+
+    def statistics(self) -> SchedulerStatistics:
+        counts = dict(self._counts)
+        statuses = [state.status for state in self._requests.values()]
+        counts["num_live"] = len(statuses)
+        counts["num_prefilling"] = sum(s in (Status.WAITING, Status.PREFILLING) for s in statuses)
+        counts["num_decoding"] = sum(s in (Status.JOINING, Status.DECODING) for s in statuses)
+        return SchedulerStatistics(**counts)
+
