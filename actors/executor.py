@@ -186,53 +186,65 @@ class Executor:
                 self._remove_rows(batch, failed, run)
 
     def _prefill(self, chunks: tuple[Chunk, ...], run: _Run) -> None:
+        """Start the new requests, then run every chunk: in one model call
+        where the model batches prefill, else each in its own."""
         runner = self._runner
+        rows: list[tuple[Sequence, int]] = []
+        encodings: dict[str, Any] = {}
         for chunk in chunks:
-            started = chunk.spec is not None
-            if started:
-                assert chunk.spec is not None
-                sequence = Sequence(chunk.spec)
-                try:
-                    runner.start(sequence)
-                    encoding = runner.take_encoding(sequence)
-                except Exception as error:
-                    self._record(sequence, error, run)
-                    continue
-                self._live[sequence.request_id] = sequence
-                boundary = sequence.block_size if runner.info.has_recurrent else None
-                end = next_chunk_end(sequence.num_computed, len(sequence.prompt), self._chunk, boundary)
-            else:
-                sequence = self._live[chunk.request_id]
-                encoding, end = None, chunk.end
+            if chunk.spec is None:
+                rows.append((self._live[chunk.request_id], chunk.end))
+                continue
+            sequence = Sequence(chunk.spec)
             try:
-                logits = runner.prefill(sequence, end)
+                runner.start(sequence)
+                encodings[sequence.request_id] = runner.take_encoding(sequence)
+            except Exception as error:
+                self._record(sequence, error, run)
+                continue
+            self._live[sequence.request_id] = sequence
+            boundary = sequence.block_size if runner.info.has_recurrent else None
+            rows.append((sequence, next_chunk_end(sequence.num_computed, len(sequence.prompt), self._chunk, boundary)))
+        groups = [rows] if runner.info.batch_prefill and rows else [[row] for row in rows]
+        for group in groups:
+            try:
+                logits = runner.prefill_batch(group)
+            except Exception as error:
+                run.num_model_errors += len(group) > 1
+                for sequence, _ in group:
+                    self._let_go(sequence, error, run, shared=len(group) > 1)
+                continue
+            run.prefill_calls.append(len(group))
+            for (sequence, _), last in zip(group, logits):
+                self._chunk_done(sequence, last, encodings.get(sequence.request_id, _NOT_STARTED), run)
+
+    def _chunk_done(self, sequence: Sequence, logits: Any, encoding: Any, run: _Run) -> None:
+        """Report a chunk; after the last one, sample the first token."""
+        first = logprobs = None
+        if logits is not None:
+            try:
+                first, logprobs = _first_token(sequence, logits)
             except Exception as error:
                 self._let_go(sequence, error, run)
-                continue
-            run.prefill_calls.append(1)
-            first = logprobs = None
-            if logits is not None:
-                try:
-                    first, logprobs = _first_token(sequence, logits)
-                except Exception as error:
-                    self._let_go(sequence, error, run)
-                    continue
-                sequence.generated.append(first)
-            run.chunks.append(
-                ChunkDone(
-                    sequence.request_id,
-                    sequence.num_computed,
-                    started=started,
-                    num_cached=sequence.num_cached,
-                    cold_fallback=sequence.cold_fallback,
-                    reused_last_cache=sequence.reused_last_cache,
-                    encoder_ran=None if encoding is None else encoding.ran,
-                    features=None if encoding is None else encoding.features,
-                    first_token=first,
-                    logits=logits,
-                    logprobs=logprobs,
-                )
+                return
+            sequence.generated.append(first)
+        started = encoding is not _NOT_STARTED
+        ran = None if not started or encoding is None else encoding.ran
+        run.chunks.append(
+            ChunkDone(
+                sequence.request_id,
+                sequence.num_computed,
+                started=started,
+                num_cached=sequence.num_cached,
+                cold_fallback=sequence.cold_fallback,
+                reused_last_cache=sequence.reused_last_cache,
+                encoder_ran=ran,
+                features=None if ran is None else encoding.features,
+                first_token=first,
+                logits=logits,
+                logprobs=logprobs,
             )
+        )
 
     # -- letting go -----------------------------------------------------------------
 
@@ -273,6 +285,10 @@ class Executor:
     def num_rows(self) -> int:
         """Requests in decode batches."""
         return sum(len(batch) for batch in self._batches)
+
+
+#: Stands for "not its first chunk" where a first chunk's image encoding goes.
+_NOT_STARTED = object()
 
 
 class _Run:

@@ -44,6 +44,8 @@ __all__ = [
 
 #: Cache classes whose per-request caches mlx-lm merges into one exact batch.
 _BATCHABLE = frozenset({"KVCache", "RotatingKVCache", "ArraysCache"})
+#: Cache classes whose requests' prefill chunks run together exactly.
+_BATCH_PREFILL = frozenset({"KVCache", "RotatingKVCache"})
 #: Cache classes that cut back exactly to any earlier length (``trim``).
 _TRIMMABLE = frozenset({"KVCache", "QuantizedKVCache"})
 
@@ -64,6 +66,11 @@ class ModelInfo:
         prefill_chunk: tokens per prefill chunk.
         batchable: whether requests decode together in one model call
             (else each decodes at batch size one).
+        batch_prefill: whether requests' prefill chunks run together in
+            one model call (right-padded, as mlx-lm's ``BatchGenerator``
+            prefills): plain and sliding-window KV layers of a text model;
+            recurrent layers and vision-language models prefill one
+            request at a time.
         takes_images: whether the model sees images (a vision-language
             model).
         max_context: the most tokens a request may hold (prompt and
@@ -81,6 +88,7 @@ class ModelInfo:
     has_recurrent: bool
     prefill_chunk: int
     batchable: bool = True
+    batch_prefill: bool = False
     takes_images: bool = False
     max_context: Optional[int] = None
     kv_bytes_per_token: int = 0
@@ -267,6 +275,8 @@ class CacheRunner(abc.ABC):
     _layout: tuple[tuple[Any, ...], ...]
     _trimmable: bool = False
     _kept: Optional[_KeptCache] = None
+    #: whether :meth:`_forward` takes a batch of rows (a text model's does)
+    _batches_prefill: bool = False
 
     @property
     def info(self) -> ModelInfo:
@@ -307,6 +317,8 @@ class CacheRunner(abc.ABC):
             "cache_layers": names,
             "has_recurrent": any(isinstance(layer, ArraysCache) for layer in cold),
             "batchable": all(name in _BATCHABLE for name in names),
+            "batch_prefill": self._batches_prefill
+            and all(name in _BATCH_PREFILL for name in names),
             "kv_bytes_per_token": kv_bytes,
             "state_bytes": state_bytes,
         }
@@ -411,6 +423,80 @@ class CacheRunner(abc.ABC):
         sequence.num_computed = total
         self._record_snapshot(sequence, cache, total)
         return logits
+
+    def prefill_batch(self, rows: Seq[tuple[Sequence, int]]) -> list[Optional[Any]]:
+        """:meth:`prefill` of several requests at once: each to its ``end``.
+
+        For a model with :attr:`ModelInfo.batch_prefill`: the chunks' bodies
+        run in one model call (right-padded; each over its own cached prefix,
+        the caches merged) and the last tokens of the requests whose prompt
+        ends here in another (one position each), as mlx-lm's
+        ``BatchGenerator`` prefills. A call that raises fails every request
+        it served (the caller drops them).
+
+        Returns:
+            Each row's last-position logits ``(vocab,)``, or None if its
+            prompt goes on.
+        """
+        import mlx.core as mx
+
+        if len(rows) == 1:
+            return [self.prefill(*rows[0])]
+        assert self._info.batch_prefill, "this model prefills one request at a time"
+        bodies = []
+        for sequence, end in rows:
+            total = len(sequence.prompt)
+            stop = end if end < total else total - 1
+            if stop > sequence.num_computed:
+                bodies.append((sequence, sequence.num_computed, stop))
+        self._forward_rows([(s, s.prompt[a:b]) for s, a, b in bodies])
+        for sequence, _, stop in bodies:
+            sequence.num_computed = stop
+        finishing = [sequence for sequence, end in rows if end == len(sequence.prompt)]
+        last = self._forward_rows([(s, s.prompt[-1:]) for s in finishing])
+        out: list[Optional[Any]] = []
+        for sequence, end in rows:
+            if end == len(sequence.prompt):
+                out.append(last[id(sequence)])
+                sequence.num_computed = end
+            else:
+                out.append(None)
+        mx.eval([layer.state for sequence, end in rows if end < len(sequence.prompt) for layer in sequence.cache])
+        return out
+
+    def _forward_rows(self, rows: list[tuple[Sequence, Seq[int]]]) -> dict[int, Any]:
+        """Run each row's tokens after its cache, all in one call (one row:
+        on its own cache); each row's last-position logits, by ``id``."""
+        import mlx.core as mx
+
+        if not rows:
+            return {}
+        if len(rows) == 1:
+            sequence, tokens = rows[0]
+            start = sequence.num_computed
+            return {id(sequence): self._run(sequence, sequence.cache, start, start + len(tokens))[0, -1]}
+        merged = self.merge([sequence.cache for sequence, _ in rows])
+        lengths = [len(tokens) for _, tokens in rows]
+        width = max(lengths)
+        padding = [width - length for length in lengths]
+        inputs = mx.array([list(tokens) + [0] * (width - len(tokens)) for _, tokens in rows])
+        if max(padding):
+            for layer in merged:
+                layer.prepare(lengths=lengths, right_padding=padding)
+        logits = self._forward(inputs, merged)
+        if max(padding):
+            for layer in merged:
+                layer.finalize()
+        out = {}
+        for row, (sequence, _) in enumerate(rows):
+            sequence.cache = self.extract(merged, row)
+            out[id(sequence)] = logits[row, lengths[row] - 1]
+        return out
+
+    def _forward(self, inputs: Any, cache: list[Any]) -> Any:
+        """Token ids ``(batch, n)`` through the model on a batch cache: logits
+        (a runner with ``_batches_prefill`` provides it)."""
+        raise AssertionError(f"{type(self).__name__} prefills one request at a time")
 
     @abc.abstractmethod
     def _run(self, sequence: Sequence, cache: list[Any], start: int, stop: int) -> Any:
@@ -538,6 +624,8 @@ class TextRunner(CacheRunner):
     cache layout.
     """
 
+    _batches_prefill = True
+
     def __init__(self, model: Any, tokenizer: Any, *, prefill_chunk: int) -> None:
         """Describe ``model``: runs one token through a fresh cache (on the MLX thread)."""
         self._model = model
@@ -579,6 +667,9 @@ class TextRunner(CacheRunner):
         import mlx.core as mx
 
         return self._model(mx.array(sequence.prompt[start:stop])[None], cache=cache)
+
+    def _forward(self, inputs: Any, cache: list[Any]) -> Any:
+        return self._model(inputs, cache=cache)
 
     def decode(self, inputs: Any, cache: list[Any], rows: Seq[Sequence], positions: Seq[int]) -> Any:
         return self._model(inputs[:, None], cache=cache)[:, -1]

@@ -454,6 +454,43 @@ class TestBatching:
         assert batched_steps < solo_steps  # 4 x 15 steps alone; far fewer together
         assert stats.batched and stats.mean_batch_size > 1
 
+    @pytest.mark.parametrize("model_name", ["tiny_llama", "sliding_llama", "hybrid_model"])
+    async def test_requests_arriving_together_prefill_in_one_call(self, request, running, model_name):
+        """Requests arriving together, each over its own cached prefix and with
+        its own length, prefill in one model call (plain and sliding-window
+        KV; a hybrid's recurrent layers one request at a time) and give their
+        solo results."""
+        model_and_tokenizer = request.getfixturevalue(model_name)
+        shared = _prompt(160, salt=1)
+        actor = _actor(model_and_tokenizer, keep_last_cache=False)
+        async with _serving(running, actor) as compute:
+            blocks = (await _run(compute, "seed", shared, max_tokens=1, stop_tokens=frozenset())).published
+            # Prefixes of 0, 2, 3 and 4 blocks, own tails of different lengths.
+            cases = [(k, shared[: k * BLOCK] + _prompt(9 + 7 * k, salt=10 + k)) for k in (0, 2, 3, 4)]
+            alone = [
+                await _run(compute, f"a{k}", p, prefix=blocks[:k], max_tokens=6, stop_tokens=frozenset())
+                for k, p in cases
+            ]
+            before = await compute.statistics()
+            together: dict[int, Run] = {}
+
+            async def one(k: int, prompt: list[int]) -> None:
+                together[k] = await _run(compute, f"t{k}", prompt, prefix=blocks[:k], max_tokens=6, stop_tokens=frozenset())
+
+            async with anyio.create_task_group() as tg:
+                for k, prompt in cases:
+                    tg.start_soon(one, k, prompt)
+            stats = await compute.statistics()
+        for (k, _), theirs in zip(cases, alone):
+            _assert_same(together[k], theirs)
+            assert together[k].prefilled.num_cached == k * BLOCK
+        calls = stats.num_prefill_calls - before.num_prefill_calls
+        chunks = stats.num_prefill_chunks - before.num_prefill_chunks
+        if model_name == "hybrid_model":
+            assert calls == chunks  # one request per call
+        else:
+            assert chunks == 4 and calls == 1
+
     async def test_requests_join_and_leave_without_disturbing_others(self, running, tiny_llama):
         """A request that arrives mid-decode and one that ends early leave the rest exact."""
         specs = [("long", _prompt(90, 1), 40), ("short", _prompt(50, 2), 5), ("late", _prompt(70, 3), 20)]
