@@ -99,5 +99,7 @@ class InvariantViolation(AssertionError):
 
 
 def _abbrev(value: Any, limit: int = 60) -> str:
-    text = repr(value)
+    # One line: a multi-line repr (a 2-D array's) is joined, so a message
+    # stays one line wherever it is printed.
+    text = " ".join(line.strip() for line in repr(value).splitlines())
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -636,7 +636,8 @@ class CacheRuntime:
 
         Args:
             request_id: a name not used by any active request.
-            tokens: the prompt's token ids (ints in ``[0, 2**32)``).
+            tokens: the prompt's token ids (ints in ``[0, 2**32)``): a
+                sequence of ints or a 1-D integer array (NumPy, MLX).
             images: the request's images, in order (paths, URLs, bytes,
                 arrays); they namespace the blocks and are looked up in the
                 image cache.
@@ -745,7 +746,8 @@ class CacheRuntime:
 
         Args:
             request_id: an active request.
-            tokens: the request's whole token sequence so far; it must extend
+            tokens: the request's whole token sequence so far (a sequence of
+                ints or a 1-D integer array); it must extend
                 what the request holds and agree with what it was given.
             payloads: one object per full block of ``tokens`` beyond the
                 blocks the request holds (typically that block's KV slices).
@@ -999,7 +1001,8 @@ class CacheRuntime:
                     ...
 
         Args:
-            prompt: text (tokenized by the model's tokenizer) or token ids.
+            prompt: text (tokenized by the model's tokenizer) or token ids (a
+                sequence of ints or a 1-D integer array, NumPy or MLX).
             max_tokens: the most tokens to generate, >= 1.
             temperature: 0 for greedy decoding, else the sampling temperature.
             top_p: nucleus sampling; off at 0 or 1.
