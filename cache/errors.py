@@ -58,7 +58,8 @@ class OutOfBlocks(CacheError, ValueError):
     def __init__(self, requested: int, available: int) -> None:
         self.requested = requested
         self.available = available
-        super().__init__(f"asked for {requested} blocks, only {available} available")
+        noun = "block" if requested == 1 else "blocks"
+        super().__init__(f"asked for {requested} {noun}, only {available} available")
 
 
 class UnknownRequest(CacheError, KeyError):

@@ -450,12 +450,12 @@ def _prepare_with_pixels(preparer: PromptPreparer, prompt: Any, images: list[Any
 def _check_pool(runtime: CacheRuntime, num_prompt: int, log: EventLog) -> None:
     """Warn (once per request) when the prompt alone outgrows the block pool."""
     blocks = num_prompt // runtime.config.block_size
-    if blocks > runtime._num_blocks - 1:
+    if blocks > runtime._num_blocks:
         runtime._generation_counts["prompts_over_pool"] += 1
         log.warning(
             "generation.prompt_exceeds_pool",
             prompt_blocks=blocks,
-            pool_blocks=runtime._num_blocks - 1,
+            pool_blocks=runtime._num_blocks,
             detail="the prompt cannot be cached whole; raise kv_memory or max_blocks",
         )
 

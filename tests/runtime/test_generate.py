@@ -437,7 +437,7 @@ class TestFailuresAreHeard:
         are stored (the rest counted), and the same prompt then reuses them,
         exactly."""
         prompt = _tokens(300, salt=7)
-        async with CacheRuntime(model=llama, block_size=BS, max_blocks=8, keep_last_cache=False) as rt:
+        async with CacheRuntime(model=llama, block_size=BS, max_blocks=7, keep_last_cache=False) as rt:
             first = await run(rt, prompt, max_tokens=4)
             warm = await run(rt, prompt, max_tokens=4)
             stats = await rt.stats()
