@@ -344,6 +344,17 @@ class TestBadInput:
             assert info.value.argument == "max_tokens" and info.value.value == 32_766
             await assert_clean(rt)
 
+    async def test_a_text_too_long_for_the_tokenizer_warns_nothing(self, llama, capfd):
+        """A text past the tokenizer's model_max_length is refused as the prompt's
+        fault, and transformers prints no warning of its own about it."""
+        async with CacheRuntime(model=llama, block_size=BS) as rt:
+            with pytest.raises(InvalidInput, match="its 40000 tokens leave no room") as info:
+                await run(rt, "x" * 40_000, max_tokens=1)
+            assert info.value.argument == "prompt"
+            assert len(await rt.tokenize("y" * 40_000)) == 40_000
+            await assert_clean(rt)
+        assert "Token indices" not in capfd.readouterr().err
+
     async def test_a_text_prompt_longer_than_the_context(self, llama):
         """A text prompt that, tokenized, leaves no room for max_tokens is refused
         before anything is cached."""
