@@ -119,6 +119,16 @@ def _json_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _check_json_target(target: Optional[str]) -> None:
+    """Fail now, not after the work, if ``--json FILE`` cannot be written.
+
+    Raises:
+        OSError: the file cannot be opened for writing.
+    """
+    if target is not None and target != "-":
+        open(target, "a").close()
+
+
 def _write_json(target: Optional[str], data: object) -> None:
     if target is None:
         return
@@ -155,6 +165,7 @@ def _stress(args: argparse.Namespace) -> int:
     if args.faults:
         fields.update(cancel_rate=0.1, error_rate=0.02, max_blocks=48)
     config = StressConfig(**fields)
+    _check_json_target(args.json)
     report = anyio.run(run_stress, config, backend=config.backend)
     if args.json != "-":
         print(report.format())
@@ -246,6 +257,7 @@ def _run(args: argparse.Namespace) -> int:
         seed=args.seed,
         trace=args.trace is not None,
     )
+    _check_json_target(args.json)
     with contextlib.ExitStack() as stack:
         if args.trace is not None:
             from mlxkv.tracing import configure
@@ -464,6 +476,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _say(args.command, "interrupted", _INTERRUPTED)
     except CacheError as error:
         return _say(args.command, str(error), _status(error))
+    except OSError as error:
+        if error.filename is None:
+            raise
+        # A file an option names (--json, --trace) that cannot be written.
+        return _say(args.command, f"cannot write {error.filename}: {error.strerror}", _USAGE)
     except BaseExceptionGroup as group:
         if group.subgroup(KeyboardInterrupt) is not None:  # through trio's task groups
             return _say(args.command, "interrupted", _INTERRUPTED)

@@ -142,12 +142,19 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlxkv import CacheRuntime
+    from mlxkv import CacheRuntime, ModelLoadError
+    from mlxkv.actors.model_source import check_model_source
     from mlxkv.default_model import DEFAULT_MODEL, ensure_model
 
     model_dir = args.model or str(ensure_model(DEFAULT_MODEL))
+    check_model_source(model_dir)  # a bad path is one ModelLoadError, before any work
     cached, total = args.cached, args.cached + args.new
     prompt = _prompt(total)
+    # The ideal: mlx-lm alone, a cache already holding the cached prefix.
+    try:
+        model, _ = load(model_dir)
+    except Exception as error:  # a repo id that cannot be fetched, a model mlx-lm refuses
+        raise ModelLoadError(model_dir, f"{type(error).__name__}: {error}") from error
     vllm = None
     vllm_python = args.vllm_python or DEFAULT_VLLM_PYTHON
     if vllm_python.is_file():
@@ -155,8 +162,6 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     else:
         print(f"no reference environment at {vllm_python}: vllm-mlx skipped", file=sys.stderr)
 
-    # The ideal: mlx-lm alone, a cache already holding the cached prefix.
-    model, _ = load(model_dir)
     ideal_cache = make_prompt_cache(model)
     for start in range(0, cached, 256):
         model(mx.array(prompt[start : min(start + 256, cached)])[None], cache=ideal_cache)

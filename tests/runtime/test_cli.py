@@ -64,12 +64,16 @@ class TestBadInput:
             (("run", "--requests", "0"), "invalid requests=0: must be an int >= 1"),
             (("run", "--kv-memory", "lots"), "invalid kv_memory='lots'"),
             (("run", "--model", "/no/such/dir"), "no such directory"),
+            (("run", "--trace", "/no/such/dir/trace.jsonl"), "cannot write /no/such/dir/trace.jsonl"),
+            (("run", "--json", "/no/such/dir/r.json"), "cannot write /no/such/dir/r.json"),
             (("run", "--prompt-tokens", "40000"), "invalid prompt_tokens=40000: a request holds 40000"),
             (("run", "--prompt-tokens", "32700"), "invalid prompt_tokens=32700"),
             (("stress", "--clients", "0"), "invalid clients=0"),
             (("stress", "--cancel-rate", "2"), "invalid cancel_rate=2.0"),
             (("bench", "--cached", "10"), "argument --cached: must be a positive multiple of 64"),
             (("bench", "--bogus"), "unrecognized arguments: --bogus"),
+            (("bench", "--model", "/no/such/dir"), "no such directory"),
+            (("stress", "--generate", "--model", "/no/such/dir"), "no such directory"),
         ],
         ids=lambda value: " ".join(value) if isinstance(value, tuple) else None,
     )
@@ -83,13 +87,14 @@ class TestBadInput:
         assert says in done.stderr
         assert done.stderr.startswith("mlxkv")
 
-    def test_an_unreachable_hub_id_is_one_line(self, env: dict[str, str]):
+    @pytest.mark.parametrize("command", ["run", "bench"])
+    def test_an_unreachable_hub_id_is_one_line(self, command: str, env: dict[str, str]):
         """A Hugging Face id that cannot be fetched (the hub closed) names the id
         in one line, not the hub's paragraph of advice."""
-        done = mlxkv("run", "--model", "someone/nonexistent", env=env)
+        done = mlxkv(command, "--model", "someone/nonexistent", env=env)
         assert done.returncode == 2, done.stderr
         assert len(done.stderr.splitlines()) == 1, done.stderr
-        assert done.stderr.startswith("mlxkv run: cannot load the model 'someone/nonexistent': ")
+        assert done.stderr.startswith(f"mlxkv {command}: cannot load the model 'someone/nonexistent': ")
 
 
 class TestWarnings:
