@@ -126,10 +126,16 @@ class AllocatorStatistics:
 
     Attributes:
         block_size: tokens per block.
-        num_blocks: usable blocks (the null block excluded).
-        num_free: blocks with no reference, cached ones included.
-        num_referenced: blocks with at least one reference.
+        num_blocks: usable blocks (the null block excluded):
+            ``num_referenced + num_reusable + num_empty``.
+        num_free: blocks with no reference, cached ones included
+            (``num_reusable + num_empty``).
+        num_referenced: blocks with at least one reference (held by requests).
         num_cached: distinct hashes cached (held or free).
+        num_reusable: blocks with no reference that still hold cached KV: a
+            later request that shares their prefix takes them; allocation
+            evicts them (least recently released first) only when no empty
+            block is left.
         num_hits: blocks found by acquisitions.
         num_misses: acquisitions that stopped before the end of their chain.
         num_evictions: cached blocks whose hash was dropped.
@@ -143,12 +149,18 @@ class AllocatorStatistics:
     num_free: int
     num_referenced: int
     num_cached: int
+    num_reusable: int
     num_hits: int
     num_misses: int
     num_evictions: int
     num_stored: int
     num_reused: int
     num_retained: int
+
+    @property
+    def num_empty(self) -> int:
+        """Blocks with no reference and no cached KV."""
+        return self.num_free - self.num_reusable
 
 
 @attrs.frozen(kw_only=True)
@@ -402,6 +414,9 @@ class BlockAllocatorActor(Actor):
             num_free=cache.free_blocks,
             num_referenced=len(cache.allocated_blocks) - 1,
             num_cached=len(cache.cached_block_hash_to_block),
+            num_reusable=sum(
+                1 for block in cache.blocks if block.ref_count == 0 and block.block_hash is not None
+            ),
             num_hits=stats.cache_hits,
             num_misses=stats.cache_misses,
             num_evictions=stats.evictions,

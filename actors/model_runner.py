@@ -40,6 +40,7 @@ __all__ = [
     "PromptPreparer",
     "TextPreparer",
     "TextRunner",
+    "encode_text",
 ]
 
 #: Cache classes whose per-request caches mlx-lm merges into one exact batch.
@@ -594,6 +595,17 @@ def _layer_key(layer: Any) -> tuple[Any, ...]:
     return (type(layer).__name__, getattr(layer, "max_size", None), getattr(layer, "keep", None))
 
 
+def encode_text(tokenizer: Any, text: str) -> tuple[int, ...]:
+    """``text``'s token ids, special tokens as ``tokenizer`` adds them.
+
+    ``verbose=False``: transformers would warn about a text longer than the
+    tokenizer's ``model_max_length``; generation checks the model's context
+    itself and refuses what does not fit (``InvalidInput``), so the warning
+    would only repeat it, on the application's console.
+    """
+    return tuple(tokenizer.encode(text, verbose=False))
+
+
 class TextPreparer:
     """The :class:`PromptPreparer` of a text model: its mlx-lm tokenizer."""
 
@@ -608,7 +620,7 @@ class TextPreparer:
         return PreparedPrompt(tokens=tuple(prompt))
 
     def encode(self, text: str) -> tuple[int, ...]:
-        return tuple(self._tokenizer.encode(text))
+        return encode_text(self._tokenizer, text)
 
     def new_detokenizer(self) -> Any:
         return self._tokenizer.detokenizer

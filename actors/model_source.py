@@ -30,13 +30,16 @@ class ModelLoadError(CacheError):
 
     Attributes:
         path: the model argument as given.
-        reason: what is wrong, in words.
+        reason: what is wrong, in words (the message shows its first line).
     """
 
     def __init__(self, path: str, reason: str) -> None:
         self.path = path
         self.reason = reason
-        super().__init__(f"cannot load the model {path!r}: {reason}")
+        # One line: a loader's own message can run to several (a hub
+        # error's advice); the whole of it stays in ``reason``.
+        first = reason.strip().splitlines()[0] if reason.strip() else reason
+        super().__init__(f"cannot load the model {path!r}: {first}")
 
 
 @attrs.frozen(kw_only=True)

@@ -556,15 +556,21 @@ class PrefixIndexActor(Actor):
         held_tokens = start * size
         if len(tokens) < held_tokens:
             raise InvalidInput(
-                "tokens", len(tokens), f"must extend the {held_tokens} tokens the request holds"
+                "tokens",
+                message.tokens,
+                f"its {len(tokens)} tokens must extend the {held_tokens} tokens the request holds",
             )
         new = tokens[held_tokens:]
         known = table.tail
         overlap = min(len(new), len(known))
         if new[:overlap] != known[:overlap]:
             first = next(i for i in range(overlap) if new[i] != known[i])
+            at = held_tokens + first
             raise InvalidInput(
-                "tokens", held_tokens + first, "disagree with the request's tokens at this position"
+                "tokens",
+                message.tokens,
+                f"token {new[first]} at index {at} differs from the request's token there"
+                f" ({known[first]})",
             )
         num_new = len(new) // size
         if message.num_payloads != num_new:

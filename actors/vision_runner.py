@@ -32,7 +32,13 @@ from typing import Any, Optional
 
 import attrs
 
-from mlxkv.actors.model_runner import CacheRunner, ImageEncoding, ModelInfo, PreparedPrompt
+from mlxkv.actors.model_runner import (
+    CacheRunner,
+    ImageEncoding,
+    ModelInfo,
+    PreparedPrompt,
+    encode_text,
+)
 from mlxkv.actors.sequence import Sequence
 from mlxkv.cache.errors import InvalidInput
 
@@ -182,7 +188,7 @@ class VisionPreparer:
         return tuple(out)
 
     def encode(self, text: str) -> tuple[int, ...]:
-        return tuple(self._tokenizer.encode(text))
+        return encode_text(self._tokenizer, text)
 
     def _widen(self, tokens: tuple[int, ...], counts: tuple[int, ...]) -> tuple[int, ...]:
         """Each image's single pad token repeated once per image token (runs

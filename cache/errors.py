@@ -58,7 +58,8 @@ class OutOfBlocks(CacheError, ValueError):
     def __init__(self, requested: int, available: int) -> None:
         self.requested = requested
         self.available = available
-        super().__init__(f"asked for {requested} blocks, only {available} available")
+        noun = "block" if requested == 1 else "blocks"
+        super().__init__(f"asked for {requested} {noun}, only {available} available")
 
 
 class UnknownRequest(CacheError, KeyError):
@@ -99,5 +100,7 @@ class InvariantViolation(AssertionError):
 
 
 def _abbrev(value: Any, limit: int = 60) -> str:
-    text = repr(value)
+    # One line: a multi-line repr (a 2-D array's) is joined, so a message
+    # stays one line wherever it is printed.
+    text = " ".join(line.strip() for line in repr(value).splitlines())
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -38,7 +38,6 @@ import copy
 import dataclasses
 import hashlib
 import logging
-import operator
 import os
 import re
 import sys
@@ -48,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from mlxkv.cache.errors import InvalidInput, InvariantViolation
+from mlxkv.cache.token_ids import check_token_ids
 
 __all__ = [
     "ImageSource",
@@ -423,22 +423,6 @@ def _salt_bytes(cache_salt: Optional[str]) -> bytes:
     return b"\1" + len(raw).to_bytes(8, "little") + raw
 
 
-def _token_list(token_ids: Any, argument: str) -> List[int]:
-    if isinstance(token_ids, (str, bytes, bytearray)):
-        raise InvalidInput(argument, token_ids, "must be a sequence of int token ids")
-    try:
-        items = list(token_ids)
-    except TypeError as exc:
-        raise InvalidInput(argument, token_ids, "must be a sequence of int token ids") from exc
-    if any(isinstance(item, bool) for item in items):
-        raise InvalidInput(argument, token_ids, "token ids must be ints, not bools")
-    try:
-        # operator.index accepts numpy integers and refuses floats and str.
-        return [operator.index(item) for item in items]
-    except TypeError as exc:
-        raise InvalidInput(argument, token_ids, "token ids must be ints") from exc
-
-
 def _positive(argument: str, value: Any, kinds: tuple) -> None:
     if (
         isinstance(value, bool)
@@ -555,7 +539,7 @@ class MLLMPrefixCacheManager:
                 counted then.
         """
         keys = self._keys(images, prompt, cache_salt)
-        wanted = None if token_ids is None else _token_list(token_ids, "token_ids")
+        wanted = None if token_ids is None else list(check_token_ids(token_ids, argument="token_ids"))
         found = self._lookup(keys, wanted)
         if found.slot is None:
             return None, 0
@@ -652,7 +636,7 @@ class MLLMPrefixCacheManager:
                 ``[0, len(token_ids)]``.
         """
         keys = self._keys(images, prompt, cache_salt)
-        tokens = _token_list(token_ids, "token_ids")
+        tokens = list(check_token_ids(token_ids, argument="token_ids"))
         if kv_cache is None:
             kv_cache = []
         if not isinstance(kv_cache, (list, tuple)):

@@ -31,6 +31,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 from mlxkv.cache.block_prefix import BlockAwarePrefixCache, BlockCacheEntry
 from mlxkv.cache.errors import InvalidInput, InvariantViolation
 from mlxkv.cache.model_key import model_key
+from mlxkv.cache.token_ids import check_token_ids
 
 __all__ = [
     "BlockAwarePrefixCache",
@@ -121,18 +122,6 @@ class _Match(NamedTuple):
     exact: Optional[_Node]
     shorter: Optional[_Node]
     longer: Optional[_Node]
-
-
-def _token_array(tokens: Any) -> array:
-    """Validate token ids the way block hashing does: ints in ``[0, 2**32)``."""
-    if isinstance(tokens, (str, bytes, bytearray)):
-        raise InvalidInput("tokens", tokens, "must be a sequence of int token ids")
-    try:
-        return array("I", tokens)
-    except (OverflowError, TypeError) as exc:
-        raise InvalidInput(
-            "tokens", tokens, "token ids must be integers in [0, 2**32)"
-        ) from exc
 
 
 def _copy_prompt_cache(prompt_cache: Sequence[Any]) -> List[Any]:
@@ -243,7 +232,7 @@ class PrefixCacheManager:
         Raises:
             InvalidInput: a token id is not an int in ``[0, 2**32)``.
         """
-        key = _token_array(tokens)
+        key = check_token_ids(tokens)
         match = self._match(key)
         if match.exact is not None:
             return key.tolist(), None, None, 0
@@ -272,7 +261,7 @@ class PrefixCacheManager:
             InvalidInput: ``tokens`` is empty or holds something other than
                 ints in ``[0, 2**32)``. Nothing is counted then.
         """
-        key = _token_array(tokens)
+        key = check_token_ids(tokens)
         if not key:
             raise InvalidInput("tokens", tokens, "must not be empty")
         match = self._match(key)
@@ -319,7 +308,7 @@ class PrefixCacheManager:
             InvalidInput: a token id is not an int in ``[0, 2**32)``, or
                 ``prompt_cache`` is not a list or tuple.
         """
-        key = _token_array(tokens)
+        key = check_token_ids(tokens)
         if not key:
             return
         if not isinstance(prompt_cache, (list, tuple)):

@@ -239,14 +239,13 @@ def make_request(
             raise InvalidInput("prompt", prompt, "must not be empty")
         checked: Union[str, tuple[int, ...]] = prompt
     else:
-        if isinstance(prompt, (bytes, bytearray, memoryview)) or not isinstance(prompt, Sequence):
-            raise InvalidInput("prompt", prompt, "must be a str or a sequence of token ids")
+        # Converted once (a list, a tuple, a 1-D NumPy or MLX int array...).
         checked = tuple(
             check_token_ids(
                 prompt, argument="prompt", vocab_size=info.vocab_size, allow_empty=False
             )
         )
-        _check_context(len(checked), max_tokens, info)
+        _check_context(prompt, len(checked), max_tokens, info)
     return GenerationRequest(
         request_id=request_id,
         prompt=checked,
@@ -296,7 +295,7 @@ async def run_generation(
                 raise InvalidInput("prompt", request.prompt, "encodes to no tokens")
             prompt_ids = check_token_ids(prompt)  # once: every later check passes it through
             if isinstance(request.prompt, str):
-                _check_context(len(prompt), request.max_tokens, info)
+                _check_context(request.prompt, len(prompt), request.max_tokens, info)
             _check_pool(runtime, len(prompt), log)
             detokenizer = preparer.new_detokenizer()
             fetch = await runtime._fetch(
@@ -451,27 +450,38 @@ def _prepare_with_pixels(preparer: PromptPreparer, prompt: Any, images: list[Any
 def _check_pool(runtime: CacheRuntime, num_prompt: int, log: EventLog) -> None:
     """Warn (once per request) when the prompt alone outgrows the block pool."""
     blocks = num_prompt // runtime.config.block_size
-    if blocks > runtime._num_blocks - 1:
+    if blocks > runtime._num_blocks:
         runtime._generation_counts["prompts_over_pool"] += 1
         log.warning(
             "generation.prompt_exceeds_pool",
             prompt_blocks=blocks,
-            pool_blocks=runtime._num_blocks - 1,
+            pool_blocks=runtime._num_blocks,
             detail="the prompt cannot be cached whole; raise kv_memory or max_blocks",
         )
 
 
-def _check_context(num_prompt: int, max_tokens: int, info: ModelInfo) -> None:
-    """Refuse a request that could outgrow the model's context.
+def _check_context(prompt: Any, num_prompt: int, max_tokens: int, info: ModelInfo) -> None:
+    """Refuse a request that could outgrow the model's context, blaming what does.
+
+    A prompt that alone fills the context is the prompt's fault; one that
+    leaves too little room for ``max_tokens`` new tokens is ``max_tokens``'s.
 
     Raises:
         InvalidInput: prompt plus ``max_tokens`` exceeds ``info.max_context``.
     """
     limit = info.max_context
-    if limit is not None and num_prompt + max_tokens > limit:
+    if limit is None or num_prompt + max_tokens <= limit:
+        return
+    if num_prompt >= limit:
         raise InvalidInput(
-            "max_tokens",
-            max_tokens,
-            f"the prompt's {num_prompt} tokens plus {max_tokens} new ones exceed the"
-            f" model's context of {limit} tokens",
+            "prompt",
+            prompt,
+            f"its {num_prompt} tokens leave no room in the model's context of {limit} tokens"
+            f" (for max_tokens={max_tokens} new ones)",
         )
+    raise InvalidInput(
+        "max_tokens",
+        max_tokens,
+        f"the prompt's {num_prompt} tokens leave room for {limit - num_prompt} new ones in"
+        f" the model's context of {limit} tokens",
+    )

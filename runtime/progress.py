@@ -16,7 +16,7 @@ from typing import Optional, TextIO
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn
 from rich.progress import Progress as RichProgress
-from rich.table import Table
+from rich.text import Text
 
 __all__ = ["Progress", "print_table"]
 
@@ -96,10 +96,15 @@ class Progress:
 
 
 def print_table(rows: Sequence[tuple[str, str]], stream: TextIO = sys.stdout, title: Optional[str] = None) -> None:
-    """Print ``(name, value)`` rows as a two-column table."""
-    table = Table(title=title, show_header=False, box=None, pad_edge=False)
-    table.add_column(style="bold")
-    table.add_column()
+    """Print ``(name, value)`` rows as two aligned columns, names in bold on a terminal.
+
+    No line ends in spaces (a table would pad every value to the widest, and
+    rich's wrapping would leave them at the break): each row is one line,
+    which a terminal folds if it must.
+    """
+    console = Console(file=stream, soft_wrap=True)
+    if title is not None:
+        console.print(title, style="bold")
+    width = max((len(name) for name, _ in rows), default=0)
     for name, value in rows:
-        table.add_row(name, value)
-    Console(file=stream).print(table)
+        console.print(Text.assemble((name.ljust(width), "bold"), "  ", value) if value else Text(name, "bold"))

@@ -66,7 +66,7 @@ from mlxkv.cache.errors import InvalidInput, UnknownRequest
 from mlxkv.cache.token_ids import check_token_ids
 from mlxkv.errors import RuntimeClosed
 from mlxkv.images import digest_images
-from mlxkv.units import format_bytes, parse_bytes
+from mlxkv.units import format_bytes, format_count, parse_bytes
 from mlxkv.generation import Generation, make_request, run_generation
 
 if sys.version_info < (3, 11):  # pragma: no cover
@@ -117,7 +117,9 @@ class RuntimeConfig:
 
     Attributes:
         block_size: tokens per KV block.
-        max_blocks: blocks in the pool, the null block included (>= 2).
+        max_blocks: usable blocks in the pool (>= 1): the pool holds this
+            many blocks of KV (the allocator's null block, a placeholder that
+            holds none, comes on top).
         mailbox_size: messages each actor buffers before senders wait.
         image_cache_entries: the most image entries kept.
         memory_budget: bytes of arrays the image cache may hold (vision
@@ -152,7 +154,7 @@ class RuntimeConfig:
     """
 
     block_size: int = attrs.field(default=64, validator=_int_at_least(1))
-    max_blocks: int = attrs.field(default=1024, validator=_int_at_least(2))
+    max_blocks: int = attrs.field(default=1024, validator=_int_at_least(1))
     mailbox_size: int = attrs.field(default=64, validator=_int_at_least(1))
     image_cache_entries: int = attrs.field(default=50, validator=_int_at_least(1))
     memory_budget: int = attrs.field(default=2 << 30, validator=_int_at_least(1))
@@ -248,6 +250,8 @@ class GenerationStatistics:
             closed early by their consumer).
         num_blocks_not_stored: computed blocks not cached because the pool
             had no room (``OutOfBlocks``); each case is also a warning.
+        num_requests_not_stored: generations that stopped storing because
+            the pool had no room (one warning each).
         num_cold_fallbacks: cached prefixes that could not be rebuilt, so
             the whole prompt was computed; each is also a warning.
         num_prompts_over_pool: prompts whose full blocks alone outnumber the
@@ -258,6 +262,7 @@ class GenerationStatistics:
     num_finished: int
     num_stopped: int
     num_blocks_not_stored: int
+    num_requests_not_stored: int
     num_cold_fallbacks: int
     num_prompts_over_pool: int
 
@@ -296,23 +301,23 @@ class RuntimeStatistics:
         rows = [
             (
                 "blocks",
-                f"{pool.num_blocks} x {pool.block_size} tokens: {pool.num_referenced} held,"
-                f" {pool.num_cached} cached, {pool.num_free} free",
+                f"{pool.num_blocks} x {pool.block_size} tokens: {pool.num_referenced} held by"
+                f" requests, {pool.num_reusable} cached (reusable), {pool.num_empty} empty",
             ),
             (
                 "block traffic",
-                f"{pool.num_stored} stored, {pool.num_reused} reused, {pool.num_hits} hit,"
-                f" {pool.num_evictions} evicted",
+                f"{pool.num_hits} taken from the cache, {pool.num_stored} stored new,"
+                f" {pool.num_reused} found stored already, {pool.num_evictions} evicted",
             ),
             (
                 "lookups",
-                f"{index.num_lookups} ({index.num_hits} hits, {index.num_misses} misses),"
-                f" {index.num_active_requests} requests open",
+                f"{index.num_lookups} ({index.num_hits} hit, {index.num_misses} missed),"
+                f" {format_count(index.num_active_requests, 'request')} open",
             ),
             (
                 "images",
-                f"{images.num_entries} entries, {format_bytes(images.num_bytes)},"
-                f" {images.num_hits} hits, {images.num_misses} misses",
+                f"{format_count(images.num_entries, 'entry', 'entries')}, {format_bytes(images.num_bytes)},"
+                f" {images.num_hits} hit, {images.num_misses} missed",
             ),
         ]
         if self.memory is not None:
@@ -331,9 +336,10 @@ class RuntimeStatistics:
             rows.append(
                 (
                     "compute",
-                    f"{compute.num_prefill_tokens} tokens prefilled, {compute.num_cached_tokens}"
-                    f" reused ({compute.num_last_cache_reuses} from the last cache),"
-                    f" {compute.num_decode_steps} decode steps (mean batch"
+                    f"{compute.num_prefill_tokens} prompt tokens computed,"
+                    f" {compute.num_cached_tokens} reused from cache"
+                    f" ({format_count(compute.num_last_cache_reuses, 'request')} took the kept"
+                    f" last cache), {compute.num_decode_steps} decode steps (mean batch"
                     f" {compute.mean_batch_size:.1f}), {compute.num_live} live",
                 )
             )
@@ -343,8 +349,9 @@ class RuntimeStatistics:
                 (
                     "generations",
                     f"{generation.num_finished} finished, {generation.num_stopped} stopped,"
-                    f" {generation.num_blocks_not_stored} blocks not stored,"
-                    f" {generation.num_cold_fallbacks} cold fallbacks",
+                    f" {format_count(generation.num_blocks_not_stored, 'block')} not stored"
+                    f" (pool full, {format_count(generation.num_requests_not_stored, 'request')}),"
+                    f" {format_count(generation.num_cold_fallbacks, 'cold fallback')}",
                 )
             )
         rows.append(
@@ -436,6 +443,7 @@ class CacheRuntime:
         self._index: Optional[PrefixIndexHandle] = None
         self._model_info: Optional[ModelInfo] = None
         self._preparer: Optional[PromptPreparer] = None
+        #: Usable blocks in the pool (the allocator's null block excluded).
         self._num_blocks = self.config.max_blocks
         #: Counted by generations (all on the event loop): see GenerationStatistics.
         self._generation_counts: collections.Counter[str] = collections.Counter()
@@ -473,7 +481,7 @@ class CacheRuntime:
                 self._preparer = await self._compute.preparer()
             self._num_blocks = _pool_size(config, self._model_info)
             allocator = BlockAllocatorActor(
-                block_size=config.block_size, max_blocks=self._num_blocks, **options
+                block_size=config.block_size, max_blocks=self._num_blocks + 1, **options
             )
             self._allocator = BlockAllocatorHandle(await self._start_actor(allocator))
             images = ImageCacheActor(
@@ -636,7 +644,8 @@ class CacheRuntime:
 
         Args:
             request_id: a name not used by any active request.
-            tokens: the prompt's token ids (ints in ``[0, 2**32)``).
+            tokens: the prompt's token ids (ints in ``[0, 2**32)``): a
+                sequence of ints or a 1-D integer array (NumPy, MLX).
             images: the request's images, in order (paths, URLs, bytes,
                 arrays); they namespace the blocks and are looked up in the
                 image cache.
@@ -745,7 +754,8 @@ class CacheRuntime:
 
         Args:
             request_id: an active request.
-            tokens: the request's whole token sequence so far; it must extend
+            tokens: the request's whole token sequence so far (a sequence of
+                ints or a 1-D integer array); it must extend
                 what the request holds and agree with what it was given.
             payloads: one object per full block of ``tokens`` beyond the
                 blocks the request holds (typically that block's KV slices).
@@ -917,6 +927,7 @@ class CacheRuntime:
                     num_finished=counts["finished"],
                     num_stopped=counts["stopped"],
                     num_blocks_not_stored=counts["blocks_not_stored"],
+                    num_requests_not_stored=counts["requests_not_stored"],
                     num_cold_fallbacks=counts["cold_fallbacks"],
                     num_prompts_over_pool=counts["prompts_over_pool"],
                 )
@@ -999,7 +1010,8 @@ class CacheRuntime:
                     ...
 
         Args:
-            prompt: text (tokenized by the model's tokenizer) or token ids.
+            prompt: text (tokenized by the model's tokenizer) or token ids (a
+                sequence of ints or a 1-D integer array, NumPy or MLX).
             max_tokens: the most tokens to generate, >= 1.
             temperature: 0 for greedy decoding, else the sampling temperature.
             top_p: nucleus sampling; off at 0 or 1.
@@ -1188,8 +1200,8 @@ class RequestHandle:
 
 
 def _pool_size(config: RuntimeConfig, info: Optional[ModelInfo]) -> int:
-    """Blocks in the pool, the null block included: ``max_blocks``, or as many as
-    ``kv_memory`` holds on the loaded model.
+    """Usable blocks in the pool (the null block excluded): ``max_blocks``, or as
+    many as ``kv_memory`` holds on the loaded model.
 
     Raises:
         InvalidInput: ``kv_memory`` holds not even one block.
@@ -1206,7 +1218,7 @@ def _pool_size(config: RuntimeConfig, info: Optional[ModelInfo]) -> int:
             f"holds no block: a block of {config.block_size} tokens takes"
             f" {format_bytes(block_bytes)} on this model",
         )
-    return blocks + 1
+    return blocks
 
 
 def _tail_first(block_ids: tuple[BlockId, ...]) -> tuple[BlockId, ...]:

@@ -123,6 +123,7 @@ class RequestStorer:
             result = await self._store_leading(payloads, error.available)
             not_stored = len(payloads) - (0 if result is None else result.num_blocks)
             runtime._generation_counts["blocks_not_stored"] += not_stored
+            runtime._generation_counts["requests_not_stored"] += 1  # it stores no more
             self._log.warning(
                 "generation.not_stored",
                 blocks=not_stored,

@@ -86,7 +86,7 @@ class StressConfig:
         check_every: operations per round; invariants are checked between.
         seed: seeds the workload (trio still shuffles the scheduling).
         block_size: tokens per block.
-        max_blocks: blocks in the pool; small values make eviction constant.
+        max_blocks: usable blocks in the pool; small values make eviction constant.
         num_prefixes: shared prompt prefixes the clients draw from.
         prefix_blocks: full blocks in each shared prefix.
         max_held: requests a client holds at once.
@@ -107,7 +107,7 @@ class StressConfig:
     check_every: int = attrs.field(default=1_000, validator=_at_least(1))
     seed: int = 0
     block_size: int = attrs.field(default=4, validator=_at_least(1))
-    max_blocks: int = attrs.field(default=512, validator=_at_least(2))
+    max_blocks: int = attrs.field(default=512, validator=_at_least(1))
     num_prefixes: int = attrs.field(default=6, validator=_at_least(1))
     prefix_blocks: int = attrs.field(default=6, validator=_at_least(0))
     max_held: int = attrs.field(default=4, validator=_at_least(1))

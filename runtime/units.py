@@ -1,13 +1,14 @@
-"""Byte sizes as people write them: ``"2GiB"``, ``"512 MB"``, ``1 << 30``."""
+"""Quantities as people write them: byte sizes (``"2GiB"``, ``"512 MB"``,
+``1 << 30``) and counted nouns (``1 block``, ``4 blocks``)."""
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Optional
 
 from mlxkv.cache.errors import InvalidInput
 
-__all__ = ["format_bytes", "parse_bytes"]
+__all__ = ["format_bytes", "format_count", "parse_bytes"]
 
 _UNITS = {
     "": 1,
@@ -71,3 +72,14 @@ def format_bytes(count: int) -> str:
             break
         size, unit = size / 1024, bigger
     return f"{size:.1f} {unit}"
+
+
+def format_count(number: int, noun: str, plural: Optional[str] = None) -> str:
+    """``number`` and ``noun``, plural unless one: ``1 block``, ``4 blocks``.
+
+    Args:
+        number: how many.
+        noun: the singular.
+        plural: the plural, if not ``noun + "s"`` (``"entries"``).
+    """
+    return f"{number} {noun if number == 1 else plural or noun + 's'}"

@@ -36,7 +36,13 @@ from mlxkv.progress import Progress
 from mlxkv.runtime import CacheRuntime, RuntimeConfig
 from mlxkv.units import format_bytes, parse_bytes
 
-__all__ = ["WorkloadConfig", "WorkloadReport", "run_workload"]
+__all__ = ["SUMMARIZED_EVENTS", "WorkloadConfig", "WorkloadReport", "run_workload"]
+
+#: The per-request warning events a :class:`WorkloadReport` counts (so that an
+#: application can show the count instead of every event).
+SUMMARIZED_EVENTS = frozenset(
+    {"generation.not_stored", "generation.prompt_exceeds_pool", "prefill.cold_fallback"}
+)
 
 #: Where an image goes in a prompt (Qwen2-VL's chat template; the processor
 #: widens the pad token to the image's tokens).
@@ -72,7 +78,7 @@ class WorkloadConfig:
         prompt_tokens: tokens in each system prompt.
         user_tokens: tokens in each user message.
         block_size: tokens per KV block.
-        max_blocks: blocks in the pool (unless ``kv_memory`` is given).
+        max_blocks: usable blocks in the pool (unless ``kv_memory`` is given).
         images: distinct images the conversations are about (0: text only;
             needs a vision-language model).
         kv_memory: bytes the KV pool may hold (sizes the pool from the model).
@@ -89,7 +95,7 @@ class WorkloadConfig:
     prompt_tokens: int = attrs.field(default=512, validator=_at_least(1))
     user_tokens: int = attrs.field(default=48, validator=_at_least(1))
     block_size: int = attrs.field(default=64, validator=_at_least(1))
-    max_blocks: int = attrs.field(default=1024, validator=_at_least(2))
+    max_blocks: int = attrs.field(default=1024, validator=_at_least(1))
     kv_memory: Optional[int] = attrs.field(
         default=None, converter=lambda v: None if v is None else parse_bytes(v, argument="kv_memory")
     )
@@ -136,7 +142,17 @@ class WorkloadReport:
         peak_kv_bytes: ``peak_blocks_cached * block_bytes``.
         peak_mlx_memory_bytes: MLX's peak memory in the process (weights,
             live caches and blocks).
+        requests_not_stored: requests that could not cache what they
+            computed: the pool had too few free blocks (each one a
+            ``generation.not_stored`` warning event).
+        blocks_not_stored: the computed blocks those requests did not cache.
+        prompts_over_pool: prompts with more full blocks than the pool
+            holds (each one a ``generation.prompt_exceeds_pool`` event).
+        cold_fallbacks: requests whose cached prefix could not be rebuilt,
+            so their whole prompt was computed (``prefill.cold_fallback``).
         wall_seconds: the workload's duration.
+        interrupted: the workload was stopped before every request ran
+            (``stop`` was set); the figures cover the requests that finished.
     """
 
     model: str
@@ -169,7 +185,12 @@ class WorkloadReport:
     kv_memory: Optional[int]
     peak_kv_bytes: int
     peak_mlx_memory_bytes: int
+    requests_not_stored: int
+    blocks_not_stored: int
+    prompts_over_pool: int
+    cold_fallbacks: int
     wall_seconds: float
+    interrupted: bool = False
 
     def rows(self) -> list[tuple[str, str]]:
         """The report as ``(name, value)`` rows, in reading order."""
@@ -230,6 +251,33 @@ class WorkloadReport:
         return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
 
+def _check_fits(config: WorkloadConfig, max_context: Optional[int]) -> None:
+    """Refuse a workload whose longest request could outgrow the model's context.
+
+    The last turn's prompt is the system prompt, every user message and every
+    earlier answer; it then generates ``max_tokens`` more. (Image tokens are
+    not counted here: generation refuses a request they push past it.)
+
+    Raises:
+        InvalidInput: naming the setting to lower: the largest of
+            ``prompt_tokens``, ``user_tokens`` and ``max_tokens`` when the
+            first turn alone does not fit, else ``turns``.
+    """
+    turn = config.prompt_tokens + config.user_tokens + config.max_tokens
+    longest = config.prompt_tokens + config.turns * (config.user_tokens + config.max_tokens)
+    if max_context is None or longest <= max_context:
+        return
+    parts = (
+        f"{config.prompt_tokens} system prompt tokens + {config.turns} x ({config.user_tokens}"
+        f" user + {config.max_tokens} answer tokens) = {longest}, beyond the model's context of"
+        f" {max_context} tokens"
+    )
+    if turn <= max_context:
+        raise InvalidInput("turns", config.turns, f"the last turn holds {parts}")
+    name = max(("prompt_tokens", "user_tokens", "max_tokens"), key=lambda field: getattr(config, field))
+    raise InvalidInput(name, getattr(config, name), f"a request holds {parts}")
+
+
 def _percentile(values: list[float], q: float) -> Optional[float]:
     """Nearest-rank percentile; None for no values."""
     if not values:
@@ -260,16 +308,31 @@ async def _cut(rt: CacheRuntime, text: str, n: int, rng: random.Random) -> list[
     return tokens[:n]
 
 
-async def run_workload(config: WorkloadConfig, *, progress: Optional[Progress] = None) -> WorkloadReport:
+async def run_workload(
+    config: WorkloadConfig,
+    *,
+    progress: Optional[Progress] = None,
+    stop: Optional[anyio.Event] = None,
+) -> WorkloadReport:
     """Run the workload on a fresh :class:`CacheRuntime` and report.
 
     Args:
         config: the workload.
         progress: updated as requests finish, on the workload's own clock
             (so its last line and the report agree on the wall time).
+        stop: once set, the requests in flight are cancelled (each releases
+            what it holds, as any cancelled request does), no more start,
+            and the runtime closes normally; the report then covers the
+            requests that finished and says it was interrupted.
 
     Returns:
         The report.
+
+    Raises:
+        InvalidInput: the longest request would not fit the model's context
+            (checked once the model is loaded, before any request), or a
+            request was refused.
+        ModelLoadError: the model does not load.
     """
     import mlx.core as mx
 
@@ -285,6 +348,8 @@ async def run_workload(config: WorkloadConfig, *, progress: Optional[Progress] =
     peak_cached = 0
     num_conversations = math.ceil(config.requests / config.turns)
     async with CacheRuntime(runtime_config) as rt:
+        assert rt.model_info is not None, "a runtime with a model describes it"
+        _check_fits(config, rt.model_info.max_context)  # before tokenizing anything
         systems = [
             await _cut(
                 rt,
@@ -333,25 +398,33 @@ async def run_workload(config: WorkloadConfig, *, progress: Optional[Progress] =
                                 answer.append(record.token)
                 history = prompt + answer
 
-        async def sample_blocks(done: anyio.Event) -> None:
+        async def sample_blocks() -> None:
             nonlocal peak_cached
-            while not done.is_set():
+            while True:
                 stats = await rt.stats()
                 peak_cached = max(peak_cached, stats.allocator.num_cached)
-                with anyio.move_on_after(0.05):
-                    await done.wait()
+                await anyio.sleep(0.05)
 
-        finished = anyio.Event()
-        async with anyio.create_task_group() as sampler:
-            sampler.start_soon(sample_blocks, finished)
-            async with anyio.create_task_group() as tg:
-                # Turns of one conversation are sequential; conversations
-                # start in order, so early ones warm the system prompts.
-                for index in range(num_conversations):
-                    tg.start_soon(conversation, index)
-            finished.set()
+        async def stop_requests(scope: anyio.CancelScope) -> None:
+            assert stop is not None
+            await stop.wait()
+            scope.cancel()
+
+        requests = anyio.CancelScope()
+        async with anyio.create_task_group() as watchers:
+            watchers.start_soon(sample_blocks)
+            if stop is not None:
+                watchers.start_soon(stop_requests, requests)
+            with requests:
+                async with anyio.create_task_group() as tg:
+                    # Turns of one conversation are sequential; conversations
+                    # start in order, so early ones warm the system prompts.
+                    for index in range(num_conversations):
+                        tg.start_soon(conversation, index)
+            watchers.cancel_scope.cancel()
         wall = time.perf_counter() - started
-        if progress is not None:
+        interrupted = requests.cancelled_caught
+        if progress is not None and not interrupted:
             _show(progress, reports, round(wall, 3), final=True)
         stats = await rt.stats()
     peak_cached = max(peak_cached, stats.allocator.num_cached)
@@ -361,8 +434,10 @@ async def run_workload(config: WorkloadConfig, *, progress: Optional[Progress] =
     prompt_tokens = sum(r.prompt_tokens for r in reports)
     reused = sum(r.cached_tokens for r in reports)
     generated = sum(r.generated_tokens for r in reports)
-    memory = stats.memory
-    assert memory is not None and stats.compute is not None, "a runtime with a model reports both"
+    memory, generation = stats.memory, stats.generation
+    assert memory is not None and stats.compute is not None and generation is not None, (
+        "a runtime with a model reports its memory, compute and generations"
+    )
     block_bytes = memory.block_bytes
     rates = [r.decode_tokens_per_second for r in reports if r.generated_tokens > 1]
     return WorkloadReport(
@@ -396,7 +471,12 @@ async def run_workload(config: WorkloadConfig, *, progress: Optional[Progress] =
         kv_memory=config.kv_memory,
         peak_kv_bytes=peak_cached * block_bytes,
         peak_mlx_memory_bytes=int(mx.get_peak_memory()),
+        requests_not_stored=generation.num_requests_not_stored,
+        blocks_not_stored=generation.num_blocks_not_stored,
+        prompts_over_pool=generation.num_prompts_over_pool,
+        cold_fallbacks=generation.num_cold_fallbacks,
         wall_seconds=round(wall, 3),
+        interrupted=interrupted,
     )
 
 

@@ -139,14 +139,19 @@ class TestExtend:
         """Tokens that contradict the request's, or a wrong payload count, change nothing."""
         async with running(index) as ref:
             handle = PrefixIndexHandle(ref)
-            await handle.begin("r1", TOKENS)
+            match = await handle.begin("r1", TOKENS)
             changed = TOKENS[:5] + (0,) + TOKENS[6:]
-            with pytest.raises(InvalidInput, match="position"):
+            with pytest.raises(InvalidInput, match=r"token 0 at index 5 differs from the request's token there \(6\)") as info:
                 await handle.extend("r1", changed, 4)
+            assert info.value.value == changed  # the tokens, not the position
             with pytest.raises(InvalidInput, match="one per new full block"):
                 await handle.extend("r1", TOKENS, 3)
             with pytest.raises(UnknownRequest):
                 await handle.extend("r2", TOKENS, 4)
+            await handle.record("r1", 0, grants(match.hashes[:1]))
+            with pytest.raises(InvalidInput, match="its 3 tokens must extend the 4 tokens") as info:
+                await handle.extend("r1", TOKENS[:3], 0)
+            assert info.value.value == TOKENS[:3]  # the tokens, not their count
 
     async def test_shorter_store_keeps_the_known_tail(self, index, running):
         """Storing a prefix of the known tokens keeps the rest as the tail."""

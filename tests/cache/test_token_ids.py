@@ -36,11 +36,16 @@ class TestCheckTokenIds:
             check_token_ids(bad)
 
     def test_vocab_bound(self):
-        """With a vocabulary size, an id at or above it is refused, naming the argument."""
+        """With a vocabulary size, an id at or above it is refused, naming the
+        argument, the id and its index (the prompt is the value, not the id)."""
         assert list(check_token_ids([0, 9], vocab_size=10)) == [0, 9]
         with pytest.raises(InvalidInput) as info:
-            check_token_ids([0, 10], argument="prompt", vocab_size=10)
-        assert info.value.argument == "prompt"
+            check_token_ids([0, 4, 10], argument="prompt", vocab_size=10)
+        assert info.value.argument == "prompt" and info.value.value == [0, 4, 10]
+        assert str(info.value) == (
+            "invalid prompt=[0, 4, 10]: token id 10 (at index 2) is outside the model's"
+            " vocabulary [0, 10)"
+        )
 
     def test_empty(self):
         """Empty sequences are accepted unless the caller forbids them."""
@@ -59,6 +64,66 @@ class TestCheckTokenIds:
             flagged = ids[:where] + [flag] + ids[where + 1 :]
             with pytest.raises(InvalidInput, match="bools"):
                 check_token_ids(kind(flagged))
-        with pytest.raises(InvalidInput) as info:
+        with pytest.raises(InvalidInput, match=r"token id 5 \(at index 300\)"):
             check_token_ids(kind(ids + [5]), vocab_size=5)
-        assert info.value.value == 5
+
+
+class TestTokenIdArrays:
+    """1-D integer arrays (NumPy, MLX) are token ids; other arrays are refused."""
+
+    @pytest.mark.parametrize("dtype", [np.int8, np.int32, np.int64, np.uint16, np.uint32, np.uint64])
+    def test_numpy_integer_arrays_accepted(self, dtype):
+        """Every NumPy integer dtype converts to the same array('I')."""
+        ids = check_token_ids(np.array([7, 0, 3], dtype=dtype))
+        assert ids.typecode == "I" and list(ids) == [7, 0, 3]
+
+    @pytest.mark.parametrize("dtype", ["int32", "int64", "uint32", "int16"])
+    def test_mlx_integer_arrays_accepted(self, dtype):
+        """An MLX 1-D integer array converts like a list of its ids."""
+        import mlx.core as mx
+
+        assert list(check_token_ids(mx.array([7, 0, 3], dtype=getattr(mx, dtype)))) == [7, 0, 3]
+
+    def test_an_empty_integer_array_is_empty(self):
+        """An empty integer array is an empty sequence: allowed unless forbidden."""
+        assert len(check_token_ids(np.array([], dtype=np.int64))) == 0
+        with pytest.raises(InvalidInput, match="at least one token"):
+            check_token_ids(np.array([], dtype=np.int64), allow_empty=False)
+
+    def test_vocab_bound_names_the_id(self):
+        """An array id beyond the vocabulary is named with its index."""
+        with pytest.raises(InvalidInput, match=r"token id 12 \(at index 1\)"):
+            check_token_ids(np.array([1, 12, 13]), argument="prompt", vocab_size=10)
+
+    @pytest.mark.parametrize(
+        ("bad", "reason"),
+        [
+            (np.array([[1, 2], [3, 4]]), "1-D array of token ids, not 2-D"),
+            (np.array(5), "not 0-D"),
+            (np.array([1.0, 2.0]), "integer token ids, not float64"),
+            (np.array([True, False]), "integer token ids, not bool"),
+            (np.array([1, -2]), r"token id -2 \(at index 1\) is not in \[0, 2\*\*32\)"),
+            (np.array([2**32], dtype=np.int64), r"token id 4294967296 \(at index 0\)"),
+        ],
+    )
+    def test_other_numpy_arrays_refused(self, bad, reason):
+        """2-D, 0-D, float, bool and out-of-range arrays are InvalidInput saying why, on one line."""
+        with pytest.raises(InvalidInput, match=reason) as info:
+            check_token_ids(bad, argument="prompt")
+        assert "\n" not in str(info.value)
+
+    @pytest.mark.parametrize("dtype", ["float32", "bool_", "bfloat16"])
+    def test_other_mlx_arrays_refused(self, dtype):
+        """MLX float, bool and bfloat16 arrays are refused, and so is a 2-D one."""
+        import mlx.core as mx
+
+        with pytest.raises(InvalidInput, match="must"):
+            check_token_ids(mx.array([1, 0], dtype=getattr(mx, dtype)))
+        with pytest.raises(InvalidInput, match="not 2-D"):
+            check_token_ids(mx.array([[1, 0]]))
+
+    @pytest.mark.parametrize("bad", [{1, 2}, {1: 2}, (i for i in range(3))])
+    def test_unordered_or_one_shot_collections_refused(self, bad):
+        """A set, a dict or a generator is not a token sequence: refused, not guessed at."""
+        with pytest.raises(InvalidInput, match="sequence of int token ids"):
+            check_token_ids(bad)

@@ -14,6 +14,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from mlxkv import CacheRuntime, DuplicateRequest, InvalidInput, ModelLoadError, RuntimeClosed
@@ -300,6 +301,12 @@ class TestBadInput:
             ("hi", {"request_id": ""}),
             ([True, False], {}),
             ([1, 2, 3], {"max_tokens": 32_766}),  # 3 + 32766 > the model's 32768
+            (np.array([[1, 2], [3, 4]]), {}),
+            (np.array([1.0, 2.0]), {}),
+            (np.array([True, False]), {}),
+            (mx.array([[1, 2]]), {}),
+            (mx.array([1.0, 2.0]), {}),
+            ({1, 2, 3}, {}),
         ],
     )
     async def test_rejected(self, llama, prompt, kwargs):
@@ -324,6 +331,30 @@ class TestBadInput:
             async with CacheRuntime(model=str(tmp_path / "missing"), block_size=BS):
                 pass
 
+    async def test_the_context_blames_what_overflows_it(self, llama):
+        """A prompt that alone fills the context is the prompt's fault (named with
+        its length); one that leaves too little room is ``max_tokens``'s (named
+        with the room left)."""
+        async with CacheRuntime(model=llama, block_size=BS) as rt:
+            with pytest.raises(InvalidInput, match="its 32768 tokens leave no room") as info:
+                rt.generate([1] * 32_768, max_tokens=1)
+            assert info.value.argument == "prompt"
+            with pytest.raises(InvalidInput, match="leave room for 32765 new ones") as info:
+                rt.generate([1, 2, 3], max_tokens=32_766)
+            assert info.value.argument == "max_tokens" and info.value.value == 32_766
+            await assert_clean(rt)
+
+    async def test_a_text_too_long_for_the_tokenizer_warns_nothing(self, llama, capfd):
+        """A text past the tokenizer's model_max_length is refused as the prompt's
+        fault, and transformers prints no warning of its own about it."""
+        async with CacheRuntime(model=llama, block_size=BS) as rt:
+            with pytest.raises(InvalidInput, match="its 40000 tokens leave no room") as info:
+                await run(rt, "x" * 40_000, max_tokens=1)
+            assert info.value.argument == "prompt"
+            assert len(await rt.tokenize("y" * 40_000)) == 40_000
+            await assert_clean(rt)
+        assert "Token indices" not in capfd.readouterr().err
+
     async def test_a_text_prompt_longer_than_the_context(self, llama):
         """A text prompt that, tokenized, leaves no room for max_tokens is refused
         before anything is cached."""
@@ -332,6 +363,50 @@ class TestBadInput:
                 await run(rt, "hello there", max_tokens=32_760)
             await assert_clean(rt)
             assert (await rt.stats()).index.num_lookups == 0
+
+
+class TestTokenIdArrays:
+    """A 1-D integer array (NumPy or MLX) is a token-id prompt like a list."""
+
+    @pytest.mark.parametrize(
+        "convert",
+        [
+            lambda ids: np.array(ids, dtype=np.int64),
+            lambda ids: np.array(ids, dtype=np.uint32),
+            lambda ids: mx.array(ids),
+            lambda ids: mx.array(ids, dtype=mx.uint32),
+        ],
+        ids=["numpy-int64", "numpy-uint32", "mlx-int32", "mlx-uint32"],
+    )
+    async def test_arrays_generate_as_lists_do(self, llama, convert):
+        """The same tokens and the same reuse as the list prompt, and the next
+        turn (report ids and answer fed back as an array) reuses both."""
+        async with CacheRuntime(model=llama, block_size=BS) as rt:
+            prompt = SYSTEM + _tokens(20, salt=3)
+            listed = await run(rt, prompt, cache_salt="list")
+            arrayed = await run(rt, convert(prompt), cache_salt="array")
+            assert arrayed[0] == listed[0] and arrayed[1].prompt_ids == tuple(prompt)
+            turn2 = list(arrayed[1].prompt_ids) + arrayed[0] + list(await rt.tokenize(" more"))
+            again = await run(rt, convert(turn2), cache_salt="array")
+            assert again[1].cached_tokens >= len(prompt) // BS * BS
+            await assert_clean(rt)
+
+    async def test_fetch_and_store_take_arrays(self):
+        """The low-level calls take the same arrays, as the same tokens."""
+        tokens = np.arange(1, 2 * BS + 3, dtype=np.int64)
+        async with CacheRuntime(block_size=BS, max_blocks=8) as rt:
+            hit = await rt.fetch("r1", tokens)
+            assert hit.remaining == tuple(range(1, 2 * BS + 3))
+            stored = await rt.store("r1", mx.array(tokens), [mx.zeros((1,)), mx.zeros((1,))])
+            assert stored.num_blocks == 2
+            await rt.release("r1")
+            again = await rt.fetch("r2", list(tokens))
+            assert again.num_cached_tokens == 2 * BS
+            await rt.release("r2")
+            with pytest.raises(InvalidInput, match="not 2-D"):
+                await rt.fetch("r3", tokens.reshape(1, -1))
+            with pytest.raises(InvalidInput, match="not float32"):
+                await rt.fetch("r3", tokens.astype(np.float32))
 
 
 class TestSlidingWindow:
@@ -373,7 +448,7 @@ class TestFailuresAreHeard:
         are stored (the rest counted), and the same prompt then reuses them,
         exactly."""
         prompt = _tokens(300, salt=7)
-        async with CacheRuntime(model=llama, block_size=BS, max_blocks=8, keep_last_cache=False) as rt:
+        async with CacheRuntime(model=llama, block_size=BS, max_blocks=7, keep_last_cache=False) as rt:
             first = await run(rt, prompt, max_tokens=4)
             warm = await run(rt, prompt, max_tokens=4)
             stats = await rt.stats()

@@ -93,3 +93,15 @@ class TestCommandLine:
         captured = capsys.readouterr()
         assert captured.out == ""
         assert captured.err.count("\n") == 1 and "no such directory" in captured.err
+
+
+class TestModelLoadError:
+    def test_the_message_is_one_line(self):
+        """A loader's several-line message (a hub error's advice) is cut to its
+        first line in the error's message; the whole stays in ``reason``."""
+        reason = "LocalEntryNotFoundError: cannot reach the hub\nAn error happened while...\n"
+        error = ModelLoadError("someone/nonexistent", reason)
+        assert str(error) == (
+            "cannot load the model 'someone/nonexistent': LocalEntryNotFoundError: cannot reach the hub"
+        )
+        assert error.reason == reason

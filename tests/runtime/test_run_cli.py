@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +59,51 @@ class TestRunCommand:
         """An out-of-range setting is a usage error, reported on stderr."""
         assert main(["run", "--requests", "0", "--model", "unused"]) == 2
         assert "requests" in capsys.readouterr().err
+
+
+class TestWorkloadFits:
+    """A workload whose longest request outgrows the model's context is refused
+    once the model is loaded, before any request, blaming the setting to lower."""
+
+    @pytest.mark.parametrize(
+        ("settings", "blamed", "says"),
+        [
+            ({"prompt_tokens": 40_000}, "prompt_tokens", "a request holds 40000 system prompt tokens"),
+            ({"user_tokens": 33_000}, "user_tokens", "a request holds 512 system prompt tokens + 2 x (33000 user"),
+            ({"max_tokens": 32_300}, "max_tokens", "beyond the model's context of 32768 tokens"),
+            ({"turns": 800}, "turns", "the last turn holds 512 system prompt tokens + 800 x (48 user + 32 answer"),
+        ],
+    )
+    async def test_refused_naming_the_setting(self, model_dir: Path, settings, blamed, says):
+        """The first turn alone too long: its largest part is blamed; else the turns."""
+        from mlxkv.cache.errors import InvalidInput
+        from mlxkv.workload import WorkloadConfig, run_workload
+
+        config = WorkloadConfig(model=str(ensure_model(DEFAULT_MODEL, model_dir)), **settings)
+        with pytest.raises(InvalidInput, match=re.escape(says)) as info:
+            await run_workload(config)
+        assert info.value.argument == blamed
+
+
+class TestPrintTable:
+    """The report's two columns."""
+
+    @pytest.mark.parametrize("terminal", [False, True])
+    def test_aligned_and_never_padded_at_the_end(self, terminal: bool):
+        """Names are aligned, values follow two spaces later, a long value is not
+        wrapped, and no line ends in a space, on a terminal or not."""
+        from mlxkv.progress import print_table
+
+        class Stream(io.StringIO):
+            def isatty(self) -> bool:
+                return terminal
+
+        out = Stream()
+        long = "x" * 200
+        print_table([("model", long), ("requests", "3 (1 cold, 2 warm)"), ("a", "b")], out)
+        lines = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in out.getvalue().splitlines()]
+        assert lines == [f"model     {long}", "requests  3 (1 cold, 2 warm)", "a         b"]
+        assert ("\x1b[1m" in out.getvalue()) is terminal  # bold names on a terminal only
 
 
 class TestProgress:

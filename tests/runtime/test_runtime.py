@@ -52,7 +52,7 @@ class TestRuntimeConfig:
 
     @pytest.mark.parametrize(
         "overrides",
-        [{"block_size": 0}, {"max_blocks": 1}, {"mailbox_size": 1.5}, {"trace": 1}, {"keep_last_cache": 1}, {"nope": 1}],
+        [{"block_size": 0}, {"max_blocks": 0}, {"mailbox_size": 1.5}, {"trace": 1}, {"keep_last_cache": 1}, {"nope": 1}],
     )
     def test_bad_values_are_invalid_input(self, overrides):
         """A bad or unknown field is InvalidInput naming it."""
@@ -285,7 +285,7 @@ class TestFetchAndStore:
     async def test_tiny_pool_evicts_and_refuses(self):
         """With few blocks, old prefixes are evicted (a miss, never a wrong block) and a
         store that cannot fit is refused whole."""
-        async with runtime(max_blocks=5) as rt:  # 4 usable blocks
+        async with runtime(max_blocks=4) as rt:  # 4 usable blocks (the null block on top)
             await rt.fetch("a", PROMPT)
             await rt.store("a", PROMPT, kv(3))
             await rt.release("a")
@@ -304,6 +304,64 @@ class TestFetchAndStore:
             await rt.release("c")
             assert await rt.evict(10) >= 1
             await assert_clean(rt)
+
+
+class TestStatistics:
+    """What ``stats()`` counts and how its summary reads."""
+
+    async def test_the_pool_holds_max_blocks_usable_blocks(self):
+        """``max_blocks=8`` is 8 blocks of KV: 8 store, a 9th does not fit."""
+        prompt = list(range(1, 9 * BS + 1))
+        async with runtime(max_blocks=8) as rt:
+            assert (await rt.stats()).allocator.num_blocks == 8
+            await rt.fetch("r1", prompt[: 8 * BS])
+            await rt.store("r1", prompt[: 8 * BS], kv(8))
+            with pytest.raises(OutOfBlocks, match="asked for 1 block, only 0 available"):
+                await rt.store("r1", prompt, kv(1))
+            await rt.release("r1")
+            await assert_clean(rt)
+
+    async def test_held_cached_and_empty_blocks_add_up(self):
+        """Every block is held by requests, cached (unreferenced, reusable) or empty,
+        and the summary says which, without counting a cached block as free."""
+        async with runtime(max_blocks=8) as rt:
+            await rt.fetch("r1", PROMPT)
+            await rt.store("r1", PROMPT, kv(3))
+            other = [100 + t for t in PROMPT]
+            await rt.fetch("r2", other)
+            await rt.store("r2", other, kv(3))
+            await rt.release("r1")
+            pool = (await rt.stats()).allocator
+            assert (pool.num_referenced, pool.num_reusable, pool.num_empty) == (3, 3, 2)
+            assert pool.num_free == pool.num_reusable + pool.num_empty
+            assert str(await rt.stats()).splitlines()[0] == (
+                "blocks         8 x 4 tokens: 3 held by requests, 3 cached (reusable), 2 empty"
+            )
+            await rt.release("r2")
+
+    async def test_the_traffic_line_says_what_each_count_is(self):
+        """A hit is a block a fetch took from the cache; a store of a block that is
+        cached already counts as found stored, not as a new block."""
+        async with runtime() as rt:
+            await rt.fetch("r1", PROMPT)
+            await rt.store("r1", PROMPT, kv(3))
+            await rt.fetch("r2", PROMPT[: BS - 1])  # no full block to take: a miss
+            await rt.store("r2", PROMPT, kv(3))  # r1 stored them: found, shared
+            await rt.fetch("r3", PROMPT)  # takes r1's three blocks
+            stats = await rt.stats()
+            assert (stats.allocator.num_hits, stats.allocator.num_stored, stats.allocator.num_reused) == (3, 3, 3)
+            lines = dict(line.split("  ", 1) for line in str(stats).splitlines())
+            assert lines["block traffic"].strip() == (
+                "3 taken from the cache, 3 stored new, 3 found stored already, 0 evicted"
+            )
+            assert lines["lookups"].strip() == "3 (1 hit, 2 missed), 3 requests open"
+            for request in ("r1", "r2", "r3"):
+                await rt.release(request)
+
+    async def test_no_summary_line_ends_in_a_space(self):
+        """Summary lines are aligned, not padded at their end."""
+        async with runtime() as rt:
+            assert all(line == line.rstrip() for line in str(await rt.stats()).splitlines())
 
 
 class TestFork:
