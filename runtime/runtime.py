@@ -42,6 +42,8 @@ from mlxkv.actors.allocator import (
     Grants,
 )
 from mlxkv.actors.compute import (
+    DEFAULT_PREFILL_BATCH,
+    DEFAULT_PREFILL_BUDGET,
     DEFAULT_PREFILL_CHUNK,
     ComputeActor,
     ComputeHandle,
@@ -137,8 +139,13 @@ class RuntimeConfig:
             pool holds as many blocks as fit, sized from the loaded model's
             KV bytes per token, and ``max_blocks`` is ignored; it needs a
             model.
-        prefill_chunk: the most prompt tokens one model call prefills; a
-            decode step of the batch waits for at most about one chunk.
+        prefill_chunk: the most prompt tokens of one request one prefill
+            plan runs.
+        prefill_budget: the most new tokens one prefill plan runs over all
+            the requests it serves (the oldest one's chunk always fits): a
+            decode step waits behind at most one such plan.
+        prefill_batch: the most requests whose chunks one prefill plan runs
+            (in one model call where the model batches prefill).
         share_in_flight: a generation whose prefix another generation is
             computing right now waits for those blocks instead of computing
             them again (on by default; off only to measure what it saves).
@@ -163,6 +170,8 @@ class RuntimeConfig:
     model: Optional[str] = attrs.field(default=None, converter=_model_path)
     kv_memory: Optional[int] = attrs.field(default=None, converter=_byte_budget)
     prefill_chunk: int = attrs.field(default=DEFAULT_PREFILL_CHUNK, validator=_int_at_least(1))
+    prefill_budget: int = attrs.field(default=DEFAULT_PREFILL_BUDGET, validator=_int_at_least(1))
+    prefill_batch: int = attrs.field(default=DEFAULT_PREFILL_BATCH, validator=_int_at_least(1))
     share_in_flight: bool = attrs.field(default=True, validator=_is_bool)
     keep_last_cache: bool = attrs.field(default=True, validator=_is_bool)
 
@@ -473,6 +482,8 @@ class CacheRuntime:
                 compute = ComputeActor.loading(
                     source,
                     prefill_chunk=config.prefill_chunk,
+                    prefill_budget=config.prefill_budget,
+                    prefill_batch=config.prefill_batch,
                     keep_last_cache=config.keep_last_cache,
                     **options,
                 )
