@@ -385,6 +385,8 @@ class ComputeActor(Actor):
         self._scheduler: Optional[Scheduler] = None
         self._executor: Optional[Executor] = None
         self._streams: dict[str, _Streams] = {}
+        #: the last plan's events, sent once the next plan runs
+        self._pending: list[tuple[_Streams, Optional[Event]]] = []
 
     @classmethod
     def with_model(cls, model: Any, tokenizer: Any, **kwargs: Any) -> ComputeActor:
@@ -470,7 +472,10 @@ class ComputeActor(Actor):
         finally:
             for streams in self._streams.values():
                 streams.close()
+            for streams, _ in self._pending:
+                streams.close()
             self._streams.clear()
+            self._pending.clear()
             if self._scheduler is not None:
                 self._scheduler.drop_all()
             self._executor = None
@@ -483,26 +488,44 @@ class ComputeActor(Actor):
         return self._scheduler is not None and self._scheduler.has_work()
 
     async def work(self) -> None:
-        """One plan: scheduled, run on the MLX thread, its events sent."""
+        """One plan: scheduled and started on the MLX thread; the previous
+        plan's events sent while it runs (the MLX thread never waits for the
+        consumers); its result applied."""
         scheduler, executor = self._scheduler, self._executor
         assert scheduler is not None and executor is not None, "the actor works once started"
         for request_id, streams in list(self._streams.items()):
             if not streams.heard():
                 self._send(scheduler.cancel(request_id))
         if not scheduler.has_work():
+            self._flush()
             return
         plan = scheduler.schedule(messages_waiting=self.messages_waiting())
-        result = await self._thread.submit(lambda: executor.run(plan))
+        job = self._thread.queue(lambda: executor.run(plan))
+        self._flush()
+        result = await self._thread.result(job)
         self._warn(plan, result)
-        self._send(scheduler.update(plan, result))
+        self._send(scheduler.update(plan, result), later=scheduler.has_work())
 
-    def _send(self, outputs: list[Output]) -> None:
+    def _send(self, outputs: list[Output], *, later: bool = False) -> None:
+        """Route each output to its request's streams (its end closes them);
+        with ``later``, deliver them when the next plan has started."""
         for request_id, event in outputs:
             streams = self._streams.get(request_id)
             if streams is None:
                 continue
             if event is None:
                 del self._streams[request_id]
+            if later:
+                self._pending.append((streams, event))
+            elif event is None:
+                streams.close()
+            else:
+                streams.send(event)
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        for streams, event in pending:
+            if event is None:
                 streams.close()
             else:
                 streams.send(event)

@@ -56,7 +56,7 @@ import attrs
 
 from mlxkv.actors.event_log import EventLog
 
-__all__ = ["MLXThread", "MLXThreadStatistics", "MLXThreadStopped", "evaluate_arrays"]
+__all__ = ["Job", "MLXThread", "MLXThreadStatistics", "MLXThreadStopped", "evaluate_arrays"]
 
 #: Every MLX thread started and not yet joined, for the exit hook.
 _LIVE: weakref.WeakSet[MLXThread] = weakref.WeakSet()
@@ -155,6 +155,15 @@ class _Job:
         self.on_orphan = on_orphan
         self.outcome: Optional[_Outcome] = None
         self.abandoned = False
+
+
+class Job(Generic[T]):
+    """A job :meth:`MLXThread.queue` queued, to wait for with :meth:`MLXThread.result`."""
+
+    __slots__ = ("_job",)
+
+    def __init__(self, job: _Job) -> None:
+        self._job = job
 
 
 class _Stop:
@@ -334,11 +343,7 @@ class MLXThread:
     ) -> T:
         """Run ``fn()`` on the MLX thread and return its (evaluated) result.
 
-        A cancellation point. If the caller is cancelled before the result
-        arrives, the job still runs to the end and its result is passed to
-        ``on_orphan`` instead, on the event-loop thread (a job that raised
-        has no result to give back). ``on_orphan`` must be quick, must not
-        block and must not build MLX graphs; what it raises is logged.
+        A cancellation point: :meth:`queue`, then :meth:`result`.
 
         Args:
             fn: the job: synchronous, builds and evaluates MLX graphs freely.
@@ -352,11 +357,39 @@ class MLXThread:
                 crashed while running this job.
             Exception: whatever ``fn`` raised.
         """
+        return await self.result(self.queue(fn, on_orphan=on_orphan))
+
+    def queue(self, fn: Callable[[], T], *, on_orphan: Optional[Callable[[T], None]] = None) -> Job[T]:
+        """Queue ``fn()`` to run on the MLX thread; wait for it with :meth:`result`.
+
+        Not a checkpoint: the caller may do other work (on the event loop)
+        while the job runs. Every job started must be waited for: until then
+        its result has no owner.
+
+        Raises:
+            MLXThreadStopped: the thread is closed or has crashed.
+        """
         if self._closing or not self._thread.is_alive():
             raise MLXThreadStopped(self._crash)
         job = _Job(fn, anyio.lowlevel.current_token(), on_orphan)
         self._queue.put(job)
         self._num_submitted += 1
+        return Job(job)
+
+    async def result(self, handle: Job[T]) -> T:
+        """Wait for a job :meth:`queue` queued; its (evaluated) result.
+
+        A cancellation point. If the caller is cancelled before the result
+        arrives, the job still runs to the end and its result is passed to
+        ``on_orphan`` instead, on the event-loop thread (a job that raised
+        has no result to give back). ``on_orphan`` must be quick, must not
+        block and must not build MLX graphs; what it raises is logged.
+
+        Raises:
+            MLXThreadStopped: the thread crashed while running this job.
+            Exception: whatever the job raised.
+        """
+        job = handle._job
         try:
             await job.done.wait()
         except BaseException:

@@ -96,6 +96,21 @@ class TestMLXThread:
             result = await thread.submit(job)
         assert np.array(result).tolist() == [0, 1, 2]
 
+    async def test_a_queued_job_runs_while_the_caller_goes_on(self):
+        """``queue`` returns at once, without a checkpoint; the job runs while the
+        caller does other work, and ``result`` hands its result over."""
+        gate = threading.Event()
+
+        def job() -> Any:
+            assert gate.wait(10), "the caller never went on while the job waited"
+            return mx.arange(2)
+
+        async with MLXThread() as thread:
+            handle = thread.queue(job)
+            gate.set()  # only reachable because queue did not wait for the job
+            result = await thread.result(handle)
+        assert np.array(result).tolist() == [0, 1]
+
     async def test_job_errors_are_raised_in_the_caller(self):
         """An exception in a job reaches its caller; the thread keeps serving."""
 
