@@ -205,14 +205,18 @@ class Executor:
             self._live[sequence.request_id] = sequence
             boundary = sequence.block_size if runner.info.has_recurrent else None
             rows.append((sequence, next_chunk_end(sequence.num_computed, len(sequence.prompt), self._chunk, boundary)))
-        groups = [rows] if runner.info.batch_prefill and rows else [[row] for row in rows]
-        for group in groups:
+        groups = [rows] if runner.info.batch_prefill and len(rows) > 1 else [[row] for row in rows]
+        while groups:
+            group = groups.pop(0)
             try:
                 logits = runner.prefill_batch(group)
             except Exception as error:
-                run.num_model_errors += len(group) > 1
-                for sequence, _ in group:
-                    self._let_go(sequence, error, run, shared=len(group) > 1)
+                if len(group) > 1:
+                    # Whose step it was: each alone (a rare path; what ran
+                    # together changed no request it did not finish).
+                    groups[:0] = [[row] for row in group]
+                    continue
+                self._let_go(group[0][0], error, run)
                 continue
             run.prefill_calls.append(len(group))
             for (sequence, _), last in zip(group, logits):

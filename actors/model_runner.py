@@ -432,8 +432,9 @@ class CacheRunner(abc.ABC):
         run in one model call (right-padded; each over its own cached prefix,
         the caches merged) and the last tokens of the requests whose prompt
         ends here in another (one position each), as mlx-lm's
-        ``BatchGenerator`` prefills. A call that raises fails every request
-        it served (the caller drops them).
+        ``BatchGenerator`` prefills. If it raises, each call changed no
+        request that it did not finish (the caller can run them again one
+        by one); a request's body and last token are two calls.
 
         Returns:
             Each row's last-position logits ``(vocab,)``, or None if its
@@ -488,9 +489,12 @@ class CacheRunner(abc.ABC):
         if max(padding):
             for layer in merged:
                 layer.finalize()
+        # Every row's cache is taken out before any is replaced: if one cannot
+        # be, no request's state has changed (each can be run again alone).
+        caches = [self.extract(merged, row) for row in range(len(rows))]
         out = {}
-        for row, (sequence, _) in enumerate(rows):
-            sequence.cache = self.extract(merged, row)
+        for row, ((sequence, _), cache) in enumerate(zip(rows, caches)):
+            sequence.cache = cache
             out[id(sequence)] = logits[row, lengths[row] - 1]
         return out
 

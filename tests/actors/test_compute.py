@@ -690,6 +690,62 @@ class TestFaults:
         assert failure.error.request_id == "bad" and "injected" in str(failure.error)
         assert stats.num_model_errors == 1 and stats.num_live == 0
 
+    @pytest.mark.parametrize("where", ["merge", "extract"])
+    async def test_a_fault_in_a_batched_prefill_stays_with_its_request(self, where, running, tiny_llama, monkeypatch):
+        """Four requests queued while the model is busy prefill in one call; if
+        merging or taking out one's cache raises there, it fails alone and the
+        others, run again one by one, give their solo results."""
+        from mlxkv.actors import model_runner
+
+        model, tokenizer = tiny_llama
+        lengths = {"a": 40, "b": 55, "c": 70, "victim": 150}
+        prompts = {name: _prompt(n, salt=n) for name, n in lengths.items()}
+        async with _serving(running, _actor(tiny_llama)) as compute:
+            alone = {n: await _run(compute, f"alone-{n}", p, stop_tokens=frozenset()) for n, p in prompts.items() if n != "victim"}
+        honest = getattr(model_runner.CacheRunner, where)
+
+        def victims(cache: Any) -> list[int]:
+            offset = cache[0].offset
+            return [int(o) for o in np.array(offset).reshape(-1)] if isinstance(offset, mx.array) else [offset]
+
+        sizes: list[int] = []  # the rows each failing call saw
+        if where == "merge":
+            def failing(self: Any, caches: Any) -> Any:
+                if any(v >= 149 for c in caches for v in victims(c)):
+                    sizes.append(len(caches))
+                    raise RuntimeError("injected merge failure")
+                return honest(self, caches)
+        else:
+            def failing(self: Any, cache: Any, row: int) -> Any:
+                if victims(cache)[row] >= 149:
+                    sizes.append(len(victims(cache)))
+                    raise RuntimeError("injected extract failure")
+                return honest(self, cache, row)
+
+        gate = Gate()
+        actor = ComputeActor.with_model(Wrapped(model, gate), tokenizer)
+        async with _serving(running, actor) as compute:
+            runs: dict[str, Run] = {}
+
+            async def one(name: str, prompt: list[int]) -> None:
+                runs[name] = await _run(compute, name, prompt, stop_tokens=frozenset())
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(one, "blocker", _prompt(30))
+                await gate.held.wait()  # the blocker's prefill holds the model
+                for name, prompt in prompts.items():
+                    tg.start_soon(one, name, prompt)
+                await anyio.sleep(0.05)  # every request is queued behind it
+                monkeypatch.setattr(model_runner.CacheRunner, where, failing)
+                gate.release.set()
+            stats = await compute.statistics()
+        final = runs["victim"].final
+        assert isinstance(final, Failed) and "injected" in str(final.error)
+        for name, theirs in alone.items():
+            _assert_same(runs[name], theirs)
+        assert sizes[0] == 4  # it failed first in the prefill of all four at once
+        assert stats.num_live == 0
+
     async def test_a_failing_decode_step_fails_its_rows_only(self, running, tiny_llama):
         """A decode call that raises fails the requests in that call; a request still
         prefilling is untouched and finishes exactly."""

@@ -106,7 +106,8 @@ async def _alone(rt: CacheRuntime) -> dict[str, list[int]]:
 
 
 async def _together(rt: CacheRuntime, **victim: Any) -> tuple[dict[str, list[int]], BaseException | None]:
-    """The bystanders, and once they decode, the victim; every result."""
+    """The bystanders, and once they decode, the victim; every result (the
+    victim prefilling together with them: ``tests/actors/test_compute.py``)."""
     out: dict[str, list[int]] = {}
     failure: list[BaseException] = []
     decoding = anyio.Event()
