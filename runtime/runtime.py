@@ -67,7 +67,7 @@ from mlxkv.actors.prefix_index import (
 from mlxkv.cache.errors import InvalidInput, UnknownRequest
 from mlxkv.cache.token_ids import check_token_ids
 from mlxkv.errors import RuntimeClosed
-from mlxkv.images import digest_images
+from mlxkv.images import PixelMemo, key_images
 from mlxkv.units import format_bytes, format_count, parse_bytes
 from mlxkv.generation import Generation, make_request, run_generation
 
@@ -456,6 +456,8 @@ class CacheRuntime:
         self._num_blocks = self.config.max_blocks
         #: Counted by generations (all on the event loop): see GenerationStatistics.
         self._generation_counts: collections.Counter[str] = collections.Counter()
+        #: Pixel keys of the encoded images read, for every entry point (on the event loop).
+        self._pixel_memo = PixelMemo()
 
     # -- lifecycle --------------------------------------------------------
 
@@ -713,7 +715,8 @@ class CacheRuntime:
         # A caller with the key has looked the images up itself.
         look_up = images_key is None
         if look_up:
-            images_key = await digest_images(images)
+            keyed = await key_images(images, self._pixel_memo, pictures_only=False)
+            images_key = None if keyed is None else keyed.digest
         # The images key the whole chain, or, their first token known, the
         # blocks from the one that holds it on.
         whole_chain = images_key if images_start is None else None
@@ -912,11 +915,11 @@ class CacheRuntime:
         """
         with self._call():
             salt = _salt(cache_salt)
-            images_key = await digest_images(images)
-            if images_key is None:
+            keyed = await key_images(images, self._pixel_memo, pictures_only=False)
+            if keyed is None:
                 raise InvalidInput("images", images, "must name at least one image")
             await self._images.store(
-                images_key, vision_embeddings, num_image_tokens=num_image_tokens, cache_salt=salt
+                keyed.digest, vision_embeddings, num_image_tokens=num_image_tokens, cache_salt=salt
             )
 
     async def stats(self) -> RuntimeStatistics:
