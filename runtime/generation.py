@@ -76,9 +76,9 @@ from mlxkv.actors.model_runner import ModelInfo, PreparedPrompt, PromptPreparer
 from mlxkv.actors.request import RequestSpec
 from mlxkv.actors.sampling import Sampling
 from mlxkv.cache import kv_state
-from mlxkv.cache.errors import InvalidInput
+from mlxkv.cache.errors import InvalidInput, counted
 from mlxkv.cache.token_ids import check_token_ids
-from mlxkv.images import KeyedImages, count_images, describe, key_images
+from mlxkv.images import KeyedImages, describe, key_images
 from mlxkv.storer import RequestStorer
 
 if TYPE_CHECKING:
@@ -233,7 +233,7 @@ def make_request(
             raise InvalidInput("images", describe(images), "must be a list of images (put one image in a list)")
         if images and not info.takes_images:
             raise InvalidInput(
-                "images", count_images(images), "this model does not take images (load a vision-language model)"
+                "images", counted(len(images), "image"), "this model does not take images (load a vision-language model)"
             )
         images = tuple(images) or None
     if isinstance(prompt, str):

@@ -57,7 +57,7 @@ import anyio
 import anyio.to_thread
 import attrs
 
-from mlxkv.cache.errors import InvalidInput
+from mlxkv.cache.errors import InvalidInput, Shown, plural
 from mlxkv.cache.mllm import combine_image_keys, data_url_bytes, image_digest, image_key
 
 __all__ = [
@@ -254,35 +254,19 @@ def describe(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float)):
         return value
     if isinstance(value, str):
-        return value if len(value) <= 200 else _Shown(f"<{len(value)} characters: {value[:40]!r}...>")
+        return value if len(value) <= 200 else Shown(f"<{len(value)} characters: {value[:40]!r}...>")
     if isinstance(value, os.PathLike):
         return os.fspath(value)
     if isinstance(value, (bytes, bytearray, memoryview)):
-        return _Shown(f"<{memoryview(value).nbytes} bytes>")
+        return Shown(f"<{memoryview(value).nbytes} bytes>")
     if _is_pil(value):
-        return _Shown(f"<PIL image {value.size[0]}x{value.size[1]} {value.mode}>")
+        return Shown(f"<PIL image {value.size[0]}x{value.size[1]} {value.mode}>")
     if hasattr(value, "shape") and hasattr(value, "dtype"):
         dtype = str(value.dtype).rsplit(".", 1)[-1]
-        return _Shown(f"<{dtype} array of shape {tuple(value.shape)}>")
+        return Shown(f"<{dtype} array of shape {tuple(value.shape)}>")
     if isinstance(value, (list, tuple)):
-        return _Shown(f"<{type(value).__name__} of {_count(len(value), 'image')}>")
-    return _Shown(f"<{type(value).__name__}>")
-
-
-def count_images(images: Sequence[Any]) -> Any:
-    """How many images, as an error message shows it: ``<1 image>``, ``<2 images>``."""
-    return _Shown(f"<{_count(len(images), 'image')}>")
-
-
-class _Shown(str):
-    """A description that an error message shows as it is, not quoted."""
-
-    def __repr__(self) -> str:
-        return str(self)
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+        return Shown(f"<{type(value).__name__} of {plural(len(value), 'image')}>")
+    return Shown(f"<{type(value).__name__}>")
 
 
 @attrs.define
@@ -440,13 +424,13 @@ def _open(Image: Any, encoded: bytes, name: str) -> Any:
 def _check_size(name: str, size: tuple[int, int], pictures_only: bool) -> None:
     width, height = size
     if width < 1 or height < 1:
-        raise InvalidInput(name, _Shown(f"<{width}x{height} image>"), "has no pixels")
+        raise InvalidInput(name, Shown(f"<{width}x{height} image>"), "has no pixels")
     if width * height > MAX_PIXELS:
         raise InvalidInput(
-            name, _Shown(f"<{width}x{height} image>"), f"has {width * height} pixels, more than {MAX_PIXELS}"
+            name, Shown(f"<{width}x{height} image>"), f"has {width * height} pixels, more than {MAX_PIXELS}"
         )
     if pictures_only and max(width, height) / min(width, height) > _MAX_ASPECT:
-        raise InvalidInput(name, _Shown(f"<{width}x{height} image>"), f"is more elongated than {_MAX_ASPECT}:1")
+        raise InvalidInput(name, Shown(f"<{width}x{height} image>"), f"is more elongated than {_MAX_ASPECT}:1")
 
 
 def _decode_all(Image: Any, pending: list[_Pending]) -> None:
