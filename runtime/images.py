@@ -293,16 +293,12 @@ def _classify(image: Any, name: str, pictures_only: bool) -> _Pending:
         if getattr(image, "tile", None) and getattr(image, "fp", False) is None:
             raise InvalidInput(name, describe(image), "cannot be read as an image: its file was closed before it was decoded")
         return _Pending(name, image, "picture", opened=image)
-    mx = sys.modules.get("mlx.core")
-    if mx is not None and isinstance(image, mx.array):
-        mx.eval(image)  # here: an unevaluated array belongs to this thread's stream
-        if _is_image_array(image):
-            return _Pending(name, image, "array", size=(image.shape[1], image.shape[0]))
-        if pictures_only:
-            raise InvalidInput(name, describe(image), "must be uint8 of shape (h, w) or (h, w, 3|4)")
-        return _Pending(name, image, "opaque", read_cost=image.nbytes)
-    np = sys.modules.get("numpy")
-    if np is not None and isinstance(image, np.ndarray):
+    # An array type can only be met if its library is imported already.
+    mx, np = sys.modules.get("mlx.core"), sys.modules.get("numpy")
+    is_mlx = mx is not None and isinstance(image, mx.array)
+    if is_mlx or (np is not None and isinstance(image, np.ndarray)):
+        if is_mlx:
+            mx.eval(image)  # here: an unevaluated array belongs to this thread's stream
         if _is_image_array(image):
             return _Pending(name, image, "array", size=(image.shape[1], image.shape[0]))
         if pictures_only:

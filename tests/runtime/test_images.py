@@ -14,7 +14,6 @@ import io
 import re
 import subprocess
 import sys
-import threading
 import warnings
 import zlib
 from pathlib import Path
@@ -28,9 +27,9 @@ from mlxkv import CacheRuntime, InvalidInput
 from mlxkv import images as images_module
 from mlxkv.cache.mllm import compute_image_hash, image_digest, image_key, images_digest
 from mlxkv.images import MAX_PIXELS, KeyedImages, PixelMemo, key_images
+from pixel_spy import on_this_thread, spy_on_pixel_work
 
 Image = pytest.importorskip("PIL.Image")
-from PIL import ImageFile  # noqa: E402
 
 PROMPT = list(range(1, 49))
 
@@ -190,26 +189,8 @@ class TestKeys:
 class TestThreads:
     @pytest.fixture
     def threads(self, monkeypatch) -> dict[str, set[int]]:
-        """The threads that decode, convert and serialize pixels, read files and hash
-        bytes or pixels (by operation)."""
-        seen: dict[str, set[int]] = {}
-
-        def spy(owner: Any, name: str) -> None:
-            original = getattr(owner, name)
-
-            def wrapper(*args: Any, **kwargs: Any) -> Any:
-                seen.setdefault(name, set()).add(threading.get_ident())
-                return original(*args, **kwargs)
-
-            monkeypatch.setattr(owner, name, wrapper)
-
-        spy(ImageFile.ImageFile, "load")
-        spy(Image.Image, "convert")
-        spy(Image.Image, "tobytes")
-        spy(Image, "fromarray")
-        spy(images_module, "_read")  # reads a file, a data URL or bytes, hashed next
-        spy(images_module, "_pixel_key")  # hashes pixels
-        return seen
+        """The threads that touch pixels, by operation (see pixel_spy)."""
+        return spy_on_pixel_work(monkeypatch)
 
     @pytest.mark.parametrize("form", ["path", "bytes", "data URL", "PIL opened", "PIL decoded", "uint8 array"])
     @pytest.mark.parametrize("pictures_only", [True, False], ids=["generate", "low-level"])
@@ -225,10 +206,8 @@ class TestThreads:
         threads.clear()  # only what keying does
         keyed = await _key([image], pictures_only=pictures_only)
         assert keyed.images[0].size == (512, 512)
-        assert threads, "the spies saw nothing"
-        loop = threading.get_ident()
-        on_loop = {name for name, idents in threads.items() if loop in idents}
-        assert not on_loop, f"{form}: {sorted(on_loop)} ran on the event loop"
+        assert "_pixel_key" in threads, "the spies saw nothing"
+        assert not on_this_thread(threads), f"{form}: {sorted(on_this_thread(threads))} ran on the event loop"
 
     async def test_the_pixel_limit_is_checked_before_decoding(self, tmp_path, threads):
         """A picture over MAX_PIXELS (9000x9000) is refused, as a file, as bytes and as a

@@ -9,7 +9,6 @@ cached image features are shared with it.
 from __future__ import annotations
 
 import base64
-import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,6 +21,7 @@ from mlxkv import CacheRuntime, GenerationReport, InvalidInput
 from mlxkv.default_model import TINY_LLAMA, ensure_model
 from mlxkv.default_vlm import DEFAULT_VLM
 from parity import ATOL, assert_clean, run
+from pixel_spy import on_this_thread, spy_on_pixel_work
 
 pytest.importorskip("mlx_vlm")
 from PIL import Image  # noqa: E402  (pillow comes with the vlm extra)
@@ -301,38 +301,15 @@ class TestImageForms:
     async def test_no_pixels_are_touched_on_the_loop(self, vlm_path, tmp_path, monkeypatch, form):
         """While generate and fetch take a 512x512 picture, no PIL decode, conversion,
         serialization or pixel hash runs on the event loop's thread."""
-        from PIL import ImageFile
-
-        import mlxkv.images as images
-
         path = _write(tmp_path / "big.png", _png_bytes(512, 512))
-        seen: dict[str, set[int]] = {}
-
-        def spy(owner: Any, name: str) -> None:
-            original = getattr(owner, name)
-
-            def wrapper(*args: Any, **kwargs: Any) -> Any:
-                seen.setdefault(name, set()).add(threading.get_ident())
-                return original(*args, **kwargs)
-
-            monkeypatch.setattr(owner, name, wrapper)
-
         async with CacheRuntime(model=str(vlm_path), block_size=16) as rt:
             for_generate, for_fetch = FORMS[form](path), FORMS[form](path)
-            for owner, name in [
-                (ImageFile.ImageFile, "load"),
-                (Image.Image, "convert"),
-                (Image.Image, "tobytes"),
-                (images, "_read"),
-                (images, "_pixel_key"),
-            ]:
-                spy(owner, name)
+            seen = spy_on_pixel_work(monkeypatch)
             await run(rt, "Hi?", images=[for_generate], max_tokens=2)
             await rt.fetch("low", [1, 2, 3], images=[for_fetch], cache_salt="other")
             await rt.release("low")
         assert "_pixel_key" in seen
-        loop = threading.get_ident()
-        assert not {name for name, idents in seen.items() if loop in idents}
+        assert not on_this_thread(seen)
 
 
 class TestImageBudget:

@@ -1,0 +1,45 @@
+"""Which threads touch pixels: for the tests that nothing heavy runs on the event loop."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+
+def spy_on_pixel_work(monkeypatch: pytest.MonkeyPatch) -> dict[str, set[int]]:
+    """Record, by operation, the ids of the threads that decode, convert or serialize
+    pixels (PIL), read an encoded image, or hash pixels (mlxkv.images): the dict fills
+    as they run, until ``monkeypatch`` undoes the spies."""
+    from PIL import Image, ImageFile
+
+    import mlxkv.images as images
+
+    seen: dict[str, set[int]] = {}
+    targets = [
+        (ImageFile.ImageFile, "load"),
+        (Image.Image, "convert"),
+        (Image.Image, "tobytes"),
+        (Image, "fromarray"),
+        (images, "_read"),  # a file, a data URL or bytes, hashed next
+        (images, "_pixel_key"),
+    ]
+    def spy(owner: Any, name: str) -> None:
+        original = getattr(owner, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            seen.setdefault(name, set()).add(threading.get_ident())
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, wrapper)
+
+    for owner, name in targets:
+        spy(owner, name)
+    return seen
+
+
+def on_this_thread(seen: dict[str, set[int]]) -> set[str]:
+    """The operations in ``seen`` that ran on the calling thread (the event loop's)."""
+    here = threading.get_ident()
+    return {name for name, idents in seen.items() if here in idents}
