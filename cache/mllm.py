@@ -28,6 +28,12 @@ separate the input kinds (a string keyed as such and a file or bytes that
 happen to hold the same characters are different images), so no crafted
 64-bit collision can be served another user's state. The combined key keeps
 the image order: ``[A, B]`` and ``[B, A]`` are different requests.
+
+The runtime (:mod:`mlxkv.images`) builds its keys from the same records
+(:func:`image_key`, :func:`combine_image_keys`), but keys a picture by its
+decoded pixels (kind ``pixels``), so that a file and the same picture as a
+PIL image agree; its keys equal :func:`images_digest`'s for sources that are
+not pictures and differ for pictures.
 """
 
 from __future__ import annotations

@@ -659,9 +659,12 @@ class CacheRuntime:
             request_id: a name not used by any active request.
             tokens: the prompt's token ids (ints in ``[0, 2**32)``): a
                 sequence of ints or a 1-D integer array (NumPy, MLX).
-            images: the request's images, in order (paths, URLs, bytes,
-                arrays); they namespace the blocks and are looked up in the
-                image cache.
+            images: the request's images, in order, keyed as ``generate``
+                keys them (:mod:`mlxkv.images`: a picture by its pixels,
+                whether a path, bytes, data URL, PIL image or uint8 array;
+                another source -- a URL, an identifier, other bytes or
+                arrays -- as it is); they namespace the blocks and are
+                looked up in the image cache.
             images_start: the index in ``tokens`` of the first image token:
                 the images then namespace the blocks from the one holding
                 it on, and the blocks before are shared with any request
@@ -904,7 +907,7 @@ class CacheRuntime:
         """Cache the vision encoder's output for these images, in this order.
 
         Args:
-            images: the images, in order (as given to :meth:`fetch`).
+            images: the images, in order (any form :meth:`fetch` takes).
             vision_embeddings: the encoder's output (copied).
             num_image_tokens: prompt tokens the images stand for.
             cache_salt: tenant namespace.
