@@ -278,7 +278,7 @@ async def run_generation(
             assert preparer is not None, "a runtime with a model has its preparer"
             images_key = None
             if request.images:
-                keyed = await key_images(request.images, runtime._pixel_memo, pictures_only=True)
+                keyed = await key_images(request.images, runtime._pixel_memo, for_model=True)
                 assert keyed is not None, "make_request keeps only a non-empty list"
                 images_key = keyed.digest
                 entry = await runtime._images.lookup(
@@ -287,12 +287,13 @@ async def run_generation(
                 if entry is not None:
                     # Seen before: their encoding (and grid) is all the model needs.
                     prepared = preparer.prepare(request.prompt, encoded=entry.vision_embeddings)
+                    if keyed.num_decoded:
+                        await anyio.to_thread.run_sync(keyed.release)  # freeing pictures takes ms
                 else:
                     # Decoding pixels and processing them run off the loop.
                     prepared = await anyio.to_thread.run_sync(
                         _prepare_with_pixels, preparer, request.prompt, keyed
                     )
-                del keyed  # the decoded pictures are not needed any more
             else:
                 prepared = preparer.prepare(request.prompt)
             prompt = prepared.tokens
@@ -449,8 +450,8 @@ async def run_generation(
 
 def _prepare_with_pixels(preparer: PromptPreparer, prompt: Any, images: KeyedImages) -> PreparedPrompt:
     """Runs on a worker thread: the images' pictures (decoding those keyed from
-    memory) through the processor."""
-    return preparer.prepare(prompt, images.pictures())
+    memory) through the processor, then freed here."""
+    return preparer.prepare(prompt, images.take_pictures())
 
 
 def _check_pool(runtime: CacheRuntime, num_prompt: int, log: EventLog) -> None:

@@ -63,7 +63,6 @@ from mlxkv.cache.mllm import combine_image_keys, data_url_bytes, image_digest, i
 __all__ = [
     "INLINE_BYTES",
     "MAX_PIXELS",
-    "KeyedImage",
     "KeyedImages",
     "PixelMemo",
     "describe",
@@ -133,68 +132,77 @@ class PixelMemo:
 
 
 @attrs.frozen(kw_only=True)
-class KeyedImage:
-    """One image, keyed.
-
-    Attributes:
-        key: its 32-byte :func:`~mlxkv.cache.mllm.image_key`.
-        size: ``(width, height)`` of a picture; None for a low-level source
-            that is not one (a URL, an identifier, other bytes or arrays).
-        picture: the decoded RGB ``PIL.Image``, when keying decoded it.
-        encoded: the encoded bytes to decode it from otherwise (an encoded
-            image whose key was remembered).
-    """
-
-    key: bytes
-    size: Optional[tuple[int, int]]
-    picture: Any = attrs.field(default=None, eq=False, repr=False)
-    encoded: Optional[bytes] = attrs.field(default=None, eq=False, repr=False)
-
-
-@attrs.frozen(kw_only=True)
 class KeyedImages:
     """A request's images, keyed, in order.
 
+    For the model (``for_model``), it also holds what the processor will need
+    on an image-cache miss: each picture decoded while keying, or the encoded
+    bytes of one keyed from memory. Handing them over and freeing them are
+    one-time steps for a worker thread: freeing a 6000x6000 picture alone
+    takes 10-16 ms.
+
     Attributes:
         digest: the order-sensitive key of them all (64 hex).
-        images: each image, in the order given.
+        keys: each image's 32-byte :func:`~mlxkv.cache.mllm.image_key`, in order.
+        sizes: each image's ``(width, height)``; None for a low-level source
+            that is not a picture (a URL, an identifier, other bytes or arrays).
+
+    Invariants:
+        ``len(keys) == len(sizes) == len(held)``, and ``held`` empties once
+        (:meth:`take_pictures` or :meth:`release`).
     """
 
     digest: str
-    images: tuple[KeyedImage, ...]
+    keys: tuple[bytes, ...]
+    sizes: tuple[Optional[tuple[int, int]], ...]
+    #: per image: its decoded RGB picture, its encoded bytes, or None
+    _held: list[Any] = attrs.field(alias="held", eq=False, repr=False)
 
-    def pictures(self) -> list[Any]:
-        """Every image as a decoded RGB ``PIL.Image``, in order (for the vision model's processor).
+    @property
+    def num_decoded(self) -> int:
+        """Pictures held decoded (the others need decoding by :meth:`take_pictures`)."""
+        return sum(1 for item in self._held if item is not None and not isinstance(item, bytes))
 
-        Decodes the images whose key was remembered: run it on a worker thread.
+    def take_pictures(self) -> list[Any]:
+        """Hand over every image as a decoded RGB ``PIL.Image``, in order (for the
+        processor), decoding those keyed from memory; nothing is held after.
+
+        Run it on a worker thread: it decodes, and the pictures are freed
+        where the caller drops them.
 
         Raises:
-            InvalidInput: an image that is not a picture (the low-level
-                calls key those too), or no longer decodes.
+            InvalidInput: an image that is not a picture or was released (a
+                bug of the caller), or one that no longer decodes.
         """
+        held, self._held[:] = list(self._held), [None] * len(self._held)
         out = []
-        for index, image in enumerate(self.images):
+        for index, item in enumerate(held):
             name = f"images[{index}]"
-            if image.picture is not None:
-                out.append(image.picture)
-            elif image.encoded is not None:
+            if isinstance(item, bytes):
                 from PIL import Image
 
-                out.append(_decode(Image, _open(Image, image.encoded, name), name, image.encoded))
-            else:
-                raise InvalidInput(name, None, "is not a picture")
+                item = _decode(Image, _open(Image, item, name), name, item)
+            elif item is None:
+                raise InvalidInput(name, None, "holds no picture")
+            out.append(item)
         return out
 
+    def release(self) -> None:
+        """Free what is held (on the calling thread: a worker's, for large pictures)."""
+        self._held[:] = [None] * len(self._held)
 
-async def key_images(images: Any, memo: PixelMemo, *, pictures_only: bool) -> Optional[KeyedImages]:
+
+async def key_images(images: Any, memo: PixelMemo, *, for_model: bool) -> Optional[KeyedImages]:
     """Read, check and key ``images`` (see the module docstring).
 
     Args:
         images: a list of images, or None.
         memo: the runtime's remembered pixel keys (read and filled here).
-        pictures_only: True for images the model will see (``generate``):
-            every image must be a picture it can use. False for the
-            low-level calls: a source that is not a picture is keyed as it is.
+        for_model: True for images the model will see (``generate``): each
+            must be a picture it can use, and what its processor will need
+            is kept (:meth:`KeyedImages.take_pictures`). False for the
+            low-level calls: a source that is not a picture is keyed as it
+            is, and nothing is kept.
 
     Returns:
         The keyed images, or None for None or no images.
@@ -212,41 +220,43 @@ async def key_images(images: Any, memo: PixelMemo, *, pictures_only: bool) -> Op
         raise InvalidInput("images", describe(images), "must be a list of images (put one image in a list)")
     if not images:
         return None
-    pending = [_classify(image, f"images[{i}]", pictures_only) for i, image in enumerate(images)]
+    pending = [_classify(image, f"images[{i}]", for_model) for i, image in enumerate(images)]
     # 1. Encoded images are read and hashed, other sources fingerprinted.
     if sum(p.read_cost for p in pending) > INLINE_BYTES:
-        await anyio.to_thread.run_sync(_read_all, pending, pictures_only)
+        await anyio.to_thread.run_sync(_read_all, pending, for_model)
     else:
-        _read_all(pending, pictures_only)
+        _read_all(pending, for_model)
     # 2. A remembered encoded image needs nothing more; the others' sizes are
     # checked before anything is decoded.
     for p in pending:
         if p.content is not None:
             known = memo.get(p.content)
             if known is not None:
-                _check_size(p.name, known.size, pictures_only)
+                _check_size(p.name, known.size, for_model)
                 p.key, p.size = known.key, known.size
     Image = None
     if any(p.key is None for p in pending):
-        Image = await _pil(required=pictures_only)
+        Image = await _pil(required=for_model)
     for p in pending:
         if p.key is not None or Image is None:  # None: low level without pillow (step 3)
             continue
         if p.form == "encoded":
-            p.opened = _open_header(Image, p, pictures_only)
+            p.opened = _open_header(Image, p, for_model)
         if p.key is None:
-            _check_size(p.name, p.opened.size if p.opened is not None else p.size, pictures_only)
+            _check_size(p.name, p.opened.size if p.opened is not None else p.size, for_model)
     # 3. Pictures not remembered are decoded, converted and hashed.
     if any(p.key is None for p in pending):
-        await anyio.to_thread.run_sync(_decode_all, Image, pending)
+        await anyio.to_thread.run_sync(_decode_all, Image, pending, for_model)
     for p in pending:
-        if p.content is not None and p.picture is not None:
+        if p.content is not None and p.decoded:
             memo.put(p.content, _Pixels(p.key, p.size))
-    keyed = tuple(
-        KeyedImage(key=p.key, size=p.size, picture=p.picture, encoded=p.encoded if p.picture is None else None)
-        for p in pending
+    keys = tuple(p.key for p in pending)
+    return KeyedImages(
+        digest=combine_image_keys(keys),
+        keys=keys,
+        sizes=tuple(p.size for p in pending),
+        held=[(p.picture if p.picture is not None else p.encoded) if for_model else None for p in pending],
     )
-    return KeyedImages(digest=combine_image_keys([k.key for k in keyed]), images=keyed)
 
 
 def describe(value: Any) -> Any:
@@ -284,10 +294,11 @@ class _Pending:
     opened: Any = None  # a PIL image, its pixels maybe not yet decoded
     key: Optional[bytes] = None
     size: Optional[tuple[int, int]] = None
-    picture: Any = None  # decoded RGB
+    decoded: bool = False  # its pixels were decoded and keyed
+    picture: Any = None  # decoded RGB, if kept
 
 
-def _classify(image: Any, name: str, pictures_only: bool) -> _Pending:
+def _classify(image: Any, name: str, for_model: bool) -> _Pending:
     """On the loop: what ``image`` is, refusing a type no entry point takes."""
     if _is_pil(image):
         if getattr(image, "tile", None) and getattr(image, "fp", False) is None:
@@ -301,7 +312,7 @@ def _classify(image: Any, name: str, pictures_only: bool) -> _Pending:
             mx.eval(image)  # here: an unevaluated array belongs to this thread's stream
         if _is_image_array(image):
             return _Pending(name, image, "array", size=(image.shape[1], image.shape[0]))
-        if pictures_only:
+        if for_model:
             raise InvalidInput(name, describe(image), "must be uint8 of shape (h, w) or (h, w, 3|4)")
         return _Pending(name, image, "opaque", read_cost=image.nbytes)
     if isinstance(image, os.PathLike):
@@ -310,7 +321,7 @@ def _classify(image: Any, name: str, pictures_only: bool) -> _Pending:
         if image[:5].lower() == "data:":
             return _Pending(name, image, "encoded", read_cost=len(image))
         if _URL.match(image):
-            if pictures_only:
+            if for_model:
                 raise InvalidInput(name, image, "URLs are not fetched: pass the file, its bytes or a data URL")
             return _Pending(name, image, "opaque")
         try:
@@ -324,11 +335,11 @@ def _classify(image: Any, name: str, pictures_only: bool) -> _Pending:
     raise InvalidInput(name, describe(image), _ACCEPTED + hint)
 
 
-def _read_all(pending: list[_Pending], pictures_only: bool) -> None:
+def _read_all(pending: list[_Pending], for_model: bool) -> None:
     """Read and hash every encoded image; fingerprint every opaque source."""
     for p in pending:
         if p.form == "encoded":
-            p.encoded = _read(p, pictures_only)
+            p.encoded = _read(p, for_model)
             if p.encoded is None:  # a low-level source that is not a readable file
                 p.key = bytes.fromhex(image_digest(p.source))
             else:
@@ -337,19 +348,19 @@ def _read_all(pending: list[_Pending], pictures_only: bool) -> None:
             p.key = bytes.fromhex(image_digest(p.source))
 
 
-def _read(p: _Pending, pictures_only: bool) -> Optional[bytes]:
+def _read(p: _Pending, for_model: bool) -> Optional[bytes]:
     source = p.source
     if isinstance(source, str):
         if source[:5].lower() == "data:":
             data = data_url_bytes(source)
-            if data is None and pictures_only:
+            if data is None and for_model:
                 raise InvalidInput(p.name, describe(source), "is not a valid data URL")
             return data
         try:
             with open(source, "rb") as fh:
                 return fh.read()
         except (OSError, ValueError) as error:  # ValueError: an embedded NUL
-            if pictures_only:
+            if for_model:
                 reason = getattr(error, "strerror", None) or str(error)
                 raise InvalidInput(p.name, source, f"cannot be read: {reason}") from None
             return None
@@ -389,7 +400,7 @@ def _load_pil() -> Optional[bool]:
     return True
 
 
-def _open_header(Image: Any, p: _Pending, pictures_only: bool) -> Any:
+def _open_header(Image: Any, p: _Pending, for_model: bool) -> Any:
     """On the loop: open an encoded image (its header only), or, at the low
     level, key it by its bytes if it is not one. PIL's
     decompression-bomb warning is silenced here, on the loop's thread, because
@@ -400,7 +411,7 @@ def _open_header(Image: Any, p: _Pending, pictures_only: bool) -> Any:
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             return _open(Image, p.encoded, p.name)
     except InvalidInput as error:
-        if pictures_only or not isinstance(error.__cause__, Image.UnidentifiedImageError):
+        if for_model or not isinstance(error.__cause__, Image.UnidentifiedImageError):
             raise
         p.key = image_key(b"content", p.content)  # not an image: keyed by its bytes
         return None
@@ -417,7 +428,7 @@ def _open(Image: Any, encoded: bytes, name: str) -> Any:
         raise InvalidInput(name, describe(encoded), f"cannot be read as an image: {error}") from error
 
 
-def _check_size(name: str, size: tuple[int, int], pictures_only: bool) -> None:
+def _check_size(name: str, size: tuple[int, int], for_model: bool) -> None:
     width, height = size
     if width < 1 or height < 1:
         raise InvalidInput(name, Shown(f"<{width}x{height} image>"), "has no pixels")
@@ -425,13 +436,14 @@ def _check_size(name: str, size: tuple[int, int], pictures_only: bool) -> None:
         raise InvalidInput(
             name, Shown(f"<{width}x{height} image>"), f"has {width * height} pixels, more than {MAX_PIXELS}"
         )
-    if pictures_only and max(width, height) / min(width, height) > _MAX_ASPECT:
+    if for_model and max(width, height) / min(width, height) > _MAX_ASPECT:
         raise InvalidInput(name, Shown(f"<{width}x{height} image>"), f"is more elongated than {_MAX_ASPECT}:1")
 
 
-def _decode_all(Image: Any, pending: list[_Pending]) -> None:
-    """On a worker thread: decode, convert and key every picture not keyed yet
-    (without pillow, at the low level: key each as its source)."""
+def _decode_all(Image: Any, pending: list[_Pending], keep: bool) -> None:
+    """On a worker thread: decode, convert and key every picture not keyed yet,
+    keeping the RGB pictures if ``keep``, else freeing them here (without
+    pillow, at the low level: key each as its source)."""
     for p in pending:
         if p.key is not None:
             continue
@@ -442,12 +454,13 @@ def _decode_all(Image: Any, pending: list[_Pending]) -> None:
             import numpy as np
 
             p.opened = Image.fromarray(np.asarray(p.source))  # a copy
-        p.picture = _decode(Image, p.opened, p.name, p.source)
+        picture = _decode(Image, p.opened, p.name, p.source)
         if p.opened is not p.source:
             p.opened.close()  # ours; the picture is a copy
         p.opened = None
-        p.size = p.picture.size
-        p.key = _pixel_key(p.picture)
+        p.size, p.key, p.decoded = picture.size, _pixel_key(picture), True
+        if keep:
+            p.picture = picture
 
 
 def _decode(Image: Any, opened: Any, name: str, source: Any) -> Any:

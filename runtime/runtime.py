@@ -718,7 +718,7 @@ class CacheRuntime:
         # A caller with the key has looked the images up itself.
         look_up = images_key is None
         if look_up:
-            keyed = await key_images(images, self._pixel_memo, pictures_only=False)
+            keyed = await key_images(images, self._pixel_memo, for_model=False)
             images_key = None if keyed is None else keyed.digest
         # The images key the whole chain, or, their first token known, the
         # blocks from the one that holds it on.
@@ -918,7 +918,7 @@ class CacheRuntime:
         """
         with self._call():
             salt = _salt(cache_salt)
-            keyed = await key_images(images, self._pixel_memo, pictures_only=False)
+            keyed = await key_images(images, self._pixel_memo, for_model=False)
             if keyed is None:
                 raise InvalidInput("images", images, "must name at least one image")
             await self._images.store(

@@ -72,22 +72,22 @@ async def _measure(folder: str, sizes: list[int], runs: int) -> dict[str, dict[s
             decoded = Image.open(path).convert("RGB")
             array = np.asarray(decoded)
             warm = PixelMemo()
-            await key_images([path], warm, pictures_only=True)
+            await key_images([path], warm, for_model=True)
 
             async def file_digest() -> Any:
                 return images_digest([path])
 
             async def new() -> Any:
-                return await key_images([path], PixelMemo(), pictures_only=True)
+                return await key_images([path], PixelMemo(), for_model=True)
 
             async def remembered() -> Any:
-                return await key_images([path], warm, pictures_only=True)
+                return await key_images([path], warm, for_model=True)
 
             async def pil() -> Any:
-                return await key_images([decoded], PixelMemo(), pictures_only=True)
+                return await key_images([decoded], PixelMemo(), for_model=True)
 
             async def uint8() -> Any:
-                return await key_images([array], PixelMemo(), pictures_only=True)
+                return await key_images([array], PixelMemo(), for_model=True)
 
             async def decode() -> Any:
                 return Image.open(path).convert("RGB")

@@ -10,8 +10,9 @@ import pytest
 
 def spy_on_pixel_work(monkeypatch: pytest.MonkeyPatch) -> dict[str, set[int]]:
     """Record, by operation, the ids of the threads that decode, convert or serialize
-    pixels (PIL), read an encoded image, or hash pixels (mlxkv.images): the dict fills
-    as they run, until ``monkeypatch`` undoes the spies."""
+    pixels (PIL), read an encoded image, hash pixels, or hand over or free decoded
+    pictures (mlxkv.images): the dict fills as they run, until ``monkeypatch`` undoes
+    the spies."""
     from PIL import Image, ImageFile
 
     import mlxkv.images as images
@@ -24,6 +25,8 @@ def spy_on_pixel_work(monkeypatch: pytest.MonkeyPatch) -> dict[str, set[int]]:
         (Image, "fromarray"),
         (images, "_read"),  # a file, a data URL or bytes, hashed next
         (images, "_pixel_key"),
+        (images.KeyedImages, "take_pictures"),  # decodes, and the pictures die on its thread
+        (images.KeyedImages, "release"),  # frees pictures
     ]
     def spy(owner: Any, name: str) -> None:
         original = getattr(owner, name)

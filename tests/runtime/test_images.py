@@ -93,8 +93,8 @@ FORMS: dict[str, Callable[[Picture], Any]] = {
 }
 
 
-async def _key(images: Any, memo: PixelMemo | None = None, *, pictures_only: bool = True) -> KeyedImages:
-    keyed = await key_images(images, memo if memo is not None else PixelMemo(), pictures_only=pictures_only)
+async def _key(images: Any, memo: PixelMemo | None = None, *, for_model: bool = True) -> KeyedImages:
+    keyed = await key_images(images, memo if memo is not None else PixelMemo(), for_model=for_model)
     assert keyed is not None
     return keyed
 
@@ -113,7 +113,7 @@ class TestKeys:
             image = FORMS[form](picture)
         keyed = await _key([image])
         assert keyed.digest == expected.digest
-        assert keyed.images[0].size == (48, 32)
+        assert keyed.sizes == ((48, 32),)
 
     async def test_a_jpeg_keys_as_its_decoded_pixels(self, tmp_path, picture):
         """A lossy file keys as the pixels it decodes to, not as the picture it was saved from."""
@@ -147,9 +147,9 @@ class TestKeys:
         """A 64-hex order-sensitive digest of 32-byte keys; a picture's pixel key is
         neither its file's content key nor its path's string key."""
         keyed = await _key([picture.path, picture.array])
-        assert len(keyed.digest) == 64 and all(len(image.key) == 32 for image in keyed.images)
+        assert len(keyed.digest) == 64 and all(len(key) == 32 for key in keyed.keys)
         content = image_key(b"content", hashlib.sha256(picture.png).digest())
-        assert keyed.images[0].key not in (content, bytes.fromhex(image_digest("/not/a/file.png")))
+        assert keyed.keys[0] not in (content, bytes.fromhex(image_digest("/not/a/file.png")))
 
     async def test_runtime_and_seed_keys_agree_except_on_pictures(self, picture):
         """What is not a picture (a URL, an identifier, a missing file, bytes that are no
@@ -163,7 +163,7 @@ class TestKeys:
             b"not a picture",
             np.zeros((2, 2), dtype=np.float32),
         ]
-        assert (await _key(sources, pictures_only=False)).digest == images_digest(sources)
+        assert (await _key(sources, for_model=False)).digest == images_digest(sources)
         assert (await _key([picture.path])).digest != images_digest([picture.path])
         assert compute_image_hash(str(picture.path)) == hashlib.sha256(picture.png).hexdigest()[:16]
 
@@ -172,7 +172,7 @@ class TestKeys:
         keys do (bytes by their content); the model's calls refuse."""
         monkeypatch.setattr(images_module, "_plugins_loaded", None)
         sources = [picture.png, picture.array]
-        assert (await _key(sources, pictures_only=False)).digest == images_digest(sources)
+        assert (await _key(sources, for_model=False)).digest == images_digest(sources)
         with pytest.raises(InvalidInput, match="needs pillow"):
             await _key([picture.png])
 
@@ -193,8 +193,8 @@ class TestThreads:
         return spy_on_pixel_work(monkeypatch)
 
     @pytest.mark.parametrize("form", ["path", "bytes", "data URL", "PIL opened", "PIL decoded", "uint8 array"])
-    @pytest.mark.parametrize("pictures_only", [True, False], ids=["generate", "low-level"])
-    async def test_no_pixels_are_touched_on_the_loop(self, tmp_path, threads, form, pictures_only):
+    @pytest.mark.parametrize("for_model", [True, False], ids=["generate", "low-level"])
+    async def test_no_pixels_are_touched_on_the_loop(self, tmp_path, threads, form, for_model):
         """Decoding, converting, serializing and hashing a picture (here 512x512, more
         than INLINE_BYTES encoded) all happen off the event loop's thread."""
         big = Picture(tmp_path)
@@ -204,8 +204,8 @@ class TestThreads:
         assert len(big.png) > images_module.INLINE_BYTES
         image = FORMS[form](big)
         threads.clear()  # only what keying does
-        keyed = await _key([image], pictures_only=pictures_only)
-        assert keyed.images[0].size == (512, 512)
+        keyed = await _key([image], for_model=for_model)
+        assert keyed.sizes == ((512, 512),)
         assert "_pixel_key" in threads, "the spies saw nothing"
         assert not on_this_thread(threads), f"{form}: {sorted(on_this_thread(threads))} ran on the event loop"
 
@@ -222,8 +222,8 @@ class TestThreads:
                 assert info.value.argument == "images[0]"
         assert "load" not in threads and "convert" not in threads
 
-    @pytest.mark.parametrize("pictures_only", [True, False], ids=["generate", "low-level"])
-    async def test_decompression_bomb_warning_stays_silent(self, tmp_path, pictures_only):
+    @pytest.mark.parametrize("for_model", [True, False], ids=["generate", "low-level"])
+    async def test_decompression_bomb_warning_stays_silent(self, tmp_path, for_model):
         """A 12000x12000 PNG (over PIL's warning limit) is refused with InvalidInput, not a
         warning (this suite turns warnings into errors), and no warning filter is left behind."""
         data = _blank_png(12000, 12000)
@@ -232,7 +232,7 @@ class TestThreads:
         filters = list(warnings.filters)
         for form in (str(path), data, "data:image/png;base64," + base64.b64encode(data).decode()):
             with pytest.raises(InvalidInput, match="144000000 pixels"):
-                await _key([form], pictures_only=pictures_only)
+                await _key([form], for_model=for_model)
         assert warnings.filters == filters
 
     def test_mlxkv_prints_nothing_for_a_bomb(self, tmp_path):
@@ -276,18 +276,32 @@ class TestMemo:
         for form in ("path", "bytes", "data URL"):
             again = await _key([FORMS[form](picture)], memo)
             assert again.digest == first.digest
-            assert again.images[0].size == (48, 32) and again.images[0].picture is None
+            assert again.sizes == ((48, 32),) and again.num_decoded == 0
         assert memo.num_hits == 3
 
     async def test_a_remembered_picture_still_decodes_for_the_model(self, picture):
-        """A picture keyed from memory keeps its bytes, and pictures() decodes them (on the
-        caller's thread: generation runs it on a worker) to the same RGB pixels."""
+        """A picture keyed from memory keeps its bytes, and take_pictures() decodes them
+        (on the caller's thread: generation runs it on a worker) to the same RGB pixels;
+        a picture decoded while keying is handed over as it is, and nothing stays held."""
         memo = PixelMemo()
         await _key([picture.png], memo)
         again = await _key([picture.png], memo)
-        assert again.images[0].picture is None and again.images[0].encoded == picture.png
-        (decoded,) = again.pictures()
+        assert again.num_decoded == 0
+        (decoded,) = again.take_pictures()
         assert decoded.mode == "RGB" and np.array_equal(np.asarray(decoded), picture.array)
+        fresh = await _key([picture.array, picture.png], memo)
+        assert fresh.num_decoded == 1  # the array; the PNG is remembered
+        pictures = fresh.take_pictures()
+        assert [np.array_equal(np.asarray(p), picture.array) for p in pictures] == [True, True]
+        with pytest.raises(InvalidInput, match="holds no picture"):
+            fresh.take_pictures()
+
+    async def test_the_low_level_keeps_no_pixels(self, picture):
+        """fetch and store_images need keys only: no decoded picture or bytes outlive keying."""
+        keyed = await _key([picture.png, picture.array], for_model=False)
+        assert keyed.num_decoded == 0
+        with pytest.raises(InvalidInput, match="holds no picture"):
+            keyed.take_pictures()
 
     async def test_a_changed_file_is_another_picture(self, tmp_path, picture):
         """The memo goes by the bytes read, not the path: a file rewritten with another
@@ -318,8 +332,8 @@ def _truncated(picture: Picture) -> bytes:
 
 class TestRefusals:
     @pytest.mark.parametrize("form", ["path", "bytes", "data URL", "PIL opened"])
-    @pytest.mark.parametrize("pictures_only", [True, False], ids=["generate", "low-level"])
-    async def test_a_truncated_picture_fails_alike_in_every_form(self, tmp_path, picture, form, pictures_only):
+    @pytest.mark.parametrize("for_model", [True, False], ids=["generate", "low-level"])
+    async def test_a_truncated_picture_fails_alike_in_every_form(self, tmp_path, picture, form, for_model):
         """Half a PNG, as a file, bytes, a data URL or an opened PIL image, is the same
         InvalidInput naming its image."""
         broken = Picture(tmp_path, seed=3)
@@ -327,7 +341,7 @@ class TestRefusals:
         broken.path.write_bytes(broken.png)
         image = FORMS[form](broken)
         with pytest.raises(InvalidInput, match="cannot be read as an image: image file is truncated") as info:
-            await _key([picture.png, image], pictures_only=pictures_only)
+            await _key([picture.png, image], for_model=for_model)
         assert info.value.argument == "images[1]"
         if form == "PIL opened":
             image.close()  # the caller's: PIL keeps its file open after a failed load
@@ -379,12 +393,12 @@ class TestRefusals:
         other arrays (their own sources), where generate refuses them; broken pictures,
         other types and oversized pictures they refuse alike."""
         for source in ("https://images.invalid/a.png", "/no/such/file", b"opaque", np.ones((3,), np.float64)):
-            await _key([source], pictures_only=False)
+            await _key([source], for_model=False)
             with pytest.raises(InvalidInput):
-                await _key([source], pictures_only=True)
+                await _key([source], for_model=True)
         for bad in (None, io.BytesIO(picture.png), _truncated(picture), np.zeros((0, 4), np.uint8)):
             with pytest.raises(InvalidInput):
-                await _key([bad], pictures_only=False)
+                await _key([bad], for_model=False)
 
 
 class TestEntryPoints:

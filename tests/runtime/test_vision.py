@@ -299,16 +299,19 @@ class TestImageForms:
 
     @pytest.mark.parametrize("form", ["path", "bytes", "PIL opened", "PIL decoded", "uint8 array"])
     async def test_no_pixels_are_touched_on_the_loop(self, vlm_path, tmp_path, monkeypatch, form):
-        """While generate and fetch take a 512x512 picture, no PIL decode, conversion,
-        serialization or pixel hash runs on the event loop's thread."""
+        """While generate (a miss, then a hit) and fetch take a 512x512 picture, no PIL
+        decode, conversion, serialization, pixel hash or freeing of decoded pictures
+        runs on the event loop's thread."""
         path = _write(tmp_path / "big.png", _png_bytes(512, 512))
         async with CacheRuntime(model=str(vlm_path), block_size=16) as rt:
-            for_generate, for_fetch = FORMS[form](path), FORMS[form](path)
+            for_generate, again, for_fetch = FORMS[form](path), FORMS[form](path), FORMS[form](path)
             seen = spy_on_pixel_work(monkeypatch)
             await run(rt, "Hi?", images=[for_generate], max_tokens=2)
+            await run(rt, "Hi?", images=[again], max_tokens=2)
             await rt.fetch("low", [1, 2, 3], images=[for_fetch], cache_salt="other")
             await rt.release("low")
-        assert "_pixel_key" in seen
+        assert "_pixel_key" in seen and "take_pictures" in seen
+        assert ("release" in seen) == form.startswith(("PIL", "uint8"))  # decoded, then not needed
         assert not on_this_thread(seen)
 
 
