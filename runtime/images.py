@@ -17,11 +17,11 @@ are not an image, another array, and images more elongated than 200:1.
 Identity. A picture keys by its decoded pixels: width, height and RGB bytes,
 which is what the vision model is given (every picture is converted to RGB,
 an alpha channel dropped). So the same picture hits whatever form it comes
-in. Decoding costs far more than hashing the file (``scripts/
-bench_image_keys.py``: 55 ms against 0.2 ms for a 4000 px JPEG), so each
-runtime remembers the pixel key of the encoded images it has read, by the
-SHA-256 of their bytes (:class:`PixelMemo`, a bounded LRU): a repeated file
-costs its byte hash only. The low-level calls, which may key a scheduler's
+in. Keying pixels costs far more than hashing the file (``scripts/
+bench_image_keys.py``: about 100 ms against under 1 ms for a 4000 px JPEG
+of 1.3 MB), so each runtime remembers the pixel key of the encoded images it
+has decoded, by the SHA-256 of their bytes (:class:`PixelMemo`, a bounded
+LRU): a repeated file costs its byte hash only. The low-level calls, which may key a scheduler's
 own sources, key what is not a picture as :func:`mlxkv.cache.mllm.image_digest`
 does -- a URL or other string by itself, bytes that are not an image by
 their content, another array by dtype, shape and bytes -- each kind apart
@@ -33,12 +33,13 @@ images of at most :data:`INLINE_BYTES` in all are read and hashed on the
 loop (faster than the hop to a thread). Two things stay on the loop: an MLX
 array is evaluated there, because an unevaluated one can only be evaluated
 on the thread that built it (evaluated, it can be read anywhere); and an
-encoded image's header is parsed there (no pixels: microseconds), so that
+encoded image's header is parsed there (no pixels: 30-60 us), so that
 PIL's ``DecompressionBombWarning`` for a huge picture is silenced without
 touching the process's warning filters from a second thread -- a picture
 over :data:`MAX_PIXELS` is refused before anything is decoded, and mlxkv
-prints nothing. A PIL image handed in is read on a worker thread: do not
-use it elsewhere until the call returns.
+prints nothing. Decoded pictures are freed on worker threads too (freeing
+a 6000x6000 one takes 10-16 ms). A PIL image handed in is read on a worker
+thread: do not use it elsewhere until the call returns.
 """
 
 from __future__ import annotations
