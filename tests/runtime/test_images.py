@@ -15,7 +15,6 @@ import re
 import subprocess
 import sys
 import warnings
-import zlib
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,7 +26,7 @@ from mlxkv import CacheRuntime, InvalidInput
 from mlxkv import images as images_module
 from mlxkv.cache.mllm import compute_image_hash, image_digest, image_key, images_digest
 from mlxkv.images import MAX_PIXELS, KeyedImages, PixelMemo, key_images
-from pixel_spy import on_this_thread, spy_on_pixel_work
+from image_checks import blank_png, on_this_thread, spy_on_pixel_work
 
 Image = pytest.importorskip("PIL.Image")
 
@@ -42,19 +41,6 @@ def _encoded(array: np.ndarray, fmt: str = "PNG") -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(array).save(buffer, format=fmt)
     return buffer.getvalue()
-
-
-def _blank_png(width: int, height: int) -> bytes:
-    """A complete, valid 1-bit PNG of ``width`` x ``height`` zeros (small however large)."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return len(data).to_bytes(4, "big") + kind + data + zlib.crc32(kind + data).to_bytes(4, "big")
-
-    header = width.to_bytes(4, "big") + height.to_bytes(4, "big") + bytes([1, 0, 0, 0, 0])
-    row = bytes(1 + (width + 7) // 8)  # filter byte 0, then the row's bits
-    compressor = zlib.compressobj(9)
-    body = b"".join(compressor.compress(row) for _ in range(height)) + compressor.flush()
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", body) + chunk(b"IEND", b"")
 
 
 class Picture:
@@ -189,7 +175,7 @@ class TestKeys:
 class TestThreads:
     @pytest.fixture
     def threads(self, monkeypatch) -> dict[str, set[int]]:
-        """The threads that touch pixels, by operation (see pixel_spy)."""
+        """The threads that touch pixels, by operation (see image_checks.spy_on_pixel_work)."""
         return spy_on_pixel_work(monkeypatch)
 
     @pytest.mark.parametrize("form", ["path", "bytes", "data URL", "PIL opened", "PIL decoded", "uint8 array"])
@@ -212,7 +198,7 @@ class TestThreads:
     async def test_the_pixel_limit_is_checked_before_decoding(self, tmp_path, threads):
         """A picture over MAX_PIXELS (9000x9000) is refused, as a file, as bytes and as a
         PIL image, without decoding a pixel."""
-        data = _blank_png(9000, 9000)
+        data = blank_png(9000, 9000)
         path = tmp_path / "big.png"
         path.write_bytes(data)
         with Image.open(path) as opened:
@@ -226,7 +212,7 @@ class TestThreads:
     async def test_decompression_bomb_warning_stays_silent(self, tmp_path, for_model):
         """A 12000x12000 PNG (over PIL's warning limit) is refused with InvalidInput, not a
         warning (this suite turns warnings into errors), and no warning filter is left behind."""
-        data = _blank_png(12000, 12000)
+        data = blank_png(12000, 12000)
         path = tmp_path / "bomb.png"
         path.write_bytes(data)
         filters = list(warnings.filters)
@@ -237,9 +223,10 @@ class TestThreads:
 
     def test_mlxkv_prints_nothing_for_a_bomb(self, tmp_path):
         """In a fresh interpreter with Python's default warning filters, fetch and
-        store_images refuse a 12000x12000 PNG and print nothing to stderr."""
+        store_images refuse a 12000x12000 PNG and print nothing to stderr, on asyncio
+        and on trio."""
         path = tmp_path / "bomb.png"
-        path.write_bytes(_blank_png(12000, 12000))
+        path.write_bytes(blank_png(12000, 12000))
         script = (
             "import anyio, mlx.core as mx, sys\n"
             "from mlxkv import CacheRuntime, InvalidInput\n"
@@ -251,12 +238,13 @@ class TestThreads:
             "                await call()\n"
             "            except InvalidInput as error:\n"
             "                print(error.argument)\n"
-            "anyio.run(main)\n"
+            "for backend in ('asyncio', 'trio'):\n"
+            "    anyio.run(main, backend=backend)\n"
         )
         done = subprocess.run(
             [sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=60, check=True
         )
-        assert done.stdout.split() == ["images[0]", "images[0]"]
+        assert done.stdout.split() == ["images[0]"] * 4
         assert done.stderr == ""
 
 

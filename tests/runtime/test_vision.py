@@ -21,7 +21,7 @@ from mlxkv import CacheRuntime, GenerationReport, InvalidInput
 from mlxkv.default_model import TINY_LLAMA, ensure_model
 from mlxkv.default_vlm import DEFAULT_VLM
 from parity import ATOL, assert_clean, run
-from pixel_spy import on_this_thread, spy_on_pixel_work
+from image_checks import blank_png, on_this_thread, spy_on_pixel_work
 
 pytest.importorskip("mlx_vlm")
 from PIL import Image  # noqa: E402  (pillow comes with the vlm extra)
@@ -216,10 +216,11 @@ class TestBadImages:
             (lambda tmp: _write(tmp / "truncated.png", _png_bytes()[:200]), "cannot be read"),
             (lambda tmp: Image.open(_write(tmp / "truncated.png", _png_bytes()[:200])), "cannot be read"),
             (lambda tmp: np.zeros((1, 400, 3), dtype=np.uint8), "elongated"),
+            (lambda tmp: _write(tmp / "huge.png", blank_png(12000, 12000)), "144000000 pixels, more than"),
             (lambda tmp: "https://example.com/cat.png", "URLs are not fetched"),
             (lambda tmp: np.zeros((8, 8, 3), dtype=np.float32), "uint8"),
         ],
-        ids=["missing", "not-an-image", "truncated", "truncated-PIL", "too-elongated", "url", "float-array"],
+        ids=["missing", "not-an-image", "truncated", "truncated-PIL", "too-elongated", "too-large", "url", "float-array"],
     )
     async def test_refused_before_anything_is_computed(self, vlm_path, pictures, tmp_path, make_bad, reason):
         """A bad image is InvalidInput naming it (images[1]); nothing is computed, cached or held."""

@@ -1,8 +1,10 @@
-"""Which threads touch pixels: for the tests that nothing heavy runs on the event loop."""
+"""Helpers of the image tests: which threads touch pixels (nothing heavy may run on
+the event loop), and a huge picture in a small file."""
 
 from __future__ import annotations
 
 import threading
+import zlib
 from typing import Any
 
 import pytest
@@ -46,3 +48,16 @@ def on_this_thread(seen: dict[str, set[int]]) -> set[str]:
     """The operations in ``seen`` that ran on the calling thread (the event loop's)."""
     here = threading.get_ident()
     return {name for name, idents in seen.items() if here in idents}
+
+
+def blank_png(width: int, height: int) -> bytes:
+    """A complete, valid 1-bit PNG of ``width`` x ``height`` zeros (small however large)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return len(data).to_bytes(4, "big") + kind + data + zlib.crc32(kind + data).to_bytes(4, "big")
+
+    header = width.to_bytes(4, "big") + height.to_bytes(4, "big") + bytes([1, 0, 0, 0, 0])
+    row = bytes(1 + (width + 7) // 8)  # filter byte 0, then the row's bits
+    compressor = zlib.compressobj(9)
+    body = b"".join(compressor.compress(row) for _ in range(height)) + compressor.flush()
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", body) + chunk(b"IEND", b"")
