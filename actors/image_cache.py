@@ -3,9 +3,9 @@
 :class:`ImageCacheActor` owns one
 :class:`~mlxkv.cache.mllm.MLLMPrefixCacheManager` (an LRU bounded by entry
 count and bytes). Images are keyed by their full-strength, order-sensitive
-digest (:func:`~mlxkv.cache.mllm.images_digest`), computed by the caller --
-hashing may read files, which does not belong in a handler -- and namespaced
-by the tenant's ``cache_salt``.
+digest (:func:`mlxkv.images.key_images`: a picture's decoded pixels), computed
+by the caller -- keying reads files and decodes pictures, which does not
+belong in a handler -- and namespaced by the tenant's ``cache_salt``.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class ImageCacheStatistics:
 
 @attrs.frozen(kw_only=True)
 class LookupImages(Ask[Optional[ImageEntry]]):
-    """Find the entry of ``images_key`` (a 64-hex :func:`images_digest`) for the salt."""
+    """Find the entry of ``images_key`` (a 64-hex images digest) for the salt."""
 
     images_key: str
     cache_salt: Optional[str] = None

@@ -40,7 +40,7 @@ from mlxkv.actors.model_runner import (
     encode_text,
 )
 from mlxkv.actors.sequence import Sequence
-from mlxkv.cache.errors import InvalidInput
+from mlxkv.cache.errors import InvalidInput, counted, plural
 
 __all__ = ["EncodedImages", "VisionInputs", "VisionPreparer", "VisionRunner"]
 
@@ -126,7 +126,9 @@ class VisionPreparer:
             try:
                 processed = self._processor.image_processor(images=list(images), return_tensors="np")
             except (ValueError, OSError) as error:
-                raise InvalidInput("images", len(images), f"the image processor refused them: {error}") from error
+                raise InvalidInput(
+                    "images", counted(len(images), "image"), f"the image processor refused them: {error}"
+                ) from error
             grid, features = mx.array(processed["image_grid_thw"]), None
             pixels = mx.array(processed["pixel_values"])
         else:
@@ -135,7 +137,7 @@ class VisionPreparer:
         tokens = self._tokens(prompt, num_images)
         if grid is None:
             if self._pad in tokens:
-                raise InvalidInput("prompt", len(tokens), "holds image tokens but no images were given")
+                raise InvalidInput("prompt", counted(len(tokens), "token"), "holds image tokens but no images were given")
             return PreparedPrompt(tokens=tokens)
         counts = tuple(int(t * h * w) // self._merge for t, h, w in grid.tolist())
         tokens = self._widen(tokens, counts)
@@ -155,7 +157,11 @@ class VisionPreparer:
             return self._framed(tokens)
         placeholders = prompt.count("<|image_pad|>")
         if placeholders and placeholders != num_images:
-            raise InvalidInput("prompt", prompt, f"has {placeholders} image placeholders for {num_images} images")
+            raise InvalidInput(
+                "prompt",
+                prompt,
+                f"has {plural(placeholders, 'image placeholder')} for {plural(num_images, 'image')}",
+            )
         if num_images and not placeholders:
             prompt = _PLACEHOLDER * num_images + prompt
         return self._framed(self.encode(prompt))
@@ -199,7 +205,7 @@ class VisionPreparer:
         if len(runs) != len(counts) or any(length != 1 for _, length in runs):
             raise InvalidInput(
                 "prompt",
-                len(tokens),
+                counted(len(tokens), "token"),
                 f"holds image-token runs of {[n for _, n in runs]}, but the images need {list(counts)}",
             )
         out: list[int] = []

@@ -21,7 +21,10 @@ __all__ = [
     "InvalidInput",
     "InvariantViolation",
     "OutOfBlocks",
+    "Shown",
     "UnknownRequest",
+    "counted",
+    "plural",
 ]
 
 
@@ -87,6 +90,25 @@ class DoubleFree(CacheError):
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         super().__init__(f"block {block_id} released while not referenced")
+
+
+class Shown(str):
+    """A value's description that an error message shows as it is, unquoted:
+    ``invalid images=<2 images>: ...`` rather than a count or a repr that
+    names another thing (``images=2``) or an address (``<_io.BytesIO object at 0x...>``)."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def plural(n: int, noun: str) -> str:
+    """``1 image``, ``2 images``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def counted(n: int, noun: str) -> Shown:
+    """``<1 image>``, ``<2 images>``: a count as an error message's value."""
+    return Shown(f"<{plural(n, noun)}>")
 
 
 class InvariantViolation(AssertionError):

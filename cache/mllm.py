@@ -28,6 +28,12 @@ separate the input kinds (a string keyed as such and a file or bytes that
 happen to hold the same characters are different images), so no crafted
 64-bit collision can be served another user's state. The combined key keeps
 the image order: ``[A, B]`` and ``[B, A]`` are different requests.
+
+The runtime (:mod:`mlxkv.images`) builds its keys from the same records
+(:func:`image_key`, :func:`combine_image_keys`), but keys a picture by its
+decoded pixels (kind ``pixels``), so that a file and the same picture as a
+PIL image agree; its keys equal :func:`images_digest`'s for sources that are
+not pictures and differ for pictures.
 """
 
 from __future__ import annotations
@@ -60,9 +66,12 @@ __all__ = [
     "VLMCacheStats",
     "VLMPrefixCacheEntry",
     "VLMPrefixCacheManager",
+    "combine_image_keys",
     "compute_image_hash",
     "compute_images_hash",
+    "data_url_bytes",
     "image_digest",
+    "image_key",
     "images_digest",
 ]
 
@@ -88,8 +97,23 @@ class _Fingerprint(NamedTuple):
 
     @property
     def key(self) -> bytes:
-        # The kind enters the key, so payloads of different kinds never meet.
-        return hashlib.sha256(b"mlxkv.image\0" + self.kind + b"\0" + self.payload_digest).digest()
+        return image_key(self.kind, self.payload_digest)
+
+
+def image_key(kind: bytes, payload_digest: bytes) -> bytes:
+    """Return the full-strength key (32 bytes) of one image of ``kind``.
+
+    The kind enters the key, so payloads of different kinds never meet:
+    ``b"content"`` (the SHA-256 of a file's or a data URL's bytes),
+    ``b"string"``, ``b"array"`` here, and ``b"pixels"`` for the runtime's
+    decoded pictures (:mod:`mlxkv.images`).
+
+    Args:
+        kind: what the payload is, without NUL bytes.
+        payload_digest: the SHA-256 of the payload.
+    """
+    assert b"\0" not in kind, "an image kind holds no NUL byte"
+    return hashlib.sha256(b"mlxkv.image\0" + kind + b"\0" + payload_digest).digest()
 
 
 def _hash_file(path: Union[str, "os.PathLike[str]"]) -> Optional[bytes]:
@@ -109,8 +133,8 @@ def _string_fingerprint(text: str) -> _Fingerprint:
     return _Fingerprint(b"string", hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest())
 
 
-def _decode_data_url(url: str) -> Optional[bytes]:
-    """The bytes a data URL carries, or None if it is malformed."""
+def data_url_bytes(url: str) -> Optional[bytes]:
+    """Return the bytes a ``data:`` URL carries (base64 or percent-encoded), or None if it is malformed."""
     header, sep, data = url[len("data:") :].partition(",")
     if not sep:
         return None
@@ -157,7 +181,7 @@ def _fingerprint(image: Any) -> _Fingerprint:
         image = os.fsdecode(image)
     if isinstance(image, str):
         if image[:5].lower() == "data:":
-            data = _decode_data_url(image)
+            data = data_url_bytes(image)
             if data is None:
                 return _string_fingerprint(image)
             return _Fingerprint(b"content", hashlib.sha256(data).digest())
@@ -192,13 +216,16 @@ def _fingerprints(images: Any) -> List[_Fingerprint]:
     return [_fingerprint(image) for image in items]
 
 
-def _combined_key(fingerprints: Sequence[_Fingerprint]) -> bytes:
-    # Fixed-width records in the given order: [A, B] and [B, A] differ.
+def combine_image_keys(keys: Sequence[bytes]) -> str:
+    """Return the order-sensitive key (64 hex) of a list of images, each given
+    by its :func:`image_key`: ``[A, B]``, ``[B, A]`` and ``[A]`` all differ."""
+    # Fixed-width records in the given order.
     hasher = hashlib.sha256(b"mlxkv.images\0")
-    hasher.update(len(fingerprints).to_bytes(8, "little"))
-    for fingerprint in fingerprints:
-        hasher.update(fingerprint.key)
-    return hasher.digest()
+    hasher.update(len(keys).to_bytes(8, "little"))
+    for key in keys:
+        assert len(key) == 32, "an image key is a 32-byte image_key"
+        hasher.update(key)
+    return hasher.hexdigest()
 
 
 def compute_image_hash(image_path: ImageSource) -> str:
@@ -263,7 +290,7 @@ def images_digest(images: Sequence[ImageSource]) -> str:
     Raises:
         InvalidInput: as :func:`compute_images_hash`.
     """
-    return _combined_key(_fingerprints(images)).hex()
+    return combine_image_keys([f.key for f in _fingerprints(images)])
 
 
 @dataclass
@@ -478,12 +505,12 @@ class MLLMPrefixCacheManager:
             raise InvalidInput("prompt", prompt, "must be a str")
         salt = _salt_bytes(cache_salt)
         fingerprints = _fingerprints(images)
-        images_key = _combined_key(fingerprints)
+        images_key = combine_image_keys([f.key for f in fingerprints])
         prompt_key = hashlib.sha256(prompt.encode("utf-8", "surrogatepass")).digest()
-        entry = hashlib.sha256(b"mlxkv.mllm-entry\0" + salt + images_key + prompt_key)
-        scope = hashlib.sha256(b"mlxkv.mllm-images\0" + salt + images_key)
+        entry = hashlib.sha256(b"mlxkv.mllm-entry\0" + salt + bytes.fromhex(images_key) + prompt_key)
+        scope = hashlib.sha256(b"mlxkv.mllm-images\0" + salt + bytes.fromhex(images_key))
         return _Keys(
-            entry.hexdigest(), scope.hexdigest(), images_key.hex(), prompt_key.hex(),
+            entry.hexdigest(), scope.hexdigest(), images_key, prompt_key.hex(),
             bool(fingerprints),
         )
 

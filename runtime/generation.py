@@ -76,9 +76,9 @@ from mlxkv.actors.model_runner import ModelInfo, PreparedPrompt, PromptPreparer
 from mlxkv.actors.request import RequestSpec
 from mlxkv.actors.sampling import Sampling
 from mlxkv.cache import kv_state
-from mlxkv.cache.errors import InvalidInput
+from mlxkv.cache.errors import InvalidInput, counted
 from mlxkv.cache.token_ids import check_token_ids
-from mlxkv.images import digest_images, image_key_source, load_images
+from mlxkv.images import KeyedImages, describe, key_images
 from mlxkv.storer import RequestStorer
 
 if TYPE_CHECKING:
@@ -230,9 +230,11 @@ def make_request(
         raise InvalidInput("request_id", request_id, "must be a non-empty str or None")
     if images is not None:
         if isinstance(images, (str, bytes, bytearray, memoryview)) or not isinstance(images, Sequence):
-            raise InvalidInput("images", images, "must be a list of images")
+            raise InvalidInput("images", describe(images), "must be a list of images (put one image in a list)")
         if images and not info.takes_images:
-            raise InvalidInput("images", len(images), "this model does not take images (load a vision-language model)")
+            raise InvalidInput(
+                "images", counted(len(images), "image"), "this model does not take images (load a vision-language model)"
+            )
         images = tuple(images) or None
     if isinstance(prompt, str):
         if not prompt:
@@ -276,17 +278,21 @@ async def run_generation(
             assert preparer is not None, "a runtime with a model has its preparer"
             images_key = None
             if request.images:
-                images_key = await digest_images([image_key_source(i) for i in request.images])
+                keyed = await key_images(request.images, runtime._pixel_memo, for_model=True)
+                assert keyed is not None, "make_request keeps only a non-empty list"
+                images_key = keyed.digest
                 entry = await runtime._images.lookup(
                     images_key, cache_salt=request.cache_salt, request_id=request_id
                 )
                 if entry is not None:
                     # Seen before: their encoding (and grid) is all the model needs.
                     prepared = preparer.prepare(request.prompt, encoded=entry.vision_embeddings)
+                    if keyed.num_decoded:
+                        await anyio.to_thread.run_sync(keyed.release)  # freeing pictures takes ms
                 else:
                     # Decoding pixels and processing them run off the loop.
                     prepared = await anyio.to_thread.run_sync(
-                        _prepare_with_pixels, preparer, request.prompt, list(request.images)
+                        _prepare_with_pixels, preparer, request.prompt, keyed
                     )
             else:
                 prepared = preparer.prepare(request.prompt)
@@ -442,9 +448,10 @@ async def run_generation(
                 await runtime._abandon(request_id)
 
 
-def _prepare_with_pixels(preparer: PromptPreparer, prompt: Any, images: list[Any]) -> PreparedPrompt:
-    """Runs on a worker thread: decode the images (refusing bad ones) and prepare."""
-    return preparer.prepare(prompt, load_images(images))
+def _prepare_with_pixels(preparer: PromptPreparer, prompt: Any, images: KeyedImages) -> PreparedPrompt:
+    """Runs on a worker thread: the images' pictures (decoding those keyed from
+    memory) through the processor, then freed here."""
+    return preparer.prepare(prompt, images.take_pictures())
 
 
 def _check_pool(runtime: CacheRuntime, num_prompt: int, log: EventLog) -> None:

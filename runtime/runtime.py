@@ -67,7 +67,7 @@ from mlxkv.actors.prefix_index import (
 from mlxkv.cache.errors import InvalidInput, UnknownRequest
 from mlxkv.cache.token_ids import check_token_ids
 from mlxkv.errors import RuntimeClosed
-from mlxkv.images import digest_images
+from mlxkv.images import PixelMemo, key_images
 from mlxkv.units import format_bytes, format_count, parse_bytes
 from mlxkv.generation import Generation, make_request, run_generation
 
@@ -456,6 +456,8 @@ class CacheRuntime:
         self._num_blocks = self.config.max_blocks
         #: Counted by generations (all on the event loop): see GenerationStatistics.
         self._generation_counts: collections.Counter[str] = collections.Counter()
+        #: Pixel keys of the encoded images read, for every entry point (on the event loop).
+        self._pixel_memo = PixelMemo()
 
     # -- lifecycle --------------------------------------------------------
 
@@ -657,9 +659,12 @@ class CacheRuntime:
             request_id: a name not used by any active request.
             tokens: the prompt's token ids (ints in ``[0, 2**32)``): a
                 sequence of ints or a 1-D integer array (NumPy, MLX).
-            images: the request's images, in order (paths, URLs, bytes,
-                arrays); they namespace the blocks and are looked up in the
-                image cache.
+            images: the request's images, in order, keyed as ``generate``
+                keys them (:mod:`mlxkv.images`: a picture by its pixels,
+                whether a path, bytes, data URL, PIL image or uint8 array;
+                another source -- a URL, an identifier, other bytes or
+                arrays -- as it is); they namespace the blocks and are
+                looked up in the image cache.
             images_start: the index in ``tokens`` of the first image token:
                 the images then namespace the blocks from the one holding
                 it on, and the blocks before are shared with any request
@@ -713,7 +718,8 @@ class CacheRuntime:
         # A caller with the key has looked the images up itself.
         look_up = images_key is None
         if look_up:
-            images_key = await digest_images(images)
+            keyed = await key_images(images, self._pixel_memo, for_model=False)
+            images_key = None if keyed is None else keyed.digest
         # The images key the whole chain, or, their first token known, the
         # blocks from the one that holds it on.
         whole_chain = images_key if images_start is None else None
@@ -901,7 +907,7 @@ class CacheRuntime:
         """Cache the vision encoder's output for these images, in this order.
 
         Args:
-            images: the images, in order (as given to :meth:`fetch`).
+            images: the images, in order (any form :meth:`fetch` takes).
             vision_embeddings: the encoder's output (copied).
             num_image_tokens: prompt tokens the images stand for.
             cache_salt: tenant namespace.
@@ -912,11 +918,11 @@ class CacheRuntime:
         """
         with self._call():
             salt = _salt(cache_salt)
-            images_key = await digest_images(images)
-            if images_key is None:
+            keyed = await key_images(images, self._pixel_memo, for_model=False)
+            if keyed is None:
                 raise InvalidInput("images", images, "must name at least one image")
             await self._images.store(
-                images_key, vision_embeddings, num_image_tokens=num_image_tokens, cache_salt=salt
+                keyed.digest, vision_embeddings, num_image_tokens=num_image_tokens, cache_salt=salt
             )
 
     async def stats(self) -> RuntimeStatistics:

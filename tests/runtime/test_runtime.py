@@ -487,19 +487,3 @@ class TestBadInput:
                 await rt.fetch("r1", PROMPT)
             await rt.release("r1")
             await assert_clean(rt)
-
-
-class TestImageDigests:
-    @pytest.mark.parametrize("size", [100, 300_000])
-    async def test_small_files_hashed_inline_like_large_ones_off_the_loop(self, tmp_path, monkeypatch, size):
-        """A file under the inline limit and one over it (hashed on a worker thread)
-        get the same digest whichever way they are hashed."""
-        import mlxkv.images as images
-
-        path = tmp_path / "picture.bin"
-        path.write_bytes(bytes(range(256)) * (size // 256 + 1))
-        routes = []
-        for limit in (0, 10**9):  # every file off the loop, then every file inline
-            monkeypatch.setattr(images, "INLINE_FILE_BYTES", limit)
-            routes.append(await images.digest_images([str(path), b"raw bytes"]))
-        assert routes[0] == routes[1] and len(routes[0]) == 64

@@ -8,10 +8,12 @@ cached image features are shared with it.
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import anyio
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -19,6 +21,7 @@ from mlxkv import CacheRuntime, GenerationReport, InvalidInput
 from mlxkv.default_model import TINY_LLAMA, ensure_model
 from mlxkv.default_vlm import DEFAULT_VLM
 from parity import ATOL, assert_clean, run
+from image_checks import blank_png, on_this_thread, spy_on_pixel_work
 
 pytest.importorskip("mlx_vlm")
 from PIL import Image  # noqa: E402  (pillow comes with the vlm extra)
@@ -211,11 +214,13 @@ class TestBadImages:
             (lambda tmp: str(tmp / "missing.png"), "cannot be read"),
             (lambda tmp: b"these bytes are not a picture", "cannot be read"),
             (lambda tmp: _write(tmp / "truncated.png", _png_bytes()[:200]), "cannot be read"),
+            (lambda tmp: Image.open(_write(tmp / "truncated.png", _png_bytes()[:200])), "cannot be read"),
             (lambda tmp: np.zeros((1, 400, 3), dtype=np.uint8), "elongated"),
+            (lambda tmp: _write(tmp / "huge.png", blank_png(12000, 12000)), "144000000 pixels, more than"),
             (lambda tmp: "https://example.com/cat.png", "URLs are not fetched"),
             (lambda tmp: np.zeros((8, 8, 3), dtype=np.float32), "uint8"),
         ],
-        ids=["missing", "not-an-image", "truncated", "too-elongated", "url", "float-array"],
+        ids=["missing", "not-an-image", "truncated", "truncated-PIL", "too-elongated", "too-large", "url", "float-array"],
     )
     async def test_refused_before_anything_is_computed(self, vlm_path, pictures, tmp_path, make_bad, reason):
         """A bad image is InvalidInput naming it (images[1]); nothing is computed, cached or held."""
@@ -228,12 +233,14 @@ class TestBadImages:
             assert stats.compute is not None and stats.compute.num_prefill_tokens == 0
             assert stats.index.num_lookups == 0 and stats.images.num_entries == 0
             await assert_clean(rt)
+        if isinstance(bad, Image.Image):
+            bad.close()  # PIL keeps the file of a failed load open
 
     async def test_placeholders_must_match_the_images(self, vlm_path, pictures):
         """A prompt with more image placeholders than images, or image tokens without
         images, is refused."""
         async with CacheRuntime(model=str(vlm_path), block_size=16) as rt:
-            with pytest.raises(InvalidInput, match="placeholders"):
+            with pytest.raises(InvalidInput, match="has 2 image placeholders for 1 image$"):
                 await run(rt, "<|image_pad|><|image_pad|>two?", images=[pictures[0]])
             with pytest.raises(InvalidInput, match="image tokens"):
                 await run(rt, [1, 2, 261, 3])  # 261: the image-pad token
@@ -242,8 +249,71 @@ class TestBadImages:
     async def test_a_text_model_refuses_images(self, model_dir, pictures):
         """Images given to a text model are refused up front."""
         async with CacheRuntime(model=str(ensure_model(TINY_LLAMA, model_dir))) as rt:
-            with pytest.raises(InvalidInput, match="does not take images"):
+            with pytest.raises(InvalidInput, match=r"^invalid images=<1 image>: this model does not take images"):
                 rt.generate("hi", images=[pictures[0]], max_tokens=2)
+
+
+#: Every form generate and fetch take of the picture at a path (made when called).
+FORMS: dict[str, Callable[[str], Any]] = {
+    "path": lambda path: path,
+    "Path": Path,
+    "bytes": lambda path: Path(path).read_bytes(),
+    "data URL": lambda path: "data:image/png;base64," + base64.b64encode(Path(path).read_bytes()).decode(),
+    "PIL opened": Image.open,
+    "PIL decoded": lambda path: Image.open(path).convert("RGB"),
+    "PIL RGBA": lambda path: Image.open(path).convert("RGBA"),
+    "uint8 array": lambda path: np.asarray(Image.open(path).convert("RGB")),
+    "MLX array": lambda path: mx.array(np.asarray(Image.open(path).convert("RGB"))),
+}
+
+
+class TestImageForms:
+    async def test_generate_hits_the_same_picture_in_every_form(self, vlm_path, pictures):
+        """After a request about a PNG file, the same request with the picture as a path,
+        bytes, data URL, PIL image (opened, decoded, with an alpha channel) or array
+        reuses the cached blocks and features (the encoder runs once) and answers alike."""
+        async with CacheRuntime(model=str(vlm_path), block_size=16, keep_last_cache=False) as rt:
+            first = await run(rt, "Hi?", images=[pictures[0]])  # 21 tokens: 16 + 1 image token, 4 more
+            for name, form in FORMS.items():
+                tokens, report = await run(rt, "Hi?", images=[form(pictures[0])])
+                assert report.cached_tokens == 16, name
+                _same((tokens, report), first)
+            stats = await rt.stats()
+            await assert_clean(rt)
+        assert stats.compute is not None
+        assert (stats.compute.num_vision_encoder_runs, stats.compute.num_vision_encoder_skips) == (1, len(FORMS))
+        assert stats.images.num_hits == len(FORMS)
+
+    async def test_fetch_finds_what_generate_cached_in_every_form(self, vlm_path, pictures):
+        """rt.fetch (and rt.request) with the picture in any form, keyed from its first
+        image token as generate keys it, gets generate's blocks and the cached features."""
+        async with CacheRuntime(model=str(vlm_path), block_size=16) as rt:
+            _, report = await run(rt, "Hi?", images=[pictures[0]])
+            prompt = list(report.prompt_ids)
+            start = prompt.index(DEFAULT_VLM.image_token_id)
+            for k, (name, form) in enumerate(FORMS.items()):
+                async with rt.request(f"r{k}", prompt, images=[form(pictures[0])], images_start=start) as request:
+                    assert request.result is not None
+                    assert request.result.num_cached_tokens == 16, name
+                    assert request.result.vision_embeddings is not None, name
+            await assert_clean(rt)
+
+    @pytest.mark.parametrize("form", ["path", "bytes", "PIL opened", "PIL decoded", "uint8 array"])
+    async def test_no_pixels_are_touched_on_the_loop(self, vlm_path, tmp_path, monkeypatch, form):
+        """While generate (a miss, then a hit) and fetch take a 512x512 picture, no PIL
+        decode, conversion, serialization, pixel hash or freeing of decoded pictures
+        runs on the event loop's thread."""
+        path = _write(tmp_path / "big.png", _png_bytes(512, 512))
+        async with CacheRuntime(model=str(vlm_path), block_size=16) as rt:
+            for_generate, again, for_fetch = FORMS[form](path), FORMS[form](path), FORMS[form](path)
+            seen = spy_on_pixel_work(monkeypatch)
+            await run(rt, "Hi?", images=[for_generate], max_tokens=2)
+            await run(rt, "Hi?", images=[again], max_tokens=2)
+            await rt.fetch("low", [1, 2, 3], images=[for_fetch], cache_salt="other")
+            await rt.release("low")
+        assert "_pixel_key" in seen and "take_pictures" in seen
+        assert ("release" in seen) == form.startswith(("PIL", "uint8"))  # decoded, then not needed
+        assert not on_this_thread(seen)
 
 
 class TestImageBudget:
