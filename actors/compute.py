@@ -182,6 +182,10 @@ class ComputeStatistics:
             encoded.
         num_vision_encoder_skips: requests with images that did without it
             (cached features, or a cached prefix covering every image token).
+        num_shared_prefix_tokens: prompt tokens requests read from a shared
+            prefix group (held once for all of them) instead of a copy of
+            their own (0 where the model keeps copies: see
+            :attr:`ModelInfo.shared_prefix`).
         thread: the MLX thread's counters.
     """
 
@@ -203,6 +207,7 @@ class ComputeStatistics:
     num_cancelled: int
     num_vision_encoder_runs: int
     num_vision_encoder_skips: int
+    num_shared_prefix_tokens: int
     thread: MLXThreadStatistics
 
     @property
@@ -333,7 +338,8 @@ class ComputeActor(Actor):
         prefill_batch: int = DEFAULT_PREFILL_BATCH,
         decode_burst: int = DEFAULT_DECODE_BURST,
         keep_last_cache: bool = True,
-        loader: Optional[Callable[[int], ModelRunner]] = None,
+        shared_prefix: bool = True,
+        loader: Optional[Callable[[int, bool], ModelRunner]] = None,
         source: Optional[str] = None,
         **options: Any,
     ) -> None:
@@ -350,8 +356,11 @@ class ComputeActor(Actor):
             keep_last_cache: keep the cache of the request that finished
                 last (one request's KV, outside the block pool) for the next
                 request that shares its first tokens.
-            loader: called on the MLX thread with ``prefill_chunk`` to make
-                the runner, instead of ``runner``.
+            shared_prefix: requests that begin with the same cached blocks
+                hold that prefix's KV once, where the model allows
+                (:attr:`ModelInfo.shared_prefix`).
+            loader: called on the MLX thread with ``prefill_chunk`` and
+                ``shared_prefix`` to make the runner, instead of ``runner``.
             source: what the loader loads, for error messages.
             **options: the :class:`Actor` options.
 
@@ -367,8 +376,9 @@ class ComputeActor(Actor):
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise InvalidInput(name, value, "must be a positive int")
-        if not isinstance(keep_last_cache, bool):
-            raise InvalidInput("keep_last_cache", keep_last_cache, "must be a bool")
+        for name, flag in (("keep_last_cache", keep_last_cache), ("shared_prefix", shared_prefix)):
+            if not isinstance(flag, bool):
+                raise InvalidInput(name, flag, "must be a bool")
         if (runner is None) == (loader is None):
             raise InvalidInput("runner", runner, "give a runner or a loader, not both or neither")
         super().__init__(**options)
@@ -380,6 +390,7 @@ class ComputeActor(Actor):
         self._prefill_batch = prefill_batch
         self._burst = decode_burst
         self._keep_last_cache = keep_last_cache
+        self._shared_prefix = shared_prefix
         self._thread = MLXThread(name="mlxkv-compute", log=self._log)
         self._info: Optional[ModelInfo] = None if runner is None else runner.info
         self._scheduler: Optional[Scheduler] = None
@@ -401,7 +412,7 @@ class ComputeActor(Actor):
             **kwargs: passed to the constructor.
         """
         return cls(
-            loader=lambda chunk: TextRunner(model, tokenizer, prefill_chunk=chunk),
+            loader=lambda chunk, shared: TextRunner(model, tokenizer, prefill_chunk=chunk, shared_prefix=shared),
             source=type(model).__module__,
             **kwargs,
         )
@@ -428,7 +439,9 @@ class ComputeActor(Actor):
         else:
             make = TextRunner.load
         return cls(
-            loader=lambda chunk: make(source.path, prefill_chunk=chunk), source=source.path, **kwargs
+            loader=lambda chunk, shared: make(source.path, prefill_chunk=chunk, shared_prefix=shared),
+            source=source.path,
+            **kwargs,
         )
 
     # -- running ---------------------------------------------------------------
@@ -446,9 +459,9 @@ class ComputeActor(Actor):
         try:
             self._thread.start()
             if self._loader is not None:
-                loader, chunk = self._loader, self._chunk
+                loader, chunk, shared = self._loader, self._chunk, self._shared_prefix
                 try:
-                    self._runner = await self._thread.submit(lambda: loader(chunk))
+                    self._runner = await self._thread.submit(lambda: loader(chunk, shared))
                 except Exception as error:
                     if isinstance(error, (MLXThreadStopped, ModelLoadError)):
                         raise

@@ -242,6 +242,7 @@ class Executor:
                 num_cached=sequence.num_cached,
                 cold_fallback=sequence.cold_fallback,
                 reused_last_cache=sequence.reused_last_cache,
+                num_shared=sequence.num_shared,
                 encoder_ran=ran,
                 features=None if ran is None else encoding.features,
                 first_token=first,

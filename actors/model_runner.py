@@ -29,6 +29,14 @@ from mlxkv.actors.sequence import Sequence
 from mlxkv.cache import kv_state
 from mlxkv.cache.errors import InvalidInput
 from mlxkv.cache.kv_state import BlockPayload
+from mlxkv.cache.shared_prefix import (
+    PrefixGroups,
+    SharedPrefixCache,
+    install,
+    suffix_cache,
+    suffix_layer,
+    suffix_of,
+)
 
 __all__ = [
     "CacheRunner",
@@ -67,6 +75,11 @@ class ModelInfo:
         prefill_chunk: tokens per prefill chunk.
         batchable: whether requests decode together in one model call
             (else each decodes at batch size one).
+        shared_prefix: whether requests that begin with the same cached
+            blocks hold that prefix's KV once (:mod:`mlxkv.cache.shared_prefix`:
+            a text model whose layers are all plain KV and whose attention
+            routes through the shared-prefix dispatcher); else each request
+            holds a copy.
         batch_prefill: whether requests' prefill chunks run together in
             one model call (right-padded, as mlx-lm's ``BatchGenerator``
             prefills): plain and sliding-window KV layers of a text model;
@@ -90,6 +103,7 @@ class ModelInfo:
     prefill_chunk: int
     batchable: bool = True
     batch_prefill: bool = False
+    shared_prefix: bool = False
     takes_images: bool = False
     max_context: Optional[int] = None
     kv_bytes_per_token: int = 0
@@ -278,6 +292,10 @@ class CacheRunner(abc.ABC):
     _kept: Optional[_KeptCache] = None
     #: whether :meth:`_forward` takes a batch of rows (a text model's does)
     _batches_prefill: bool = False
+    #: the live shared prefixes (None: every request holds a copy)
+    _groups: Optional[PrefixGroups] = None
+    #: the signature of the payloads this model's cache slices into
+    _signature: tuple[Any, ...] = ()
 
     @property
     def info(self) -> ModelInfo:
@@ -291,11 +309,15 @@ class CacheRunner(abc.ABC):
     def _probe(self, cache: list[Any]) -> None:
         """Run one token through the model into ``cache`` (to size its buffers)."""
 
-    def _measure(self) -> tuple[dict[str, Any], tuple[tuple[Any, ...], ...]]:
+    def _measure(self, *, shared_prefix: bool = False) -> tuple[dict[str, Any], tuple[tuple[Any, ...], ...]]:
         """The cache's share of :class:`ModelInfo`, and the cold layout.
 
         Bytes per token are measured, not computed from the config: one
         token is run through a fresh cache and its buffers are sized.
+
+        Args:
+            shared_prefix: serve shared prefixes once where the model allows
+                (every layer plain KV; the subclass has routed its attention).
         """
         import mlx.core as mx
         from mlx_lm.models.cache import ArraysCache
@@ -304,6 +326,8 @@ class CacheRunner(abc.ABC):
         layout = tuple(_layer_key(layer) for layer in cold)
         self._probe(cold)
         mx.eval([layer.state for layer in cold])
+        if all(type(layer).__name__ == "KVCache" for layer in cold):
+            self._signature = kv_state.slice_blocks(cold, 1, range(1), num_tokens=1)[0].signature
         kv_bytes = state_bytes = 0
         for layer in cold:
             if isinstance(layer, ArraysCache):
@@ -314,7 +338,10 @@ class CacheRunner(abc.ABC):
                 kv_bytes += sum(a.nbytes // a.shape[2] for a in arrays if a is not None)
         names = tuple(type(layer).__name__ for layer in cold)
         self._trimmable = all(name in _TRIMMABLE for name in names)
+        shared = shared_prefix and all(name == "KVCache" for name in names)
+        self._groups = PrefixGroups() if shared else None
         fields = {
+            "shared_prefix": shared,
             "cache_layers": names,
             "has_recurrent": any(isinstance(layer, ArraysCache) for layer in cold),
             "batchable": all(name in _BATCHABLE for name in names),
@@ -330,25 +357,67 @@ class CacheRunner(abc.ABC):
     def start(self, sequence: Sequence) -> None:
         prefix = sequence.prefix
         cache, num_cached = self._take_kept(sequence, prefix)
-        if cache is None and prefix:
+        if cache is not None:
+            cache = self._own(sequence, cache, num_cached)
+        elif prefix:
             try:
-                cache = self._rebuild(prefix, len(sequence.prompt) - prefix[-1].end)
+                cache = self._rebuild(sequence, prefix, len(sequence.prompt) - prefix[-1].end)
                 num_cached = prefix[-1].end
             except kv_state.NotReconstructable:
                 sequence.cold_fallback = True
         if cache is None:
-            cache, num_cached = self._new_cache(), 0
+            cache, num_cached = self._own(sequence, self._new_cache(), 0), 0
         sequence.cache = cache
         sequence.num_cached = sequence.num_computed = num_cached
 
+    def _own(self, sequence: Sequence, cache: list[Any], num_tokens: int) -> list[Any]:
+        """A plain cache of ``num_tokens`` tokens (a fresh one, or the kept
+        one) as the layers the request runs on. With shared prefixes: the
+        blocks of its prefix come from their group instead (the copy of
+        them is dropped, so a batch's rows stay as short as their own
+        tokens), the rest stays its own."""
+        if self._groups is None:
+            return cache
+        shared_already = isinstance(cache[0], SharedPrefixCache)
+        prefix = sequence.prefix
+        if not prefix or num_tokens < prefix[-1].end or not self._shares(prefix):
+            if shared_already:
+                return cache
+            if not num_tokens:
+                cache = [suffix_layer() for _ in cache]
+            return [SharedPrefixCache(None, i, 0, layer) for i, layer in enumerate(cache)]
+        group, shared = self._groups.take(prefix)
+        num_prefix = prefix[shared - 1].end
+        if shared_already:
+            if cache[0].group is group and cache[0].num_prefix >= num_prefix:
+                return cache
+            # A kept cache over another (or no) prefix: its tokens as one
+            # plain run (a copy only if it had a prefix), rebased below.
+            cache = [layer.suffix if layer.num_prefix == 0 else layer.to_plain() for layer in cache]
+        suffix = suffix_of(cache, num_prefix, num_tokens, _room(sequence, num_tokens))
+        sequence.num_shared = num_prefix
+        return [SharedPrefixCache(group, i, num_prefix, layer) for i, layer in enumerate(suffix)]
+
+    def _shares(self, prefix: tuple[BlockPayload, ...]) -> bool:
+        """Whether these payloads can form a shared prefix of this model."""
+        return all(p.signature == self._signature for p in prefix) and kv_state.num_reconstructable_blocks(
+            prefix
+        ) == len(prefix)
+
     def keep(self, sequence: Sequence, cache: list[Any], num_tokens: int) -> None:
-        """Only a cache of plain KV layers (which cut back exactly) is kept;
-        it replaces the one kept before."""
+        """Only a cache of plain KV layers (which cut back exactly) is kept
+        (over its shared prefix, if it has one: only its own tokens are
+        held beside the group); it replaces the one kept before."""
         if not self._trimmable:
             return
+        import mlx.core as mx
+
         tokens = sequence.tokens(0, min(cache[0].offset, num_tokens))
         for layer in cache:
             layer.trim(layer.offset - len(tokens))
+        # Evaluated now: a row taken out of a batch is a lazy slice of the
+        # batch's buffer, which it would keep alive for as long as it is kept.
+        mx.eval([layer.state for layer in cache])
         self._kept = _KeptCache(
             cache=cache,
             tokens=tokens,
@@ -392,12 +461,19 @@ class CacheRunner(abc.ABC):
         if usable <= 0 or usable < floor:
             return None, 0
         self._kept = None
-        for layer in kept.cache:
-            layer.trim(layer.offset - usable)
+        cache = kept.cache
+        if isinstance(cache[0], SharedPrefixCache):
+            cache = [layer.cut(usable, sequence.block_size) for layer in cache]
+        else:
+            for layer in cache:
+                layer.trim(layer.offset - usable)
         sequence.reused_last_cache = True
-        return kept.cache, usable
+        sequence.num_shared = getattr(cache[0], "num_prefix", 0)
+        return cache, usable
 
-    def _rebuild(self, prefix: tuple[BlockPayload, ...], num_new: int) -> list[Any]:
+    def _rebuild(self, sequence: Sequence, prefix: tuple[BlockPayload, ...], num_new: int) -> list[Any]:
+        if self._groups is not None:
+            return self._share(sequence, prefix, num_new)
         # The model call that follows evaluates the copy in the same graph.
         cache = kv_state.reconstruct(prefix, extra_tokens=num_new, evaluate=False)
         if tuple(_layer_key(layer) for layer in cache) != self._layout:
@@ -405,6 +481,19 @@ class CacheRunner(abc.ABC):
                 "the prefix payloads do not match this model's cache layout"
             )
         return cache
+
+    def _share(self, sequence: Sequence, prefix: tuple[BlockPayload, ...], num_new: int) -> list[Any]:
+        """The request's cache over a shared prefix: the live group that
+        shares most of its blocks (or a new one of them all), and a suffix
+        holding its own blocks after those and room for the rest."""
+        assert self._groups is not None
+        if not self._shares(prefix):
+            raise kv_state.NotReconstructable("the prefix payloads do not match this model's cache layout")
+        group, shared = self._groups.take(prefix)
+        num_prefix = prefix[shared - 1].end
+        suffix = suffix_cache(prefix[shared:], _room(sequence, prefix[-1].end), len(self._layout))
+        sequence.num_shared = num_prefix
+        return [SharedPrefixCache(group, i, num_prefix, layer) for i, layer in enumerate(suffix)]
 
     def prefill(self, sequence: Sequence, end: int) -> Optional[Any]:
         import mlx.core as mx
@@ -542,9 +631,36 @@ class CacheRunner(abc.ABC):
         self, sequence: Sequence, cache: list[Any], start: int, stop: int
     ) -> tuple[BlockPayload, ...]:
         size = sequence.block_size
+        if self._groups is not None:
+            return self._slice_suffix(cache, size, start, stop)
         payloads = kv_state.slice_blocks(cache, size, range(start, stop), num_tokens=stop * size)
         if self._info.has_recurrent:
             payloads = [_with_snapshot(p, sequence.snapshots.get(p.end)) for p in payloads]
+        return tuple(payloads)
+
+
+    def _slice_suffix(self, cache: list[Any], size: int, start: int, stop: int) -> tuple[BlockPayload, ...]:
+        """Blocks ``[start, stop)`` of a cache over a shared prefix: those in
+        the prefix from the group's buffers, the rest from the suffix."""
+        from mlx_lm.models.cache import KVCache
+
+        shift = cache[0].num_prefix // size
+        payloads: list[BlockPayload] = []
+        if start < shift:
+            view = []
+            for layer in cache:
+                prefix = KVCache()
+                prefix.keys = layer.group.keys[layer.layer][..., : layer.num_prefix, :]
+                prefix.values = layer.group.values[layer.layer][..., : layer.num_prefix, :]
+                prefix.offset = layer.num_prefix
+                view.append(prefix)
+            end = min(stop, shift)
+            payloads += kv_state.slice_blocks(view, size, range(start, end), num_tokens=end * size)
+        if stop > shift:
+            first = max(start, shift)
+            view = [layer.suffix for layer in cache]
+            sliced = kv_state.slice_blocks(view, size, range(first - shift, stop - shift), num_tokens=(stop - shift) * size)
+            payloads += [attrs.evolve(p, start=p.start + shift * size) for p in sliced]
         return tuple(payloads)
 
 
@@ -587,6 +703,12 @@ def _with_snapshot(payload: BlockPayload, state: Optional[tuple[Any, ...]]) -> B
     )
     mx.eval([a for group in arrays if group for a in group if a is not None])
     return attrs.evolve(payload, arrays=arrays)
+
+
+def _room(sequence: Sequence, num_tokens: int) -> int:
+    """Tokens a request's cache of ``num_tokens`` may still take: the rest
+    of its prompt and its answer (one buffer for all of them: no regrowth)."""
+    return len(sequence.prompt) - num_tokens + sequence.spec.max_tokens
 
 
 def cache_tokens(cache: Seq[Any]) -> int:
@@ -642,11 +764,16 @@ class TextRunner(CacheRunner):
 
     _batches_prefill = True
 
-    def __init__(self, model: Any, tokenizer: Any, *, prefill_chunk: int) -> None:
-        """Describe ``model``: runs one token through a fresh cache (on the MLX thread)."""
+    def __init__(self, model: Any, tokenizer: Any, *, prefill_chunk: int, shared_prefix: bool = True) -> None:
+        """Describe ``model``: runs one token through a fresh cache (on the MLX thread).
+
+        Args:
+            shared_prefix: hold a prefix that requests share once, where the
+                model allows (:attr:`ModelInfo.shared_prefix` says).
+        """
         self._model = model
         self._tokenizer = tokenizer
-        fields, self._layout = self._measure()
+        fields, self._layout = self._measure(shared_prefix=shared_prefix and install(model))
         args = getattr(model, "args", None)
         eos = getattr(tokenizer, "eos_token_ids", None) or ()
         max_context = getattr(args, "max_position_embeddings", None)
@@ -659,12 +786,12 @@ class TextRunner(CacheRunner):
         )
 
     @classmethod
-    def load(cls, path: str, *, prefill_chunk: int) -> TextRunner:
+    def load(cls, path: str, *, prefill_chunk: int, shared_prefix: bool = True) -> TextRunner:
         """Load an mlx-lm model directory (or repo id) with ``mlx_lm.load``."""
         from mlx_lm import load
 
         model, tokenizer = load(str(path))
-        return cls(model, tokenizer, prefill_chunk=prefill_chunk)
+        return cls(model, tokenizer, prefill_chunk=prefill_chunk, shared_prefix=shared_prefix)
 
     def preparer(self) -> TextPreparer:
         return TextPreparer(self._tokenizer)

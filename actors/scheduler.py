@@ -232,6 +232,8 @@ class ChunkDone:
         num_cached: prompt tokens it did not compute.
         cold_fallback: its prefix could not be rebuilt (computed whole).
         reused_last_cache: it took the last cache.
+        num_shared: prompt tokens its cache reads from a shared prefix
+            group, held once for every request that shares them.
         encoder_ran: its images went through the vision encoder (None
             without images).
         features: the encoder's output to cache, if it ran.
@@ -246,6 +248,7 @@ class ChunkDone:
     num_cached: int = 0
     cold_fallback: bool = False
     reused_last_cache: bool = False
+    num_shared: int = 0
     encoder_ran: Optional[bool] = None
     features: Any = attrs.field(default=None, eq=False, repr=False)
     first_token: Optional[int] = None
@@ -324,6 +327,7 @@ class SchedulerStatistics:
     num_cancelled: int
     num_vision_encoder_runs: int
     num_vision_encoder_skips: int
+    num_shared_prefix_tokens: int
 
 
 #: What :meth:`Scheduler.update` and :meth:`Scheduler.cancel` hand out: an
@@ -649,6 +653,7 @@ class Scheduler:
             counts["num_cached_tokens"] += chunk.num_cached
             counts["num_last_cache_reuses"] += chunk.reused_last_cache
             counts["num_cold_fallbacks"] += chunk.cold_fallback
+            counts["num_shared_prefix_tokens"] += chunk.num_shared
             if chunk.encoder_ran is not None:
                 counts["num_vision_encoder_runs"] += chunk.encoder_ran
                 counts["num_vision_encoder_skips"] += not chunk.encoder_ran

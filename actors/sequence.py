@@ -43,6 +43,7 @@ class Sequence:
         "snapshots",
         "cold_fallback",
         "reused_last_cache",
+        "num_shared",
     )
 
     def __init__(self, spec: RequestSpec) -> None:
@@ -61,6 +62,8 @@ class Sequence:
         #: Its cache was the last finished request's, cut back to the prefix
         #: (see :meth:`CacheRunner.keep`), instead of rebuilt from payloads.
         self.reused_last_cache = False
+        #: Prompt tokens its cache reads from a shared prefix group (not a copy).
+        self.num_shared = 0
 
     @property
     def request_id(self) -> str:

@@ -297,8 +297,10 @@ class VisionRunner(CacheRunner):
         )
 
     @classmethod
-    def load(cls, path: str, *, prefill_chunk: int) -> VisionRunner:
-        """Load a vision-language model directory with ``mlx_vlm.load``."""
+    def load(cls, path: str, *, prefill_chunk: int, shared_prefix: bool = False) -> VisionRunner:
+        """Load a vision-language model directory with ``mlx_vlm.load``
+        (requests hold their own copy of a prefix: ``shared_prefix`` is not
+        served here)."""
         try:
             from mlx_vlm import load
         except ImportError as error:

@@ -149,6 +149,12 @@ class RuntimeConfig:
         share_in_flight: a generation whose prefix another generation is
             computing right now waits for those blocks instead of computing
             them again (on by default; off only to measure what it saves).
+        shared_prefix: requests that begin with the same cached blocks hold
+            that prefix's KV once (one buffer per prefix, attended to once
+            per step for all of them) and own only their suffix, where the
+            model allows (``model_info.shared_prefix``: a text model whose
+            layers are all plain KV); off, each request holds a copy (only
+            to measure what it saves).
         keep_last_cache: the compute actor keeps the KV of the generation
             that finished last (one request's, beside the block pool) and
             hands it to the next one that shares its first tokens, which
@@ -173,6 +179,7 @@ class RuntimeConfig:
     prefill_budget: int = attrs.field(default=DEFAULT_PREFILL_BUDGET, validator=_int_at_least(1))
     prefill_batch: int = attrs.field(default=DEFAULT_PREFILL_BATCH, validator=_int_at_least(1))
     share_in_flight: bool = attrs.field(default=True, validator=_is_bool)
+    shared_prefix: bool = attrs.field(default=True, validator=_is_bool)
     keep_last_cache: bool = attrs.field(default=True, validator=_is_bool)
 
     def __attrs_post_init__(self) -> None:
@@ -487,6 +494,7 @@ class CacheRuntime:
                     prefill_budget=config.prefill_budget,
                     prefill_batch=config.prefill_batch,
                     keep_last_cache=config.keep_last_cache,
+                    shared_prefix=config.shared_prefix,
                     **options,
                 )
                 self._compute = ComputeHandle(await self._start_actor(compute))

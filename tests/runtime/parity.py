@@ -61,3 +61,35 @@ async def assert_clean(rt: CacheRuntime) -> None:
     assert stats.index.num_active_requests == 0
     assert stats.compute is not None and stats.compute.num_live == 0
     assert await rt.check_invariants()
+
+
+def break_prefix_rebuild(monkeypatch: Any, block_size: int) -> None:
+    """Deliberately serve the wrong KV for block 0 of every prefix rebuilt from
+    blocks, whichever way it is rebuilt: copied into the request's own cache
+    (``kv_state.reconstruct``) or held once in a shared prefix group
+    (``PrefixGroup.build``), with block 1's KV in its place."""
+    import mlx.core as mx
+
+    from mlxkv.cache import kv_state, shared_prefix
+
+    reconstruct = kv_state.reconstruct
+
+    def broken_reconstruct(*args: Any, **kwargs: Any) -> list[Any]:
+        cache = reconstruct(*args, **kwargs)
+        for layer in cache:
+            keys = getattr(layer, "keys", None)
+            if isinstance(keys, mx.array) and layer.offset >= 2 * block_size:
+                layer.keys[..., :block_size, :] = keys[..., block_size : 2 * block_size, :]
+                layer.values[..., :block_size, :] = layer.values[..., block_size : 2 * block_size, :]
+        return cache
+
+    build = shared_prefix.PrefixGroup.build.__func__  # type: ignore[attr-defined]
+
+    def broken_build(cls: Any, payloads: Any) -> Any:
+        wrong = [payloads[1], *payloads[1:]] if len(payloads) > 1 else list(payloads)
+        group = build(cls, wrong)
+        group.payloads = tuple(payloads)  # still found as the right blocks
+        return group
+
+    monkeypatch.setattr(kv_state, "reconstruct", broken_reconstruct)
+    monkeypatch.setattr(shared_prefix.PrefixGroup, "build", classmethod(broken_build))

@@ -62,21 +62,11 @@ class TestStress:
         """With every prefix rebuilt from blocks made wrong (block 0's KV
         replaced by block 1's), finished generations no longer match their
         cold runs, and the report says so."""
-        import mlx.core as mx
-
-        from mlxkv.cache import kv_state
         from mlxkv.default_model import TINY_LLAMA, ensure_model
 
-        honest = kv_state.reconstruct
+        from parity import break_prefix_rebuild
 
-        def broken(*args, **kwargs):
-            cache = honest(*args, **kwargs)
-            for layer in cache:
-                if isinstance(layer.keys, mx.array) and layer.offset >= 8:
-                    layer.keys[..., :4, :] = layer.keys[..., 4:8, :]
-            return cache
-
-        monkeypatch.setattr(kv_state, "reconstruct", broken)
+        break_prefix_rebuild(monkeypatch, 4)
         config = StressConfig(
             clients=4,
             operations=200,

@@ -24,7 +24,6 @@ from mlx_lm.generate import generate_step
 
 from mlxkv import CacheRuntime
 from mlxkv.actors import model_runner
-from mlxkv.cache import kv_state
 from mlxkv.default_model import (
     DEFAULT_MODEL,
     TINY_HYBRID,
@@ -33,7 +32,7 @@ from mlxkv.default_model import (
     ensure_model,
 )
 
-from parity import BS, assert_clean, assert_matches_cold, run
+from parity import BS, assert_clean, assert_matches_cold, break_prefix_rebuild, run
 
 TEXT_SPECS = {
     "default": DEFAULT_MODEL,
@@ -54,32 +53,29 @@ def _greedy(model: Any, prompt: list[int], steps: int) -> list[int]:
     return [int(token) for token, _ in generate_step(mx.array(prompt), model, max_tokens=steps)]
 
 
-def _swap_block_zero(cache: list[Any]) -> None:
-    """The fault: every attention layer's positions ``[0, BS)`` get block 1's KV."""
-    for layer in cache:
-        keys = getattr(layer, "keys", None)
-        if isinstance(keys, mx.array) and layer.offset >= 2 * BS:
-            layer.keys[..., :BS, :] = keys[..., BS : 2 * BS, :]
-            layer.values[..., :BS, :] = layer.values[..., BS : 2 * BS, :]
-
-
 def _break_reconstruction(monkeypatch: pytest.MonkeyPatch) -> None:
-    honest = kv_state.reconstruct
+    break_prefix_rebuild(monkeypatch, BS)
 
-    def broken(*args: Any, **kwargs: Any) -> list[Any]:
-        cache = honest(*args, **kwargs)
-        _swap_block_zero(cache)
-        return cache
 
-    monkeypatch.setattr(kv_state, "reconstruct", broken)
+def _scramble_tail(cache: list[Any], count: int = 4) -> None:
+    """The fault for a kept cache: its last ``count`` tokens get its first
+    ones' KV (the tail is what the kept cache gives beyond the cached blocks,
+    which a shared prefix takes from the pool instead)."""
+    for layer in cache:
+        layer = getattr(layer, "suffix", layer)
+        end = layer.offset
+        if isinstance(getattr(layer, "keys", None), mx.array) and end >= 2 * count:
+            layer.keys[..., end - count : end, :] = layer.keys[..., :count, :]
+            layer.values[..., end - count : end, :] = layer.values[..., :count, :]
 
 
 def _break_kept_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     honest = model_runner.CacheRunner.keep
 
     def broken(self: Any, sequence: Any, cache: list[Any], num_tokens: int) -> None:
-        _swap_block_zero(cache)
         honest(self, sequence, cache, num_tokens)
+        if self._kept is not None:
+            _scramble_tail(self._kept.cache)
 
     monkeypatch.setattr(model_runner.CacheRunner, "keep", broken)
 
@@ -113,12 +109,14 @@ async def _caught(
     *,
     keep_last_cache: bool,
     first: Any = None,
+    shared_prefix: bool = True,
     **kwargs: Any,
 ) -> None:
     """Turn 2 of a conversation equals its cold run, and diverges from it
     within :data:`STEPS` tokens once its cached prefix is broken."""
     first = _prompt(80, 1) if first is None else first
-    async with CacheRuntime(model=path, block_size=BS, keep_last_cache=keep_last_cache) as rt:
+    options = dict(block_size=BS, keep_last_cache=keep_last_cache, shared_prefix=shared_prefix)
+    async with CacheRuntime(model=path, **options) as rt:
         answer, report = await run(rt, first, max_tokens=4, **kwargs)
         second = list(report.prompt_ids) + answer + _prompt(20, 2)
         honest = await run(rt, second, max_tokens=STEPS, **kwargs)
@@ -135,15 +133,19 @@ async def _caught(
 
 
 class TestAWrongPrefixChangesTheTokens:
-    @pytest.mark.parametrize("name", ["llama", "sliding", "hybrid"])
+    @pytest.mark.parametrize("name", ["llama", "llama-copies", "sliding", "hybrid"])
     async def test_rebuilt_from_blocks(self, name, model_dir, monkeypatch):
         """A prefix rebuilt from blocks with block 0 wrong gives other greedy
-        tokens, on each text cache kind (KVCache, RotatingKVCache, ArraysCache)."""
-        path = str(ensure_model(TEXT_SPECS[name], model_dir))
-        await _caught(path, _break_reconstruction, monkeypatch, keep_last_cache=False)
+        tokens, on each text cache kind (KVCache held once in a shared
+        prefix, or copied per request; RotatingKVCache; ArraysCache)."""
+        spec = TEXT_SPECS[name.removesuffix("-copies")]
+        path = str(ensure_model(spec, model_dir))
+        await _caught(
+            path, _break_reconstruction, monkeypatch, keep_last_cache=False, shared_prefix=not name.endswith("-copies")
+        )
 
     async def test_from_the_last_cache(self, model_dir, monkeypatch):
-        """The kept last cache with block 0 wrong gives other greedy tokens."""
+        """The kept last cache with its tail wrong gives other greedy tokens."""
         path = str(ensure_model(TINY_LLAMA, model_dir))
         await _caught(path, _break_kept_cache, monkeypatch, keep_last_cache=True)
 

@@ -1,0 +1,573 @@
+"""Shared prefixes in memory: requests that begin with the same cached blocks
+hold that prefix's KV once, and own only their suffix.
+
+A :class:`PrefixGroup` is a cached prefix's keys and values, one buffer per
+layer, built once from the pool's block payloads and referenced -- never
+copied -- by every request that begins with those blocks (a request may
+use only its leading part: the blocks it shares).
+
+The cache a full-attention layer of such a request gets is a
+:class:`SharedPrefixCache` (one request) or a :class:`BatchSharedPrefixCache`
+(a decode batch, or requests prefilling together). To the model it looks
+like mlx-lm's ``KVCache``/``BatchKVCache`` with one difference:
+``update_and_fetch`` stores and returns only the request's own tokens (its
+*suffix*), while ``offset`` counts the prefix too, so rotary positions stay
+absolute; ``make_mask`` covers the suffix. The prefix is attended by
+:func:`cascade_attention`: each group's queries against its prefix in one
+matrix product, merged exactly with every row's attention over its own
+suffix through the softmax statistics (log-sum-exp: the cascade / Hydragen
+idea). Joining, leaving and merging batches copy only suffixes.
+
+The hook is explicit and narrow: :func:`install` routes the name
+``scaled_dot_product_attention`` of the modules that define a model's
+attention layers (mlx-lm's and mlx-vlm's model modules import it from their
+``base``) through a dispatcher that runs the cascade for these cache classes
+and calls the original for every other cache, so other models of those
+modules in the process are unchanged. A model whose attention does not go
+through that name is not served (``install`` says so) and keeps
+per-request copies.
+
+Exactness: on float32 the cascade equals fused attention over the
+concatenated KV within ~4e-7 (``tests/cache/test_shared_prefix.py``).
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
+
+from mlxkv.cache.kv_state import BlockPayload, KVLayer
+
+__all__ = [
+    "BatchSharedPrefixCache",
+    "PrefixGroup",
+    "PrefixGroups",
+    "SharedPrefixCache",
+    "cascade_attention",
+    "install",
+    "suffix_cache",
+    "suffix_layer",
+    "suffix_of",
+]
+
+
+class PrefixGroup:
+    """One cached prefix's KV, held once for every request that begins with it.
+
+    Owns: per layer, keys and values ``(1, kv_heads, num_tokens, head_dim)``
+    (evaluated, owned copies: no view of a block), and the payloads they were
+    built from (their identity is the group's: the pool hands every request
+    the same payload objects for the same blocks).
+
+    Invariants:
+        - never written after it is built;
+        - ``keys[i][:, :, :n]`` is the KV of the first ``n // block_size``
+          payloads for every block boundary ``n``.
+    """
+
+    __slots__ = ("payloads", "keys", "values", "__weakref__")
+
+    def __init__(self, payloads: tuple[BlockPayload, ...], keys: tuple[Any, ...], values: tuple[Any, ...]) -> None:
+        self.payloads = payloads
+        self.keys = keys
+        self.values = values
+
+    @classmethod
+    def build(cls, payloads: Sequence[BlockPayload]) -> PrefixGroup:
+        """The group of ``payloads`` (blocks ``0..n-1`` of plain KV layers)."""
+        import mlx.core as mx
+
+        keys, values = _concatenate(payloads, 0)
+        mx.eval(keys, values)
+        return cls(tuple(payloads), keys, values)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.payloads[-1].end
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (*self.keys, *self.values))
+
+    def shared_blocks(self, payloads: Sequence[BlockPayload]) -> int:
+        """How many leading ``payloads`` are this group's own blocks."""
+        count = 0
+        for mine, theirs in zip(self.payloads, payloads):
+            if mine is not theirs:
+                break
+            count += 1
+        return count
+
+
+class PrefixGroups:
+    """The live prefix groups of one model runner (MLX thread only).
+
+    Owns: weak references to the groups (a group lives as long as a cache
+    refers to it) and a count of the prefix tokens served from them.
+    """
+
+    def __init__(self) -> None:
+        self._groups: weakref.WeakSet[PrefixGroup] = weakref.WeakSet()
+
+    def take(self, payloads: Sequence[BlockPayload]) -> tuple[PrefixGroup, int]:
+        """The group to begin a request with these prefix payloads, and how
+        many of its leading blocks the request shares: the live group that
+        shares most of them, else a new group of all of them."""
+        best, shared = None, 0
+        for group in self._groups:
+            count = group.shared_blocks(payloads)
+            if count > shared:
+                best, shared = group, count
+        if best is None:
+            best, shared = PrefixGroup.build(payloads), len(payloads)
+            self._groups.add(best)
+        return best, shared
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(group.nbytes for group in self._groups)
+
+
+def suffix_cache(payloads: Sequence[BlockPayload], extra_tokens: int, num_layers: int) -> list[Any]:
+    """Plain ``KVCache`` layers holding just ``payloads`` (any run of blocks,
+    positions relative to its first; none: empty), with room for
+    ``extra_tokens`` more."""
+    if not payloads:
+        return [suffix_layer() for _ in range(num_layers)]
+    num_tokens = payloads[-1].end - payloads[0].start
+    keys, values = _concatenate(payloads, _capacity(num_tokens, extra_tokens) - num_tokens)
+    caches = []
+    for k, v in zip(keys, values):
+        layer = suffix_layer()
+        layer.keys, layer.values, layer.offset = k, v, num_tokens
+        caches.append(layer)
+    return caches
+
+
+def suffix_layer() -> Any:
+    """An empty plain ``KVCache`` for a request's own tokens (grows by :data:`SUFFIX_STEP`)."""
+    from mlx_lm.models.cache import KVCache
+
+    layer = KVCache()
+    layer.step = SUFFIX_STEP
+    return layer
+
+
+def _capacity(num_tokens: int, extra_tokens: int) -> int:
+    """Buffer size for ``num_tokens`` now and ``extra_tokens`` to come."""
+    needed = num_tokens + extra_tokens
+    return -(-needed // SUFFIX_STEP) * SUFFIX_STEP
+
+
+def suffix_of(cache: Sequence[Any], start: int, stop: int, extra_tokens: int) -> list[Any]:
+    """Plain ``KVCache`` layers holding a copy of tokens ``[start, stop)`` of
+    the plain ``KVCache`` layers ``cache``, with room for ``extra_tokens`` more."""
+    import mlx.core as mx
+
+    num_tokens = stop - start
+    room = _capacity(num_tokens, extra_tokens) - num_tokens
+    out = []
+    for layer in cache:
+        fresh = suffix_layer()
+        if num_tokens:
+            parts_k = [layer.keys[..., start:stop, :]]
+            parts_v = [layer.values[..., start:stop, :]]
+            if room:
+                b, h, _, d = layer.keys.shape
+                parts_k.append(mx.zeros((b, h, room, d), dtype=layer.keys.dtype))
+                parts_v.append(mx.zeros((b, h, room, layer.values.shape[-1]), dtype=layer.values.dtype))
+            fresh.keys, fresh.values = mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
+            fresh.offset = num_tokens
+        out.append(fresh)
+    return out
+
+
+def _concatenate(payloads: Sequence[BlockPayload], padding: int) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    import mlx.core as mx
+
+    keys, values = [], []
+    for layer, spec in enumerate(payloads[0].layers):
+        assert isinstance(spec, KVLayer), "shared prefixes hold plain KV layers only"
+        for out, part in ((keys, 0), (values, 1)):
+            arrays = [p.arrays[layer][part] for p in payloads]
+            if padding:
+                b, h, _, d = arrays[0].shape
+                arrays.append(mx.zeros((b, h, padding, d), dtype=arrays[0].dtype))
+            out.append(mx.concatenate(arrays, axis=2) if len(arrays) > 1 else mx.array(arrays[0]))
+    return tuple(keys), tuple(values)
+
+
+class SharedPrefixCache:
+    """One request's cache of one attention layer: a shared prefix and its own suffix.
+
+    Attributes:
+        group: the prefix group (None: no shared prefix).
+        layer: this layer's index in the group's buffers.
+        num_prefix: the group's leading tokens the request begins with.
+        suffix: a plain ``KVCache`` of the request's own tokens after them.
+    """
+
+    def __init__(self, group: Optional[PrefixGroup], layer: int, num_prefix: int, suffix: Any) -> None:
+        assert group is not None or num_prefix == 0, "a prefix comes with its group"
+        self.group = group
+        self.layer = layer
+        self.num_prefix = num_prefix
+        self.suffix = suffix
+
+    @property
+    def offset(self) -> int:
+        """Tokens before the next one: the prefix's and the suffix's."""
+        return self.num_prefix + self.suffix.offset
+
+    @property
+    def state(self) -> Any:
+        return self.suffix.state
+
+    @property
+    def nbytes(self) -> int:
+        return self.suffix.nbytes
+
+    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        """Store the new tokens in the suffix; the suffix's keys and values."""
+        return self.suffix.update_and_fetch(keys, values)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> Any:
+        """The suffix's mask for ``N`` new tokens (the prefix needs none)."""
+        from mlx_lm.models.base import create_causal_mask
+
+        assert window_size is None, "a shared prefix serves full attention only"
+        if N == 1:
+            return None
+        if return_array:
+            return create_causal_mask(N, offset=self.suffix.offset)
+        return "causal"
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` suffix tokens (never into the prefix)."""
+        return self.suffix.trim(min(n, self.suffix.offset))
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    def cut(self, num_tokens: int, block_size: int) -> SharedPrefixCache:
+        """This cache cut back to its first ``num_tokens`` tokens: the suffix
+        trimmed, or, if that reaches into the prefix, the prefix shortened
+        to whole blocks and the rest of it copied into a new suffix."""
+        if num_tokens >= self.num_prefix:
+            self.trim(self.offset - num_tokens)
+            return self
+        assert self.group is not None, "a cache without a prefix never cuts into one"
+        kept = num_tokens // block_size * block_size
+        keys = self.group.keys[self.layer][..., kept:num_tokens, :]
+        values = self.group.values[self.layer][..., kept:num_tokens, :]
+        suffix = suffix_layer()
+        if num_tokens > kept:
+            suffix.update_and_fetch(keys, values)
+        return SharedPrefixCache(self.group if kept else None, self.layer, kept, suffix)
+
+    def segments(self) -> list[tuple[list[int], Any, Any, list[int]]]:
+        """The prefix this cache attends to besides its suffix (see :func:`cascade_attention`)."""
+        if self.group is None or self.num_prefix == 0:
+            return []
+        keys, values = self.group.keys[self.layer], self.group.values[self.layer]
+        return [([0], keys, values, [self.num_prefix])]
+
+    def to_plain(self) -> Any:
+        """A plain ``KVCache`` of prefix and suffix (a copy of both)."""
+        import mlx.core as mx
+        from mlx_lm.models.cache import KVCache
+
+        if self.num_prefix == 0:
+            return self.suffix
+        n = self.suffix.offset
+        layer = KVCache()
+        prefix_k = self.group.keys[self.layer][..., : self.num_prefix, :]  # type: ignore[union-attr]
+        prefix_v = self.group.values[self.layer][..., : self.num_prefix, :]  # type: ignore[union-attr]
+        if n:
+            layer.keys = mx.concatenate([prefix_k, self.suffix.keys[..., :n, :]], axis=2)
+            layer.values = mx.concatenate([prefix_v, self.suffix.values[..., :n, :]], axis=2)
+        else:
+            layer.keys, layer.values = mx.array(prefix_k), mx.array(prefix_v)
+        layer.offset = self.num_prefix + n
+        return layer
+
+    @classmethod
+    def merge(cls, caches: Sequence[SharedPrefixCache]) -> BatchSharedPrefixCache:
+        """One batch cache of these requests' caches, in order (suffixes copied once)."""
+        from mlx_lm.models.cache import BatchKVCache
+
+        suffix = BatchKVCache.merge([c.suffix for c in caches])
+        suffix.step = SUFFIX_STEP
+        # The room the rows have for tokens to come stays theirs: written in
+        # place, the batch never regrows (and never holds two copies).
+        room = max((c.suffix.keys.shape[2] - c.suffix.offset for c in caches if c.suffix.keys is not None), default=0)
+        if room and suffix.keys is not None:
+            import mlx.core as mx
+
+            b, h, _, d = suffix.keys.shape
+            suffix.keys = mx.concatenate([suffix.keys, mx.zeros((b, h, room, d), dtype=suffix.keys.dtype)], axis=2)
+            suffix.values = mx.concatenate(
+                [suffix.values, mx.zeros((b, h, room, suffix.values.shape[3]), dtype=suffix.values.dtype)], axis=2
+            )
+        return BatchSharedPrefixCache([(c.group, c.num_prefix) for c in caches], caches[0].layer, suffix)
+
+
+class BatchSharedPrefixCache:
+    """A batch's cache of one attention layer: each row's shared prefix, and
+    every row's own suffix in one mlx-lm ``BatchKVCache`` (left-padded).
+
+    Attributes:
+        rows: ``(group, num_prefix)`` of each row, in batch order.
+        layer: this layer's index in the groups' buffers.
+        suffix: the rows' own tokens.
+    """
+
+    def __init__(self, rows: list[tuple[Optional[PrefixGroup], int]], layer: int, suffix: Any) -> None:
+        self.rows = rows
+        self.layer = layer
+        self.suffix = suffix
+
+    @property
+    def offset(self) -> Any:
+        """Each row's tokens before its next one: prefix and suffix."""
+        import mlx.core as mx
+
+        return mx.array([n for _, n in self.rows]) + self.suffix.offset
+
+    @property
+    def state(self) -> Any:
+        return self.suffix.state
+
+    @property
+    def nbytes(self) -> int:
+        return self.suffix.nbytes
+
+    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        return self.suffix.update_and_fetch(keys, values)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> Any:
+        assert window_size is None, "a shared prefix serves full attention only"
+        return self.suffix.make_mask(N, return_array=return_array)
+
+    def prepare(self, **kwargs: Any) -> None:
+        self.suffix.prepare(**kwargs)
+
+    def finalize(self) -> None:
+        self.suffix.finalize()
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        return self.suffix.trim(n)
+
+    def size(self) -> int:
+        return self.suffix.size()
+
+    def empty(self) -> bool:
+        return self.suffix.empty() and not any(n for _, n in self.rows)
+
+    def segments(self) -> list[tuple[list[int], Any, Any, list[int]]]:
+        """Rows grouped by prefix: ``(rows, keys, values, prefix lengths)``."""
+        by_group: dict[int, tuple[PrefixGroup, list[int], list[int]]] = {}
+        for row, (group, n) in enumerate(self.rows):
+            if group is None or n == 0:
+                continue
+            entry = by_group.setdefault(id(group), (group, [], []))
+            entry[1].append(row)
+            entry[2].append(n)
+        return [
+            (rows, group.keys[self.layer], group.values[self.layer], lengths)
+            for group, rows, lengths in by_group.values()
+        ]
+
+    def filter(self, batch_indices: Any) -> None:
+        indices = [int(i) for i in (batch_indices.tolist() if hasattr(batch_indices, "tolist") else batch_indices)]
+        self.rows = [self.rows[i] for i in indices]
+        self.suffix.filter(batch_indices)
+
+    def extend(self, other: BatchSharedPrefixCache) -> None:
+        self.rows = self.rows + other.rows
+        self.suffix.extend(other.suffix)
+
+    def extract(self, idx: int) -> SharedPrefixCache:
+        group, n = self.rows[idx]
+        return SharedPrefixCache(group, self.layer, n, self.suffix.extract(idx))
+
+
+def cascade_attention(
+    queries: Any,
+    keys: Any,
+    values: Any,
+    mask: Any,
+    scale: float,
+    segments: list[tuple[list[int], Any, Any, list[int]]],
+) -> Any:
+    """Attention over shared prefixes and each row's own suffix, merged exactly.
+
+    Args:
+        queries: ``(batch, heads, L, head_dim)``, positions already rotated.
+        keys, values: the rows' suffixes ``(batch, kv_heads, S, head_dim)``.
+        mask: the suffix's mask: None, ``"causal"`` (the last ``L`` of the
+            ``S`` positions are the queries'), or a boolean or additive array
+            broadcastable to ``(batch, 1, L, S)``.
+        scale: the softmax scale.
+        segments: ``(rows, keys, values, lengths)``: rows that attend to a
+            prefix ``(1, kv_heads, P, head_dim)``, each to its first
+            ``lengths[i]`` positions.
+
+    Returns:
+        ``(batch, heads, L, head_dim)``, as fused attention over each row's
+        prefix followed by its suffix.
+    """
+    import mlx.core as mx
+
+    batch, heads, length, dim = queries.shape
+    kv_heads = keys.shape[1]
+    repeats = heads // kv_heads
+    q = (queries * scale).reshape(batch, kv_heads, repeats, length, dim)
+    scores = q @ keys[:, :, None].swapaxes(-1, -2)  # (batch, kv_heads, repeats, L, S)
+    if mask is not None:
+        if isinstance(mask, str):
+            total = keys.shape[2]
+            allowed = mx.arange(total - length, total)[:, None] >= mx.arange(total)[None]
+            scores = mx.where(allowed, scores, -mx.inf)
+        else:
+            mask = mask.reshape(mask.shape[0], 1, 1, *mask.shape[-2:]) if mask.ndim == 4 else mask
+            scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
+    output, lse = _softmax_out(scores, values[:, :, None])
+    for rows, prefix_keys, prefix_values, lengths in segments:
+        whole = len(rows) == batch
+        index = None if whole else mx.array(rows)
+        q_rows = q if whole else q[index]
+        count, size = len(rows), prefix_keys.shape[2]
+        flat = q_rows.transpose(1, 0, 2, 3, 4).reshape(kv_heads, count * repeats * length, dim)
+        keep = None
+        if any(n < size for n in lengths):
+            keep = mx.arange(size)[None] < mx.array(lengths)[:, None]  # (rows, P)
+            keep = mx.broadcast_to(keep[:, None, None, :], (count, repeats, length, size))
+            keep = keep.reshape(1, count * repeats * length, size)
+        # The scores of many queries against a long prefix are computed a
+        # slice of the prefix at a time (merged as they go), so a prefill's
+        # transient memory stays near SCORE_ELEMENTS floats (a decode step's
+        # queries are few: one slice).
+        step = max(256, SCORE_ELEMENTS // max(1, kv_heads * count * repeats * length))
+        prefix_out = prefix_lse = None
+        for begin in range(0, size, step):
+            stop = min(size, begin + step)
+            part = flat @ prefix_keys[0][:, begin:stop].swapaxes(-1, -2)  # (kv_heads, rows*repeats*L, step)
+            if keep is not None:
+                part = mx.where(keep[..., begin:stop], part, -mx.inf)
+            out, lse_part = _softmax_out(part, prefix_values[0][:, begin:stop])
+            if prefix_out is None:
+                prefix_out, prefix_lse = out, lse_part
+            else:
+                joint = mx.logaddexp(prefix_lse, lse_part)
+                prefix_out = prefix_out * mx.exp(prefix_lse - joint) + out * mx.exp(lse_part - joint)
+                prefix_lse = joint
+            if step < size:
+                # Evaluated slice by slice: left to itself, MLX computes every
+                # slice's scores before merging any, and the transient is the
+                # whole score matrix again.
+                mx.eval(prefix_out, prefix_lse)
+        prefix_out = prefix_out.reshape(kv_heads, count, repeats, length, -1).transpose(1, 0, 2, 3, 4)
+        prefix_lse = prefix_lse.reshape(kv_heads, count, repeats, length, 1).transpose(1, 0, 2, 3, 4)
+        mine_out = output if whole else output[index]
+        mine_lse = lse if whole else lse[index]
+        both = mx.logaddexp(mine_lse, prefix_lse)
+        merged = mine_out * mx.exp(mine_lse - both) + prefix_out * mx.exp(prefix_lse - both)
+        if whole:
+            output, lse = merged, both
+        else:
+            output[index] = merged
+            lse[index] = both
+    return output.reshape(batch, heads, length, -1)
+
+
+#: Tokens a suffix's buffer grows by (mlx-lm grows a ``KVCache`` by 256): a
+#: request's own tokens are few, and every row of a batch is padded to the
+#: longest, so room beyond them is memory a shared prefix would not save.
+SUFFIX_STEP = 64
+
+#: The most prefix scores one slice of :func:`cascade_attention` computes at once.
+SCORE_ELEMENTS = 1 << 18
+
+
+def _softmax_out(scores: Any, values: Any) -> tuple[Any, Any]:
+    """Softmax-weighted ``values`` and the log-sum-exp of ``scores`` (last axis)."""
+    import mlx.core as mx
+
+    top = scores.max(-1, keepdims=True)
+    # A query that may see none of these positions contributes nothing:
+    # output 0 and log-sum-exp -inf (not 0/0).
+    top = mx.where(mx.isinf(top), 0.0, top)
+    weights = mx.exp(scores - top)
+    total = weights.sum(-1, keepdims=True)
+    return (weights @ values) / mx.maximum(total, 1e-30), top + mx.log(total)
+
+
+#: module name -> the original ``scaled_dot_product_attention`` of every
+#: module :func:`install` routed
+_ROUTED: dict[str, Callable[..., Any]] = {}
+
+
+def install(model: Any) -> bool:
+    """Route ``model``'s attention through the shared-prefix dispatcher.
+
+    The attention layers are the submodules with ``q_proj``, ``k_proj`` and
+    ``v_proj``; each must come from a module that calls a module-level
+    ``scaled_dot_product_attention`` (as mlx-lm's and mlx-vlm's models
+    do), which is replaced, once per module, by a dispatcher that runs
+    :func:`cascade_attention` for :class:`SharedPrefixCache` and
+    :class:`BatchSharedPrefixCache` and the original for anything else.
+
+    Returns:
+        Whether every attention layer is routed (else nothing is changed,
+        and the model keeps per-request copies).
+    """
+    modules = set()
+    for _, layer in model.named_modules():
+        if all(hasattr(layer, name) for name in ("q_proj", "k_proj", "v_proj")):
+            module = sys.modules.get(type(layer).__module__)
+            if module is None or not callable(getattr(module, "scaled_dot_product_attention", None)):
+                return False
+            modules.add(module)
+    if not modules:
+        return False
+    for module in modules:
+        if module.__name__ not in _ROUTED:
+            original = module.scaled_dot_product_attention
+            _ROUTED[module.__name__] = original
+            module.scaled_dot_product_attention = _dispatcher(original)
+    return True
+
+
+def _dispatcher(original: Callable[..., Any]) -> Callable[..., Any]:
+    def scaled_dot_product_attention(
+        queries: Any, keys: Any, values: Any, cache: Any, scale: float, mask: Any, sinks: Any = None
+    ) -> Any:
+        if not isinstance(cache, (SharedPrefixCache, BatchSharedPrefixCache)):
+            if sinks is None:
+                return original(queries, keys, values, cache, scale=scale, mask=mask)
+            return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+        assert sinks is None, "a shared prefix does not serve attention sinks"
+        segments = cache.segments()
+        if not segments:
+            import mlx.core as mx
+
+            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+        return cascade_attention(queries, keys, values, mask, scale, segments)
+
+    scaled_dot_product_attention.__wrapped__ = original  # type: ignore[attr-defined]
+    return scaled_dot_product_attention

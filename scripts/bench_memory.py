@@ -1,0 +1,197 @@
+"""Memory of concurrent requests over a shared prefix: mlxkv against mlx-lm and the floor.
+
+N requests begin with one cached prefix (2,048 tokens on the built-in
+model), add 32 tokens of their own and generate 32 greedily, all at once.
+Peak MLX memory above what was active just before (the model and the
+cached prefix are loaded already), side by side in one process, rounds
+alternating:
+
+- ``mlxkv``: ``CacheRuntime.generate`` for all N; the prefix is in the
+  runtime's block pool (stored by a warm-up request), and requests that
+  begin with it read one shared copy of it (``shared_prefix=True``);
+- ``mlxkv, copies``: the same with ``shared_prefix=False``: each request
+  rebuilds its own copy of the prefix, as before shared prefixes;
+- ``batch_generate``: mlx-lm's ``BatchGenerator`` given a copy of the
+  prefix cache per request (``caches=``), as ``batch_generate`` takes them;
+- ``floor``: the KV the work needs: the prefix once and each request's own
+  tokens, ``P + N * (S + T)`` tokens at the model's bytes per token.
+
+``--groups K`` splits the N requests over K different prefixes of the same
+length (K prefixes cached, each shared by N/K requests; the floor counts
+each once). Also reported: generated tokens per second of each method (the
+same greedy tokens are checked across methods).
+
+    .venv/bin/python scripts/bench_memory.py [--sizes 8,16,32,64] [--groups 1] [--rounds 3] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+PREFIX, OWN, GENERATED = 2048, 32, 32
+BLOCK = 64
+
+
+def _prefixes(groups: int) -> list[list[int]]:
+    return [[32 + (i * 37 + k * 101 + (i // 11) ** 2) % 95 for i in range(PREFIX)] for k in range(groups)]
+
+
+def _owns(round_: int, n: int) -> list[list[int]]:
+    rng = random.Random(round_ * 1000 + n)
+    return [[rng.randrange(32, 127) for _ in range(OWN)] for _ in range(n)]
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+class MlxLm:
+    """mlx-lm's BatchGenerator with a copy of the prefix cache per request."""
+
+    def __init__(self, path: str, prefixes: list[list[int]]) -> None:
+        import mlx.core as mx
+        from mlx_lm import load
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.model, self.tokenizer = load(path)
+        self.caches = []
+        for prefix in prefixes:
+            cache = make_prompt_cache(self.model)
+            for start in range(0, PREFIX, 256):
+                self.model(mx.array(prefix[start : start + 256])[None], cache=cache)
+                mx.eval([c.state for c in cache])
+            self.caches.append(cache)
+
+    def run(self, owns: list[list[int]]) -> dict[str, Any]:
+        import mlx.core as mx
+        from mlx_lm.generate import BatchGenerator
+
+        groups = len(self.caches)
+        mx.synchronize()
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        started = time.perf_counter()
+        generator = BatchGenerator(self.model, stop_tokens=[[t] for t in self.tokenizer.eos_token_ids])
+        caches = [copy.deepcopy(self.caches[i % groups]) for i in range(len(owns))]
+        uids = generator.insert(owns, [GENERATED] * len(owns), caches=caches)
+        del caches
+        out: dict[int, list[int]] = {uid: [] for uid in uids}
+        while responses := generator.next_generated():
+            for response in responses:
+                if response.finish_reason != "stop":
+                    out[response.uid].append(response.token)
+        wall = time.perf_counter() - started
+        generator.close()
+        peak = mx.get_peak_memory() - base
+        return {"peak": peak, "wall": wall, "tokens": [out[u] for u in uids]}
+
+
+async def _mlxkv(path: str, prefixes: list[list[int]], owns_by_round: list[list[list[int]]], shared: bool) -> list[dict[str, Any]]:
+    import mlx.core as mx
+
+    from mlxkv import CacheRuntime, GenerationReport
+
+    results = []
+    groups = len(prefixes)
+    async with CacheRuntime(model=path, block_size=BLOCK, shared_prefix=shared, max_blocks=4096) as rt:
+        for prefix in prefixes:  # stores each prefix's blocks in the pool
+            async with rt.generate(prefix + [33], max_tokens=1, cache_salt=None) as warm:
+                async for _ in warm:
+                    pass
+        for owns in owns_by_round:
+            reports: list[Any] = [None] * len(owns)
+
+            async def one(i: int) -> None:
+                async with rt.generate(prefixes[i % groups] + owns[i], max_tokens=GENERATED) as stream:
+                    async for record in stream:
+                        if isinstance(record, GenerationReport):
+                            reports[i] = record
+
+            mx.synchronize()
+            base = mx.get_active_memory()
+            mx.reset_peak_memory()
+            started = time.perf_counter()
+            async with anyio.create_task_group() as tg:
+                for i in range(len(owns)):
+                    tg.start_soon(one, i)
+            wall = time.perf_counter() - started
+            peak = mx.get_peak_memory() - base
+            assert all(r.cached_tokens == PREFIX // BLOCK * BLOCK for r in reports), "the prefix was not reused"
+            stats = await rt.stats()
+            results.append({"peak": peak, "wall": wall, "tokens": [list(r.tokens) for r in reports]})
+        assert stats.compute is not None
+        if shared:
+            assert stats.compute.num_shared_prefix_tokens > 0, "no request read a shared prefix"
+    return results
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    from mlxkv import CacheRuntime
+    from mlxkv.default_model import ensure_model
+
+    path = args.model or str(ensure_model())
+    prefixes = _prefixes(args.groups)
+    async with CacheRuntime(model=path) as probe:
+        per_token = probe.model_info.kv_bytes_per_token
+    mlx_lm = MlxLm(path, prefixes)
+    table: dict[int, dict[str, list[dict[str, Any]]]] = {}
+    for n in args.sizes:
+        samples: dict[str, list[dict[str, Any]]] = {"mlxkv": [], "mlxkv, copies": [], "batch_generate": []}
+        rounds = [_owns(r, n) for r in range(args.rounds)]
+        for r, owns in enumerate(rounds):
+            order = list(samples)[r % 3 :] + list(samples)[: r % 3]
+            outs = {}
+            for method in order:
+                if method == "batch_generate":
+                    outs[method] = mlx_lm.run(owns)
+                else:
+                    outs[method] = (await _mlxkv(path, prefixes, [owns], method == "mlxkv"))[0]
+                samples[method].append(outs[method])
+            reference = outs["batch_generate"]["tokens"]
+            for method in ("mlxkv", "mlxkv, copies"):
+                if outs[method]["tokens"] != reference:
+                    print(f"warning: {method} tokens differ from batch_generate's (n={n})", file=sys.stderr)
+        table[n] = samples
+    return {"per_token": per_token, "groups": args.groups, "table": table}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="8,16,32,64", help="concurrent requests (8,16,32,64)")
+    parser.add_argument("--groups", type=int, default=1, help="different prefixes the requests share (1)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per size (3)")
+    parser.add_argument("--model", help="an mlx-lm model directory (default: the built-in model)")
+    parser.add_argument("--json", help="also write the results as JSON to FILE")
+    args = parser.parse_args()
+    args.sizes = [int(s) for s in args.sizes.split(",")]
+    results = anyio.run(main_async, args)
+    per_token, groups = results["per_token"], results["groups"]
+    print(f"peak MLX memory above idle, {groups} prefix group(s) of {PREFIX} tokens, {OWN} own + {GENERATED} generated each")
+    print("| N | mlxkv | mlxkv, copies | batch_generate | floor | mlxkv / floor | tok/s mlxkv | tok/s batch_generate |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    summary = {}
+    for n, samples in results["table"].items():
+        floor = per_token * (groups * PREFIX + n * (OWN + GENERATED))
+        peaks = {m: statistics.median(s["peak"] for s in v) for m, v in samples.items()}
+        tps = {m: statistics.median(n * GENERATED / s["wall"] for s in v) for m, v in samples.items()}
+        summary[n] = {"peak": peaks, "floor": floor, "tokens_per_second": tps}
+        print(
+            f"| {n} | {_mib(peaks['mlxkv'])} | {_mib(peaks['mlxkv, copies'])} | {_mib(peaks['batch_generate'])}"
+            f" | {_mib(floor)} | {peaks['mlxkv'] / floor:.2f}x | {tps['mlxkv']:,.0f} | {tps['batch_generate']:,.0f} |"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+"""Shared prefixes in memory: the cascade equals fused attention, the cache
+classes hold suffixes only and batch them, and the hook routes only them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from mlxkv.cache import kv_state
+from mlxkv.cache.shared_prefix import (
+    BatchSharedPrefixCache,
+    PrefixGroup,
+    PrefixGroups,
+    SharedPrefixCache,
+    cascade_attention,
+    install,
+    suffix_cache,
+)
+
+TOL = 2e-6
+
+
+def _fused(q: Any, parts_k: list[Any], parts_v: list[Any], mask: Any = None) -> Any:
+    return mx.fast.scaled_dot_product_attention(
+        q, mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2), scale=q.shape[-1] ** -0.5, mask=mask
+    )
+
+
+class TestCascadeAttention:
+    @settings(max_examples=40, deadline=None)
+    @given(
+        st.integers(1, 5),  # batch
+        st.sampled_from([(2, 2), (4, 2), (4, 1)]),  # heads, kv heads
+        st.integers(1, 6),  # query length
+        st.integers(0, 2),  # groups
+        st.data(),
+    )
+    def test_equals_fused_attention_over_the_concatenation(self, batch, heads, length, num_groups, data):
+        """Rows in any prefix groups, each seeing any leading part of its
+        group's prefix, decoding or prefilling (causal over the suffix):
+        the cascade equals fused attention over each row's prefix + suffix."""
+        heads, kv_heads = heads
+        seed = data.draw(st.integers(0, 2**16))
+        rng = np.random.default_rng(seed)
+        dim, suffix = 8, length + data.draw(st.integers(0, 5))
+        q = mx.array(rng.standard_normal((batch, heads, length, dim)), dtype=mx.float32)
+        ks = mx.array(rng.standard_normal((batch, kv_heads, suffix, dim)), dtype=mx.float32)
+        vs = mx.array(rng.standard_normal((batch, kv_heads, suffix, dim)), dtype=mx.float32)
+        owner = [data.draw(st.integers(-1, num_groups - 1)) for _ in range(batch)]
+        segments = []
+        prefixes = []
+        for g in range(num_groups):
+            size = data.draw(st.integers(1, 600))
+            kp = mx.array(rng.standard_normal((1, kv_heads, size, dim)), dtype=mx.float32)
+            vp = mx.array(rng.standard_normal((1, kv_heads, size, dim)), dtype=mx.float32)
+            rows = [b for b in range(batch) if owner[b] == g]
+            lengths = [data.draw(st.integers(1, size)) for _ in rows]
+            prefixes.append((kp, vp, dict(zip(rows, lengths))))
+            if rows:
+                segments.append((rows, kp, vp, lengths))
+        mask = "causal" if length > 1 else None
+        out = cascade_attention(q, ks, vs, mask, dim**-0.5, segments)
+        for b in range(batch):
+            parts_k, parts_v = [], []
+            if owner[b] >= 0:
+                kp, vp, lengths = prefixes[owner[b]]
+                parts_k.append(kp[:, :, : lengths[b]])
+                parts_v.append(vp[:, :, : lengths[b]])
+            full_mask = None
+            if length > 1:
+                seen = sum(p.shape[2] for p in parts_k) + suffix
+                full_mask = mx.arange(seen - length, seen)[:, None] >= mx.arange(seen)[None]
+            expected = _fused(q[b : b + 1], [*parts_k, ks[b : b + 1]], [*parts_v, vs[b : b + 1]], full_mask)
+            np.testing.assert_allclose(np.array(out[b : b + 1]), np.array(expected), atol=TOL, rtol=0)
+
+    def test_a_long_prefix_in_slices_equals_one_slice(self, monkeypatch):
+        """Many queries against a long prefix are scored a slice at a time:
+        the same result as one slice."""
+        import mlxkv.cache.shared_prefix as module
+
+        rng = np.random.default_rng(3)
+        q = mx.array(rng.standard_normal((4, 4, 16, 8)), dtype=mx.float32)
+        ks = mx.array(rng.standard_normal((4, 2, 16, 8)), dtype=mx.float32)
+        kp = mx.array(rng.standard_normal((1, 2, 3000, 8)), dtype=mx.float32)
+        segments = [([0, 1, 2, 3], kp, kp * 0.5, [3000, 2000, 1000, 10])]
+        whole = cascade_attention(q, ks, ks, "causal", 0.3, segments)
+        monkeypatch.setattr(module, "SCORE_ELEMENTS", 1 << 10)
+        sliced = cascade_attention(q, ks, ks, "causal", 0.3, segments)
+        np.testing.assert_allclose(np.array(sliced), np.array(whole), atol=TOL, rtol=0)
+
+
+def _payloads(model: Any, tokens: list[int], block: int) -> tuple[Any, ...]:
+    cache = make_prompt_cache(model)
+    model(mx.array(tokens)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    return tuple(kv_state.slice_blocks(cache, block, range(len(tokens) // block), num_tokens=len(tokens)))
+
+
+class TestCaches:
+    def test_a_group_is_found_by_its_blocks_and_shared(self, tiny_llama):
+        """A request whose payloads begin with a live group's blocks shares
+        that group (as many blocks as match); other payloads make a new one;
+        a group lives only while something refers to it."""
+        model, _ = tiny_llama
+        payloads = _payloads(model, list(range(64)), 16)
+        groups = PrefixGroups()
+        first, shared = groups.take(payloads)
+        assert shared == 4 and len(groups) == 1 and first.num_tokens == 64
+        again, shared = groups.take(payloads[:2])
+        assert again is first and shared == 2
+        other, shared = groups.take(_payloads(model, list(range(100, 132)), 16))
+        assert other is not first and shared == 2 and len(groups) == 2
+        del first, again, other
+        import gc
+
+        gc.collect()
+        assert len(groups) == 0
+
+    def test_a_request_holds_only_its_suffix(self, tiny_llama):
+        """Over a shared prefix, a request's own cache is its suffix: its
+        offset counts the prefix, update_and_fetch returns the suffix only."""
+        model, _ = tiny_llama
+        payloads = _payloads(model, list(range(64)), 16)
+        group = PrefixGroup.build(payloads)
+        (suffix, *_rest) = suffix_cache((), 8, 2)
+        cache = SharedPrefixCache(group, 0, 48, suffix)
+        assert cache.offset == 48 and cache.nbytes == 0
+        k = mx.zeros((1, 2, 3, 16))
+        keys, values = cache.update_and_fetch(k, k)
+        assert keys.shape[2] == 3 and cache.offset == 51
+        plain = cache.to_plain()
+        assert isinstance(plain, KVCache) and plain.offset == 51
+        np.testing.assert_array_equal(np.array(plain.keys[..., :48, :]), np.array(group.keys[0][..., :48, :]))
+
+    def test_batches_merge_filter_extend_and_extract_suffixes(self, tiny_llama):
+        """A batch of requests over prefixes keeps each row's group and prefix
+        length; filtering, extending and extracting move suffixes only."""
+        model, _ = tiny_llama
+        group = PrefixGroup.build(_payloads(model, list(range(64)), 16))
+        caches = []
+        for n, own in ((64, 3), (32, 5), (0, 7)):
+            suffix = KVCache()
+            suffix.update_and_fetch(mx.ones((1, 2, own, 16)) * own, mx.ones((1, 2, own, 16)))
+            caches.append(SharedPrefixCache(group if n else None, 0, n, suffix))
+        batch = SharedPrefixCache.merge(caches)
+        assert isinstance(batch, BatchSharedPrefixCache)
+        assert np.array(batch.offset).tolist() == [67, 37, 7]
+        assert [rows for rows, *_ in batch.segments()] == [[0, 1]]
+        batch.filter(mx.array([1, 2]))
+        assert np.array(batch.offset).tolist() == [37, 7]
+        more = SharedPrefixCache.merge([caches[0]])
+        batch.extend(more)
+        assert np.array(batch.offset).tolist() == [37, 7, 67]
+        row = batch.extract(2)
+        assert isinstance(row, SharedPrefixCache) and row.group is group and row.num_prefix == 64
+        assert row.suffix.offset == 3 and float(row.suffix.keys[0, 0, 0, 0]) == 3.0
+
+    def test_a_cut_into_the_prefix_keeps_whole_blocks(self, tiny_llama):
+        """Cut back into its prefix, a cache keeps the whole blocks as its
+        prefix and copies the partial block's tokens into its suffix."""
+        model, _ = tiny_llama
+        group = PrefixGroup.build(_payloads(model, list(range(64)), 16))
+        cache = SharedPrefixCache(group, 1, 64, KVCache())
+        cut = cache.cut(40, 16)
+        assert (cut.num_prefix, cut.suffix.offset, cut.offset) == (32, 8, 40)
+        np.testing.assert_array_equal(
+            np.array(cut.suffix.keys[..., :8, :]), np.array(group.keys[1][..., 32:40, :])
+        )
+
+
+class TestInstall:
+    def test_routes_a_model_and_leaves_other_caches_alone(self, tiny_llama):
+        """After install, the model's attention module name is the dispatcher;
+        the same model with ordinary caches computes exactly as before."""
+        import mlx_lm.models.llama as llama
+
+        model, _ = tiny_llama
+        x = mx.array([[1, 2, 3, 4]])
+        before = model(x, cache=make_prompt_cache(model))
+        assert install(model)
+        assert install(model)  # once per module, whatever the calls
+        assert hasattr(llama.scaled_dot_product_attention, "__wrapped__")
+        assert not hasattr(llama.scaled_dot_product_attention.__wrapped__, "__wrapped__")
+        after = model(x, cache=make_prompt_cache(model))
+        assert mx.array_equal(before, after).item()
+
+    def test_a_model_without_the_name_is_not_served(self):
+        """A model whose attention does not call a module-level
+        scaled_dot_product_attention is refused, and nothing changes."""
+        import mlx.nn as nn
+
+        class Attention(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.q_proj = self.k_proj = self.v_proj = nn.Linear(2, 2)
+
+        class Model(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.layers = [Attention()]
+
+        assert not install(Model())
+
+    @pytest.mark.parametrize("name", ["sliding_llama", "hybrid_model"])
+    def test_only_plain_kv_models_share(self, name, request):
+        """A sliding window or recurrent layers keep copies: the runner says so."""
+        from mlxkv.actors.model_runner import TextRunner
+
+        model, tokenizer = request.getfixturevalue(name)
+        assert not TextRunner(model, tokenizer, prefill_chunk=64).info.shared_prefix
+        plain = request.getfixturevalue("tiny_llama")
+        assert TextRunner(*plain, prefill_chunk=64).info.shared_prefix
