@@ -9,6 +9,8 @@ Subcommands:
   (``scripts/bench_e2e.py``).
 - ``mlxkv stress``: the runtime under concurrent random load, with optional
   faults; exits 1 if any invariant is violated (see :mod:`mlxkv.stress`).
+- ``mlxkv serve``: an OpenAI-compatible HTTP server on the runtime (the
+  ``server`` extra; see :mod:`mlxkv.server`).
 
 Every bad option or input -- an unparsable or out-of-range option, a model
 that does not load, a workload or prompt beyond the model's context -- is one
@@ -33,6 +35,7 @@ import anyio
 import attrs
 
 from mlxkv.cache.errors import CacheError, InvalidInput
+from mlxkv.server.cli import add_serve_parser, serve_command
 
 if TYPE_CHECKING:
     from mlxkv.workload import WorkloadReport
@@ -460,6 +463,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     _run_parser(subparsers)
     _bench_parser(subparsers)
     _stress_parser(subparsers)
+    add_serve_parser(subparsers)
     args = parser.parse_args(argv)
     if args.command == "stress":  # it provokes failures on purpose and reports them itself
         _show_warnings(logging.ERROR)
@@ -469,7 +473,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _show_warnings(logging.WARNING, hidden=SUMMARIZED_EVENTS)
     else:
         _show_warnings(logging.WARNING)
-    command = {"run": _run, "bench": _bench, "stress": _stress}[args.command]
+    command = {"run": _run, "bench": _bench, "stress": _stress, "serve": serve_command}[args.command]
     try:
         return command(args)
     except KeyboardInterrupt:
