@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -61,15 +62,13 @@ def stop(process: subprocess.Popen[str], signum: int = signal.SIGINT) -> tuple[i
     return process.returncode, err.splitlines()
 
 
-pytestmark = pytest.mark.skipif(
-    any(
-        __import__("importlib").util.find_spec(m) is None
-        for m in ("starlette", "hypercorn", "prometheus_client")
-    ),
+needs_server = pytest.mark.skipif(
+    any(find_spec(module) is None for module in ("starlette", "hypercorn", "prometheus_client")),
     reason="needs the server extra",
 )
 
 
+@needs_server
 class TestServeCommand:
     """The command, its README examples and its shutdown."""
 
@@ -149,21 +148,21 @@ class TestServeCommand:
         assert done.stdout == shown
 
 
-class TestServeErrors:
-    """Bad usage is one line on standard error and exit status 2."""
+def run_cli(
+    model_dir: Path, *args: str, code: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``mlxkv serve ARGS`` (or python ``code``) in a fresh process, to its end."""
+    ensure_model(DEFAULT_MODEL, model_dir)
+    command = (
+        [sys.executable, "-c", code]
+        if code
+        else [sys.executable, "-m", "mlxkv.cli", "serve", *args]
+    )
+    return subprocess.run(command, env=env(model_dir), capture_output=True, text=True, timeout=60)
 
-    def run(
-        self, model_dir: Path, *args: str, code: str | None = None
-    ) -> subprocess.CompletedProcess[str]:
-        ensure_model(DEFAULT_MODEL, model_dir)
-        command = (
-            [sys.executable, "-c", code]
-            if code
-            else [sys.executable, "-m", "mlxkv.cli", "serve", *args]
-        )
-        return subprocess.run(
-            command, env=env(model_dir), capture_output=True, text=True, timeout=60
-        )
+
+class TestWithoutTheExtra:
+    """The plain install: ``mlxkv serve`` says what it needs."""
 
     def test_without_the_server_extra(self, model_dir: Path):
         """Without Starlette/Hypercorn/prometheus-client: one line naming the extra."""
@@ -171,11 +170,16 @@ class TestServeErrors:
             "import sys; sys.modules['hypercorn'] = None\n"
             "from mlxkv.cli import main; sys.exit(main(['serve']))"
         )
-        done = self.run(model_dir, code=code)
+        done = run_cli(model_dir, code=code)
         assert done.returncode == 2
         assert done.stderr.splitlines() == [
             "mlxkv serve: needs the server extra: pip install 'mlxkv[server]' (hypercorn is not installed)"
         ]
+
+
+@needs_server
+class TestServeErrors:
+    """Bad usage is one line on standard error and exit status 2."""
 
     @pytest.mark.parametrize(
         ("args", "needle"),
@@ -188,7 +192,7 @@ class TestServeErrors:
     )
     def test_bad_options_are_one_line(self, model_dir: Path, args: tuple[str, ...], needle: str):
         """A bad setting, or a model that does not load: one line naming it, exit 2."""
-        done = self.run(model_dir, *args)
+        done = run_cli(model_dir, *args)
         assert done.returncode == 2, done.stderr
         lines = done.stderr.splitlines()
         assert len(lines) == 1 and lines[0].startswith("mlxkv serve: ") and needle in lines[0], (
@@ -201,7 +205,7 @@ class TestServeErrors:
             taken.bind(("127.0.0.1", 0))
             taken.listen()
             port = taken.getsockname()[1]
-            done = self.run(model_dir, "--port", str(port))
+            done = run_cli(model_dir, "--port", str(port))
         assert done.returncode == 2
         assert done.stderr.splitlines() == [
             f"mlxkv serve: cannot listen on 127.0.0.1:{port}: Address already in use"
