@@ -25,9 +25,6 @@ import anyio
 
 from mlxkv.errors import CacheError, InvalidInput
 
-if sys.version_info < (3, 11):  # pragma: no cover
-    from exceptiongroup import BaseExceptionGroup
-
 __all__ = ["add_serve_parser", "serve_command"]
 
 _USAGE = 2
@@ -206,47 +203,37 @@ async def _serve(
     stop = anyio.Event()
     received: list[int] = []
     server: Optional[OpenAIServer] = None
-    try:
-        async with anyio.create_task_group() as tg:
+    failure: Optional[CacheError] = None
+    async with anyio.create_task_group() as tg:
 
-            async def on_signals() -> None:
-                with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                    async for signum in signals:
-                        received.append(signum)
-                        if server is None or len(received) > 2:
-                            tg.cancel_scope.cancel()  # still loading, or a third signal
-                        elif len(received) == 1:
-                            stop.set()  # drain: running requests get the grace period
-                        else:
-                            server.cancel_requests()  # no more grace
+        async def on_signals() -> None:
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for signum in signals:
+                    received.append(signum)
+                    if server is None or len(received) > 2:
+                        tg.cancel_scope.cancel()  # still loading, or a third signal
+                    elif len(received) == 1:
+                        stop.set()  # drain: running requests get the grace period
+                    else:
+                        server.cancel_requests()  # no more grace
 
-            tg.start_soon(on_signals)
+        tg.start_soon(on_signals)
+        try:
             async with CacheRuntime(runtime_config) as rt:
                 chat = await load_chat_template(runtime_config.model)
                 server = OpenAIServer(rt, server_config, chat=chat)
-                url = url_of(sock)
                 print(
-                    f"mlxkv serve: {url}/v1 serves {server_config.model_name} (Ctrl-C stops it)",
+                    f"mlxkv serve: {url_of(sock)}/v1 serves {server_config.model_name}"
+                    " (Ctrl-C stops it)",
                     file=sys.stderr,
                     flush=True,
                 )
                 await serve(
                     server, sock, shutdown_trigger=stop.wait, graceful_timeout=graceful_timeout
                 )
-            tg.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        raise _sole(group) from None
+        except CacheError as error:  # kept out of the task group's exception group
+            failure = error
+        tg.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
     return received[0] if received else signal.SIGINT
-
-
-def _sole(group: BaseExceptionGroup) -> BaseException:
-    """The one error a task group raised, unwrapped (else the group itself)."""
-    leaves = []
-    pending = [group]
-    while pending:
-        for error in pending.pop().exceptions:
-            if isinstance(error, BaseExceptionGroup):
-                pending.append(error)
-            else:
-                leaves.append(error)
-    return leaves[0] if len(leaves) == 1 else group
