@@ -35,12 +35,17 @@ user sees it) p50/p95 for each turn, the prompt tokens the server says it
 reused (``usage.prompt_tokens_details.cached_tokens``; vllm-mlx does not
 report them), and the greedy answers compared with mlxkv's in the same
 round (a trailing U+FFFD aside: servers differ in how they flush a last
-incomplete UTF-8 character at ``max_tokens``). Each server first answers one
-untimed request about another text (compilation, allocation). Rounds
-alternate the servers' order; the table shows the medians over rounds.
+incomplete UTF-8 character at ``max_tokens``; the time to the first text
+includes the decode steps until a first complete character, often two or
+three on the built-in model's random bytes). Each server first runs
+``--warmup`` untimed passes of the same workload over other texts (1), so
+that the timed pass meets a server that has been up a while (kernels for
+every prefill and batch shape built, buffers allocated); ``--warmup 0``
+times a fresh process's first requests. Rounds alternate the servers'
+order; the table shows the medians over rounds.
 
     .venv/bin/python scripts/bench_serve.py [--rounds 3] [--servers mlxkv,mlx-lm,vllm-mlx,vllm-mlx-paged]
-                                            [--model DIR] [--json FILE] [--logs DIR]
+                                            [--model DIR] [--warmup 1] [--json FILE] [--logs DIR]
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import anyio
+import attrs
 import httpx
 
 REPO = Path(__file__).resolve().parent.parent
@@ -97,15 +103,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def workload(
-    model: str, args: argparse.Namespace
-) -> tuple[list[str], list[list[str]], list[dict[str, str]]]:
-    """The system prompts, each conversation's user messages, and the warm-up messages."""
+@attrs.frozen
+class Texts:
+    """One pass of the workload: the system prompts and each conversation's two user messages."""
+
+    systems: list[str]
+    users: list[list[str]]
+
+
+def workload(model: str, args: argparse.Namespace, *, seed: int, label: str) -> Texts:
+    """The texts of one pass, cut to exact token counts with the model's tokenizer."""
     import mlx_lm  # noqa: F401  (quiets transformers' advisory warnings)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    rng = random.Random(args.seed)
+    rng = random.Random(seed)
 
     def text(prefix: str, tokens: int) -> str:
         words = prefix + " ".join(rng.choice(_WORDS) for _ in range(tokens))
@@ -117,17 +129,13 @@ def workload(
         return cut
 
     systems = [
-        text(f"System prompt {i}: you are a helpful assistant. ", args.system_tokens)
+        text(f"{label} {i}: you are a helpful assistant. ", args.system_tokens)
         for i in range(args.system_prompts)
     ]
     users = [
         [text("User: ", args.user_tokens) for _ in range(2)] for _ in range(args.conversations)
     ]
-    warmup = [
-        {"role": "system", "content": text("Warm up: ", 64)},
-        {"role": "user", "content": text("Hi: ", 16)},
-    ]
-    return systems, users, warmup
+    return Texts(systems, users)
 
 
 async def ask(
@@ -170,33 +178,42 @@ async def ask(
     }
 
 
+async def conversations(
+    client: httpx.AsyncClient, name: str, texts: Texts, args: argparse.Namespace
+) -> tuple[dict[tuple[int, int], dict[str, Any]], float]:
+    """One pass: every conversation's two turns, at most ``concurrency`` requests
+    in flight; each request's record by (conversation, turn), and the wall time."""
+    limiter = anyio.CapacityLimiter(args.concurrency)
+    records: dict[tuple[int, int], dict[str, Any]] = {}
+
+    async def conversation(index: int) -> None:
+        messages = [{"role": "system", "content": texts.systems[index % len(texts.systems)]}]
+        for turn in range(2):
+            messages.append({"role": "user", "content": texts.users[index][turn]})
+            async with limiter:
+                record = await ask(client, name, messages, args.max_tokens)
+            records[index, turn] = record
+            messages.append({"role": "assistant", "content": record["text"]})
+
+    started = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        # Turns of one conversation are sequential; conversations start in order.
+        for index in range(args.conversations):
+            tg.start_soon(conversation, index)
+    return records, time.perf_counter() - started
+
+
 async def run_workload(
-    url: str, name: str, work: tuple, args: argparse.Namespace
+    url: str, name: str, passes: list[Texts], args: argparse.Namespace
 ) -> dict[str, Any]:
-    """Warm up, then the conversations; the round's measures."""
-    systems, users, warmup = work
+    """Every pass but the last untimed (the warm-up), then the last; its measures."""
     limits = httpx.Limits(
         max_connections=2 * args.concurrency, max_keepalive_connections=2 * args.concurrency
     )
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        await ask(client, name, warmup, args.max_tokens)
-        limiter = anyio.CapacityLimiter(args.concurrency)
-        records: dict[tuple[int, int], dict[str, Any]] = {}
-
-        async def conversation(index: int) -> None:
-            messages = [{"role": "system", "content": systems[index % len(systems)]}]
-            for turn in range(2):
-                messages.append({"role": "user", "content": users[index][turn]})
-                async with limiter:
-                    record = await ask(client, name, messages, args.max_tokens)
-                records[index, turn] = record
-                messages.append({"role": "assistant", "content": record["text"]})
-
-        started = time.perf_counter()
-        async with anyio.create_task_group() as tg:
-            for index in range(args.conversations):
-                tg.start_soon(conversation, index)
-        wall = time.perf_counter() - started
+        for texts in passes[:-1]:
+            await conversations(client, name, texts, args)
+        records, wall = await conversations(client, name, passes[-1], args)
     generated = [r["completion_tokens"] for r in records.values()]
     result: dict[str, Any] = {
         "wall_s": round(wall, 3),
@@ -224,7 +241,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def one_run(
-    server: str, model: str, work: tuple, args: argparse.Namespace, logs: Path, round_: int
+    server: str, model: str, passes: list[Texts], args: argparse.Namespace, logs: Path, round_: int
 ) -> dict[str, Any]:
     """Start ``server`` fresh, wait until it answers, run the workload, stop it."""
     port = free_port()
@@ -244,7 +261,7 @@ def one_run(
     try:
         wait_ready(url, process, timeout=180)
         # Every server takes the model's path as its name.
-        return anyio.run(run_workload, url, model, work, args)
+        return anyio.run(run_workload, url, model, passes, args)
     finally:
         process.send_signal(signal.SIGINT)
         try:
@@ -358,6 +375,9 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--warmup", type=int, default=1, help="untimed passes over other texts first (1)"
+    )
+    parser.add_argument(
         "--json", metavar="FILE", help="also write every round and the medians as JSON"
     )
     parser.add_argument(
@@ -382,12 +402,16 @@ def main() -> int:
         model = str(ensure_model())
     logs = args.logs or Path(tempfile.mkdtemp(prefix="bench-serve-"))
     logs.mkdir(parents=True, exist_ok=True)
-    work = workload(model, args)
+    passes = [
+        workload(model, args, seed=args.seed + 1 + i, label=f"Warm-up {i}")
+        for i in range(args.warmup)
+    ]
+    passes.append(workload(model, args, seed=args.seed, label="System prompt"))
     runs: list[dict[str, Any]] = []
     for round_ in range(args.rounds):
         order = servers if round_ % 2 == 0 else servers[::-1]
         for server in order:
-            result = one_run(server, model, work, args, logs, round_)
+            result = one_run(server, model, passes, args, logs, round_)
             result.update(server=server, round=round_)
             runs.append(result)
             print(

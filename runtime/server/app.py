@@ -281,15 +281,19 @@ class OpenAIServer:
             await anyio.sleep(0.01)
 
     async def _body(self, request: Request) -> bytes:
+        """The request body, refused (413) past ``max_body_bytes`` before it is all read."""
         limit = self.config.max_body_bytes
+        too_large = ApiError(413, f"the request body is over {limit} bytes", code="body_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(
-                    413, f"the request body is over {limit} bytes", code="body_too_large"
-                )
-            chunks.append(chunk)
+        async with contextlib.aclosing(request.stream()) as stream:
+            async for chunk in stream:
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
         return b"".join(chunks)
 
     def _tenant(self, request: Request) -> Optional[str]:

@@ -359,12 +359,19 @@ class TestErrors:
 
     async def test_admission_limit_is_503_with_a_bounded_queue(self, serve):
         """With one slot and a queue of one, a third request is refused at once with
-        503 "overloaded"; the queued one runs once the slot is free."""
+        503 "overloaded"; the queued one runs once the slot is free; one that gives
+        up while queued leaves the queue."""
         async with serve(server_options={"max_concurrent": 1, "max_queue": 1}) as s:
             holding = await s.client.chat.completions.create(
                 model="tiny", messages=chat("Go on."), max_tokens=20000, stream=True, **GREEDY
             )
             await holding.__anext__()  # admitted and generating
+            with anyio.move_on_after(0.5):  # queued behind it, then the client leaves
+                await s.client.completions.create(model="tiny", prompt="hi", max_tokens=2)
+                pytest.fail("admitted beyond the limit")
+            with anyio.fail_after(5):
+                while s.server.admission.statistics().num_waiting:
+                    await anyio.sleep(0.01)
             queued: list[Any] = []
 
             async def wait_in_queue() -> None:
@@ -391,6 +398,20 @@ class TestErrors:
                     await anyio.sleep(0.01)
             stats = s.server.admission.statistics()
             assert (stats.num_refused, stats.num_waiting, stats.num_admitted) == (1, 0, 2)
+            metrics = await _metrics(s.url)
+            assert (
+                metrics['mlxkv_requests_total{endpoint="completions",outcome="disconnected"}'] == 1
+            )
+            assert metrics['mlxkv_requests_total{endpoint="completions",outcome="overloaded"}'] == 1
+
+    async def test_body_over_the_limit_is_413(self, serve):
+        """A body larger than ``max_body_bytes`` is refused before it is parsed."""
+        async with serve(server_options={"max_body_bytes": 1000}) as s:
+            with pytest.raises(openai.APIStatusError) as caught:
+                await s.client.completions.create(model="tiny", prompt="x" * 2000, max_tokens=1)
+            assert caught.value.status_code == 413 and caught.value.body["code"] == "body_too_large"
+            small = await s.client.completions.create(model="tiny", prompt="x" * 500, max_tokens=1)
+            assert small.usage.prompt_tokens == 500
 
     async def test_closed_runtime_is_503(self, serve):
         """Once the runtime is closed, generation requests and /health answer 503."""

@@ -25,7 +25,7 @@ def test_bench_serve_runs_and_reports(model_dir: Path, tmp_path: Path):
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--servers", "mlxkv", "--rounds", "1", "--conversations", "2",
          "--system-prompts", "1", "--system-tokens", "64", "--user-tokens", "8", "--max-tokens", "4",
-         "--concurrency", "2", "--json", str(out), "--logs", str(tmp_path / "logs")],
+         "--concurrency", "2", "--warmup", "0", "--json", str(out), "--logs", str(tmp_path / "logs")],
         env={**os.environ, "MLXKV_CACHE_DIR": str(model_dir)}, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
