@@ -3,7 +3,11 @@
 Plain Python, no I/O: :class:`StopMatcher` is fed the text pieces of the
 generated tokens and says what may be sent on. It holds back a tail that
 could be the start of a stop string (so nothing sent is ever taken back) and,
-once a stop string is complete, gives the text before it and stops.
+once a stop string is complete, gives the text before it and stops. As a
+stream must, it stops at the first piece that completes a stop string (the
+generation ends with that token), cutting at the earliest stop string in the
+text so far: a longer one that began earlier but would need the next piece
+does not count.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ class StopMatcher:
 
     Invariants:
         - every text returned by :meth:`feed` and :meth:`flush`, joined, is
-          the fed text up to the first occurrence of any stop string (all of
-          it, if none occurs), in order;
+          the fed text (all of it, if no stop string occurs in it), or, after
+          the first piece whose text so far holds a stop string, the text
+          before the earliest one there;
         - the held tail is shorter than the longest stop string, and is a
           prefix of one of them.
     """

@@ -45,17 +45,30 @@ class TestStopMatcher:
         """Without stop strings every piece goes through at once."""
         assert run([], ["a", "", "b"]) == (["a", "", "b", ""], False)
 
+    def test_the_first_stop_completed_wins(self):
+        """A stop string completed by a piece ends the text, even if a longer one that
+        began earlier would have completed with the next piece (as a stream must)."""
+        assert run(["E", "DED"], ["DDE", "D"]) == (["DD"], True)
+        assert run(["E", "DED"], ["DDED"]) == (["D"], True)
+
     @given(
         text=st.text(alphabet="abEND", max_size=40),
         cuts=st.lists(st.integers(0, 40), max_size=8),
         stops=st.lists(st.text(alphabet="abEND", min_size=1, max_size=4), min_size=1, max_size=3),
     )
-    def test_matches_a_plain_search(self, text: str, cuts: list[int], stops: list[str]):
-        """However the text is cut into pieces, what is sent is the text up to the
-        first occurrence of any stop string (all of it if none occurs)."""
+    def test_matches_a_search_after_each_piece(self, text: str, cuts: list[int], stops: list[str]):
+        """However the text is cut into pieces, what is sent is what a search of the
+        text so far after each piece gives: all of it if no stop string occurs, else
+        the text before the earliest occurrence found after the first piece that
+        completes one."""
         bounds = sorted({0, len(text), *(min(c, len(text)) for c in cuts)})
         pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
-        found = [i for i in (text.find(s) for s in stops) if i >= 0]
+        expected, stops_at = text, None
+        for end in bounds[1:]:
+            found = [i for i in (text[:end].find(s) for s in stops) if i >= 0]
+            if found:
+                expected, stops_at = text[: min(found)], end
+                break
         out, stopped = run(stops, pieces)
-        assert stopped == bool(found)
-        assert "".join(out) == (text[: min(found)] if found else text)
+        assert stopped == (stops_at is not None)
+        assert "".join(out) == expected
