@@ -42,7 +42,9 @@ three on the built-in model's random bytes). Each server first runs
 that the timed pass meets a server that has been up a while (kernels for
 every prefill and batch shape built, buffers allocated); ``--warmup 0``
 times a fresh process's first requests. Rounds alternate the servers'
-order; the table shows the medians over rounds.
+order; the table shows the medians over rounds, then mlxkv's paired ratios
+against each server (the median over rounds of each round's own ratio,
+steadier than a ratio of medians on a machine whose load drifts).
 
     .venv/bin/python scripts/bench_serve.py [--rounds 3] [--servers mlxkv,mlx-lm,vllm-mlx,vllm-mlx-paged]
                                             [--model DIR] [--warmup 1] [--json FILE] [--logs DIR]
@@ -342,16 +344,33 @@ def table(summary: dict[str, dict[str, Any]], conversations: int) -> str:
     lines = [
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows
     ]
-    ours = summary.get("mlxkv")
-    if ours:
-        for server, m in summary.items():
-            if server == "mlxkv" or m["tokens_per_s"] is None or ours["tokens_per_s"] is None:
-                continue
-            ratios = [f"{ours['tokens_per_s'] / m['tokens_per_s']:.2f}x tokens/s"]
-            for key in ("ttft_t1_p95_ms", "ttft_t2_p95_ms"):
-                ratios.append(f"{key[5:7]} p95 {m[key] / ours[key]:.2f}x lower")
-            lines.append(f"mlxkv vs {LABELS[server]}: " + ", ".join(ratios))
+    for server, m in summary.items():
+        paired = m.get("paired")
+        if paired:
+            lines.append(
+                f"mlxkv vs {LABELS[server]} (median of each round's ratio):"
+                f" {paired['tokens_per_s']:.2f}x generated tokens/s,"
+                f" TTFT p95 {paired['ttft_t1_p95_ms']:.2f}x lower on turn 1,"
+                f" {paired['ttft_t2_p95_ms']:.2f}x on turn 2"
+            )
     return "\n".join(lines)
+
+
+def paired_ratios(runs: list[dict[str, Any]], server: str) -> dict[str, float]:
+    """The median over rounds of mlxkv's advantage over ``server`` in that round
+    (runs next to each other: steadier than a ratio of medians when the machine drifts)."""
+    ratios: dict[str, list[float]] = {
+        "tokens_per_s": [],
+        "ttft_t1_p95_ms": [],
+        "ttft_t2_p95_ms": [],
+    }
+    for theirs in (r for r in runs if r["server"] == server):
+        ours = next(r for r in runs if r["server"] == "mlxkv" and r["round"] == theirs["round"])
+        if theirs["tokens_per_s"]:
+            ratios["tokens_per_s"].append(ours["tokens_per_s"] / theirs["tokens_per_s"])
+        for key in ("ttft_t1_p95_ms", "ttft_t2_p95_ms"):
+            ratios[key].append(theirs[key] / ours[key])
+    return {key: statistics.median(values) for key, values in ratios.items() if values}
 
 
 def main() -> int:
@@ -437,6 +456,7 @@ def main() -> int:
                 for r in mine
             ]
             summary[server]["agree"] = min(agreements)
+            summary[server]["paired"] = paired_ratios(runs, server)
     total = args.conversations * 2
     print(
         f"{args.conversations} two-turn conversations over {args.system_prompts} system prompts of"
