@@ -57,6 +57,7 @@ import json
 import math
 import os
 import random
+import shlex
 import signal
 import socket
 import statistics
@@ -87,10 +88,13 @@ _WORDS = (
 ).split()
 
 
-def command(server: str, model: str, port: int, vllm_python: Path) -> list[str]:
+def command(
+    server: str, model: str, port: int, vllm_python: Path, mlxkv_args: str = ""
+) -> list[str]:
     """The command line that starts ``server`` on ``port``."""
     if server == "mlxkv":
-        return [sys.executable, "-m", "mlxkv.cli", "serve", "--model", model, "--port", str(port)]
+        base = [sys.executable, "-m", "mlxkv.cli", "serve", "--model", model, "--port", str(port)]
+        return base + shlex.split(mlxkv_args)
     if server == "mlx-lm":
         return [sys.executable, "-m", "mlx_lm.server", "--model", model, "--port", str(port)]
     flags = ["--continuous-batching", "--enable-prefix-cache", "--offline", "--port", str(port)]
@@ -254,7 +258,7 @@ def one_run(
         env["HOME"] = home  # it reloads a saved prefix cache from ~/.cache
     log = open(logs / f"{server}-round{round_}.log", "w")
     process = subprocess.Popen(
-        command(server, model, port, args.vllm_python),
+        command(server, model, port, args.vllm_python, args.mlxkv_args),
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,
@@ -395,6 +399,12 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--warmup", type=int, default=1, help="untimed passes over other texts first (1)"
+    )
+    parser.add_argument(
+        "--mlxkv-args",
+        default="",
+        metavar="ARGS",
+        help="more options for mlxkv serve, e.g. '--block-size 32'",
     )
     parser.add_argument(
         "--json", metavar="FILE", help="also write every round and the medians as JSON"
