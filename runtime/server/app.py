@@ -447,7 +447,6 @@ class _Answering(Response):
         self._headers_sent = False
         self._sent = False
         self._outcome = "cancelled"  # until it is known (the server stopping cancels)
-        self.background = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def sending(message: Any) -> None:
