@@ -1,9 +1,9 @@
 """``mlxkv serve`` as a user runs it: a fresh process, the README's examples, its exit codes.
 
 The README's ``curl`` commands run as written against a server started with
-``--port 0``, their port 8000 replaced by the one it picked; the README's
-python example (which starts a server of its own) runs as a script and
-prints what the README says it prints.
+``--port 0``, their port 8000 replaced by the one it picked (its python
+example, which starts a server of its own, runs with the README's other
+python blocks in ``tests/test_readme.py``).
 """
 
 from __future__ import annotations
@@ -133,20 +133,6 @@ class TestServeCommand:
         assert last["error"]["code"] == "shutting_down"
         assert 0.4 < elapsed < 10
         assert (process.returncode, err.splitlines()) == (143, ["mlxkv serve: terminated"])
-
-    def test_readme_openai_example(self, model_dir: Path, tmp_path: Path):
-        """The README's openai script runs as written and prints what the README shows."""
-        blocks = _FENCE.findall(serve_section())
-        (language, code), (after, shown) = blocks[2], blocks[3]
-        assert (language, after) == ("python", "text")
-        ensure_model(DEFAULT_MODEL, model_dir)
-        script = tmp_path / "example.py"
-        script.write_text(code)
-        done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env(model_dir),
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
-        assert done.returncode == 0, done.stderr
-        assert done.stdout == shown
-
 
 def run_cli(
     model_dir: Path, *args: str, code: str | None = None
