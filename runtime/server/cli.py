@@ -25,22 +25,25 @@ import anyio
 
 from mlxkv.errors import CacheError, InvalidInput
 
-__all__ = ["add_serve_parser", "serve_command"]
+__all__ = ["DESCRIPTION", "HELP", "add_serve_options", "serve_command"]
 
 _USAGE = 2
 #: Hypercorn, Starlette and prometheus-client: what the ``server`` extra installs.
 _STACK = ("hypercorn", "starlette", "prometheus_client")
 
 
-def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Declare ``mlxkv serve`` and its options."""
-    parser = subparsers.add_parser(
-        "serve",
-        help="serve a model over the OpenAI HTTP API (needs the server extra)",
-        description="An OpenAI-compatible HTTP server (/v1/models, /v1/completions,"
-        " /v1/chat/completions, /health, /metrics) over the runtime, on the built-in"
-        " model or --model PATH. Needs the server extra: pip install 'mlxkv[server]'.",
-    )
+#: ``mlxkv serve``'s line in ``mlxkv --help``, and its description.
+HELP = "serve a model over the OpenAI HTTP API (needs the server extra)"
+DESCRIPTION = (
+    "An OpenAI-compatible HTTP server (/v1/models, /v1/completions, /v1/chat/completions,"
+    " /health, /metrics) over the runtime, on the built-in model or --model PATH. Needs the"
+    " server extra: pip install 'mlxkv[server]'."
+)
+
+
+def add_serve_options(parser: argparse.ArgumentParser) -> None:
+    """Declare the options of ``mlxkv serve`` it has alone (:mod:`mlxkv.cli` adds
+    the block pool's, ``--backend`` and ``--trace``, as ``mlxkv run`` has them)."""
     parser.add_argument(
         "--model", help="an mlx-lm or mlx-vlm model directory (default: the built-in model)"
     )
@@ -56,13 +59,6 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--port", type=int, default=8000, help="the port (8000; 0 picks a free one)"
-    )
-    parser.add_argument("--block-size", type=int, default=64, help="tokens per KV block (64)")
-    parser.add_argument("--max-blocks", type=int, default=1024, help="blocks in the KV pool (1024)")
-    parser.add_argument(
-        "--kv-memory",
-        metavar="SIZE",
-        help="size the KV pool in bytes instead, e.g. 2GiB (overrides --max-blocks)",
     )
     parser.add_argument(
         "--prefill-chunk", type=int, default=256, help="the most prompt tokens per model call (256)"
@@ -100,15 +96,6 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         default=3.0,
         metavar="SECONDS",
         help="on Ctrl-C, how long running requests may finish before they are cancelled (3)",
-    )
-    parser.add_argument(
-        "--backend",
-        choices=("asyncio", "trio"),
-        default="asyncio",
-        help="the anyio event loop to run on (asyncio)",
-    )
-    parser.add_argument(
-        "--trace", metavar="FILE", help="write the structured events as JSON lines to FILE"
     )
 
 
