@@ -9,6 +9,8 @@ Subcommands:
   (``scripts/bench_e2e.py``).
 - ``mlxkv stress``: the runtime under concurrent random load, with optional
   faults; exits 1 if any invariant is violated (see :mod:`mlxkv.stress`).
+- ``mlxkv serve``: an OpenAI-compatible HTTP server on the runtime (the
+  ``server`` extra; see :mod:`mlxkv.server`).
 
 Every bad option or input -- an unparsable or out-of-range option, a model
 that does not load, a workload or prompt beyond the model's context -- is one
@@ -33,6 +35,9 @@ import anyio
 import attrs
 
 from mlxkv.cache.errors import CacheError, InvalidInput
+from mlxkv.server.cli import DESCRIPTION as SERVE_DESCRIPTION
+from mlxkv.server.cli import HELP as SERVE_HELP
+from mlxkv.server.cli import add_serve_options, serve_command
 
 if TYPE_CHECKING:
     from mlxkv.workload import WorkloadReport
@@ -205,6 +210,24 @@ def _run_parser(subparsers: argparse._SubParsersAction) -> None:
         "--prompt-tokens", type=int, default=512, help="tokens per system prompt (512)"
     )
     parser.add_argument("--user-tokens", type=int, default=48, help="tokens per user turn (48)")
+    _pool_options(parser)
+    parser.add_argument("--seed", type=int, default=0, help="seeds the texts (0)")
+    _backend_option(parser)
+    _json_option(parser)
+    _trace_option(parser)
+    parser.add_argument("--quiet", action="store_true", help="no progress display")
+
+
+def _serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("serve", help=SERVE_HELP, description=SERVE_DESCRIPTION)
+    add_serve_options(parser)
+    _pool_options(parser)
+    _backend_option(parser)
+    _trace_option(parser)
+
+
+def _pool_options(parser: argparse.ArgumentParser) -> None:
+    """The KV block pool's options (``mlxkv run`` and ``mlxkv serve``)."""
     parser.add_argument("--block-size", type=int, default=64, help="tokens per block (64)")
     parser.add_argument(
         "--max-blocks", type=int, default=1024, help="usable blocks in the KV pool (1024)"
@@ -214,13 +237,12 @@ def _run_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="SIZE",
         help="size the KV pool in bytes instead, e.g. 256MiB or 2GB (overrides --max-blocks)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seeds the texts (0)")
-    _backend_option(parser)
-    _json_option(parser)
+
+
+def _trace_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trace", metavar="FILE", help="write the structured events as JSON lines to FILE"
     )
-    parser.add_argument("--quiet", action="store_true", help="no progress display")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -460,6 +482,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     _run_parser(subparsers)
     _bench_parser(subparsers)
     _stress_parser(subparsers)
+    _serve_parser(subparsers)
     args = parser.parse_args(argv)
     if args.command == "stress":  # it provokes failures on purpose and reports them itself
         _show_warnings(logging.ERROR)
@@ -469,7 +492,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _show_warnings(logging.WARNING, hidden=SUMMARIZED_EVENTS)
     else:
         _show_warnings(logging.WARNING)
-    command = {"run": _run, "bench": _bench, "stress": _stress}[args.command]
+    command = {"run": _run, "bench": _bench, "stress": _stress, "serve": serve_command}[args.command]
     try:
         return command(args)
     except KeyboardInterrupt:

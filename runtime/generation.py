@@ -154,6 +154,13 @@ class GenerationReport:
 Record = Union[GeneratedToken, GenerationReport]
 
 
+@attrs.frozen
+class _PromptComputed:
+    """The prompt is computed (internal: the Generation takes it in, unyielded)."""
+
+    num_cached: int
+
+
 class Generation:
     """One ``generate`` call: an async iterator of records, closed with :meth:`aclose`.
 
@@ -168,15 +175,21 @@ class Generation:
           holds no block and has no compute cache.
     """
 
-    def __init__(self, records: AsyncGenerator[Record, None]) -> None:
+    def __init__(self, records: AsyncGenerator[Union[Record, _PromptComputed], None]) -> None:
         self._records = records
         self.report: Optional[GenerationReport] = None
+        #: Prompt tokens not computed (the report's ``cached_tokens``), known
+        #: from the first token on, so also for a generation closed early.
+        self.cached_tokens: Optional[int] = None
 
     def __aiter__(self) -> Generation:
         return self
 
     async def __anext__(self) -> Record:
         record = await self._records.__anext__()
+        if isinstance(record, _PromptComputed):
+            self.cached_tokens = record.num_cached
+            record = await self._records.__anext__()
         if isinstance(record, GenerationReport):
             self.report = record
         return record
@@ -260,7 +273,7 @@ def make_request(
 
 async def run_generation(
     runtime: CacheRuntime, compute: ComputeHandle, info: ModelInfo, request: GenerationRequest
-) -> AsyncGenerator[Record, None]:
+) -> AsyncGenerator[Union[Record, _PromptComputed], None]:
     """The body of a :class:`Generation` (see the module docstring for the flow)."""
     started = time.perf_counter()
     block_size = runtime.config.block_size
@@ -368,13 +381,14 @@ async def run_generation(
                         # The compute actor stopped (crashed, or the runtime
                         # closed): ``_call`` says which, with the crash.
                         raise compute.failed() from None
-                    if isinstance(event, Prefilled):
-                        prefilled = event
-                        first_token_at = time.perf_counter()
-                        if event.cold_fallback:
-                            counts["cold_fallbacks"] += 1
-                        continue
-                if isinstance(event, Token):
+                if isinstance(event, Prefilled):
+                    prefilled = event
+                    first_token_at = time.perf_counter()
+                    if event.cold_fallback:
+                        counts["cold_fallbacks"] += 1
+                    # For the Generation alone (it yields on at once).
+                    yield _PromptComputed(num_cached=event.num_cached)
+                elif isinstance(event, Token):
                     for token in event.tokens:
                         # Each token is a cancellation point, as if received alone.
                         await anyio.lowlevel.checkpoint_if_cancelled()

@@ -1,10 +1,12 @@
 """State has one owner: no lock anywhere in the library (actors/, cache/, runtime/).
 
-One exception is allowed, and listed in ``ALLOWED``: the ``mlxkv run``
+Two exceptions are allowed, and listed in ``ALLOWED``: the ``mlxkv run``
 workload (``runtime/workload.py``) plays the *clients* of the runtime, and
 bounds how many requests those clients have in flight with a
-``CapacityLimiter``. That is a client's own admission limit, guarding no
-cache state; every piece of cache state is still owned by one actor.
+``CapacityLimiter``; ``mlxkv serve`` (``runtime/server/admission.py``) bounds
+how many of its HTTP clients' requests generate at once with a
+``Semaphore``. Both are admission limits on the runtime's callers, guarding
+no cache state; every piece of cache state is still owned by one actor.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SOURCES = sorted(path for folder in ("actors", "cache", "runtime") for path in (ROOT / folder).rglob("*.py"))
 
 #: module -> lock-like names it may use, and why (see the module docstring).
-ALLOWED = {"workload.py": {"CapacityLimiter"}}
+ALLOWED = {"workload.py": {"CapacityLimiter"}, "admission.py": {"Semaphore"}}
 
 #: Lock-like primitives of threading, asyncio, anyio and trio.
 LOCKS = {

@@ -197,6 +197,22 @@ class TestGenerate:
             assert min(finished) > max(started)
             await assert_clean(rt)
 
+    async def test_cached_tokens_known_from_the_first_token(self, llama):
+        """``Generation.cached_tokens`` is None before the first token and the
+        report's count from it on, also for a generation closed before its report."""
+        async with CacheRuntime(model=llama, block_size=BS, keep_last_cache=False) as rt:
+            await run(rt, SYSTEM + _tokens(20, salt=1), max_tokens=2)
+            stream = rt.generate(SYSTEM + _tokens(20, salt=2), max_tokens=8)
+            assert stream.cached_tokens is None
+            async with stream:
+                await stream.__anext__()
+                early = stream.cached_tokens
+            assert stream.report is None
+            assert early == len(SYSTEM) // BS * BS
+            _, report = await run(rt, SYSTEM + _tokens(20, salt=3), max_tokens=2)
+            assert report.cached_tokens == early
+            await assert_clean(rt)
+
     async def test_duplicate_request_id(self, llama):
         """A second generation under an active request id fails; the first is unharmed."""
         async with CacheRuntime(model=llama, block_size=BS) as rt:

@@ -1,0 +1,99 @@
+"""Admission: at most N generating requests, a bounded queue behind them, and 503 beyond.
+
+The runtime itself takes any number of concurrent generations (they batch);
+what a server must bound is what it promises: each admitted request holds
+KV blocks and a share of every decode step, and each waiting one holds a
+connection. :class:`Admission` lets ``max_running`` requests run and up to
+``max_waiting`` wait, first come first served; a request beyond both is
+refused at once (:class:`Overloaded`), never queued without bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import anyio
+import attrs
+
+__all__ = ["Admission", "AdmissionStatistics", "Overloaded"]
+
+
+class Overloaded(Exception):
+    """Every slot is taken and the queue is full."""
+
+
+@attrs.frozen(kw_only=True)
+class AdmissionStatistics:
+    """A snapshot of an :class:`Admission`.
+
+    Attributes:
+        max_running: the most requests running at once.
+        max_waiting: the most requests waiting at once.
+        num_running: requests holding a slot now.
+        num_waiting: requests waiting for one now.
+        num_admitted: requests that got a slot so far.
+        num_refused: requests refused (:class:`Overloaded`) so far.
+    """
+
+    max_running: int
+    max_waiting: int
+    num_running: int
+    num_waiting: int
+    num_admitted: int
+    num_refused: int
+
+
+class Admission:
+    """Slots for generating requests, and a bounded queue for them.
+
+    Owns: a FIFO semaphore of ``max_running`` slots and the count of waiters.
+
+    Invariants:
+        - ``0 <= num_running <= max_running`` and ``0 <= num_waiting <= max_waiting``;
+        - a waiter that is cancelled (its client left) leaves the queue and holds no slot.
+    """
+
+    def __init__(self, max_running: int, max_waiting: int) -> None:
+        if max_running < 1 or max_waiting < 0:
+            raise ValueError(
+                f"need max_running >= 1 and max_waiting >= 0, got {max_running}, {max_waiting}"
+            )
+        self._max_running = max_running
+        self._max_waiting = max_waiting
+        self._slots = anyio.Semaphore(max_running, fast_acquire=False)
+        self._num_waiting = 0
+        self._num_admitted = 0
+        self._num_refused = 0
+
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        """Hold a slot for the body of the ``async with``, waiting in the queue for one.
+
+        Raises:
+            Overloaded: no slot is free and the queue is full (raised at once).
+        """
+        if self._slots.value == 0 and self._num_waiting >= self._max_waiting:
+            self._num_refused += 1
+            raise Overloaded
+        self._num_waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self._num_waiting -= 1
+        self._num_admitted += 1
+        try:
+            yield
+        finally:
+            self._slots.release()
+
+    def statistics(self) -> AdmissionStatistics:
+        """A snapshot of the slots and the queue."""
+        return AdmissionStatistics(
+            max_running=self._max_running,
+            max_waiting=self._max_waiting,
+            num_running=self._max_running - self._slots.value,
+            num_waiting=self._num_waiting,
+            num_admitted=self._num_admitted,
+            num_refused=self._num_refused,
+        )

@@ -1,0 +1,795 @@
+"""The OpenAI-compatible HTTP server: a Starlette app over one :class:`~mlxkv.CacheRuntime`.
+
+:class:`OpenAIServer` builds the ASGI app; :func:`serve` runs it with
+Hypercorn on whichever anyio backend is running (asyncio or trio), on a
+socket the caller bound; :func:`running` does both for an ``async with``::
+
+    async with CacheRuntime(model=path) as rt:
+        chat = await load_chat_template(path)
+        server = OpenAIServer(rt, ServerConfig(model_name="tiny"), chat=chat)
+        async with running(server, port=0) as url:
+            ...  # an OpenAI client at url + "/v1"
+
+Endpoints: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST
+/v1/completions`` (text or token ids), ``POST /v1/chat/completions``
+(rendered with the model's chat template; image parts as ``data:`` URLs on a
+vision-language model), ``GET /health``, ``GET /metrics``. Streaming is
+server-sent events, with a usage chunk on ``stream_options.include_usage``;
+``usage.prompt_tokens_details.cached_tokens`` says how many prompt tokens
+came from the cache.
+
+A generation request's life (:class:`_Answering`): it waits for an admission
+slot (503 at once if the queue is full too), prepares its prompt (the chat
+template, or the runtime's tokenizer), and generates; all of it under a watch on the
+connection: a client that leaves cancels the request wherever it is, and the
+runtime's generation releases everything it held. A streamed answer's
+headers go out with its first text, so an error before then still gets its
+status; after it, an error is a last ``data: {"error": ...}`` event.
+
+Tenants: with API keys, each key's requests are salted with a digest of the
+key (so one tenant's cached prefixes are never served to, or timed by,
+another), and a request's own ``cache_salt`` subdivides its key's namespace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import hmac
+import json
+import logging
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, Optional, Union
+
+import anyio
+import attrs
+import sniffio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from mlxkv.actors.event_log import EventLog
+from mlxkv.errors import CacheError, InvalidInput, RuntimeClosed
+from mlxkv.generation import Generation, GenerationReport
+from mlxkv.runtime import CacheRuntime
+from mlxkv.server.admission import Admission, Overloaded
+from mlxkv.server.chat import ChatTemplate, ConversationMemory, Turn
+from mlxkv.server.errors import ApiError
+from mlxkv.server.metrics import CONTENT_TYPE, ServerMetrics
+from mlxkv.server.request import (
+    ChatRequest,
+    CompletionRequest,
+    Options,
+    parse_chat,
+    parse_completion,
+    parse_json,
+)
+from mlxkv.server.stop import StopMatcher
+
+__all__ = ["OpenAIServer", "ServerConfig", "load_chat_template", "listen", "running", "serve"]
+
+_LOG = EventLog(component="server")
+
+#: OpenAI's default ``max_tokens`` for completions.
+_COMPLETION_MAX_TOKENS = 16
+
+
+def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidInput(attribute.name, value, "must be an int >= 1")
+
+
+def _not_negative(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidInput(attribute.name, value, "must be an int >= 0")
+
+
+def _keys(value: Any) -> tuple[str, ...]:
+    keys = tuple(value)
+    if not all(isinstance(key, str) and key for key in keys):
+        raise InvalidInput("api_keys", keys, "must be non-empty strings")
+    return keys
+
+
+@attrs.frozen(kw_only=True)
+class ServerConfig:
+    """How the server answers (the runtime's own settings are its :class:`~mlxkv.RuntimeConfig`).
+
+    Attributes:
+        model_name: the model's id in ``/v1/models`` and in requests.
+        api_keys: the accepted API keys (``Authorization: Bearer KEY``); each
+            is a tenant with its own cache namespace. Empty: no key needed,
+            one namespace.
+        max_concurrent: the most generation requests admitted at once.
+        max_queue: the most requests waiting for admission; beyond, 503.
+        max_tokens: a chat request's ``max_tokens`` when it names none (also
+            bounded by the model's context); completions default to 16, as
+            OpenAI's do.
+        max_body_bytes: the largest request body taken (images included).
+    """
+
+    model_name: str
+    api_keys: tuple[str, ...] = attrs.field(default=(), converter=_keys)
+    max_concurrent: int = attrs.field(default=32, validator=_positive)
+    max_queue: int = attrs.field(default=128, validator=_not_negative)
+    max_tokens: int = attrs.field(default=512, validator=_positive)
+    max_body_bytes: int = attrs.field(default=64 << 20, validator=_positive)
+
+
+async def load_chat_template(model: str) -> Optional[ChatTemplate]:
+    """The chat template of ``model`` (the runtime's model directory), loaded on a
+    worker thread; None if the model has none (then only completions are served)."""
+    return await anyio.to_thread.run_sync(ChatTemplate.load, model)
+
+
+class OpenAIServer:
+    """The OpenAI API over one running :class:`~mlxkv.CacheRuntime`; ``app`` is the ASGI app.
+
+    Owns: the admission slots, the metrics, the conversation memory and the
+    tenants' salts. The runtime belongs to the caller, who keeps it running
+    while the app serves (a closed runtime is answered with 503).
+    """
+
+    def __init__(
+        self, runtime: CacheRuntime, config: ServerConfig, *, chat: Optional[ChatTemplate] = None
+    ) -> None:
+        if runtime.model_info is None:
+            raise InvalidInput("runtime", runtime, "must be running with a model")
+        self.runtime = runtime
+        self.config = config
+        self.chat = chat
+        self.admission = Admission(config.max_concurrent, config.max_queue)
+        self.metrics = ServerMetrics()
+        self.memory = ConversationMemory()
+        self.created = int(time.time())
+        self._info = runtime.model_info
+        self._tenants = tuple((key.encode(), _tenant_salt(key)) for key in config.api_keys)
+        self._names = {config.model_name, runtime.config.model}
+        #: The cancel scopes of the generation requests being answered.
+        self._answering: set[anyio.CancelScope] = set()
+        #: Set by :meth:`drain`: generation requests are refused from then on.
+        self.draining = False
+        self.app = Starlette(
+            routes=[
+                Route("/v1/models", self._models, methods=["GET"]),
+                Route("/v1/models/{model:path}", self._model, methods=["GET"]),
+                Route("/v1/completions", self._completions, methods=["POST"]),
+                Route("/v1/chat/completions", self._chat_completions, methods=["POST"]),
+                Route("/health", self._health, methods=["GET"]),
+                Route("/metrics", self._metrics, methods=["GET"]),
+            ],
+            exception_handlers={HTTPException: self._http_error},
+        )
+
+    # -- endpoints -------------------------------------------------------------
+
+    async def _models(self, request: Request) -> Response:
+        try:
+            self._tenant(request)
+        except ApiError as error:
+            return _error_response(error)
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def _model(self, request: Request) -> Response:
+        try:
+            self._tenant(request)
+            self._check_model(request.path_params["model"])
+        except ApiError as error:
+            return _error_response(error)
+        return JSONResponse(self._model_card())
+
+    async def _completions(self, request: Request) -> Response:
+        return await self._generation(request, "completions")
+
+    async def _chat_completions(self, request: Request) -> Response:
+        return await self._generation(request, "chat")
+
+    async def _health(self, request: Request) -> Response:
+        if self.runtime.closed or self.draining:
+            detail = (
+                "the server is shutting down" if self.draining else "the runtime is not running"
+            )
+            return JSONResponse({"status": "unavailable", "detail": detail}, 503)
+        admission = self.admission.statistics()
+        return JSONResponse(
+            {
+                "status": "ok",
+                "model": self.config.model_name,
+                "running": admission.num_running,
+                "waiting": admission.num_waiting,
+            }
+        )
+
+    async def _metrics(self, request: Request) -> Response:
+        try:
+            stats = await self.runtime.stats()
+        except RuntimeClosed as error:
+            return _error_response(ApiError.from_error(error))
+        body = self.metrics.render(stats, self.admission.statistics(), self.memory.statistics())
+        return Response(body, media_type=CONTENT_TYPE)
+
+    async def _http_error(self, request: Request, error: Exception) -> Response:
+        assert isinstance(error, HTTPException), f"not an HTTP error: {error!r}"
+        code = "not_found" if error.status_code == 404 else None
+        api = ApiError(
+            error.status_code, f"{request.method} {request.url.path}: {error.detail}", code=code,
+            headers=dict(error.headers or {}),
+        )  # fmt: skip
+        return _error_response(api)
+
+    # -- generation requests ---------------------------------------------------
+
+    async def _generation(self, request: Request, endpoint: str) -> Response:
+        arrived = time.perf_counter()
+        try:
+            if self.draining:
+                raise _shutting_down()
+            salt = self._tenant(request)
+            try:
+                body = parse_json(await self._body(request))
+            except ClientDisconnect:
+                self.metrics.requests.labels(endpoint, "disconnected").inc()
+                return Response(status_code=400)  # to no one
+            parsed: Union[ChatRequest, CompletionRequest]
+            if endpoint == "chat":
+                parsed = parse_chat(body, takes_images=self._info.takes_images)
+                if self.chat is None:
+                    raise InvalidInput(
+                        "messages",
+                        len(parsed.messages),
+                        "this model has no chat template: use /v1/completions",
+                    )
+            else:
+                parsed = parse_completion(body)
+            self._check_model(parsed.options.model)
+        except InvalidInput as error:
+            api = ApiError.from_error(error)
+        except ApiError as error:
+            api = error
+        else:
+            return _Answering(
+                self, endpoint, parsed, _salt(salt, parsed.options.cache_salt), arrived
+            )
+        self.metrics.requests.labels(endpoint, _outcome(api)).inc()
+        return _error_response(api)
+
+    async def drain(self, timeout: float) -> None:
+        """Refuse new generation requests (503), give those being answered
+        ``timeout`` seconds to finish, then cancel the rest (each releases what it
+        holds and ends its response with a 503 error) and wait for them."""
+        self.draining = True
+        with anyio.move_on_after(timeout):
+            await self._wait_answered()
+        self.cancel_requests()
+        await self._wait_answered()
+
+    def cancel_requests(self) -> None:
+        """Cancel every generation request being answered (each releases what it
+        holds and ends its response with a 503 error)."""
+        for scope in self._answering:
+            scope.cancel()
+
+    async def _wait_answered(self) -> None:
+        while self._answering:
+            await anyio.sleep(0.01)
+
+    async def _body(self, request: Request) -> bytes:
+        """The request body, refused (413) past ``max_body_bytes`` before it is all read."""
+        limit = self.config.max_body_bytes
+        too_large = ApiError(413, f"the request body is over {limit} bytes", code="body_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async with contextlib.aclosing(request.stream()) as stream:
+            async for chunk in stream:
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _tenant(self, request: Request) -> Optional[str]:
+        """The request's tenant salt (None without API keys).
+
+        Raises:
+            ApiError: 401, keys are required and the request has none of them.
+        """
+        if not self._tenants:
+            return None
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        given = key.strip().encode()
+        if scheme.lower() == "bearer" and given:
+            for accepted, salt in self._tenants:
+                if hmac.compare_digest(given, accepted):
+                    return salt
+        raise ApiError(
+            401,
+            "missing or unknown API key: send Authorization: Bearer KEY with one of the server's --api-key",
+            code="invalid_api_key",
+        )
+
+    def _check_model(self, name: Optional[str]) -> None:
+        if name is not None and name not in self._names:
+            raise ApiError(
+                404, f"the model {name!r} does not exist: this server serves {self.config.model_name!r}",
+                param="model", code="model_not_found",
+            )  # fmt: skip
+
+    def _model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.config.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "mlxkv",
+        }
+
+
+def _shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down", type="server_error", code="shutting_down")
+
+
+def _tenant_salt(key: str) -> str:
+    """A key's cache namespace: a digest, so that the key itself never reaches a trace."""
+    return "key-" + hashlib.sha256(b"mlxkv-tenant\0" + key.encode()).hexdigest()[:32]
+
+
+def _salt(tenant: Optional[str], own: Optional[str]) -> Optional[str]:
+    """The request's cache salt: its own salt within its tenant's namespace."""
+    if tenant is None:
+        return own
+    return tenant if own is None else f"{tenant}/{own}"
+
+
+def _outcome(error: ApiError) -> str:
+    if error.code == "overloaded":
+        return "overloaded"
+    if error.status == 503:
+        return "unavailable"
+    return "invalid" if error.status < 500 else "failed"
+
+
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+def _error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+@attrs.frozen(kw_only=True)
+class _Prompt:
+    """A prompt ready to generate from: its tokens, images and (for chat) text."""
+
+    tokens: tuple[int, ...]
+    images: tuple[str, ...] = ()
+    text: Optional[str] = None
+
+
+class _Answer:
+    """One generation's text as it may be sent: stop strings cut it, counts kept.
+
+    Owns: the stop matcher and the counts; the generation is the caller's.
+    """
+
+    def __init__(
+        self, generation: Generation, stops: Sequence[str], on_first_token: Callable[[], None]
+    ) -> None:
+        self.generation = generation
+        self.report: Optional[GenerationReport] = None
+        self.finish_reason = "length"
+        self.num_tokens = 0
+        self._matcher = StopMatcher(stops)
+        self._on_first_token = on_first_token
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.generation.cached_tokens or 0
+
+    @property
+    def complete(self) -> bool:
+        """Whether the answer is the whole generation (ended by the model or
+        ``max_tokens``, not cut by a stop string)."""
+        return self.report is not None and not self._matcher.stopped
+
+    async def pieces(self) -> AsyncIterator[str]:
+        """The answer's text in pieces, none empty; ends at the report or a stop string."""
+        async for record in self.generation:
+            if isinstance(record, GenerationReport):
+                self.report = record
+                self.finish_reason = record.finish_reason
+                tail = self._matcher.flush()
+                if tail:
+                    yield tail
+                return
+            if not self.num_tokens:
+                self._on_first_token()
+            self.num_tokens += 1
+            piece = self._matcher.feed(record.text)
+            if piece:
+                yield piece
+            if self._matcher.stopped:
+                self.finish_reason = "stop"
+                return
+
+
+class _Answering(Response):
+    """A generation request's response: admission, prompt, generation and sending,
+    under a watch on the connection (see the module docstring)."""
+
+    def __init__(
+        self,
+        server: OpenAIServer,
+        endpoint: str,
+        parsed: Union[ChatRequest, CompletionRequest],
+        salt: Optional[str],
+        arrived: float,
+    ) -> None:
+        self._server = server
+        self._endpoint = endpoint
+        self._parsed = parsed
+        self._options: Options = parsed.options
+        self._salt = salt
+        self._arrived = arrived
+        self._id = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
+        self._created = int(time.time())
+        self._disconnected = False
+        self._headers_sent = False
+        self._sent = False
+        self._outcome = "cancelled"  # until it is known (the server stopping cancels)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def sending(message: Any) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                self._sent = True  # a disconnect from now on only ends the exchange
+            await send(message)
+
+        answering = self._server._answering
+        try:
+            async with anyio.create_task_group() as tg:
+                answering.add(tg.cancel_scope)
+                tg.start_soon(self._watch, receive, tg.cancel_scope)
+                await self._answer(sending)
+                tg.cancel_scope.cancel()
+            if not self._sent and not self._disconnected:  # cancelled by drain()
+                await self._fail(sending, _shutting_down())
+        finally:
+            answering.discard(tg.cancel_scope)
+            outcome = "disconnected" if self._disconnected else self._outcome
+            self._server.metrics.requests.labels(self._endpoint, outcome).inc()
+
+    async def _watch(self, receive: Receive, scope: anyio.CancelScope) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not self._sent:  # else the server only says the exchange is over
+            self._disconnected = True
+            scope.cancel()
+
+    async def _answer(self, send: Send) -> None:
+        """Answer the request, setting its outcome before the last send."""
+        server, options = self._server, self._options
+        try:
+            async with server.admission.slot():
+                prompt = await self._prompt()
+                generation = server.runtime.generate(
+                    prompt.tokens,
+                    max_tokens=self._max_tokens(prompt),
+                    temperature=options.temperature,
+                    top_p=options.top_p,
+                    top_k=options.top_k,
+                    min_p=options.min_p,
+                    seed=options.seed,
+                    images=list(prompt.images) or None,
+                    cache_salt=self._salt,
+                    request_id=self._id,
+                )
+                async with generation:
+                    answer = _Answer(generation, options.stop, self._first_token)
+                    if options.stream:
+                        await self._stream(send, answer, prompt)
+                    else:
+                        await self._reply(send, answer, prompt)
+                self._count(answer, prompt)
+                return
+        except Overloaded:
+            admission = server.admission.statistics()
+            error = ApiError.overloaded(admission.num_running, admission.num_waiting)
+        except ApiError as api:
+            error = api
+        except CacheError as failure:
+            error = ApiError.from_error(failure)
+        except Exception as bug:  # never a bare 500 page: log it, answer OpenAI-shaped
+            _LOG.error("server.request_failed", request_id=self._id, error=repr(bug))
+            error = ApiError(
+                500, f"internal error: {type(bug).__name__}: {bug}", type="server_error"
+            )
+        await self._fail(send, error)
+
+    async def _fail(self, send: Send, error: ApiError) -> None:
+        """Answer with ``error``: its status, or a last event once streaming."""
+        self._outcome = _outcome(error)
+        if self._headers_sent:  # the stream ends with the error
+            await _send_event(send, error.body())
+            await _send_body(send, b"", more=False)
+        else:
+            await _send_json(send, error.status, error.body(), error.headers)
+
+    async def _prompt(self) -> _Prompt:
+        server = self._server
+        parsed = self._parsed
+        if isinstance(parsed, CompletionRequest):
+            prompt = parsed.prompt
+            tokens = prompt if isinstance(prompt, tuple) else await server.runtime.tokenize(prompt)
+            return _Prompt(tokens=tokens)
+        chat = server.chat
+        assert chat is not None, "a chat request is refused without a template"
+        # On the loop, as the runtime tokenizes: a few milliseconds at most.
+        text = chat.render(parsed.messages)
+        turn = server.memory.continued(self._salt, parsed.messages, text)
+        if turn is None:
+            tokens = chat.encode(text)
+        else:
+            rest = text[len(turn.text) :]
+            tokens = turn.tokens + (chat.encode(rest) if rest else ())
+        return _Prompt(tokens=tokens, images=parsed.images, text=text)
+
+    def _max_tokens(self, prompt: _Prompt) -> int:
+        if self._options.max_tokens is not None:
+            return self._options.max_tokens  # the runtime refuses it past the context
+        if self._endpoint == "completions":
+            return _COMPLETION_MAX_TOKENS
+        context = self._server.runtime.model_info.max_context  # type: ignore[union-attr]
+        room = (
+            self._server.config.max_tokens
+            if context is None
+            else min(self._server.config.max_tokens, context - len(prompt.tokens))
+        )
+        if room < 1:
+            raise InvalidInput(
+                "messages",
+                len(prompt.tokens),
+                f"the prompt's {len(prompt.tokens)} tokens fill the model's context of {context}",
+            )
+        return room
+
+    def _first_token(self) -> None:
+        self._server.metrics.time_to_first_token.observe(time.perf_counter() - self._arrived)
+
+    async def _reply(self, send: Send, answer: _Answer, prompt: _Prompt) -> None:
+        async with contextlib.aclosing(answer.pieces()) as pieces:
+            text = "".join([piece async for piece in pieces])
+        self._remember(answer, prompt, text)
+        if self._endpoint == "chat":
+            choice = {"message": {"role": "assistant", "content": text}}
+            body = self._envelope("chat.completion", choice, answer.finish_reason)
+        else:
+            body = self._envelope("text_completion", {"text": text}, answer.finish_reason)
+        body["usage"] = self._usage(answer, prompt)
+        self._outcome = answer.finish_reason
+        await _send_json(send, 200, body)
+
+    async def _stream(self, send: Send, answer: _Answer, prompt: _Prompt) -> None:
+        pieces = answer.pieces()
+        async with contextlib.aclosing(pieces):
+            # The headers wait for the first text: an error before it keeps its status.
+            first = await anext(pieces, None)
+            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+            self._headers_sent = True
+            if self._endpoint == "chat":
+                await self._chunk(send, {"role": "assistant", "content": ""})
+            text = []
+            if first is not None:
+                text.append(first)
+                await self._chunk(send, first)
+                async for piece in pieces:
+                    text.append(piece)
+                    await self._chunk(send, piece)
+        self._remember(answer, prompt, "".join(text))
+        self._outcome = answer.finish_reason
+        await self._chunk(send, None, finish_reason=answer.finish_reason)
+        if self._options.include_usage:
+            await _send_event(
+                send, {**self._envelope(self._chunk_kind), "usage": self._usage(answer, prompt)}
+            )
+        await _send_body(send, b"data: [DONE]\n\n", more=False)
+
+    @property
+    def _chunk_kind(self) -> str:
+        return "chat.completion.chunk" if self._endpoint == "chat" else "text_completion"
+
+    async def _chunk(
+        self, send: Send, delta: Union[str, dict, None], *, finish_reason: Optional[str] = None
+    ) -> None:
+        """One streamed chunk: a piece of text, the chat's opening role, or (None) the end."""
+        if self._endpoint == "chat":
+            if not isinstance(delta, dict):
+                delta = {} if delta is None else {"content": delta}
+            choice = {"delta": delta}
+        else:
+            choice = {"text": delta or ""}
+        body = self._envelope(self._chunk_kind, choice, finish_reason)
+        if self._options.include_usage:
+            body["usage"] = None
+        await _send_event(send, body)
+
+    def _envelope(
+        self,
+        kind: str,
+        choice: Optional[dict[str, Any]] = None,
+        finish_reason: Optional[str] = None,
+    ) -> dict[str, Any]:
+        """A response body or chunk of one choice (none: the usage chunk)."""
+        choices = (
+            []
+            if choice is None
+            else [{"index": 0, **choice, "logprobs": None, "finish_reason": finish_reason}]
+        )
+        body: dict[str, Any] = {
+            "id": self._id,
+            "object": kind,
+            "created": self._created,
+            "model": self._server.config.model_name,
+            "choices": choices,
+        }
+        if self._endpoint == "chat":
+            body["system_fingerprint"] = None
+        return body
+
+    def _usage(self, answer: _Answer, prompt: _Prompt) -> dict[str, Any]:
+        prompt_tokens = len(prompt.tokens)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": answer.num_tokens,
+            "total_tokens": prompt_tokens + answer.num_tokens,
+            "prompt_tokens_details": {"cached_tokens": answer.cached_tokens},
+        }
+
+    def _remember(self, answer: _Answer, prompt: _Prompt, text: str) -> None:
+        """Keep a whole chat answer's conversation for its next turn."""
+        report = answer.report
+        if prompt.text is None or report is None or not answer.complete or text != report.text:
+            return
+        self._server.memory.remember(
+            self._salt, text, Turn(prompt.text + text, prompt.tokens + report.tokens)
+        )
+
+    def _count(self, answer: _Answer, prompt: _Prompt) -> None:
+        metrics = self._server.metrics
+        metrics.prompt_tokens.inc(len(prompt.tokens))
+        metrics.cached_tokens.inc(answer.cached_tokens)
+        metrics.generated_tokens.inc(answer.num_tokens)
+        if self._server.runtime.config.trace:
+            _LOG.info(
+                "server.request_finished", request_id=self._id, endpoint=self._endpoint,
+                prompt_tokens=len(prompt.tokens), cached_tokens=answer.cached_tokens,
+                generated_tokens=answer.num_tokens, finish_reason=answer.finish_reason,
+            )  # fmt: skip
+
+
+async def _send_json(
+    send: Send, status: int, body: dict[str, Any], headers: Optional[dict[str, str]] = None
+) -> None:
+    data = json.dumps(body, separators=(",", ":")).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    raw += [(name.lower().encode(), value.encode()) for name, value in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await _send_body(send, data, more=False)
+
+
+async def _send_event(send: Send, body: dict[str, Any]) -> None:
+    await _send_body(send, b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n")
+
+
+async def _send_body(send: Send, data: bytes, *, more: bool = True) -> None:
+    await send({"type": "http.response.body", "body": data, "more_body": more})
+
+
+# -- serving ---------------------------------------------------------------------
+
+
+def listen(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0: a free one; read it with
+    ``getsockname()``). Connections queue from here on, before :func:`serve`
+    accepts them.
+
+    Raises:
+        OSError: the address cannot be bound (in use, not this host's).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    """``http://host:port`` of a bound socket."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+async def serve(
+    server: OpenAIServer,
+    sock: socket.socket,
+    *,
+    shutdown_trigger: Callable[[], Awaitable[Any]],
+    graceful_timeout: float = 3.0,
+) -> None:
+    """Serve ``server.app`` with Hypercorn on ``sock`` until ``shutdown_trigger`` returns.
+
+    Runs on the current anyio backend (Hypercorn's asyncio or trio worker).
+    The socket is handed over (closed when serving ends). On shutdown, the
+    server drains (:meth:`OpenAIServer.drain`): requests still running get
+    ``graceful_timeout`` seconds, then are cancelled (each releases what it
+    holds); then Hypercorn closes the idle connections and stops.
+    """
+    from hypercorn.config import Config
+
+    async def trigger() -> None:
+        await shutdown_trigger()
+        await server.drain(graceful_timeout)
+
+    server.draining = False  # served again after a drain
+    config = Config()
+    config.bind = [f"fd://{sock.detach()}"]
+    config.accesslog = None
+    config.errorlog = logging.getLogger("mlxkv.server")
+    config.graceful_timeout = 1.0  # only idle connections are left by then
+    if sniffio.current_async_library() == "trio":
+        from hypercorn.trio import serve as hypercorn_serve
+    else:
+        from hypercorn.asyncio import serve as hypercorn_serve
+    # In a task of its own: on asyncio, Hypercorn's shutdown leaves its task
+    # with a cancellation request never taken back, which anyio would later
+    # read as the caller's own cancellation.
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(
+            functools.partial(hypercorn_serve, server.app, config, shutdown_trigger=trigger)
+        )
+
+
+@contextlib.asynccontextmanager
+async def running(
+    server: OpenAIServer, host: str = "127.0.0.1", port: int = 0, *, graceful_timeout: float = 3.0
+) -> AsyncIterator[str]:
+    """Serve ``server`` for the body of the ``async with``; yields its ``http://host:port``.
+
+    Raises:
+        OSError: the address cannot be bound.
+    """
+    sock = listen(host, port)
+    url = url_of(sock)
+    stop, stopped = anyio.Event(), anyio.Event()
+
+    async def serving() -> None:
+        try:
+            await serve(server, sock, shutdown_trigger=stop.wait, graceful_timeout=graceful_timeout)
+        finally:
+            stopped.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(serving)
+        try:
+            yield url
+        finally:
+            # Whatever ends the body, the server drains and stops before the
+            # task group would cancel it (Hypercorn's shutdown is not
+            # cancellation-safe on asyncio).
+            stop.set()
+            with anyio.move_on_after(graceful_timeout + 5, shield=True):
+                await stopped.wait()

@@ -1,0 +1,190 @@
+"""``GET /metrics``: the server's and the runtime's figures in the Prometheus text format.
+
+Through prometheus-client, in a registry of the server's own (so several
+servers in one process never mix their figures). Two kinds:
+
+- what the server counts as requests come and go: requests by endpoint and
+  outcome, time to first token (a histogram), prompt, reused and generated
+  tokens;
+- what the runtime counts, read from one :meth:`CacheRuntime.stats
+  <mlxkv.CacheRuntime.stats>` snapshot per scrape by a custom collector:
+  prefix-cache queries and hits, tokens reused and computed, KV blocks held,
+  cached and in the pool, decode steps and the request-steps they served
+  (their ratio is the decode batch size), the admission slots and queue, the
+  chat turns continued exactly.
+
+Outcomes: ``stop`` and ``length`` (finished, as ``finish_reason``),
+``disconnected`` (the client left; its generation was cancelled),
+``invalid`` (4xx), ``overloaded`` and ``unavailable`` (503), ``failed`` (500).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Optional
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from mlxkv.runtime import RuntimeStatistics
+from mlxkv.server.admission import AdmissionStatistics
+from mlxkv.server.chat import MemoryStatistics
+
+__all__ = ["CONTENT_TYPE", "ServerMetrics"]
+
+#: The response's content type (prometheus-client's text format).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ServerMetrics:
+    """The server's metrics and the collector of the runtime's.
+
+    Owns: a registry, the server's own counters and histogram in it, and the
+    latest runtime snapshot its collector reports.
+    """
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "mlxkv_requests",
+            "Generation requests by endpoint and outcome.",
+            ["endpoint", "outcome"],
+            registry=self.registry,
+        )
+        self.time_to_first_token = Histogram(
+            "mlxkv_time_to_first_token_seconds",
+            "Seconds from a request's arrival to its first generated token.",
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "mlxkv_request_prompt_tokens",
+            "Prompt tokens of generation requests.",
+            registry=self.registry,
+        )
+        self.cached_tokens = Counter(
+            "mlxkv_request_cached_tokens",
+            "Prompt tokens of generation requests served from the cache (usage cached_tokens).",
+            registry=self.registry,
+        )
+        self.generated_tokens = Counter(
+            "mlxkv_request_generated_tokens",
+            "Tokens generated for requests.",
+            registry=self.registry,
+        )
+        self._snapshot = _Snapshot()
+        self.registry.register(self._snapshot)
+
+    def render(
+        self, stats: RuntimeStatistics, admission: AdmissionStatistics, memory: MemoryStatistics
+    ) -> bytes:
+        """The text exposition, with the runtime's figures from ``stats``."""
+        self._snapshot.update(stats, admission, memory)
+        return generate_latest(self.registry)
+
+
+class _Snapshot(Collector):
+    """Reports the runtime's, the admission's and the chat memory's latest figures."""
+
+    def __init__(self) -> None:
+        self._stats: Optional[RuntimeStatistics] = None
+        self._admission: Optional[AdmissionStatistics] = None
+        self._memory: Optional[MemoryStatistics] = None
+
+    def update(
+        self, stats: RuntimeStatistics, admission: AdmissionStatistics, memory: MemoryStatistics
+    ) -> None:
+        self._stats, self._admission, self._memory = stats, admission, memory
+
+    def describe(self) -> list[Metric]:
+        return []  # its metrics come and go with the snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        stats, admission, memory = self._stats, self._admission, self._memory
+        if stats is None or admission is None or memory is None:
+            return
+        index, pool, compute = stats.index, stats.allocator, stats.compute
+        yield _counter(
+            "mlxkv_prefix_cache_queries", "Prefix-index lookups of prompts.", index.num_lookups
+        )
+        yield _counter(
+            "mlxkv_prefix_cache_hits", "Lookups that found cached blocks.", index.num_hits
+        )
+        yield _counter(
+            "mlxkv_prefix_cache_hit_blocks", "Cached blocks those hits found.", index.num_hit_blocks
+        )
+        yield _counter(
+            "mlxkv_prefix_waits",
+            "Requests that waited for a prefix being computed.",
+            index.num_waits,
+        )
+        blocks = GaugeMetricFamily(
+            "mlxkv_kv_blocks", "KV blocks of the pool by state.", labels=["state"]
+        )
+        blocks.add_metric(["held"], pool.num_referenced)
+        blocks.add_metric(["cached"], pool.num_cached)
+        blocks.add_metric(["pool"], pool.num_blocks)
+        yield blocks
+        yield _counter("mlxkv_kv_blocks_stored", "Blocks computed and stored.", pool.num_stored)
+        yield _counter(
+            "mlxkv_kv_blocks_evicted", "Cached blocks evicted to make room.", pool.num_evictions
+        )
+        if compute is not None:
+            yield _counter(
+                "mlxkv_prompt_tokens_reused",
+                "Prompt tokens not computed: rebuilt from cached blocks or the last cache.",
+                compute.num_cached_tokens,
+            )
+            yield _counter(
+                "mlxkv_prompt_tokens_computed",
+                "Prompt tokens run through the model.",
+                compute.num_prefill_tokens,
+            )
+            yield _counter("mlxkv_decode_steps", "Decode model calls.", compute.num_decode_steps)
+            yield _counter(
+                "mlxkv_decode_rows",
+                "Request-steps the decode calls served (/ decode steps = batch size).",
+                compute.num_decode_rows,
+            )
+            batch = (
+                compute.num_decode_rows / compute.num_decode_steps
+                if compute.num_decode_steps
+                else 0.0
+            )
+            yield _gauge(
+                "mlxkv_decode_batch_size_mean", "Requests per decode call, on average.", batch
+            )
+            yield _gauge(
+                "mlxkv_compute_live_requests",
+                "Requests prefilling or decoding now.",
+                compute.num_live,
+            )
+        yield _gauge(
+            "mlxkv_requests_running", "Requests holding an admission slot.", admission.num_running
+        )
+        yield _gauge(
+            "mlxkv_requests_waiting",
+            "Requests queued for an admission slot.",
+            admission.num_waiting,
+        )
+        yield _gauge(
+            "mlxkv_requests_max_running",
+            "Admission slots (--max-concurrent).",
+            admission.max_running,
+        )
+        yield _counter(
+            "mlxkv_chat_turns_continued",
+            "Chat prompts built on an earlier turn's exact tokens.",
+            memory.num_continued,
+        )
+
+
+def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, documentation, value=value)
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)

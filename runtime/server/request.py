@@ -1,0 +1,365 @@
+"""The bodies of ``POST /v1/completions`` and ``POST /v1/chat/completions``, checked.
+
+:func:`parse_completion` and :func:`parse_chat` turn a decoded JSON body
+into a frozen record or raise :class:`~mlxkv.InvalidInput` naming the field
+(the server answers 400 with its message). Everything is checked before
+anything is sent to the runtime: the JSON types, the ranges the OpenAI API
+gives, fields this server cannot honour at other than their default (``n``,
+``logprobs``, penalties, tools...), and fields it does not know. Values the
+runtime checks itself (a token id past the vocabulary, a prompt past the
+context) are left to it.
+
+Beyond the OpenAI fields, both take vLLM's extensions ``cache_salt``,
+``top_k`` and ``min_p``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any, Optional, Union
+
+import attrs
+
+from mlxkv.errors import InvalidInput
+
+__all__ = [
+    "ChatMessage",
+    "ChatRequest",
+    "CompletionRequest",
+    "Options",
+    "parse_chat",
+    "parse_completion",
+    "parse_json",
+]
+
+#: The most stop strings (as OpenAI), and the longest one.
+MAX_STOPS, MAX_STOP_LENGTH = 4, 256
+
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+@attrs.frozen(kw_only=True)
+class Options:
+    """What both endpoints take besides the prompt.
+
+    Attributes:
+        model: the model asked for, or None (the served one).
+        max_tokens: the most tokens to generate, or None (the endpoint's default).
+        temperature: 0 for greedy decoding (OpenAI's default is 1).
+        top_p: nucleus sampling (1: off).
+        top_k: sample among the ``k`` most likely tokens (0: off).
+        min_p: drop tokens below ``min_p`` times the top probability.
+        seed: makes sampling reproducible.
+        stop: strings that end the answer (not included in it).
+        stream: answer with server-sent events.
+        include_usage: with ``stream``, end with a chunk carrying the usage.
+        cache_salt: the request's own cache namespace (within its API key's).
+    """
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    cache_salt: Optional[str] = None
+
+
+@attrs.frozen(kw_only=True)
+class CompletionRequest:
+    """A checked ``/v1/completions`` body: text or token ids, and the options."""
+
+    prompt: Union[str, tuple[int, ...]]
+    options: Options
+
+
+@attrs.frozen(kw_only=True)
+class ChatMessage:
+    """One message as the chat template takes it.
+
+    Attributes:
+        role: ``system``, ``user`` or ``assistant`` (``developer`` is ``system``).
+        content: a string, or (on a vision-language model, when the message
+            has images) a tuple of ``{"type": "text", "text": ...}`` and
+            ``{"type": "image"}`` parts.
+    """
+
+    role: str
+    content: Union[str, tuple[Mapping[str, str], ...]]
+
+    def text(self) -> str:
+        """The message's text, its parts' texts joined."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.get("text", "") for part in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as ``apply_chat_template`` takes it."""
+        content = self.content if isinstance(self.content, str) else [dict(p) for p in self.content]
+        return {"role": self.role, "content": content}
+
+
+@attrs.frozen(kw_only=True)
+class ChatRequest:
+    """A checked ``/v1/chat/completions`` body.
+
+    Attributes:
+        messages: the conversation.
+        images: the ``data:`` URLs of its images, in order of appearance.
+        options: the options.
+    """
+
+    messages: tuple[ChatMessage, ...]
+    images: tuple[str, ...]
+    options: Options
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object.
+
+    Raises:
+        InvalidInput: not UTF-8 JSON, or not an object.
+    """
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise InvalidInput("body", raw[:40], f"is not JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise InvalidInput("body", body, "must be a JSON object")
+    return body
+
+
+def parse_completion(body: Mapping[str, Any]) -> CompletionRequest:
+    """Check a ``/v1/completions`` body.
+
+    Raises:
+        InvalidInput: naming the first field at fault.
+    """
+    fields = _Fields(body)
+    prompt = _prompt(fields.take("prompt", required=True))
+    fields.default_only("echo", False)
+    fields.default_only("suffix", None)
+    fields.default_only("best_of", 1)
+    fields.default_only("logprobs", None)
+    options = _options(fields, max_tokens=fields.take("max_tokens"))
+    fields.finish()
+    return CompletionRequest(prompt=prompt, options=options)
+
+
+def parse_chat(body: Mapping[str, Any], *, takes_images: bool) -> ChatRequest:
+    """Check a ``/v1/chat/completions`` body.
+
+    Args:
+        body: the decoded JSON.
+        takes_images: whether the model sees images (else an image part is refused).
+
+    Raises:
+        InvalidInput: naming the first field at fault.
+    """
+    fields = _Fields(body)
+    messages, images = _messages(fields.take("messages", required=True), takes_images)
+    fields.default_only("logprobs", False)
+    fields.default_only("top_logprobs", None)
+    fields.default_only("tools", None)
+    fields.default_only("tool_choice", None)
+    fields.default_only("parallel_tool_calls", None)
+    fields.default_only("response_format", None, also=({"type": "text"},))
+    max_tokens = fields.take("max_completion_tokens")
+    legacy = fields.take("max_tokens")
+    options = _options(fields, max_tokens=legacy if max_tokens is None else max_tokens)
+    fields.finish()
+    return ChatRequest(messages=messages, images=images, options=options)
+
+
+class _Fields:
+    """A body's fields, taken one by one; :meth:`finish` refuses what is left."""
+
+    def __init__(self, body: Mapping[str, Any]) -> None:
+        self._body = dict(body)
+
+    def take(self, name: str, *, required: bool = False) -> Any:
+        if required and self._body.get(name) is None:
+            raise InvalidInput(name, None, "is required")
+        return self._body.pop(name, None)
+
+    def default_only(self, name: str, default: Any, *, also: tuple[Any, ...] = ()) -> None:
+        """A field this server takes only at its default (or null)."""
+        value = self.take(name)
+        if value is not None and value != default and value not in also:
+            raise InvalidInput(
+                name, value, f"is not supported by this server (only {json.dumps(default)})"
+            )
+
+    def finish(self) -> None:
+        for ignored in ("user", "metadata"):
+            self._body.pop(ignored, None)
+        if self._body:
+            name = sorted(self._body)[0]
+            raise InvalidInput(name, self._body[name], "is not a request field this server takes")
+
+
+def _options(fields: _Fields, *, max_tokens: Any) -> Options:
+    fields.default_only("n", 1)
+    fields.default_only("presence_penalty", 0)
+    fields.default_only("frequency_penalty", 0)
+    fields.default_only("logit_bias", None, also=({},))
+    stream = _bool("stream", fields.take("stream"), default=False)
+    stream_options = fields.take("stream_options")
+    include_usage = False
+    if stream_options is not None:
+        if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}:
+            raise InvalidInput("stream_options", stream_options, 'must be {"include_usage": bool}')
+        if not stream:
+            raise InvalidInput(
+                "stream_options", stream_options, "is only allowed with stream: true"
+            )
+        include_usage = _bool(
+            "stream_options.include_usage", stream_options.get("include_usage"), default=False
+        )
+    model = fields.take("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidInput("model", model, "must be a string")
+    salt = fields.take("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise InvalidInput("cache_salt", salt, "must be a non-empty string")
+    return Options(
+        model=model,
+        max_tokens=_int("max_tokens", max_tokens, minimum=1),
+        temperature=_number("temperature", fields.take("temperature"), 0.0, 2.0, default=1.0),
+        top_p=_number("top_p", fields.take("top_p"), 0.0, 1.0, default=1.0),
+        top_k=_int("top_k", fields.take("top_k"), minimum=0) or 0,
+        min_p=_number("min_p", fields.take("min_p"), 0.0, 1.0, default=0.0),
+        seed=_int("seed", fields.take("seed")),
+        stop=_stop(fields.take("stop")),
+        stream=stream,
+        include_usage=include_usage,
+        cache_salt=salt,
+    )
+
+
+def _bool(name: str, value: Any, *, default: bool) -> bool:
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidInput(name, value, "must be a boolean")
+    return value
+
+
+def _int(name: str, value: Any, *, minimum: Optional[int] = None) -> Optional[int]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidInput(name, value, "must be an integer")
+    if minimum is not None and value < minimum:
+        raise InvalidInput(name, value, f"must be >= {minimum}")
+    return value
+
+
+def _number(name: str, value: Any, low: float, high: float, *, default: float) -> float:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidInput(name, value, "must be a number")
+    if not math.isfinite(value) or not low <= value <= high:
+        raise InvalidInput(name, value, f"must be in [{low:g}, {high:g}]")
+    return float(value)
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise InvalidInput("stop", value, "must be a non-empty string or a list of them")
+    if len(stops) > MAX_STOPS:
+        raise InvalidInput("stop", value, f"takes at most {MAX_STOPS} strings")
+    if any(len(s) > MAX_STOP_LENGTH for s in stops):
+        raise InvalidInput("stop", value, f"strings are at most {MAX_STOP_LENGTH} characters")
+    return tuple(stops)
+
+
+def _prompt(value: Any) -> Union[str, tuple[int, ...]]:
+    """A string or a list of token ids; a list of one of either is that one."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str):
+        if not value:
+            raise InvalidInput("prompt", value, "must not be empty")
+        return value
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    ):
+        return tuple(value)
+    if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+        raise InvalidInput("prompt", value, "takes one prompt per request")
+    raise InvalidInput("prompt", value, "must be a non-empty string or a list of token ids")
+
+
+def _messages(value: Any, takes_images: bool) -> tuple[tuple[ChatMessage, ...], tuple[str, ...]]:
+    if not isinstance(value, list) or not value:
+        raise InvalidInput("messages", value, "must be a non-empty list of messages")
+    messages, images = [], []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise InvalidInput(where, message, "must be an object with a role and a content")
+        role = message.get("role")
+        if role not in _ROLES:
+            raise InvalidInput(
+                f"{where}.role", role, f"must be one of {', '.join(_ROLES)} (no tools)"
+            )
+        unknown = set(message) - {"role", "content", "name"}
+        if unknown:
+            name = sorted(unknown)[0]
+            raise InvalidInput(f"{where}.{name}", message[name], "is not supported by this server")
+        content = message.get("content")
+        if isinstance(content, str):
+            messages.append(ChatMessage(role=_ROLES[role], content=content))
+            continue
+        if not isinstance(content, list):
+            raise InvalidInput(f"{where}.content", content, "must be a string or a list of parts")
+        parts: list[dict[str, str]] = []
+        for j, part in enumerate(content):
+            url = _part(part, f"{where}.content[{j}]", takes_images)
+            if url is None:
+                parts.append({"type": "text", "text": part["text"]})
+            else:
+                parts.append({"type": "image"})
+                images.append(url)
+        if any(part["type"] == "image" for part in parts):
+            messages.append(ChatMessage(role=_ROLES[role], content=tuple(parts)))
+        else:
+            messages.append(
+                ChatMessage(role=_ROLES[role], content="\n".join(p["text"] for p in parts))
+            )
+    return tuple(messages), tuple(images)
+
+
+def _part(part: Any, where: str, takes_images: bool) -> Optional[str]:
+    """A content part's image URL, or None for a text part."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+        return None
+    if kind != "image_url":
+        raise InvalidInput(
+            where, part, 'must be {"type": "text", "text": ...} or {"type": "image_url", ...}'
+        )
+    image = part.get("image_url")
+    url = image.get("url") if isinstance(image, dict) else image
+    if not isinstance(url, str):
+        raise InvalidInput(f"{where}.image_url", image, 'must be {"url": "data:..."}')
+    if not takes_images:
+        raise InvalidInput(f"{where}.image_url", url, "this model does not take images")
+    if not url.startswith("data:"):
+        raise InvalidInput(
+            f"{where}.image_url.url", url, "only data: URLs are taken (URLs are not fetched)"
+        )
+    return url

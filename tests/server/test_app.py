@@ -1,0 +1,583 @@
+"""The OpenAI API of ``mlxkv serve``, through the real ``openai`` client, on asyncio and trio.
+
+Each test starts a fresh runtime on the built-in model and a server on a free
+loopback port (``serve`` in conftest.py), and talks to it over HTTP as any
+client would; it checks the runtime object in the same process for what the
+client cannot see (blocks held, live computations).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("hypercorn")
+pytest.importorskip("prometheus_client")
+openai = pytest.importorskip("openai")
+import httpx  # noqa: E402
+
+from mlxkv import GeneratedToken  # noqa: E402
+
+# The openai client (and its httpx2/httpcore2) leave their own stream generators
+# unfinished after "[DONE]"; trio's finalizer warns about them. The server's
+# generators are all closed: a warning about one of them stays an error.
+pytestmark = pytest.mark.filterwarnings(
+    r"ignore:Async generator '(openai|httpx2?|httpcore2?)\.:ResourceWarning"
+)
+
+SYSTEM = "You are a terse assistant who answers in one line. " * 6
+GREEDY: dict[str, Any] = {"temperature": 0}
+
+
+def chat(*turns: str) -> list[dict[str, str]]:
+    """A conversation: the system prompt, then user and assistant turns alternating."""
+    roles = ["user", "assistant"]
+    return [{"role": "system", "content": SYSTEM}] + [
+        {"role": roles[i % 2], "content": text} for i, text in enumerate(turns)
+    ]
+
+
+async def streamed_chat(client: Any, **kwargs: Any) -> tuple[str, Any, list[Any]]:
+    """A streamed chat completion: its text, its usage chunk's usage and every chunk."""
+    chunks = [
+        c async for c in await client.chat.completions.create(model="tiny", stream=True, **kwargs)
+    ]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks[-1].usage, chunks
+
+
+async def nothing_held(rt: Any) -> Any:
+    """Wait (at most 10 s) until no request holds a block or a computation; the stats."""
+    with anyio.fail_after(10):
+        while True:
+            stats = await rt.stats()
+            if (
+                stats.allocator.num_referenced == 0
+                and stats.compute.num_live == 0
+                and stats.index.num_active_requests == 0
+            ):
+                await rt.check_invariants()
+                return stats
+            await anyio.sleep(0.02)
+
+
+class TestCompletions:
+    """``POST /v1/completions``: text and token-id prompts, streamed and not."""
+
+    async def test_text_and_token_ids_match_the_runtime(self, serve):
+        """A text prompt and its token ids give the runtime's own greedy tokens, and
+        the usage counts the prompt, the answer and the tokens reused."""
+        async with serve() as s:
+            prompt = SYSTEM + "Say something."
+            ids = list(await s.runtime.tokenize(prompt))
+            direct = []
+            async with s.runtime.generate(ids, max_tokens=12, cache_salt="direct") as stream:
+                async for record in stream:
+                    if isinstance(record, GeneratedToken):
+                        direct.append(record.text)
+            by_text = await s.client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=12, **GREEDY
+            )
+            assert by_text.object == "text_completion"
+            assert by_text.choices[0].text == "".join(direct)
+            assert by_text.choices[0].finish_reason == stream.report.finish_reason
+            assert by_text.usage.prompt_tokens == len(ids)
+            assert by_text.usage.completion_tokens == stream.report.generated_tokens
+            assert by_text.usage.prompt_tokens_details.cached_tokens == 0  # another salt
+            by_ids = await s.client.completions.create(
+                model="tiny", prompt=ids, max_tokens=12, **GREEDY
+            )
+            assert by_ids.choices[0].text == by_text.choices[0].text
+            # The same prompt again: all but its last token from the last cache.
+            assert by_ids.usage.prompt_tokens_details.cached_tokens == len(ids) - 1
+            await nothing_held(s.runtime)
+
+    async def test_streamed_with_usage(self, serve):
+        """Streamed pieces add up to the non-streamed text; ``include_usage`` ends the
+        stream with a chunk of no choices and the usage; without it, no usage."""
+        async with serve() as s:
+            whole = await s.client.completions.create(
+                model="tiny", prompt=SYSTEM, max_tokens=10, **GREEDY
+            )
+            chunks = [
+                c
+                async for c in await s.client.completions.create(
+                    model="tiny", prompt=SYSTEM, max_tokens=10, stream=True,
+                    stream_options={"include_usage": True}, **GREEDY,
+                )
+            ]  # fmt: skip
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+            assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
+            assert chunks[-1].choices == [] and all(c.usage is None for c in chunks[:-1])
+            usage = chunks[-1].usage
+            assert usage.prompt_tokens == whole.usage.prompt_tokens
+            assert usage.completion_tokens == whole.usage.completion_tokens
+            assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
+            plain = [
+                c
+                async for c in await s.client.completions.create(
+                    model="tiny", prompt=SYSTEM, max_tokens=3, stream=True
+                )
+            ]
+            assert all(c.usage is None for c in plain)
+
+    async def test_stop_strings(self, serve):
+        """A stop string ends the answer before it, streamed or not, with
+        finish_reason "stop" and the usage of the tokens generated up to it."""
+        async with serve() as s:
+            full = await s.client.completions.create(
+                model="tiny", prompt=SYSTEM, max_tokens=24, **GREEDY
+            )
+            text = full.choices[0].text
+            stop = text[6:8]
+            assert len(stop) == 2 and text.index(stop) >= 1, (
+                f"the greedy answer {text!r} is too short"
+            )
+            expected = text[: text.index(stop)]
+            cut = await s.client.completions.create(
+                model="tiny", prompt=SYSTEM, max_tokens=24, stop=[stop, "\x00\x00"], **GREEDY
+            )
+            assert cut.choices[0].text == expected
+            assert cut.choices[0].finish_reason == "stop"
+            assert 0 < cut.usage.completion_tokens < full.usage.completion_tokens
+            assert cut.usage.prompt_tokens_details.cached_tokens > 0  # known without a report
+            chunks = [
+                c async for c in await s.client.completions.create(
+                    model="tiny", prompt=SYSTEM, max_tokens=24, stop=stop, stream=True, **GREEDY
+                )
+            ]  # fmt: skip
+            assert "".join(c.choices[0].text for c in chunks) == expected
+            assert chunks[-1].choices[0].finish_reason == "stop"
+            await nothing_held(s.runtime)
+
+
+class TestChat:
+    """``POST /v1/chat/completions``: the chat template, streaming, earlier turns reused."""
+
+    async def test_streamed_and_not_agree(self, serve):
+        """The streamed answer is the whole answer; the stream opens with the
+        assistant role and ends with the finish reason, then the usage."""
+        async with serve() as s:
+            whole = await s.client.chat.completions.create(
+                model="tiny", messages=chat("Hello!"), max_tokens=10, **GREEDY
+            )
+            assert whole.object == "chat.completion"
+            assert whole.choices[0].message.role == "assistant"
+            text, usage, chunks = await streamed_chat(
+                s.client,
+                messages=chat("Hello!"),
+                max_tokens=10,
+                stream_options={"include_usage": True},
+                **GREEDY,
+            )
+            assert text == whole.choices[0].message.content
+            assert chunks[0].object == "chat.completion.chunk"
+            assert chunks[0].choices[0].delta.role == "assistant"
+            assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
+            assert usage.prompt_tokens == whole.usage.prompt_tokens
+            assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
+
+    async def test_second_turn_reuses_the_first_exactly(self, serve):
+        """Turn 2 (turn 1's messages, its answer, a new question) is built on turn
+        1's exact tokens: it reuses all of turn 1's prompt and answer, though the
+        answer's text tokenizes differently; an edited answer is tokenized afresh."""
+        async with serve(keep_last_cache=False) as s:
+            first = await s.client.chat.completions.create(
+                model="tiny", messages=chat("Hello!"), max_tokens=32, **GREEDY
+            )
+            answer = first.choices[0].message.content
+            earlier = first.usage.prompt_tokens + first.usage.completion_tokens
+            second = await s.client.chat.completions.create(
+                model="tiny", messages=chat("Hello!", answer, "And then?"), max_tokens=8, **GREEDY
+            )
+            # Every full block of turn 1's prompt and answer (blocks of 16).
+            assert second.usage.prompt_tokens_details.cached_tokens == earlier // 16 * 16
+            assert second.usage.prompt_tokens > earlier
+            assert s.server.memory.statistics().num_continued == 1
+            # Tokenized afresh, the answer's text is not the tokens generated: the
+            # prompt diverges inside it (random weights emit bytes that are not UTF-8).
+            fresh = s.server.chat.encode(
+                s.server.chat.render(_messages(chat("Hello!", answer, "And then?")))
+            )
+            assert len(fresh) != second.usage.prompt_tokens
+            edited = await s.client.chat.completions.create(
+                model="tiny",
+                messages=chat("Hello!", answer + "!", "And then?"),
+                max_tokens=8,
+                **GREEDY,
+            )
+            assert edited.usage.prompt_tokens_details.cached_tokens < earlier // 16 * 16
+            assert s.server.memory.statistics().num_fresh == 2  # turn 1 and the edited turn
+
+    async def test_concurrent_clients(self, serve):
+        """Eight clients at once (streamed and not) get the answers each gets alone,
+        decoded together, and reuse the shared system prompt."""
+        questions = [f"Question number {i}?" for i in range(8)]
+        async with serve() as s:
+            alone = [
+                (
+                    await s.client.chat.completions.create(
+                        model="tiny", messages=chat(q), max_tokens=12, **GREEDY
+                    )
+                )
+                .choices[0]
+                .message.content
+                for q in questions
+            ]
+            together: dict[int, str] = {}
+            cached: dict[int, int] = {}
+
+            async def ask(i: int) -> None:
+                if i % 2:
+                    text, usage, _ = await streamed_chat(
+                        s.client, messages=chat(questions[i]), max_tokens=12,
+                        stream_options={"include_usage": True}, extra_body={"cache_salt": "together"}, **GREEDY,
+                    )  # fmt: skip
+                else:
+                    reply = await s.client.chat.completions.create(
+                        model="tiny", messages=chat(questions[i]), max_tokens=12,
+                        extra_body={"cache_salt": "together"}, **GREEDY,
+                    )  # fmt: skip
+                    text, usage = reply.choices[0].message.content, reply.usage
+                together[i], cached[i] = text, usage.prompt_tokens_details.cached_tokens
+
+            stats = await s.runtime.stats()
+            steps, rows = stats.compute.num_decode_steps, stats.compute.num_decode_rows
+            async with anyio.create_task_group() as tg:
+                for i in range(8):
+                    tg.start_soon(ask, i)
+            assert [together[i] for i in range(8)] == alone
+            assert sum(1 for n in cached.values() if n > 0) >= 4
+            stats = await nothing_held(s.runtime)
+            batch = (stats.compute.num_decode_rows - rows) / (
+                stats.compute.num_decode_steps - steps
+            )
+            assert batch > 2, f"decoded {batch:.1f} requests per step"
+
+    async def test_disconnect_mid_stream_releases_everything(self, serve):
+        """A client that leaves mid-stream cancels its generation: nothing stays held,
+        the computation stops, and the request counts as disconnected."""
+        async with serve() as s:
+            probe = await s.client.chat.completions.create(
+                model="tiny", messages=chat("Tell me all."), max_tokens=48, **GREEDY
+            )
+            assert probe.choices[0].finish_reason == "length", (
+                "the greedy answer ends too soon to leave mid-way"
+            )
+            stream = await s.client.chat.completions.create(
+                model="tiny", messages=chat("Tell me all."), max_tokens=20000, stream=True, **GREEDY
+            )
+            received = 0
+            async for _ in stream:
+                received += 1
+                if received == 4:
+                    break
+            before = await s.runtime.stats()
+            assert before.compute.num_live == 1 and before.allocator.num_referenced > 0
+            await stream.close()
+            stats = await nothing_held(s.runtime)
+            assert stats.generation.num_stopped == 1
+            assert stats.compute.num_decode_steps < 1000
+            metrics = await _metrics(s.url)
+            assert metrics['mlxkv_requests_total{endpoint="chat",outcome="disconnected"}'] == 1
+
+
+class TestErrors:
+    """Every refusal is an OpenAI-shaped error with its status."""
+
+    async def test_bad_requests_are_400(self, serve):
+        """Bad JSON, an unknown field, a field of the wrong type and a prompt past
+        the context: 400 with the InvalidInput message and the field at fault."""
+        async with serve() as s:
+            async with httpx.AsyncClient(base_url=s.url) as http:
+                raw = await http.post(
+                    "/v1/completions",
+                    content=b"{not json",
+                    headers={"content-type": "application/json"},
+                )
+            assert raw.status_code == 400
+            assert (
+                raw.json()["error"]["param"] == "body"
+                and "is not JSON" in raw.json()["error"]["message"]
+            )
+            cases = [
+                ({"prompt": "hi", "extra_body": {"frobnicate": 1}}, "frobnicate"),
+                ({"prompt": "hi", "temperature": "hot"}, "temperature"),
+                ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+                ({"prompt": "hi", "n": 2}, "n"),
+                ({"prompt": [1, 2, 100_000]}, "prompt"),
+                ({"prompt": "hi", "max_tokens": 40_000}, "max_tokens"),  # past the 32k context
+            ]
+            for kwargs, param in cases:
+                with pytest.raises(openai.BadRequestError) as caught:
+                    await s.client.completions.create(model="tiny", **kwargs)
+                error = caught.value.body
+                assert caught.value.status_code == 400, kwargs
+                assert error["param"] == param, (kwargs, error)
+                assert error["type"] == "invalid_request_error" and error["message"].startswith(
+                    "invalid "
+                )
+            with pytest.raises(openai.BadRequestError) as caught:
+                await s.client.chat.completions.create(
+                    model="tiny", messages=[{"role": "tool", "content": "x"}]
+                )
+            assert caught.value.body["param"] == "messages[0].role"
+            with pytest.raises(openai.BadRequestError) as caught:
+                await s.client.chat.completions.create(
+                    model="tiny",
+                    messages=[
+                        {
+                            "role": "user",
+                            "content": [{"type": "image_url", "image_url": {"url": "data:,"}}],
+                        }
+                    ],
+                )
+            assert "does not take images" in caught.value.body["message"]
+            await nothing_held(s.runtime)
+
+    async def test_unknown_model_and_path_are_404(self, serve):
+        """A model the server does not serve and a path it does not have: 404."""
+        async with serve() as s:
+            with pytest.raises(openai.NotFoundError) as caught:
+                await s.client.completions.create(model="gpt-5", prompt="hi")
+            assert (
+                caught.value.body["code"] == "model_not_found"
+                and caught.value.body["param"] == "model"
+            )
+            with pytest.raises(openai.NotFoundError):
+                await s.client.models.retrieve("gpt-5")
+            assert (await s.client.models.retrieve("tiny")).id == "tiny"
+            assert [m.id for m in (await s.client.models.list()).data] == ["tiny"]
+            async with httpx.AsyncClient(base_url=s.url) as http:
+                missing = await http.get("/v1/embeddings")
+                wrong_method = await http.get("/v1/completions")
+            assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+            assert wrong_method.status_code == 405 and "error" in wrong_method.json()
+
+    async def test_admission_limit_is_503_with_a_bounded_queue(self, serve):
+        """With one slot and a queue of one, a third request is refused at once with
+        503 "overloaded"; the queued one runs once the slot is free; one that gives
+        up while queued leaves the queue."""
+        async with serve(server_options={"max_concurrent": 1, "max_queue": 1}) as s:
+            holding = await s.client.chat.completions.create(
+                model="tiny", messages=chat("Go on."), max_tokens=20000, stream=True, **GREEDY
+            )
+            await holding.__anext__()  # admitted and generating
+            with anyio.move_on_after(0.5):  # queued behind it, then the client leaves
+                await s.client.completions.create(model="tiny", prompt="hi", max_tokens=2)
+                pytest.fail("admitted beyond the limit")
+            with anyio.fail_after(5):
+                while s.server.admission.statistics().num_waiting:
+                    await anyio.sleep(0.01)
+            queued: list[Any] = []
+
+            async def wait_in_queue() -> None:
+                queued.append(
+                    await s.client.completions.create(model="tiny", prompt="hi", max_tokens=2)
+                )
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(wait_in_queue)
+                with anyio.fail_after(10):
+                    while s.server.admission.statistics().num_waiting < 1:
+                        await anyio.sleep(0.01)
+                with pytest.raises(openai.InternalServerError) as caught:
+                    await s.client.completions.create(model="tiny", prompt="hi", max_tokens=2)
+                assert caught.value.status_code == 503
+                assert caught.value.body["code"] == "overloaded"
+                assert caught.value.response.headers["retry-after"] == "1"
+                assert not queued
+                await holding.close()
+            assert queued[0].usage.completion_tokens >= 1
+            await nothing_held(s.runtime)
+            with anyio.fail_after(5):  # the last answer's task leaves its slot after sending
+                while s.server.admission.statistics().num_running:
+                    await anyio.sleep(0.01)
+            stats = s.server.admission.statistics()
+            assert (stats.num_refused, stats.num_waiting, stats.num_admitted) == (1, 0, 2)
+            metrics = await _metrics(s.url)
+            assert (
+                metrics['mlxkv_requests_total{endpoint="completions",outcome="disconnected"}'] == 1
+            )
+            assert metrics['mlxkv_requests_total{endpoint="completions",outcome="overloaded"}'] == 1
+
+    async def test_body_over_the_limit_is_413(self, serve):
+        """A body larger than ``max_body_bytes`` is refused before it is parsed."""
+        async with serve(server_options={"max_body_bytes": 1000}) as s:
+            with pytest.raises(openai.APIStatusError) as caught:
+                await s.client.completions.create(model="tiny", prompt="x" * 2000, max_tokens=1)
+            assert caught.value.status_code == 413 and caught.value.body["code"] == "body_too_large"
+            small = await s.client.completions.create(model="tiny", prompt="x" * 500, max_tokens=1)
+            assert small.usage.prompt_tokens == 500
+
+    async def test_closed_runtime_is_503(self, serve):
+        """Once the runtime is closed, generation requests and /health answer 503."""
+        from mlxkv.server import running
+
+        async with serve() as s:
+            pass  # the runtime is closed now
+        async with running(s.server, graceful_timeout=0.5) as url:
+            async with openai.AsyncOpenAI(
+                base_url=url + "/v1", api_key="-", max_retries=0
+            ) as client:
+                with pytest.raises(openai.InternalServerError) as caught:
+                    await client.completions.create(model="tiny", prompt="hi")
+            async with httpx.AsyncClient(base_url=url) as http:
+                health = await http.get("/health")
+                metrics = await http.get("/metrics")
+        assert caught.value.status_code == 503 and caught.value.body["code"] == "runtime_closed"
+        assert health.status_code == 503 and metrics.status_code == 503
+
+
+class TestTenants:
+    """With API keys, each key is its own cache namespace."""
+
+    async def test_keys_are_required_and_isolate_prefixes(self, serve):
+        """No key or a wrong one is 401; a prefix one key cached is not reused by
+        another key (whose time to first token it would otherwise shorten), and a
+        request's own cache_salt divides its key's namespace further."""
+        async with serve(api_key="alice", server_options={"api_keys": ("alice", "bob")}) as s:
+
+            async def cached(key: str, **extra: Any) -> int:
+                async with openai.AsyncOpenAI(
+                    base_url=s.url + "/v1", api_key=key, max_retries=0
+                ) as client:
+                    reply = await client.completions.create(
+                        model="tiny", prompt=SYSTEM, max_tokens=2, extra_body=extra
+                    )
+                return reply.usage.prompt_tokens_details.cached_tokens
+
+            assert await cached("alice") == 0
+            assert await cached("bob") == 0
+            assert await cached("alice") > 0
+            assert await cached("alice", cache_salt="project") == 0
+            assert await cached("alice", cache_salt="project") > 0
+            for key in ("mallory", "alic"):
+                with pytest.raises(openai.AuthenticationError) as caught:
+                    await cached(key)
+                assert (
+                    caught.value.status_code == 401
+                    and caught.value.body["code"] == "invalid_api_key"
+                )
+            async with httpx.AsyncClient(base_url=s.url) as http:
+                keyless = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+                assert (
+                    keyless.status_code == 401
+                    and keyless.json()["error"]["code"] == "invalid_api_key"
+                )
+                assert (await http.get("/v1/models")).status_code == 401
+                assert (await http.get("/health")).status_code == 200
+
+
+class TestHealthAndMetrics:
+    """``GET /health`` and ``GET /metrics``."""
+
+    async def test_metrics_count_requests_reuse_and_ttft(self, serve):
+        """The Prometheus text has requests by outcome, the time-to-first-token
+        histogram, prefix-cache queries and hits, tokens reused and blocks."""
+        async with serve() as s:
+            for _ in range(2):
+                await s.client.completions.create(
+                    model="tiny", prompt=SYSTEM, max_tokens=3, **GREEDY
+                )
+            with pytest.raises(openai.BadRequestError):
+                await s.client.completions.create(model="tiny", prompt="hi", top_p=7)
+            metrics = await _metrics(s.url)
+            stats = await s.runtime.stats()
+            assert metrics['mlxkv_requests_total{endpoint="completions",outcome="length"}'] == 2
+            assert metrics['mlxkv_requests_total{endpoint="completions",outcome="invalid"}'] == 1
+            assert metrics["mlxkv_time_to_first_token_seconds_count"] == 2
+            assert metrics["mlxkv_prefix_cache_queries_total"] == stats.index.num_lookups >= 2
+            assert metrics["mlxkv_prefix_cache_hits_total"] == stats.index.num_hits
+            assert (
+                metrics["mlxkv_prompt_tokens_reused_total"] == stats.compute.num_cached_tokens > 0
+            )
+            assert metrics["mlxkv_request_cached_tokens_total"] == stats.compute.num_cached_tokens
+            assert metrics['mlxkv_kv_blocks{state="cached"}'] == stats.allocator.num_cached > 0
+            assert metrics['mlxkv_kv_blocks{state="held"}'] == 0
+            assert metrics["mlxkv_decode_steps_total"] == stats.compute.num_decode_steps
+            async with httpx.AsyncClient(base_url=s.url) as http:
+                health = (await http.get("/health")).json()
+            assert health == {"status": "ok", "model": "tiny", "running": 0, "waiting": 0}
+
+
+class TestImages:
+    """Image parts on the built-in vision-language model."""
+
+    async def test_data_urls_are_seen_and_urls_refused(self, serve, vlm_path):
+        """A data: URL image is part of the prompt (the answer differs with another
+        image, a second turn about it reuses it); any other URL is refused unfetched."""
+        import base64
+        import io
+
+        import numpy as np
+        from PIL import Image
+
+        from mlxkv.server.chat import ChatTemplate
+
+        def data_url(seed: int) -> str:
+            pixels = np.random.default_rng(seed).integers(0, 256, (48, 48, 3), dtype=np.uint8)
+            out = io.BytesIO()
+            Image.fromarray(pixels).save(out, format="PNG")
+            return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+        def ask(url: str) -> list[dict[str, Any]]:
+            return [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": url}},
+                        {"type": "text", "text": "What is it?"},
+                    ],
+                }
+            ]
+
+        template = await anyio.to_thread.run_sync(ChatTemplate.load, str(vlm_path))
+        async with serve(path=str(vlm_path), chat=template) as s:
+            one = await s.client.chat.completions.create(
+                model="tiny", messages=ask(data_url(1)), max_tokens=8, **GREEDY
+            )
+            other = await s.client.chat.completions.create(
+                model="tiny", messages=ask(data_url(2)), max_tokens=8, **GREEDY
+            )
+            assert one.usage.prompt_tokens > 20  # the image's tokens
+            assert one.choices[0].message.content != other.choices[0].message.content
+            again = await s.client.chat.completions.create(
+                model="tiny",
+                messages=ask(data_url(1)) + [{"role": "assistant", "content": one.choices[0].message.content}, {"role": "user", "content": "More?"}],
+                max_tokens=4, **GREEDY,
+            )  # fmt: skip
+            assert (
+                again.usage.prompt_tokens_details.cached_tokens
+                >= (one.usage.prompt_tokens + one.usage.completion_tokens) // 16 * 16
+            )
+            for url in ("https://example.com/cat.png", "file:///etc/passwd", "/etc/passwd"):
+                with pytest.raises(openai.BadRequestError) as caught:
+                    await s.client.chat.completions.create(
+                        model="tiny", messages=ask(url), max_tokens=2
+                    )
+                assert "URLs are not fetched" in caught.value.body["message"]
+            await nothing_held(s.runtime)
+
+
+def _messages(conversation: list[dict[str, str]]) -> list[Any]:
+    from mlxkv.server.request import ChatMessage
+
+    return [ChatMessage(role=m["role"], content=m["content"]) for m in conversation]
+
+
+async def _metrics(url: str) -> dict[str, float]:
+    """The server's /metrics samples, by name with labels."""
+    async with httpx.AsyncClient(base_url=url) as http:
+        response = await http.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for line in response.text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples

@@ -1,0 +1,152 @@
+"""The request bodies' checks: every field typed, ranged and known, or InvalidInput naming it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from mlxkv import InvalidInput
+from mlxkv.server.request import ChatMessage, parse_chat, parse_completion, parse_json
+
+
+def refused(parse: Any, body: dict[str, Any], **kwargs: Any) -> InvalidInput:
+    with pytest.raises(InvalidInput) as caught:
+        parse(body, **kwargs)
+    return caught.value
+
+
+class TestCompletionBody:
+    """``/v1/completions`` bodies."""
+
+    def test_defaults_are_openai_s(self):
+        """Temperature 1, top_p 1, no stop, not streamed; token ids become a tuple."""
+        request = parse_completion({"model": "m", "prompt": [1, 2, 3]})
+        assert request.prompt == (1, 2, 3)
+        options = request.options
+        assert (options.temperature, options.top_p, options.max_tokens, options.stop) == (
+            1.0,
+            1.0,
+            None,
+            (),
+        )
+        assert not options.stream and not options.include_usage
+
+    def test_fields_are_read(self):
+        """Sampling, stop, streaming with usage and the extensions are taken."""
+        options = parse_completion(
+            {"prompt": ["one"], "max_tokens": 5, "temperature": 0, "top_p": 0.5, "seed": 3, "stop": "x",
+             "stream": True, "stream_options": {"include_usage": True}, "cache_salt": "s", "top_k": 4,
+             "min_p": 0.1, "n": 1, "user": "u", "presence_penalty": 0, "logprobs": None}
+        ).options  # fmt: skip
+        assert (options.max_tokens, options.temperature, options.top_p, options.seed) == (
+            5,
+            0.0,
+            0.5,
+            3,
+        )
+        assert options.stop == ("x",) and options.stream and options.include_usage
+        assert (options.cache_salt, options.top_k, options.min_p) == ("s", 4, 0.1)
+
+    @pytest.mark.parametrize(
+        ("body", "argument"),
+        [
+            ({}, "prompt"),
+            ({"prompt": ""}, "prompt"),
+            ({"prompt": ["a", "b"]}, "prompt"),
+            ({"prompt": [1, True]}, "prompt"),
+            ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+            ({"prompt": "x", "max_tokens": 2.5}, "max_tokens"),
+            ({"prompt": "x", "temperature": 2.5}, "temperature"),
+            ({"prompt": "x", "temperature": "0"}, "temperature"),
+            ({"prompt": "x", "top_p": float("nan")}, "top_p"),
+            ({"prompt": "x", "seed": 1.0}, "seed"),
+            ({"prompt": "x", "stop": ["a", ""]}, "stop"),
+            ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+            ({"prompt": "x", "stream": "yes"}, "stream"),
+            ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+            ({"prompt": "x", "n": 3}, "n"),
+            ({"prompt": "x", "echo": True}, "echo"),
+            ({"prompt": "x", "logprobs": 2}, "logprobs"),
+            ({"prompt": "x", "cache_salt": 5}, "cache_salt"),
+            ({"prompt": "x", "model": 5}, "model"),
+            ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
+        ],
+    )
+    def test_bad_fields_are_named(self, body: dict[str, Any], argument: str):
+        """Each bad field is refused, named as the error's argument."""
+        assert refused(parse_completion, body).argument == argument
+
+
+class TestChatBody:
+    """``/v1/chat/completions`` bodies."""
+
+    def test_messages_for_the_template(self):
+        """Roles (developer is system), text parts joined, max_completion_tokens first."""
+        request = parse_chat(
+            {"messages": [{"role": "developer", "content": "be brief"},
+                          {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+             "max_tokens": 9, "max_completion_tokens": 7},
+            takes_images=False,
+        )  # fmt: skip
+        assert request.messages == (
+            ChatMessage(role="system", content="be brief"),
+            ChatMessage(role="user", content="a\nb"),
+        )
+        assert request.options.max_tokens == 7 and request.images == ()
+
+    def test_images_become_parts_in_order(self):
+        """On a vision-language model, image parts keep their place; data URLs are collected in order."""
+        parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}},
+                 {"type": "text", "text": "and"}, {"type": "image_url", "image_url": "data:image/png;base64,BB"}]  # fmt: skip
+        request = parse_chat({"messages": [{"role": "user", "content": parts}]}, takes_images=True)
+        assert request.images == ("data:image/png;base64,AA", "data:image/png;base64,BB")
+        assert request.messages[0].for_template()["content"] == [
+            {"type": "image"},
+            {"type": "text", "text": "and"},
+            {"type": "image"},
+        ]
+        assert request.messages[0].text() == "and"
+
+    @pytest.mark.parametrize(
+        ("messages", "argument", "takes_images"),
+        [
+            ([], "messages", False),
+            (["hi"], "messages[0]", False),
+            ([{"role": "tool", "content": "x"}], "messages[0].role", False),
+            ([{"role": "user", "content": 3}], "messages[0].content", False),
+            ([{"role": "user", "content": "x", "tool_calls": []}], "messages[0].tool_calls", False),
+            ([{"role": "user", "content": [{"type": "audio"}]}], "messages[0].content[0]", False),
+            ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}], "messages[0].content[0].image_url", False),
+            ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}], "messages[0].content[0].image_url.url", True),
+        ],
+    )  # fmt: skip
+    def test_bad_messages_are_named(self, messages: Any, argument: str, takes_images: bool):
+        """A bad message or part is refused, named by its place; no URL but data: is taken."""
+        assert (
+            refused(parse_chat, {"messages": messages}, takes_images=takes_images).argument
+            == argument
+        )
+
+    def test_unsupported_features_are_refused(self):
+        """Tools and a JSON response format are refused, not ignored."""
+        body = {"messages": [{"role": "user", "content": "x"}]}
+        assert refused(parse_chat, {**body, "tools": [{}]}, takes_images=False).argument == "tools"
+        assert (
+            refused(
+                parse_chat, {**body, "response_format": {"type": "json_object"}}, takes_images=False
+            ).argument
+            == "response_format"
+        )
+        assert parse_chat({**body, "response_format": {"type": "text"}}, takes_images=False)
+
+
+class TestJson:
+    """The raw body."""
+
+    def test_not_json_or_not_an_object(self):
+        """Bytes that are not JSON, or JSON that is not an object, are refused as the body."""
+        assert refused(parse_json, b"{nope").argument == "body"
+        assert refused(parse_json, b"[1]").argument == "body"
+        assert refused(parse_json, b"\xff").argument == "body"
+        assert parse_json(b'{"a": 1}') == {"a": 1}
