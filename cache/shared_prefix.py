@@ -446,6 +446,7 @@ def cascade_attention(
         else:
             mask = mask.reshape(mask.shape[0], 1, 1, *mask.shape[-2:]) if mask.ndim == 4 else mask
             scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
+    # Every row sees at least its own newest token: no row is all masked.
     output, lse = _softmax_out(scores, values[:, :, None])
     for rows, prefix_keys, prefix_values, lengths in segments:
         whole = len(rows) == batch
@@ -469,7 +470,7 @@ def cascade_attention(
             part = flat @ prefix_keys[0][:, begin:stop].swapaxes(-1, -2)  # (kv_heads, rows*repeats*L, step)
             if keep is not None:
                 part = mx.where(keep[..., begin:stop], part, -mx.inf)
-            out, lse_part = _softmax_out(part, prefix_values[0][:, begin:stop])
+            out, lse_part = _softmax_out(part, prefix_values[0][:, begin:stop], masked=keep is not None)
             if prefix_out is None:
                 prefix_out, prefix_lse = out, lse_part
             else:
@@ -485,13 +486,14 @@ def cascade_attention(
         prefix_lse = prefix_lse.reshape(kv_heads, count, repeats, length, 1).transpose(1, 0, 2, 3, 4)
         mine_out = output if whole else output[index]
         mine_lse = lse if whole else lse[index]
-        both = mx.logaddexp(mine_lse, prefix_lse)
-        merged = mine_out * mx.exp(mine_lse - both) + prefix_out * mx.exp(prefix_lse - both)
+        # Each side weighted by its share of the softmax mass (a row is in one
+        # segment, so the merged log-sum-exp is not needed again).
+        share = mx.sigmoid(mine_lse - prefix_lse)
+        merged = prefix_out + share * (mine_out - prefix_out)
         if whole:
-            output, lse = merged, both
+            output = merged
         else:
             output[index] = merged
-            lse[index] = both
     return output.reshape(batch, heads, length, -1)
 
 
@@ -504,13 +506,18 @@ SUFFIX_STEP = 64
 SCORE_ELEMENTS = 1 << 18
 
 
-def _softmax_out(scores: Any, values: Any) -> tuple[Any, Any]:
-    """Softmax-weighted ``values`` and the log-sum-exp of ``scores`` (last axis)."""
+def _softmax_out(scores: Any, values: Any, *, masked: bool = False) -> tuple[Any, Any]:
+    """Softmax-weighted ``values`` and the log-sum-exp of ``scores`` (last axis).
+
+    ``masked``: some query may see none of these positions (all ``-inf``); it
+    then contributes nothing: output 0 and log-sum-exp ``-inf`` (not 0/0).
+    """
     import mlx.core as mx
 
+    if not masked:
+        lse = mx.logsumexp(scores, axis=-1, keepdims=True)
+        return mx.exp(scores - lse) @ values, lse
     top = scores.max(-1, keepdims=True)
-    # A query that may see none of these positions contributes nothing:
-    # output 0 and log-sum-exp -inf (not 0/0).
     top = mx.where(mx.isinf(top), 0.0, top)
     weights = mx.exp(scores - top)
     total = weights.sum(-1, keepdims=True)
