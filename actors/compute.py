@@ -88,7 +88,7 @@ from mlxkv.actors.events import (
 )
 from mlxkv.actors.executor import Executor
 from mlxkv.actors.mlx_thread import MLXThread, MLXThreadStatistics, MLXThreadStopped
-from mlxkv.actors.model_runner import ModelInfo, ModelRunner, PromptPreparer, TextRunner
+from mlxkv.actors.model_runner import KV_BITS, ModelInfo, ModelRunner, PromptPreparer, TextRunner
 from mlxkv.actors.model_source import ModelLoadError, ModelSource
 from mlxkv.actors.request import RequestSpec
 from mlxkv.actors.sampling import Sampling
@@ -339,7 +339,8 @@ class ComputeActor(Actor):
         decode_burst: int = DEFAULT_DECODE_BURST,
         keep_last_cache: bool = True,
         shared_prefix: bool = True,
-        loader: Optional[Callable[[int, bool], ModelRunner]] = None,
+        kv_bits: Optional[int] = None,
+        loader: Optional[Callable[..., ModelRunner]] = None,
         source: Optional[str] = None,
         **options: Any,
     ) -> None:
@@ -359,8 +360,12 @@ class ComputeActor(Actor):
             shared_prefix: requests that begin with the same cached blocks
                 hold that prefix's KV once, where the model allows
                 (:attr:`ModelInfo.shared_prefix`).
-            loader: called on the MLX thread with ``prefill_chunk`` and
-                ``shared_prefix`` to make the runner, instead of ``runner``.
+            kv_bits: quantize the KV cache of attention layers to this many
+                bits (4 or 8: mlx-lm's ``QuantizedKVCache``) in live caches
+                and blocks alike; None keeps the model's precision.
+            loader: called on the MLX thread with keywords ``prefill_chunk``,
+                ``shared_prefix`` and ``kv_bits`` to make the runner,
+                instead of ``runner``.
             source: what the loader loads, for error messages.
             **options: the :class:`Actor` options.
 
@@ -379,6 +384,8 @@ class ComputeActor(Actor):
         for name, flag in (("keep_last_cache", keep_last_cache), ("shared_prefix", shared_prefix)):
             if not isinstance(flag, bool):
                 raise InvalidInput(name, flag, "must be a bool")
+        if kv_bits is not None and (isinstance(kv_bits, bool) or kv_bits not in KV_BITS):
+            raise InvalidInput("kv_bits", kv_bits, f"must be one of {sorted(KV_BITS)} or None")
         if (runner is None) == (loader is None):
             raise InvalidInput("runner", runner, "give a runner or a loader, not both or neither")
         super().__init__(**options)
@@ -390,7 +397,7 @@ class ComputeActor(Actor):
         self._prefill_batch = prefill_batch
         self._burst = decode_burst
         self._keep_last_cache = keep_last_cache
-        self._shared_prefix = shared_prefix
+        self._runner_options = {"prefill_chunk": prefill_chunk, "shared_prefix": shared_prefix, "kv_bits": kv_bits}
         self._thread = MLXThread(name="mlxkv-compute", log=self._log)
         self._info: Optional[ModelInfo] = None if runner is None else runner.info
         self._scheduler: Optional[Scheduler] = None
@@ -412,7 +419,7 @@ class ComputeActor(Actor):
             **kwargs: passed to the constructor.
         """
         return cls(
-            loader=lambda chunk, shared: TextRunner(model, tokenizer, prefill_chunk=chunk, shared_prefix=shared),
+            loader=lambda **options: TextRunner(model, tokenizer, **options),
             source=type(model).__module__,
             **kwargs,
         )
@@ -439,7 +446,7 @@ class ComputeActor(Actor):
         else:
             make = TextRunner.load
         return cls(
-            loader=lambda chunk, shared: make(source.path, prefill_chunk=chunk, shared_prefix=shared),
+            loader=lambda **options: make(source.path, **options),
             source=source.path,
             **kwargs,
         )
@@ -459,9 +466,9 @@ class ComputeActor(Actor):
         try:
             self._thread.start()
             if self._loader is not None:
-                loader, chunk, shared = self._loader, self._chunk, self._shared_prefix
+                loader, options = self._loader, self._runner_options
                 try:
-                    self._runner = await self._thread.submit(lambda: loader(chunk, shared))
+                    self._runner = await self._thread.submit(lambda: loader(**options))
                 except Exception as error:
                     if isinstance(error, (MLXThreadStopped, ModelLoadError)):
                         raise

@@ -39,6 +39,7 @@ from mlxkv.cache.shared_prefix import (
 )
 
 __all__ = [
+    "KV_BITS",
     "CacheRunner",
     "cache_tokens",
     "ImageEncoding",
@@ -53,6 +54,9 @@ __all__ = [
 
 #: Cache classes whose per-request caches mlx-lm merges into one exact batch.
 _BATCHABLE = frozenset({"KVCache", "RotatingKVCache", "ArraysCache"})
+#: The KV quantizations served (mlx-lm's ``QuantizedKVCache``).
+KV_BITS = frozenset({4, 8})
+
 #: Cache classes whose requests' prefill chunks run together exactly.
 _BATCH_PREFILL = frozenset({"KVCache", "RotatingKVCache"})
 #: Cache classes that cut back exactly to any earlier length (``trim``).
@@ -764,16 +768,35 @@ class TextRunner(CacheRunner):
 
     _batches_prefill = True
 
-    def __init__(self, model: Any, tokenizer: Any, *, prefill_chunk: int, shared_prefix: bool = True) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        prefill_chunk: int,
+        shared_prefix: bool = True,
+        kv_bits: Optional[int] = None,
+    ) -> None:
         """Describe ``model``: runs one token through a fresh cache (on the MLX thread).
 
         Args:
             shared_prefix: hold a prefix that requests share once, where the
                 model allows (:attr:`ModelInfo.shared_prefix` says).
+            kv_bits: quantize its plain attention layers' KV to this many
+                bits (``QuantizedKVCache``, in groups of the largest of 128,
+                64 or 32 that divides the head size), or None. mlx-lm
+                cannot batch quantized caches: each request then decodes
+                alone (``ModelInfo.batchable`` says so).
+
+        Raises:
+            ValueError: ``kv_bits`` on a model whose head size no group
+                size divides.
         """
         self._model = model
         self._tokenizer = tokenizer
-        fields, self._layout = self._measure(shared_prefix=shared_prefix and install(model))
+        self._kv_bits = kv_bits
+        self._kv_group = self._group_size() if kv_bits else 0
+        fields, self._layout = self._measure(shared_prefix=shared_prefix and not kv_bits and install(model))
         args = getattr(model, "args", None)
         eos = getattr(tokenizer, "eos_token_ids", None) or ()
         max_context = getattr(args, "max_position_embeddings", None)
@@ -786,20 +809,47 @@ class TextRunner(CacheRunner):
         )
 
     @classmethod
-    def load(cls, path: str, *, prefill_chunk: int, shared_prefix: bool = True) -> TextRunner:
-        """Load an mlx-lm model directory (or repo id) with ``mlx_lm.load``."""
+    def load(cls, path: str, **options: Any) -> TextRunner:
+        """Load an mlx-lm model directory (or repo id) with ``mlx_lm.load``
+        (``options``: the constructor's)."""
         from mlx_lm import load
 
         model, tokenizer = load(str(path))
-        return cls(model, tokenizer, prefill_chunk=prefill_chunk, shared_prefix=shared_prefix)
+        return cls(model, tokenizer, **options)
 
     def preparer(self) -> TextPreparer:
         return TextPreparer(self._tokenizer)
 
     def _new_cache(self) -> list[Any]:
-        from mlx_lm.models.cache import make_prompt_cache
+        from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-        return make_prompt_cache(self._model)
+        cache = make_prompt_cache(self._model)
+        if self._kv_bits:
+            cache = [
+                QuantizedKVCache(group_size=self._kv_group, bits=self._kv_bits) if type(layer) is KVCache else layer
+                for layer in cache
+            ]
+        return cache
+
+    def _group_size(self) -> int:
+        """The quantization group size for this model's head dimension: the
+        largest MLX serves (128, 64 or 32) that divides it.
+
+        Raises:
+            ValueError: no served group size divides it (say a head of 48).
+        """
+        import mlx.core as mx
+        from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+        cache = make_prompt_cache(self._model)
+        self._model(mx.array([[0]]), cache=cache)
+        dims = {layer.keys.shape[-1] for layer in cache if type(layer) is KVCache}
+        for size in (128, 64, 32):
+            if dims and all(dim % size == 0 for dim in dims):
+                return size
+        raise ValueError(
+            f"kv_bits needs attention heads whose size divides by 32; this model's are {sorted(dims)}"
+        )
 
     def _probe(self, cache: list[Any]) -> None:
         import mlx.core as mx

@@ -297,10 +297,18 @@ class VisionRunner(CacheRunner):
         )
 
     @classmethod
-    def load(cls, path: str, *, prefill_chunk: int, shared_prefix: bool = False) -> VisionRunner:
+    def load(
+        cls, path: str, *, prefill_chunk: int, shared_prefix: bool = False, kv_bits: Optional[int] = None
+    ) -> VisionRunner:
         """Load a vision-language model directory with ``mlx_vlm.load``
         (requests hold their own copy of a prefix: ``shared_prefix`` is not
-        served here)."""
+        served here).
+
+        Raises:
+            ValueError: ``kv_bits`` (not served for vision-language models).
+        """
+        if kv_bits:
+            raise ValueError("kv_bits is not served for vision-language models")
         try:
             from mlx_vlm import load
         except ImportError as error:

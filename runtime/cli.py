@@ -237,6 +237,12 @@ def _pool_options(parser: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="size the KV pool in bytes instead, e.g. 256MiB or 2GB (overrides --max-blocks)",
     )
+    parser.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=(4, 8),
+        help="quantize the KV cache (blocks and live caches) to 4 or 8 bits (default: the model's precision)",
+    )
 
 
 def _trace_option(parser: argparse.ArgumentParser) -> None:
@@ -275,6 +281,7 @@ def _run(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         max_blocks=args.max_blocks,
         kv_memory=args.kv_memory,
+        kv_bits=args.kv_bits,
         images=args.images,
         seed=args.seed,
         trace=args.trace is not None,

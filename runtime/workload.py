@@ -82,6 +82,7 @@ class WorkloadConfig:
         images: distinct images the conversations are about (0: text only;
             needs a vision-language model).
         kv_memory: bytes the KV pool may hold (sizes the pool from the model).
+        kv_bits: quantize the KV cache to 4 or 8 bits (None: the model's precision).
         seed: seeds the texts (decoding is greedy).
         trace: emit the runtime's structured events.
     """
@@ -99,6 +100,7 @@ class WorkloadConfig:
     kv_memory: Optional[int] = attrs.field(
         default=None, converter=lambda v: None if v is None else parse_bytes(v, argument="kv_memory")
     )
+    kv_bits: Optional[int] = None
     images: int = attrs.field(default=0, validator=_at_least(0))
     seed: int = 0
     trace: bool = False
@@ -342,6 +344,7 @@ async def run_workload(
         block_size=config.block_size,
         max_blocks=config.max_blocks,
         kv_memory=config.kv_memory,
+        kv_bits=config.kv_bits,
         trace=config.trace,
     )
     reports: list[GenerationReport] = []

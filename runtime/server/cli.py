@@ -118,6 +118,7 @@ def serve_command(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             max_blocks=args.max_blocks,
             kv_memory=args.kv_memory,
+            kv_bits=args.kv_bits,
             prefill_chunk=args.prefill_chunk,
             trace=args.trace is not None,
         )
