@@ -436,6 +436,8 @@ def cascade_attention(
     batch, heads, length, dim = queries.shape
     kv_heads = keys.shape[1]
     repeats = heads // kv_heads
+    if length == 1 and len(segments) == 1 and len(segments[0][0]) == batch and min(segments[0][3]) == segments[0][1].shape[2]:
+        return _decode_one_group(queries, keys, values, mask, scale, segments[0][1], segments[0][2])
     q = (queries * scale).reshape(batch, kv_heads, repeats, length, dim)
     scores = q @ keys[:, :, None].swapaxes(-1, -2)  # (batch, kv_heads, repeats, L, S)
     if mask is not None:
@@ -495,6 +497,27 @@ def cascade_attention(
         else:
             output[index] = merged
     return output.reshape(batch, heads, length, -1)
+
+
+def _decode_one_group(queries: Any, keys: Any, values: Any, mask: Any, scale: float, prefix_keys: Any, prefix_values: Any) -> Any:
+    """The common decode step: every row one query, all of one group's whole
+    prefix. Its scores (few: one query per row) go through one softmax with
+    the suffix's, in as few operations as fused attention over copies takes
+    memory reads."""
+    import mlx.core as mx
+
+    batch, heads, _, dim = queries.shape
+    kv_heads = keys.shape[1]
+    q = (queries * scale).reshape(batch, kv_heads, heads // kv_heads, 1, dim)
+    prefix_scores = q @ prefix_keys[:, :, None].swapaxes(-1, -2)  # (batch, kv, rep, 1, P)
+    own_scores = q @ keys[:, :, None].swapaxes(-1, -2)  # (batch, kv, rep, 1, S)
+    if mask is not None:
+        mask = mask.reshape(mask.shape[0], 1, 1, *mask.shape[-2:]) if mask.ndim == 4 else mask
+        own_scores = mx.where(mask, own_scores, -mx.inf) if mask.dtype == mx.bool_ else own_scores + mask
+    size = prefix_keys.shape[2]
+    weights = mx.softmax(mx.concatenate([prefix_scores, own_scores], axis=-1), axis=-1, precise=True)
+    out = weights[..., :size] @ prefix_values[:, :, None] + weights[..., size:] @ values[:, :, None]
+    return out.reshape(batch, heads, 1, -1)
 
 
 #: Tokens a suffix's buffer grows by (mlx-lm grows a ``KVCache`` by 256): a

@@ -79,6 +79,24 @@ class TestCascadeAttention:
             expected = _fused(q[b : b + 1], [*parts_k, ks[b : b + 1]], [*parts_v, vs[b : b + 1]], full_mask)
             np.testing.assert_allclose(np.array(out[b : b + 1]), np.array(expected), atol=TOL, rtol=0)
 
+    @pytest.mark.parametrize("padded", [False, True])
+    def test_a_decode_step_of_one_group_equals_fused_attention(self, padded):
+        """The common step -- every row one query over one group's whole
+        prefix, rows left-padded in their suffix -- equals fused attention."""
+        rng = np.random.default_rng(7)
+        batch, heads, kv_heads, dim, size, suffix = 5, 4, 2, 8, 300, 9
+        q = mx.array(rng.standard_normal((batch, heads, 1, dim)), dtype=mx.float32)
+        ks = mx.array(rng.standard_normal((batch, kv_heads, suffix, dim)), dtype=mx.float32)
+        vs = mx.array(rng.standard_normal((batch, kv_heads, suffix, dim)), dtype=mx.float32)
+        kp = mx.array(rng.standard_normal((1, kv_heads, size, dim)), dtype=mx.float32)
+        vp = mx.array(rng.standard_normal((1, kv_heads, size, dim)), dtype=mx.float32)
+        pads = [0, 3, 1, 8, 0] if padded else [0] * batch
+        mask = mx.array([[[[j >= pad for j in range(suffix)]]] for pad in pads]) if padded else None
+        out = cascade_attention(q, ks, vs, mask, dim**-0.5, [(list(range(batch)), kp, vp, [size] * batch)])
+        for b, pad in enumerate(pads):
+            expected = _fused(q[b : b + 1], [kp, ks[b : b + 1, :, pad:]], [vp, vs[b : b + 1, :, pad:]])
+            np.testing.assert_allclose(np.array(out[b : b + 1]), np.array(expected), atol=TOL, rtol=0)
+
     def test_a_long_prefix_in_slices_equals_one_slice(self, monkeypatch):
         """Many queries against a long prefix are scored a slice at a time:
         the same result as one slice."""
