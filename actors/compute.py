@@ -484,6 +484,7 @@ class ComputeActor(Actor):
                 prefill_batch=self._prefill_batch,
                 decode_burst=self._burst,
                 recurrent=runner.info.has_recurrent,
+                context_unit=runner.info.context_unit,
             )
             self._executor = Executor(runner, prefill_chunk=self._chunk, keep_last_cache=self._keep_last_cache)
             await super().run(task_status=task_status)

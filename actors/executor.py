@@ -24,7 +24,7 @@ from typing import Any
 
 from mlxkv.actors.decode_batch import BatchBroken, DecodeBatch, RowFailed, without_frames
 from mlxkv.actors.model_runner import ModelRunner, cache_tokens
-from mlxkv.actors.request import next_chunk_end
+from mlxkv.actors.request import blocks_out_at_start, next_chunk_end
 from mlxkv.actors.scheduler import (
     Blocks,
     Chunk,
@@ -191,6 +191,7 @@ class Executor:
         runner = self._runner
         rows: list[tuple[Sequence, int]] = []
         encodings: dict[str, Any] = {}
+        by_id = {chunk.request_id: chunk for chunk in chunks}
         for chunk in chunks:
             if chunk.spec is None:
                 rows.append((self._live[chunk.request_id], chunk.end))
@@ -220,7 +221,23 @@ class Executor:
                 continue
             run.prefill_calls.append(len(group))
             for (sequence, _), last in zip(group, logits):
-                self._chunk_done(sequence, last, encodings.get(sequence.request_id, _NOT_STARTED), run)
+                chunk = by_id[sequence.request_id]
+                if last is None and chunk.published >= 0:
+                    self._publish_chunk(sequence, chunk, run)
+                if sequence.request_id in self._live:
+                    self._chunk_done(sequence, last, encodings.get(sequence.request_id, _NOT_STARTED), run)
+
+    def _publish_chunk(self, sequence: Sequence, chunk: Chunk, run: _Run) -> None:
+        """Slice the full blocks a (not last) chunk completed, at once."""
+        start = chunk.published if chunk.spec is None else blocks_out_at_start(chunk.spec, sequence.num_cached)
+        stop = sequence.num_computed // sequence.block_size
+        if stop <= start:
+            return
+        assert sequence.cache is not None, f"{sequence!r} prefills in its own cache"
+        try:
+            run.published.append(self._slice(sequence, sequence.cache, start, stop))
+        except Exception as error:
+            self._let_go(sequence, error, run)
 
     def _chunk_done(self, sequence: Sequence, logits: Any, encoding: Any, run: _Run) -> None:
         """Report a chunk; after the last one, sample the first token."""

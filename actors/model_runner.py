@@ -42,6 +42,7 @@ __all__ = [
     "KV_BITS",
     "CacheRunner",
     "cache_tokens",
+    "context_unit",
     "ImageEncoding",
     "ModelInfo",
     "ModelRunner",
@@ -96,6 +97,9 @@ class ModelInfo:
             it does not say.
         kv_bytes_per_token: bytes of KV one token takes across the
             sequence layers (attention keys and values).
+        context_unit: the context (tokens) over which a token's attention
+            costs as much as the rest of its computation, from the model's
+            sizes (what the scheduler weighs a prefill chunk's context by).
         state_bytes: bytes of one snapshot of every recurrent layer's state
             (0 without recurrent layers); every stored block carries one.
     """
@@ -111,6 +115,7 @@ class ModelInfo:
     takes_images: bool = False
     max_context: Optional[int] = None
     kv_bytes_per_token: int = 0
+    context_unit: int = 512
     state_bytes: int = 0
 
     def block_bytes(self, block_size: int) -> int:
@@ -715,6 +720,21 @@ def _room(sequence: Sequence, num_tokens: int) -> int:
     return len(sequence.prompt) - num_tokens + sequence.spec.max_tokens
 
 
+def context_unit(args: Any) -> int:
+    """:attr:`ModelInfo.context_unit` of a model with these arguments: the
+    multiply-adds of one token's projections and MLP over those of its
+    attention to one context token (512 when the sizes are not all known)."""
+    hidden = getattr(args, "hidden_size", None)
+    inner = getattr(args, "intermediate_size", None)
+    heads = getattr(args, "num_attention_heads", None)
+    if not all(isinstance(v, int) and v > 0 for v in (hidden, inner, heads)):
+        return 512
+    kv_heads = getattr(args, "num_key_value_heads", None) or heads
+    head_dim = getattr(args, "head_dim", None) or hidden // heads
+    per_token = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * inner
+    return max(1, round(per_token / (2 * heads * head_dim)))
+
+
 def cache_tokens(cache: Seq[Any]) -> int:
     """Tokens one request's cache holds (its sequence layers' offset; a
     recurrent layer has none)."""
@@ -805,6 +825,7 @@ class TextRunner(CacheRunner):
             eos_token_ids=frozenset(int(t) for t in eos),
             prefill_chunk=prefill_chunk,
             max_context=max_context if isinstance(max_context, int) and max_context > 0 else None,
+            context_unit=context_unit(args),
             **fields,
         )
 

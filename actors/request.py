@@ -20,7 +20,14 @@ import attrs
 
 from mlxkv.actors.sampling import GREEDY, Sampling
 
-__all__ = ["RequestSpec", "next_chunk_end", "plan_chunks", "prompt_and_answer", "stop_reason"]
+__all__ = [
+    "RequestSpec",
+    "blocks_out_at_start",
+    "next_chunk_end",
+    "plan_chunks",
+    "prompt_and_answer",
+    "stop_reason",
+]
 
 
 @attrs.frozen(kw_only=True)
@@ -63,6 +70,15 @@ class RequestSpec:
     def num_prefix_tokens(self) -> int:
         """Prompt tokens the prefix payloads cover."""
         return self.prefix[-1].end if self.prefix else 0
+
+
+def blocks_out_at_start(spec: RequestSpec, num_cached: int) -> int:
+    """Leading full blocks of a request that are out once it started with
+    ``num_cached`` prompt tokens: those it holds, and those of its prefix
+    payloads it used (the blocks the last cache gave beyond them are not:
+    they are published like computed ones)."""
+    size = spec.block_size
+    return max(min(spec.num_prefix_tokens // size, num_cached // size), spec.held_blocks)
 
 
 def prompt_and_answer(

@@ -17,20 +17,24 @@ cache if it finished, dropping it if it was cancelled), ``FINISHED``.
 Whether and why a request ends is decided in one place, :meth:`Scheduler._end`:
 its length, a stop token, a cancellation or a failure.
 
-Plans. Each plan first does what earlier plans left: slice the prompt
-blocks the last chunks computed (``publish``; the last chunk's only after
-its first token went out), take out the requests that ended (``leave``),
+Plans. Each plan first does what earlier plans left: slice the blocks of
+the prompts whose last chunk ran (``publish``; a chunk that is not its
+prompt's last publishes its own blocks right after it runs, so that
+requests waiting for them go on at once; the last one's wait for the next
+plan, so the first token goes out first), take out the requests that ended (``leave``),
 and merge the requests whose prompt is done into the batch (``join``). Then
 it either decodes -- every row of the batch advances ``steps`` tokens, up to
 :data:`MAX_BURST_STEPS` while nothing else waits (no prefill, no message,
 no blocks to publish) -- or prefills -- one chunk
 each for up to ``prefill_batch`` requests, in arrival order, while their
-chunks total at most ``prefill_budget`` tokens (the oldest always gets its
+chunks cost at most ``prefill_budget`` (:func:`chunk_cost`: tokens, with
+their attention over long contexts counted too; the oldest always gets its
 chunk). Decode and prefill plans alternate while both have work.
 
 Fairness bound: between two decode plans runs at most one prefill plan, of
-at most ``max(prefill_budget, prefill_chunk + 1)`` new tokens (a chunk that
-reaches the prompt's last token takes it along); between two
+cost at most ``max(prefill_budget, cost of one chunk)`` -- so at most
+``max(prefill_budget, prefill_chunk + 1)`` new tokens (a chunk that reaches
+the prompt's last token takes it along); between two
 prefill plans at most one decode plan, of at most :data:`MAX_BURST_STEPS`
 steps. Requests prefill in arrival order.
 """
@@ -54,7 +58,13 @@ from mlxkv.actors.events import (
     Published,
     Token,
 )
-from mlxkv.actors.request import RequestSpec, next_chunk_end, prompt_and_answer, stop_reason
+from mlxkv.actors.request import (
+    RequestSpec,
+    blocks_out_at_start,
+    next_chunk_end,
+    prompt_and_answer,
+    stop_reason,
+)
 from mlxkv.cache.errors import CacheError
 
 __all__ = [
@@ -72,10 +82,14 @@ __all__ = [
     "SchedulerStatistics",
     "Slice",
     "Status",
+    "chunk_cost",
 ]
 
 #: The most decode steps one plan runs.
 MAX_BURST_STEPS = 8
+
+#: ``Chunk.published`` of a request whose KV cannot be sliced exactly.
+_NOT_PUBLISHING = -1
 
 
 class Status(enum.Enum):
@@ -177,17 +191,22 @@ class Leave:
 
 @attrs.frozen
 class Chunk:
-    """Prefill one chunk of a request: positions up to ``end``.
+    """Prefill one chunk of a request: positions up to ``end``; unless it is
+    the prompt's last, then slice the full blocks it completed beyond the
+    first ``published`` (so that requests waiting for them go on at once;
+    the last chunk's wait for the next plan: its first token goes first).
 
     ``spec`` comes with a request's first chunk (the executor starts it
     then: its cache kept, rebuilt from the prefix or cold, and the chunk
     ends where :func:`~mlxkv.actors.request.next_chunk_end` puts it from
-    what is cached; ``end`` is the scheduler's estimate).
+    what is cached; ``end`` is the scheduler's estimate, and ``published``
+    follows from what is cached: :func:`~mlxkv.actors.request.blocks_out_at_start`).
     """
 
     request_id: str
     end: int
     spec: Optional[RequestSpec] = attrs.field(default=None, eq=False, repr=False)
+    published: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -335,6 +354,18 @@ class SchedulerStatistics:
 Output = tuple[str, Optional[Event]]
 
 
+def chunk_cost(start: int, end: int, context_unit: int) -> float:
+    """What prefilling positions ``[start, end)`` costs, in tokens without
+    context: each token's projections and MLP, plus its attention over the
+    positions before it, counted as one token per ``context_unit`` of them.
+    A budget of such tokens batches many short chunks over short contexts
+    (the weights' reads dominate: batching pays) and few over long ones
+    (attention dominates: a batch would only make everyone wait for the
+    slowest)."""
+    tokens = end - start
+    return tokens * (1 + (start + tokens / 2) / context_unit)
+
+
 class Scheduler:
     """Owns every live request's :class:`RequestState`; plans; turns results into events.
 
@@ -356,22 +387,28 @@ class Scheduler:
         prefill_batch: int,
         decode_burst: int,
         recurrent: bool = False,
+        context_unit: int = 512,
     ) -> None:
         """Args:
             prefill_chunk: tokens per prefill chunk of one request.
-            prefill_budget: new tokens one prefill plan runs at most (the
+            prefill_budget: the cost (:func:`chunk_cost`) one prefill plan
+                runs at most (the
                 oldest request's chunk always fits).
             prefill_batch: requests one prefill plan serves at most.
             decode_burst: request-steps a decode plan runs while nothing
                 else waits (``decode_burst // rows`` steps, at least one).
             recurrent: the model has recurrent layers: chunks also end at
                 every block end (where their state is snapshotted).
+            context_unit: the context, in tokens, over which a token's
+                attention costs as much as the rest of its computation (see
+                :func:`chunk_cost`).
         """
         self._chunk = prefill_chunk
         self._budget = prefill_budget
         self._batch = prefill_batch
         self._burst = decode_burst
         self._recurrent = recurrent
+        self._context_unit = context_unit
         self._requests: dict[str, RequestState] = {}
         self._decoded_last = False
         self._counts = dict.fromkeys(attrs.fields_dict(SchedulerStatistics), 0)
@@ -493,8 +530,7 @@ class Scheduler:
             elif status is Status.DECODING:
                 decoding += 1
             elif status is Status.PREFILLING:
-                publish.extend(self._slices(state))
-                prefilling += 1
+                prefilling += 1  # its chunks publish their own blocks
             else:
                 prefilling += 1
         rows = decoding + len(join)
@@ -540,11 +576,13 @@ class Scheduler:
                 start = spec.num_prefix_tokens  # at least; the last cache may give more
             boundary = spec.block_size if self._recurrent else None
             end = next_chunk_end(start, len(spec.prompt), self._chunk, boundary)
-            if chunks and (used + end - start > self._budget or len(chunks) >= self._batch):
+            cost = chunk_cost(start, end, self._context_unit)
+            if chunks and (used + cost > self._budget or len(chunks) >= self._batch):
                 break
-            used += end - start
+            used += cost
             first = state.status is Status.WAITING
-            chunks.append(Chunk(state.request_id, end, spec if first else None))
+            published = state.num_published if state.publishing else _NOT_PUBLISHING
+            chunks.append(Chunk(state.request_id, end, spec if first else None, published))
         return tuple(chunks)
 
     # -- results -----------------------------------------------------------------
@@ -644,12 +682,9 @@ class Scheduler:
         counts["num_prefill_chunks"] += 1
         counts["num_prefill_tokens"] += chunk.computed - (chunk.num_cached if chunk.started else state.num_computed)
         if chunk.started:
-            size = spec.block_size
             state.num_cached = chunk.num_cached
-            brought = spec.num_prefix_tokens // size
-            # Blocks it brings or holds are stored; those the last cache
-            # gave beyond them are published.
-            state.num_published = max(min(brought, chunk.num_cached // size), spec.held_blocks)
+            # What the chunk's own blocks published already stays published.
+            state.num_published = max(state.num_published, blocks_out_at_start(spec, chunk.num_cached))
             counts["num_cached_tokens"] += chunk.num_cached
             counts["num_last_cache_reuses"] += chunk.reused_last_cache
             counts["num_cold_fallbacks"] += chunk.cold_fallback

@@ -37,6 +37,7 @@ from mlxkv.actors.model_runner import (
     ImageEncoding,
     ModelInfo,
     PreparedPrompt,
+    context_unit,
     encode_text,
 )
 from mlxkv.actors.sequence import Sequence
@@ -293,6 +294,7 @@ class VisionRunner(CacheRunner):
             prefill_chunk=prefill_chunk,
             takes_images=True,
             max_context=max_context if isinstance(max_context, int) and max_context > 0 else None,
+            context_unit=context_unit(args),
             **fields,
         )
 

@@ -141,9 +141,12 @@ class RuntimeConfig:
             model.
         prefill_chunk: the most prompt tokens of one request one prefill
             plan runs.
-        prefill_budget: the most new tokens one prefill plan runs over all
-            the requests it serves (the oldest one's chunk always fits): a
-            decode step waits behind at most one such plan.
+        prefill_budget: the most work one prefill plan runs over all the
+            requests it serves, in token units: a chunk of ``n`` new tokens
+            after ``c`` earlier ones costs ``n * (1 + (c + n/2) / u)`` with
+            ``u`` the model's ``model_info.context_unit`` (attention over a
+            long context counts), and the oldest request's chunk always
+            fits: a decode step waits behind at most one such plan.
         prefill_batch: the most requests whose chunks one prefill plan runs
             (in one model call where the model batches prefill).
         share_in_flight: a generation whose prefix another generation is

@@ -25,7 +25,7 @@ from mlxkv.actors.events import (
     Published,
     Token,
 )
-from mlxkv.actors.request import RequestSpec, next_chunk_end
+from mlxkv.actors.request import RequestSpec, blocks_out_at_start, next_chunk_end
 from mlxkv.actors.scheduler import (
     MAX_BURST_STEPS,
     Blocks,
@@ -145,6 +145,10 @@ class Sim:
             end = next_chunk_end(self.computed[request_id], len(spec.prompt), CHUNK) if started else chunk.end
             self.computed[request_id] = end
             last = end == len(spec.prompt)
+            if not last and chunk.published >= 0:
+                start = blocks_out_at_start(spec, spec.num_prefix_tokens) if started else chunk.published
+                if end // BS > start:
+                    published.append(Blocks(request_id, start, tuple(range(start, end // BS))))
             chunks.append(
                 ChunkDone(
                     request_id,
@@ -381,18 +385,36 @@ class TestPublishing:
         assert any(isinstance(e, PromptPublished) for e in sim.events["a"])
 
     def test_unsliceable_kv_stops_publishing(self):
-        """Blocks that cannot be sliced exactly are never asked for again; the
-        request still finishes."""
+        """Blocks that cannot be sliced exactly are never asked for again
+        (later chunks publish nothing, the last chunk's blocks are not sliced);
+        the request still finishes."""
         scheduler = _scheduler()
-        scheduler.add(_spec("a", prompt=40))
+        scheduler.add(_spec("a", prompt=40, max_tokens=2))
+        plan = scheduler.schedule()
+        (chunk,) = plan.prefill
+        done = ChunkDone("a", chunk.end, started=True)
+        out = scheduler.update(plan, Result(chunks=(done,), published=(Blocks("a", 0, (), exact=False),)))
+        assert not any(isinstance(e, Published) for _, e in out)
+        assert scheduler.statistics().num_unpublishable == 1
+        sim = Sim(scheduler)
+        while scheduler.has_work():
+            plan = sim.step()
+            assert not plan.publish and all(c.published < 0 for c in plan.prefill)
+            assert all(leave.answer is None for leave in plan.leave)
+        assert not any(isinstance(e, Published) for e in sim.events["a"])
+        assert isinstance(sim.final("a"), Finished)
+
+    def test_a_chunk_publishes_its_blocks_in_its_own_plan(self):
+        """A chunk that is not the prompt's last is told which blocks are out,
+        so its executor slices the rest it completed right after it."""
+        scheduler = _scheduler()
+        scheduler.add(_spec("a", prompt=40, prefix_tokens=8))
+        first = scheduler.schedule().prefill[0]
+        assert first.spec is not None
         sim = Sim(scheduler)
         sim.step()
-        plan = scheduler.schedule()
-        assert plan.publish
-        out = scheduler.update(plan, Result(published=(Blocks("a", plan.publish[0].start, (), exact=False),)))
-        assert not any(isinstance(e, Published) for _, e in out)
-        assert not any(p.publish for p in [scheduler.schedule()])
-        assert scheduler.statistics().num_unpublishable == 1
+        (second,) = sim.step().prefill
+        assert second.spec is None and second.published == 16 // BS
 
 
 def _cancel_when(status: Status, sim: Sim, name: str) -> None:

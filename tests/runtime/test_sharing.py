@@ -70,7 +70,9 @@ class TestSharing:
         """share_in_flight=False (today's behaviour before sharing) computes N x P."""
         path = str(ensure_model(TINY_LLAMA, model_dir))
         prompts = [PREFIX + _suffix(i) for i in range(3)]
-        async with CacheRuntime(model=path, block_size=BS, share_in_flight=False) as rt:
+        # A budget that admits all three in one plan: none can find another's
+        # blocks finished (or reuse the live cache another one left).
+        async with CacheRuntime(model=path, block_size=BS, share_in_flight=False, prefill_budget=1 << 16) as rt:
             reports = await _together(rt, prompts, max_tokens=2)
             stats = await rt.stats()
         assert [report.cached_tokens for report in reports] == [0, 0, 0]
