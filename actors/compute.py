@@ -92,7 +92,7 @@ from mlxkv.actors.model_runner import KV_BITS, ModelInfo, ModelRunner, PromptPre
 from mlxkv.actors.model_source import ModelLoadError, ModelSource
 from mlxkv.actors.request import RequestSpec
 from mlxkv.actors.sampling import Sampling
-from mlxkv.actors.scheduler import MAX_BURST_STEPS, Output, Plan, Result, Scheduler
+from mlxkv.actors.scheduler import MAX_BURST_STEPS, Output, Plan, Result, Scheduler, SchedulerStatistics
 from mlxkv.cache.errors import CacheError, InvalidInput
 from mlxkv.cache.kv_state import BlockPayload
 from mlxkv.cache.token_ids import check_token_ids
@@ -149,66 +149,18 @@ DEFAULT_PREFILL_BATCH = 8
 
 
 @attrs.frozen(kw_only=True)
-class ComputeStatistics:
-    """A snapshot of the compute actor (its base counters: :meth:`Actor.statistics`).
+class ComputeStatistics(SchedulerStatistics):
+    """A snapshot of the compute actor (its base counters: :meth:`Actor.statistics`):
+    the scheduler's counters (:class:`~mlxkv.actors.scheduler.SchedulerStatistics`)
+    and the model's and thread's.
 
     Attributes:
-        num_live: requests queued, prefilling or decoding.
-        num_prefilling: requests with an unfinished prefill (queued ones too).
-        num_decoding: requests in the decode batch.
-        num_prefill_tokens: prompt tokens run through the model.
-        num_cached_tokens: prompt tokens not computed (rebuilt from cached
-            blocks, or taken from the last cache).
-        num_last_cache_reuses: requests that took the last finished
-            request's cache, cut back to what they may use of it, instead
-            of rebuilding their prefix from blocks.
-        num_prefill_chunks: prefill chunks run (one request's each).
-        num_prefill_calls: prefill model calls (a call serves one chunk,
-            or several requests' chunks at once).
-        num_decode_steps: decode model calls.
-        num_decode_rows: request-steps those calls served (their sum of
-            batch sizes).
         batched: whether the model decodes requests together (else
             every request decodes at batch size one).
-        num_published_blocks: block payloads handed out.
-        num_cold_fallbacks: prefixes that could not be rebuilt (the prompt
-            was computed in full instead).
-        num_unpublishable: requests whose KV could not be sliced into
-            blocks exactly (not cached; a wrapped sliding window, say).
-        num_model_errors: computations that raised: model calls (one for
-            all the rows that shared it) and steps done for one request
-            (slicing, keeping, merging, extracting its cache, sampling).
-        num_cancelled: requests stopped before they finished.
-        num_vision_encoder_runs: requests whose images the vision encoder
-            encoded.
-        num_vision_encoder_skips: requests with images that did without it
-            (cached features, or a cached prefix covering every image token).
-        num_shared_prefix_tokens: prompt tokens requests read from a shared
-            prefix group (held once for all of them) instead of a copy of
-            their own (0 where the model keeps copies: see
-            :attr:`ModelInfo.shared_prefix`).
         thread: the MLX thread's counters.
     """
 
-    num_live: int
-    num_prefilling: int
-    num_decoding: int
-    num_prefill_tokens: int
-    num_cached_tokens: int
-    num_last_cache_reuses: int
-    num_prefill_chunks: int
-    num_prefill_calls: int
-    num_decode_steps: int
-    num_decode_rows: int
     batched: bool
-    num_published_blocks: int
-    num_cold_fallbacks: int
-    num_unpublishable: int
-    num_model_errors: int
-    num_cancelled: int
-    num_vision_encoder_runs: int
-    num_vision_encoder_skips: int
-    num_shared_prefix_tokens: int
     thread: MLXThreadStatistics
 
     @property

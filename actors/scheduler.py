@@ -327,7 +327,43 @@ class Result:
 
 @attrs.frozen(kw_only=True)
 class SchedulerStatistics:
-    """The scheduler's counters (see :class:`~mlxkv.actors.compute.ComputeStatistics`)."""
+    """The scheduler's counters (``stats().compute`` carries them too:
+    :class:`~mlxkv.actors.compute.ComputeStatistics`).
+
+    Attributes:
+        num_live: requests queued, prefilling or decoding.
+        num_prefilling: requests with an unfinished prefill (queued ones too).
+        num_decoding: requests in the decode batch.
+        num_prefill_tokens: prompt tokens run through the model.
+        num_cached_tokens: prompt tokens not computed (rebuilt from cached
+            blocks, or taken from the last cache).
+        num_last_cache_reuses: requests that took the last finished
+            request's cache, cut back to what they may use of it, instead
+            of rebuilding their prefix from blocks.
+        num_prefill_chunks: prefill chunks run (one request's each).
+        num_prefill_calls: prefill model calls (a call serves one chunk,
+            or several requests' chunks at once).
+        num_decode_steps: decode model calls.
+        num_decode_rows: request-steps those calls served (their sum of
+            batch sizes).
+        num_published_blocks: block payloads handed out.
+        num_cold_fallbacks: prefixes that could not be rebuilt (the prompt
+            was computed in full instead).
+        num_unpublishable: requests whose KV could not be sliced into
+            blocks exactly (not cached; a wrapped sliding window, say).
+        num_model_errors: computations that raised: model calls (one for
+            all the rows that shared it) and steps done for one request
+            (slicing, keeping, merging, extracting its cache, sampling).
+        num_cancelled: requests stopped before they finished.
+        num_vision_encoder_runs: requests whose images the vision encoder
+            encoded.
+        num_vision_encoder_skips: requests with images that did without it
+            (cached features, or a cached prefix covering every image token).
+        num_shared_prefix_tokens: prompt tokens requests read from a shared
+            prefix group (held once for all of them) instead of a copy of
+            their own (0 where the model keeps copies: see
+            :attr:`~mlxkv.actors.model_runner.ModelInfo.shared_prefix`).
+    """
 
     num_live: int
     num_prefilling: int

@@ -202,7 +202,31 @@ def _concatenate(payloads: Sequence[BlockPayload], padding: int) -> tuple[tuple[
     return tuple(keys), tuple(values)
 
 
-class SharedPrefixCache:
+class _OverSuffix:
+    """What both shared-prefix caches do the same way: the request's (or
+    rows') own tokens live in ``suffix``, a plain mlx-lm cache, which
+    stores what the model writes and is what a checkpoint of the layer
+    holds; the prefix is never written."""
+
+    suffix: Any
+
+    @property
+    def state(self) -> Any:
+        return self.suffix.state
+
+    @property
+    def nbytes(self) -> int:
+        return self.suffix.nbytes
+
+    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        """Store the new tokens in the suffix; the suffix's keys and values."""
+        return self.suffix.update_and_fetch(keys, values)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+
+class SharedPrefixCache(_OverSuffix):
     """One request's cache of one attention layer: a shared prefix and its own suffix.
 
     Attributes:
@@ -224,18 +248,6 @@ class SharedPrefixCache:
         """Tokens before the next one: the prefix's and the suffix's."""
         return self.num_prefix + self.suffix.offset
 
-    @property
-    def state(self) -> Any:
-        return self.suffix.state
-
-    @property
-    def nbytes(self) -> int:
-        return self.suffix.nbytes
-
-    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
-        """Store the new tokens in the suffix; the suffix's keys and values."""
-        return self.suffix.update_and_fetch(keys, values)
-
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> Any:
         """The suffix's mask for ``N`` new tokens (the prefix needs none)."""
         from mlx_lm.models.base import create_causal_mask
@@ -246,9 +258,6 @@ class SharedPrefixCache:
         if return_array:
             return create_causal_mask(N, offset=self.suffix.offset)
         return "causal"
-
-    def is_trimmable(self) -> bool:
-        return True
 
     def trim(self, n: int) -> int:
         """Drop the last ``n`` suffix tokens (never into the prefix)."""
@@ -323,7 +332,7 @@ class SharedPrefixCache:
         return BatchSharedPrefixCache([(c.group, c.num_prefix) for c in caches], caches[0].layer, suffix)
 
 
-class BatchSharedPrefixCache:
+class BatchSharedPrefixCache(_OverSuffix):
     """A batch's cache of one attention layer: each row's shared prefix, and
     every row's own suffix in one mlx-lm ``BatchKVCache`` (left-padded).
 
@@ -345,17 +354,6 @@ class BatchSharedPrefixCache:
 
         return mx.array([n for _, n in self.rows]) + self.suffix.offset
 
-    @property
-    def state(self) -> Any:
-        return self.suffix.state
-
-    @property
-    def nbytes(self) -> int:
-        return self.suffix.nbytes
-
-    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
-        return self.suffix.update_and_fetch(keys, values)
-
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> Any:
         assert window_size is None, "a shared prefix serves full attention only"
         return self.suffix.make_mask(N, return_array=return_array)
@@ -365,9 +363,6 @@ class BatchSharedPrefixCache:
 
     def finalize(self) -> None:
         self.suffix.finalize()
-
-    def is_trimmable(self) -> bool:
-        return True
 
     def trim(self, n: int) -> int:
         return self.suffix.trim(n)
