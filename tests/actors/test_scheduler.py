@@ -36,6 +36,7 @@ from mlxkv.actors.scheduler import (
     Result,
     Scheduler,
     Status,
+    chunk_cost,
 )
 
 BS = 4
@@ -291,6 +292,19 @@ class TestBatching:
         big.add(_spec("x", prompt=40))
         assert [c.request_id for c in big.schedule().prefill] == ["x"]  # the oldest fits anyway
 
+    def test_a_chunk_after_a_long_context_takes_more_of_the_budget(self):
+        """The budget counts cost (chunk_cost): the same 9 new tokens after 32
+        cached ones cost 29.5 with a context unit of 16, after none 11.5: a
+        budget of 60 takes five fresh requests' chunks but only two late ones."""
+        assert chunk_cost(0, 9, 16) == 11.53125 and chunk_cost(32, 41, 16) == 29.53125
+        fresh = _scheduler(prefill_budget=60, prefill_batch=8, context_unit=16)
+        late = _scheduler(prefill_budget=60, prefill_batch=8, context_unit=16)
+        for k in range(6):
+            fresh.add(_spec(f"f{k}", prompt=9))
+            late.add(_spec(f"l{k}", prompt=41, prefix_tokens=32))
+        assert [c.end for c in fresh.schedule().prefill] == [9] * 5  # 5 x 11.5 <= 60 < 6 x 11.5
+        assert [c.end for c in late.schedule().prefill] == [41, 41]  # 2 x 29.5 <= 60 < 3 x 29.5
+
     def test_the_first_chunk_starts_from_the_prefix(self):
         """A request's first chunk carries its spec and ends past its cached prefix."""
         scheduler = _scheduler()
@@ -324,13 +338,15 @@ class TestFairness:
         st.lists(st.tuples(st.integers(1, 80), st.integers(1, 12), st.integers(0, 6)), min_size=1, max_size=8),
         st.integers(1, 64),
         st.integers(1, 4),
+        st.sampled_from([8, 64, 512]),
     )
-    def test_the_bound_holds_for_any_mix(self, requests, budget, batch):
+    def test_the_bound_holds_for_any_mix(self, requests, budget, batch, unit):
         """For any requests (prompt, max tokens, arrival plan), every prefill plan
-        stays within max(budget, chunk + 1) new tokens, at most ``batch`` requests,
-        a decode step waits behind at most one prefill plan, and every request
-        finishes with its tokens."""
-        sim = Sim(_scheduler(prefill_budget=budget, prefill_batch=batch))
+        costs at most max(budget, its oldest chunk's cost) and so runs at most
+        max(budget, chunk + 1) new tokens, at most ``batch`` requests, a decode
+        step waits behind at most one prefill plan, and every request finishes
+        with its tokens."""
+        sim = Sim(_scheduler(prefill_budget=budget, prefill_batch=batch, context_unit=unit))
         pending = sorted(((arrive, k, p, m) for k, (p, m, arrive) in enumerate(requests)), reverse=True)
         plans = 0
         since_decode = 0
@@ -348,8 +364,10 @@ class TestFairness:
             assert plans < 2000
             new = sum(sim.computed.get(c.request_id, 0) - before.get(c.request_id, 0) for c in plan.prefill)
             if plan.prefill:
+                costs = [chunk_cost(before.get(c.request_id, 0), sim.computed[c.request_id], unit) for c in plan.prefill if c.request_id in sim.computed]
                 assert len(plan.prefill) <= batch
                 assert new <= max(budget, CHUNK + 1)
+                assert sum(costs) <= max(budget, costs[0]) + 1e-9
             if decoding:
                 since_decode = 0 if plan.steps else since_decode + bool(plan.prefill)
                 assert since_decode <= 1
