@@ -12,7 +12,6 @@ holds the base.
 
 from mlxkv.actors.actor import Actor, ActorFailed, ActorRef, ActorStatistics, Ask, Tell
 from mlxkv.actors.allocator import (
-    AllocatorStatistics,
     BlockAllocatorActor,
     BlockAllocatorHandle,
     BlockGrant,
@@ -41,7 +40,6 @@ __all__ = [
     "ActorFailed",
     "ActorRef",
     "ActorStatistics",
-    "AllocatorStatistics",
     "Ask",
     "BlockAllocatorActor",
     "BlockAllocatorHandle",

@@ -1,7 +1,8 @@
 """The block allocator actor: sole owner of the KV block pool and its payloads.
 
-:class:`BlockAllocatorActor` wraps one :class:`~mlxkv.cache.paged.PagedCacheManager`.
-It answers "which of these hashes can I have?" (:class:`Acquire`), "keep these
+:class:`BlockAllocatorActor` wraps one :class:`~mlxkv.cache.pool.BlockPool`
+and uses it through its public operations only: each handler is one of
+them. It answers "which of these hashes can I have?" (:class:`Acquire`), "keep these
 computed blocks" (:class:`StoreBlocks`), "one more reference to these blocks"
 (:class:`Retain`) and takes references back (:class:`Release`). Every grant is
 validated here, where the state lives: a hash whose block was evicted or
@@ -17,7 +18,6 @@ actor from a handler.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Mapping
 from typing import Any, NamedTuple, NewType, Optional
 
@@ -25,13 +25,12 @@ import attrs
 
 from mlxkv.actors.actor import Actor, ActorHandle, Ask, Message, Tell
 from mlxkv.cache.block_hash import BlockHash
-from mlxkv.cache.errors import InvalidInput, InvariantViolation, OutOfBlocks
-from mlxkv.cache.paged import PagedCacheManager
+from mlxkv.cache.errors import InvariantViolation, OutOfBlocks
+from mlxkv.cache.pool import BlockPool, PoolStatistics
 
 __all__ = [
     "Acquire",
     "AllocatorReport",
-    "AllocatorStatistics",
     "BlockAllocatorActor",
     "BlockAllocatorHandle",
     "BlockGrant",
@@ -86,12 +85,16 @@ class Grants:
             (``StoreBlocks`` only).
         evicted: hashes that left the cache since the previous reply that
             announced evictions; forward them to the prefix index.
+        refused: for a ``StoreBlocks`` of the leading blocks that fit, the
+            :class:`OutOfBlocks` storing them all would have raised; None
+            when every block was stored.
     """
 
     # Payloads are arrays, whose == is elementwise: not part of equality.
     grants: tuple[BlockGrant, ...] = attrs.field(default=(), eq=False)
     num_reused: int = 0
     evicted: tuple[BlockHash, ...] = ()
+    refused: Optional[OutOfBlocks] = attrs.field(default=None, eq=False)
 
     @property
     def block_ids(self) -> tuple[BlockId, ...]:
@@ -121,49 +124,6 @@ class Eviction:
 
 
 @attrs.frozen(kw_only=True)
-class AllocatorStatistics:
-    """A snapshot of the block pool.
-
-    Attributes:
-        block_size: tokens per block.
-        num_blocks: usable blocks (the null block excluded):
-            ``num_referenced + num_reusable + num_empty``.
-        num_free: blocks with no reference, cached ones included
-            (``num_reusable + num_empty``).
-        num_referenced: blocks with at least one reference (held by requests).
-        num_cached: distinct hashes cached (held or free).
-        num_reusable: blocks with no reference that still hold cached KV: a
-            later request that shares their prefix takes them; allocation
-            evicts them (least recently released first) only when no empty
-            block is left.
-        num_hits: blocks found by acquisitions.
-        num_misses: acquisitions that stopped before the end of their chain.
-        num_evictions: cached blocks whose hash was dropped.
-        num_stored: blocks newly committed by ``StoreBlocks``.
-        num_reused: blocks ``StoreBlocks`` found cached instead of storing.
-        num_retained: references added by ``Retain``.
-    """
-
-    block_size: int
-    num_blocks: int
-    num_free: int
-    num_referenced: int
-    num_cached: int
-    num_reusable: int
-    num_hits: int
-    num_misses: int
-    num_evictions: int
-    num_stored: int
-    num_reused: int
-    num_retained: int
-
-    @property
-    def num_empty(self) -> int:
-        """Blocks with no reference and no cached KV."""
-        return self.num_free - self.num_reusable
-
-
-@attrs.frozen(kw_only=True)
 class Acquire(Ask[Grants]):
     """Take a reference to each block of the longest cached leading run of ``hashes``."""
 
@@ -176,16 +136,18 @@ class Acquire(Ask[Grants]):
 
 @attrs.frozen(kw_only=True)
 class StoreBlocks(Ask[Grants]):
-    """Keep one computed block per hash, all or nothing.
+    """Keep one computed block per hash (:meth:`BlockPool.store`), all or nothing.
 
     A hash already cached is reused (its block gains a reference and the
     given payload is dropped); any other gets a fresh block that is committed
     under the hash with its payload. Raises OutOfBlocks, changing nothing, if
-    the fresh blocks do not fit.
+    the fresh blocks do not fit -- or, with ``leading``, keeps the leading
+    blocks that fit and says what did not (``Grants.refused``).
     """
 
     hashes: tuple[BlockHash, ...] = attrs.field(converter=tuple)
     payloads: tuple[Any, ...] = attrs.field(converter=tuple)
+    leading: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -219,8 +181,8 @@ class Evict(Ask[Eviction]):
 
 
 @attrs.frozen(kw_only=True)
-class Statistics(Ask[AllocatorStatistics]):
-    """Report :class:`AllocatorStatistics`."""
+class Statistics(Ask[PoolStatistics]):
+    """Report the pool's :class:`~mlxkv.cache.pool.PoolStatistics`."""
 
     polled = True
 
@@ -250,15 +212,15 @@ class CheckInvariants(Ask[AllocatorReport]):
 
 
 class BlockAllocatorActor(Actor):
-    """Owns the paged block pool, its reference counts, hashes and payloads.
+    """Owns the block pool, its reference counts, hashes and payloads.
 
-    Owns: one :class:`PagedCacheManager` (blocks, reference counts, free LRU
-    queue, hash -> block map), the KV payload of every block (as the block's
-    ``cache_data``), the eviction announcements not yet handed out, and
-    counters.
+    Owns: one :class:`~mlxkv.cache.pool.BlockPool` (blocks, reference counts,
+    free LRU queue, hash -> block map, the KV payload of every block as the
+    block's ``cache_data``, counters) and the eviction announcements not yet
+    handed out.
 
     Invariants:
-        - the manager's invariants (``PagedCacheManager.check_invariants``);
+        - the pool's invariants (``BlockPool.check_invariants``);
         - a grant names a block that holds the granted hash at grant time;
         - every hash evicted is announced in exactly one delivered reply, or
           handed back by the undo of an undelivered one and announced later;
@@ -285,12 +247,9 @@ class BlockAllocatorActor(Actor):
         Raises:
             InvalidInput: ``block_size`` or ``max_blocks`` is out of range.
         """
-        self._cache = PagedCacheManager(block_size=block_size, max_blocks=max_blocks)
+        self._pool = BlockPool(block_size=block_size, max_blocks=max_blocks)
         super().__init__(**options)
         self._unannounced: dict[BlockHash, None] = {}
-        self._num_stored = 0
-        self._num_reused = 0
-        self._num_retained = 0
 
     def handle(self, message: Message) -> Any:
         """Dispatch ``message`` to its handler.
@@ -298,19 +257,24 @@ class BlockAllocatorActor(Actor):
         Raises:
             CacheError: the handler's domain error; nothing changed.
         """
+        pool = self._pool
         match message:
             case Acquire():
-                return self._acquire(message)
+                return self._grants(pool.acquire(message.hashes))
             case StoreBlocks():
-                return self._store(message)
+                stored = pool.store(message.hashes, message.payloads, leading=message.leading)
+                return self._grants(stored.blocks, num_reused=stored.num_reused, refused=stored.refused)
             case Retain():
-                return self._retain(message)
+                return self._grants(pool.retain(message.blocks))
             case Release():
-                return self._release(message)
+                pool.release(message.block_ids)
+                self._unannounced.update(dict.fromkeys(message.reannounce))
+                return None
             case Evict():
-                return self._evict(message)
+                num_evicted = pool.evict(message.num_blocks)
+                return Eviction(num_evicted=num_evicted, evicted=self._announce())
             case Statistics():
-                return self._statistics()
+                return pool.statistics()
             case CheckInvariants():
                 return self._check(message)
         return super().handle(message)
@@ -325,141 +289,43 @@ class BlockAllocatorActor(Actor):
             return Release(block_ids=(), reannounce=reply.evicted, request_id=message.request_id)
         return None
 
-    # -- handlers ---------------------------------------------------------
-
-    def _acquire(self, message: Acquire) -> Grants:
-        blocks = self._cache.acquire(message.hashes)
-        return Grants(grants=tuple(map(self._grant, blocks)), evicted=self._announce())
-
-    def _store(self, message: StoreBlocks) -> Grants:
-        hashes, payloads = message.hashes, message.payloads
-        if len(payloads) != len(hashes):
-            raise InvalidInput(
-                "payloads", len(payloads), f"must be one per hash ({len(hashes)})"
-            )
-        for block_hash in hashes:
-            if not isinstance(block_hash, bytes):
-                raise InvalidInput("hashes", block_hash, "must be BlockHash (bytes)")
-        cache = self._cache
-        index = cache.cached_block_hash_to_block
-        found = [index.get_block(block_hash) for block_hash in hashes]
-        num_fresh = found.count(None)
-        # Reviving a free cached block takes it out of the free queue, so it
-        # cannot also be counted as room for a fresh block.
-        available = cache.free_blocks - sum(
-            1 for block in found if block is not None and block.ref_count == 0
-        )
-        if num_fresh > available:
-            raise OutOfBlocks(num_fresh, max(available, 0))
-        # References first: allocation below may evict free cached blocks,
-        # and must not evict the ones being reused.
-        cache.touch([block for block in found if block is not None])
-        fresh = iter(cache.allocate(num_fresh))
-        size = cache.block_size
-        granted = []
-        for block, block_hash, payload in zip(found, hashes, payloads):
-            if block is None:
-                block = next(fresh)
-                cache.commit(block, block_hash, num_tokens=size, cache_data=payload)
-            granted.append(self._grant(block))
-        num_reused = len(hashes) - num_fresh
-        self._num_stored += num_fresh
-        self._num_reused += num_reused
-        return Grants(grants=tuple(granted), num_reused=num_reused, evicted=self._announce())
-
-    def _retain(self, message: Retain) -> Grants:
-        cache = self._cache
-        pool = cache.blocks
-        blocks = []
-        for item in message.blocks:
-            try:
-                block_id, block_hash = item
-            except (TypeError, ValueError):
-                raise InvalidInput("blocks", item, "must be (block_id, block_hash) pairs") from None
-            if block_id.__class__ is not int or not 0 < block_id < len(pool):
-                raise InvalidInput("blocks", block_id, "is not a block id of this pool")
-            block = pool[block_id]
-            if block.block_hash is None or block.block_hash != block_hash:
-                raise InvalidInput(
-                    "blocks", block_id, "no longer holds the expected hash (evicted or reused)"
-                )
-            blocks.append(block)
-        cache.touch(blocks)
-        self._num_retained += len(blocks)
-        return Grants(grants=tuple(map(self._grant, blocks)), evicted=self._announce())
-
-    def _release(self, message: Release) -> None:
-        cache = self._cache
-        ids = message.block_ids
-        pool = cache.blocks
-        # Blocks rather than ids take the manager's fast path; anything odd
-        # goes through as given, to be refused with the manager's own error.
-        if all(i.__class__ is int and 0 < i < len(pool) for i in ids):
-            cache.release([pool[i] for i in ids])
-        else:
-            cache.release(ids)
-        for block_hash in message.reannounce:
-            self._unannounced[block_hash] = None
-
-    def _evict(self, message: Evict) -> Eviction:
-        num_evicted = self._cache.evict(message.num_blocks)
-        return Eviction(num_evicted=num_evicted, evicted=self._announce())
-
-    def _statistics(self) -> AllocatorStatistics:
-        cache = self._cache
-        stats = cache.stats
-        return AllocatorStatistics(
-            block_size=cache.block_size,
-            num_blocks=cache.max_blocks - 1,
-            num_free=cache.free_blocks,
-            num_referenced=len(cache.allocated_blocks) - 1,
-            num_cached=len(cache.cached_block_hash_to_block),
-            num_reusable=sum(
-                1 for block in cache.blocks if block.ref_count == 0 and block.block_hash is not None
-            ),
-            num_hits=stats.cache_hits,
-            num_misses=stats.cache_misses,
-            num_evictions=stats.evictions,
-            num_stored=self._num_stored,
-            num_reused=self._num_reused,
-            num_retained=self._num_retained,
-        )
-
-    def _check(self, message: CheckInvariants) -> AllocatorReport:
-        violations = []
-        try:
-            self._cache.check_invariants()
-        except InvariantViolation as error:
-            violations.append(f"allocator: {error}")
-        mismatches = []
-        expected = message.expected_references
-        if expected is not None:
-            wanted = Counter(expected)
-            for block in self._cache.blocks:
-                held = wanted.get(block.block_id, 0)
-                if not block.is_null and block.ref_count != held:
-                    mismatches.append(
-                        f"allocator: block {block.block_id} has ref_count {block.ref_count},"
-                        f" request tables hold {held}"
-                    )
-        return AllocatorReport(violations=tuple(violations), reference_mismatches=tuple(mismatches))
-
     # -- helpers ----------------------------------------------------------
 
-    @staticmethod
-    def _grant(block: Any) -> BlockGrant:
-        return BlockGrant(block.block_id, block.block_hash, block.token_count, block.cache_data)
+    def _grants(self, blocks: Any, **fields: Any) -> Grants:
+        """One grant per block (which the caller now holds), with the announcements."""
+        return Grants(
+            grants=tuple(
+                BlockGrant(block.block_id, block.block_hash, block.token_count, block.cache_data)
+                for block in blocks
+            ),
+            evicted=self._announce(),
+            **fields,
+        )
 
     def _announce(self) -> tuple[BlockHash, ...]:
         """Drain the evictions not announced yet, minus hashes cached again since."""
         pending = self._unannounced
-        pending.update(dict.fromkeys(self._cache.take_evicted()))
+        pending.update(dict.fromkeys(self._pool.take_evicted()))
         if not pending:
             return ()
-        index = self._cache.cached_block_hash_to_block
-        evicted = tuple(block_hash for block_hash in pending if block_hash not in index)
+        is_cached = self._pool.is_cached
+        evicted = tuple(block_hash for block_hash in pending if not is_cached(block_hash))
         pending.clear()
         return evicted
+
+    def _check(self, message: CheckInvariants) -> AllocatorReport:
+        violations = []
+        try:
+            self._pool.check_invariants()
+        except InvariantViolation as error:
+            violations.append(f"allocator: {error}")
+        mismatches = ()
+        expected = message.expected_references
+        if expected is not None:
+            mismatches = tuple(
+                f"allocator: {line}" for line in self._pool.check_references(expected)
+            )
+        return AllocatorReport(violations=tuple(violations), reference_mismatches=mismatches)
 
 
 class BlockAllocatorHandle(ActorHandle):
@@ -481,17 +347,19 @@ class BlockAllocatorHandle(ActorHandle):
         hashes: tuple[BlockHash, ...],
         payloads: tuple[Any, ...],
         *,
+        leading: bool = False,
         request_id: Optional[str] = None,
     ) -> Grants:
         """See :class:`StoreBlocks`.
 
         Raises:
-            OutOfBlocks: the fresh blocks do not fit; nothing changed.
+            OutOfBlocks: without ``leading``, the fresh blocks do not fit;
+                nothing changed.
             InvalidInput: not one payload per hash.
             ActorFailed: the actor is not running.
         """
         return await self._ref.ask(
-            StoreBlocks, hashes=hashes, payloads=payloads, request_id=request_id
+            StoreBlocks, hashes=hashes, payloads=payloads, leading=leading, request_id=request_id
         )
 
     async def retain(
@@ -530,7 +398,7 @@ class BlockAllocatorHandle(ActorHandle):
         """
         return await self._ref.ask(Evict, num_blocks=num_blocks, request_id=request_id)
 
-    async def statistics(self) -> AllocatorStatistics:
+    async def statistics(self) -> PoolStatistics:
         """See :class:`Statistics`."""
         return await self._ref.ask(Statistics)
 

@@ -279,14 +279,14 @@ class BlockAwarePrefixCache:
             return None, tokens
         usable = 0
         blocks: list[CacheBlock] = []
-        if self.paged_cache.lookup(chain[:1]):
-            blocks = self.paged_cache.acquire(chain)
+        if self.paged_cache.pool.lookup(chain[:1]):
+            blocks = self.paged_cache.pool.acquire(chain)
             usable = kv_state.num_reconstructable_blocks(_kv_payloads(blocks))
             if not usable:
                 usable = _num_opaque(blocks)
             if usable < len(blocks):
                 # Deepest first: they should be evicted before their parents.
-                self.paged_cache.release(blocks[usable:][::-1])
+                self.paged_cache.pool.release(blocks[usable:][::-1])
                 del blocks[usable:]
         if not usable:
             self._misses += 1
@@ -423,7 +423,7 @@ class BlockAwarePrefixCache:
             theirs if spec.sequential or theirs is not None else mine
             for spec, theirs, mine in zip(cached.layers, cached.arrays, ours.arrays)
         )
-        self.paged_cache.fill(block, attrs.evolve(cached, arrays=arrays))
+        self.paged_cache.pool.fill(block, attrs.evolve(cached, arrays=arrays))
 
     def _drop_partial_tail(self, entry: BlockCacheEntry) -> None:
         """Release a request's trailing partial block: blocks that extend it follow."""
@@ -434,7 +434,7 @@ class BlockAwarePrefixCache:
         table = entry.block_table
         table.block_ids.pop()
         table.num_tokens -= tail.token_count
-        self.paged_cache.release([tail])
+        self.paged_cache.pool.release([tail])
 
     def _reusable_kv(
         self, block: CacheBlock, index: int, layout: kv_state.CacheLayout
@@ -471,6 +471,7 @@ class BlockAwarePrefixCache:
         size = self.block_size
         num_blocks = -(-num_tokens // size)
         paged = self.paged_cache
+        pool = paged.pool
         # Share what is cached already; take the references before allocating,
         # which could otherwise evict those very blocks.
         reused: dict[int, CacheBlock] = {}
@@ -480,9 +481,9 @@ class BlockAwarePrefixCache:
         boundary = num_tokens if layout is None or layout.num_tokens is None else layout.num_tokens
         snapshot_index = boundary // size - 1 if boundary % size == 0 else -1
         for index in range(first, len(chain)):
-            if not paged.lookup(chain[index : index + 1]):
+            if not pool.lookup(chain[index : index + 1]):
                 continue
-            (block,) = paged.acquire(chain[index : index + 1])
+            (block,) = pool.acquire(chain[index : index + 1])
             if layout is None:
                 # Opaque data has no KV state to compare: share whatever is
                 # cached for these tokens, as the seed does.
@@ -492,7 +493,7 @@ class BlockAwarePrefixCache:
             if payload is None:
                 # Cached without KV state we can use (e.g. published by the
                 # seed's cache_full_blocks): store ours next to it.
-                paged.release([block])
+                pool.release([block])
                 continue
             reused[index] = block
             if index == snapshot_index and not payload.has_snapshots:
@@ -508,15 +509,15 @@ class BlockAwarePrefixCache:
             try:
                 payloads = kv_state.slice_blocks(cache_data, size, to_slice, num_tokens=num_tokens)
             except CacheError as exc:
-                paged.release(list(reused.values())[::-1])
+                pool.release(list(reused.values())[::-1])
                 logger.warning("store_cache(%r): %s", request_id, exc)
                 return None
             if upgrade is not None:
                 self._add_snapshots(reused[upgrade[0]], upgrade[1], payloads.pop())
         try:
-            fresh = paged.allocate(len(fresh_indices))
+            fresh = pool.allocate(len(fresh_indices))
         except OutOfBlocks as exc:
-            fresh = paged.allocate(exc.available)
+            fresh = pool.allocate(exc.available)
             stop = fresh_indices[len(fresh)]
             logger.warning(
                 "store_cache(%r): out of blocks, storing %d of %d tokens",
@@ -525,16 +526,16 @@ class BlockAwarePrefixCache:
                 num_tokens,
             )
             dropped = [reused.pop(i) for i in sorted(reused) if i >= stop]
-            paged.release(dropped[::-1])
+            pool.release(dropped[::-1])
             num_blocks = stop
         stored = min(num_blocks * size, num_tokens)
         if entry is not None and stored <= entry.block_table.num_tokens:
             # Too few blocks to add anything: keep what the request holds.
-            paged.release([*fresh, *list(reused.values())[::-1]])
+            pool.release([*fresh, *list(reused.values())[::-1]])
             return entry.block_table
         if num_blocks <= first:
             logger.warning("store_cache(%r): nothing stored", request_id)
-            paged.release(fresh)
+            pool.release(fresh)
             return None
 
         if entry is not None:
@@ -558,10 +559,10 @@ class BlockAwarePrefixCache:
             if block is None:
                 block, payload = next(fresh_iter)
                 if index < len(chain):
-                    paged.commit(block, chain[index], num_tokens=size, cache_data=payload)
+                    pool.commit(block, chain[index], num_tokens=size, cache_data=payload)
                 else:
                     # The partial tail: the request's own, never published.
-                    paged.fill(block, payload, num_tokens=payload.num_tokens)
+                    pool.fill(block, payload, num_tokens=payload.num_tokens)
                     entry.tail_tokens = tuple(
                         tokens[payload.start : payload.start + payload.num_tokens]
                     )

@@ -34,7 +34,6 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from mlxkv.actors.actor import Actor, ActorFailed, ActorRef, ActorStatistics, Intercept
 from mlxkv.actors.allocator import (
-    AllocatorStatistics,
     BlockAllocatorActor,
     BlockAllocatorHandle,
     BlockGrant,
@@ -65,6 +64,7 @@ from mlxkv.actors.prefix_index import (
     TokenIds,
 )
 from mlxkv.cache.errors import InvalidInput, UnknownRequest
+from mlxkv.cache.pool import PoolStatistics
 from mlxkv.cache.token_ids import check_token_ids
 from mlxkv.errors import RuntimeClosed
 from mlxkv.images import PixelMemo, key_images
@@ -316,7 +316,7 @@ class RuntimeStatistics:
         generation: what ``generate`` calls did, or None without a model.
     """
 
-    allocator: AllocatorStatistics
+    allocator: PoolStatistics
     index: PrefixIndexStatistics
     images: ImageCacheStatistics
     actors: tuple[ActorStatistics, ...]

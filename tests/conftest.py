@@ -15,6 +15,12 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# CI runs the default profile; ``--hypothesis-profile=deep`` gives every
+# property test ten times its examples (tests/budget.py scales the ones that
+# set their own).
+settings.register_profile("deep", max_examples=1000)
 
 from mlxkv.default_model import (  # noqa: E402
     TINY_HYBRID,

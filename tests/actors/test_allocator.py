@@ -199,7 +199,7 @@ class TestCheckInvariants:
             good = await handle.check_invariants({b: 1 for b in stored.block_ids})
             bad = await handle.check_invariants({stored.block_ids[0]: 1})
         assert good.violations == () and good.reference_mismatches == ()
-        assert len(bad.reference_mismatches) == 1 and "request tables hold 0" in bad.reference_mismatches[0]
+        assert len(bad.reference_mismatches) == 1 and "its holders list 0" in bad.reference_mismatches[0]
 
 
 class TestMessages:

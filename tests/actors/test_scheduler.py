@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 import pytest
+from budget import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -333,7 +334,7 @@ class TestFairness:
         assert "pp" not in kinds
         assert "dd" not in kinds[: kinds.rfind("p")]
 
-    @settings(max_examples=60, deadline=None)
+    @settings(max_examples=examples(60), deadline=None)
     @given(
         st.lists(st.tuples(st.integers(1, 80), st.integers(1, 12), st.integers(0, 6)), min_size=1, max_size=8),
         st.integers(1, 64),

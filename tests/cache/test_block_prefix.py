@@ -6,6 +6,7 @@ import logging
 
 import mlx.core as mx
 import pytest
+from budget import examples
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
@@ -254,7 +255,7 @@ class TestEviction:
         prompt = SYSTEM + list(range(16))
         cache.store_cache("a", prompt, kv(prompt))
         cache.release_cache("a")
-        assert paged.evict(1) == 1
+        assert paged.pool.evict(1) == 1
         table, remaining = cache.fetch_cache("b", prompt + [1])
         assert table.num_tokens == 48 and remaining == prompt[48:] + [1]
         rebuilt = cache.reconstruct_cache(table)
@@ -397,7 +398,7 @@ class TestReconstructCache:
         assert cache.reconstruct_cache(None) is None
         table = paged.create_block_table("elsewhere")
         assert cache.reconstruct_cache(table) is None
-        (block,) = paged.allocate(1)
+        (block,) = paged.pool.allocate(1)
         table.add_block(block.block_id, 16)
         with caplog.at_level(logging.WARNING, logger=LOGGER):
             assert cache.reconstruct_cache(table) is None
@@ -981,4 +982,4 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
 
 TestPrefixCacheMachine = PrefixCacheMachine.TestCase
-TestPrefixCacheMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+TestPrefixCacheMachine.settings = settings(max_examples=examples(60), stateful_step_count=30, deadline=None)

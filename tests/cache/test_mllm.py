@@ -10,6 +10,7 @@ import urllib.parse
 import mlx.core as mx
 import numpy as np
 import pytest
+from budget import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache
@@ -211,7 +212,7 @@ class TestComputeImagesHash:
         with pytest.raises(InvalidInput):
             compute_images_hash(7)
 
-    @settings(max_examples=60, deadline=None)
+    @settings(max_examples=examples(60), deadline=None)
     @given(
         st.lists(st.binary(min_size=1, max_size=8), min_size=2, max_size=5, unique=True).flatmap(
             lambda imgs: st.tuples(st.just(imgs), st.permutations(range(len(imgs))))

@@ -1,4 +1,4 @@
-"""Paged KV blocks: the seed-compatible API and the typed core under it."""
+"""Paged KV blocks: the seed-compatible API, an adapter over the block pool."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def mgr() -> PagedCacheManager:
 def cached_prompt(mgr: PagedCacheManager, token_ids: list[int]) -> list[CacheBlock]:
     """Allocate and publish the full blocks of ``token_ids``; the caller holds them."""
     n = len(token_ids) // mgr.block_size
-    blocks = mgr.allocate(n)
+    blocks = mgr.pool.allocate(n)
     mgr.cache_full_blocks(blocks, token_ids, 0, n)
     return blocks
 
@@ -377,14 +377,33 @@ class TestManagerInit:
         assert BlockHash is block_hash.BlockHash
 
 
+class TestOwnership:
+    def test_a_dropped_manager_is_freed_at_once(self):
+        """The manager, its pool and their payloads form no reference cycle: dropped,
+        they are freed without waiting for the garbage collector."""
+        import gc
+        import weakref
+
+        gc.disable()
+        try:
+            mgr = PagedCacheManager(block_size=BS, max_blocks=9)
+            blocks = mgr.get_new_blocks(2)
+            mgr.register_block_hash(blocks[0], tokens(BS))
+            refs = (weakref.ref(mgr), weakref.ref(mgr.pool))
+            del mgr, blocks
+            assert all(ref() is None for ref in refs)
+        finally:
+            gc.enable()
+
+
 class TestAllocatedBlocks:
     def test_view_follows_reference_counts(self, mgr):
         """allocated_blocks maps the ids of referenced blocks to the blocks, live."""
-        a, b = mgr.allocate(2)
+        a, b = mgr.pool.allocate(2)
         view = mgr.allocated_blocks
         assert sorted(view) == [0, a.block_id, b.block_id] and len(view) == 3
         assert view[a.block_id] is a and view.get(b.block_id) is b
-        mgr.release([a])
+        mgr.pool.release([a])
         assert a.block_id not in view and view.get(a.block_id) is None
         with pytest.raises(KeyError):
             view[a.block_id]
@@ -397,294 +416,6 @@ class TestAllocatedBlocks:
             mgr.allocated_blocks[3] = mgr.blocks[3]
 
 
-class TestAllocate:
-    def test_fresh_blocks(self, mgr):
-        """allocate returns distinct, referenced, unhashed, empty, non-null blocks."""
-        blocks = mgr.allocate(3)
-        assert len({b.block_id for b in blocks}) == 3
-        for block in blocks:
-            assert block.ref_count == 1 and block.block_hash is None
-            assert block.cache_data is None and block.token_count == 0 and not block.is_null
-            assert mgr.allocated_blocks[block.block_id] is block
-        assert mgr.free_blocks == 5
-        mgr.check_invariants()
-
-    def test_least_recently_freed_first(self, mgr):
-        """Blocks come back in the order they were freed."""
-        a, b, c = mgr.allocate(3)
-        mgr.release([c, a])
-        rest = mgr.allocate(7)
-        assert rest[-2:] == [c, a]
-        assert b not in rest
-
-    def test_zero(self, mgr):
-        """allocate(0) returns no block and changes nothing."""
-        before = snapshot(mgr)
-        assert mgr.allocate(0) == []
-        assert snapshot(mgr) == before
-
-    def test_all_or_nothing(self, mgr):
-        """Asking for more than is free raises OutOfBlocks and takes nothing."""
-        mgr.allocate(5)
-        before = snapshot(mgr)
-        with pytest.raises(OutOfBlocks) as info:
-            mgr.allocate(4)
-        assert (info.value.requested, info.value.available) == (4, 3)
-        assert isinstance(info.value, ValueError)
-        assert snapshot(mgr) == before
-        mgr.check_invariants()
-
-    @pytest.mark.parametrize("bad", [-1, 1.5, "2", True, None])
-    def test_bad_count(self, mgr, bad):
-        """A count that is not a non-negative int is rejected with InvalidInput."""
-        with pytest.raises(InvalidInput):
-            mgr.allocate(bad)
-        assert mgr.free_blocks == 8
-        mgr.check_invariants()
-
-    def test_numpy_count(self, mgr):
-        """An int-like count (NumPy) is accepted."""
-        assert len(mgr.allocate(np.int64(2))) == 2
-
-    def test_evicts_cached_blocks_lazily(self, mgr):
-        """A free cached block keeps its hash until allocation takes it."""
-        prompt = tokens(8)
-        blocks = cached_prompt(mgr, prompt)
-        mgr.release(blocks)
-        assert mgr.lookup(hash_block_chain(prompt, BS)) == 2
-        mgr.allocate(6)  # the never-used blocks go first
-        assert mgr.lookup(hash_block_chain(prompt, BS)) == 2
-        assert mgr.take_evicted() == []
-        mgr.allocate(1)
-        assert mgr.lookup(hash_block_chain(prompt, BS)) == 0
-        assert mgr.take_evicted() == hash_block_chain(prompt, BS)[:1]
-        assert mgr.stats.evictions == 1
-        mgr.check_invariants()
-
-
-class TestCore:
-    def chain(self, n_blocks: int, start: int = 0):
-        return hash_block_chain(tokens(n_blocks * BS, start), BS)
-
-    def commit_chain(self, mgr, hashes, data=None):
-        blocks = mgr.allocate(len(hashes))
-        for block, block_hash in zip(blocks, hashes):
-            mgr.commit(block, block_hash, num_tokens=BS, cache_data=data)
-        return blocks
-
-    def test_commit_then_acquire(self, mgr):
-        """Committed blocks are acquired by their hash chain, with one more reference."""
-        hashes = self.chain(3)
-        blocks = self.commit_chain(mgr, hashes, data=("kv",))
-        got = mgr.acquire(hashes)
-        assert got == blocks
-        assert [b.block_hash for b in got] == hashes
-        assert all(b.ref_count == 2 and b.cache_data == ("kv",) for b in got)
-        mgr.check_invariants()
-
-    def test_acquire_revives_free_cached_blocks(self, mgr):
-        """Acquiring a released cached block takes it out of the free queue."""
-        hashes = self.chain(2)
-        blocks = self.commit_chain(mgr, hashes)
-        mgr.release(blocks)
-        assert mgr.free_blocks == 8
-        got = mgr.acquire(hashes)
-        assert got == blocks and all(b.ref_count == 1 for b in got)
-        assert mgr.free_blocks == 6
-        mgr.check_invariants()
-
-    def test_acquire_stops_at_first_miss(self, mgr):
-        """Only the leading cached run is acquired, even if later hashes are cached."""
-        hashes = self.chain(3)
-        blocks = self.commit_chain(mgr, hashes)
-        mgr.release([blocks[1]])
-        mgr.allocate(6)  # every free block, so block 1 is evicted
-        assert mgr.lookup(hashes) == 1
-        assert mgr.acquire(hashes) == [blocks[0]]
-        assert blocks[2].ref_count == 1
-
-    def test_acquire_counts_hits_and_misses(self, mgr):
-        """acquire counts a hit per block and one miss when it stops early."""
-        hashes = self.chain(3)
-        self.commit_chain(mgr, hashes[:2])
-        mgr.acquire(hashes)
-        assert (mgr.stats.cache_hits, mgr.stats.cache_misses) == (2, 1)
-        mgr.acquire(hashes[:2])
-        assert (mgr.stats.cache_hits, mgr.stats.cache_misses) == (4, 1)
-
-    def test_lookup_has_no_side_effects(self, mgr):
-        """lookup changes no reference count, queue position or statistic."""
-        hashes = self.chain(2)
-        mgr.release(self.commit_chain(mgr, hashes))
-        before = (snapshot(mgr), mgr.stats.cache_hits, mgr.stats.cache_misses)
-        assert mgr.lookup(hashes + self.chain(1, start=100)) == 2
-        assert mgr.lookup([]) == 0
-        assert (snapshot(mgr), mgr.stats.cache_hits, mgr.stats.cache_misses) == before
-
-    def test_commit_keeps_payload_when_none(self, mgr):
-        """commit without cache_data keeps the payload the block already has."""
-        (block,) = mgr.allocate(1)
-        block.cache_data = ["mine"]
-        mgr.commit(block, self.chain(1)[0], num_tokens=2)
-        assert block.cache_data == ["mine"] and block.token_count == 2
-
-    def test_commit_duplicates_are_kept(self, mgr):
-        """Two blocks committed under one hash both stay; evicting one keeps the hash."""
-        (h,) = self.chain(1)
-        a, b = mgr.allocate(2)
-        mgr.commit(a, h, num_tokens=BS)
-        mgr.commit(b, h, num_tokens=BS)
-        assert mgr.cached_block_hash_to_block.blocks(h) == [a, b]
-        mgr.release([a])
-        mgr.allocate(7)  # reuses a
-        assert mgr.lookup([h]) == 1 and mgr.take_evicted() == []
-        mgr.check_invariants()
-
-    @pytest.mark.parametrize(
-        "problem",
-        ["free", "null", "foreign", "committed", "hash", "tokens0", "tokens_big", "tokens_float"],
-    )
-    def test_commit_misuse(self, mgr, problem):
-        """Misusing commit raises InvalidInput and changes nothing."""
-        (h,) = self.chain(1)
-        block, done = mgr.allocate(2)
-        mgr.commit(done, self.chain(1, start=50)[0], num_tokens=BS)
-        kwargs = {"num_tokens": BS}
-        if problem == "free":
-            mgr.release([block])
-        elif problem == "null":
-            block = mgr.null_block
-        elif problem == "foreign":
-            block = CacheBlock(block_id=block.block_id, ref_count=1)
-        elif problem == "committed":
-            block = done
-        elif problem == "hash":
-            h = "not bytes"
-        else:
-            kwargs["num_tokens"] = {"tokens0": 0, "tokens_big": BS + 1, "tokens_float": 1.0}[
-                problem
-            ]
-        before = snapshot(mgr)
-        with pytest.raises(InvalidInput):
-            mgr.commit(block, h, **kwargs)
-        assert snapshot(mgr) == before
-        mgr.check_invariants()
-
-    def test_commit_without_caching(self):
-        """With caching disabled, commit stores the payload but publishes nothing."""
-        mgr = PagedCacheManager(block_size=BS, max_blocks=4, enable_caching=False)
-        (block,) = mgr.allocate(1)
-        mgr.commit(block, self.chain(1)[0], num_tokens=BS, cache_data="kv")
-        assert block.cache_data == "kv" and block.block_hash is None
-        assert mgr.lookup(self.chain(1)) == 0
-        mgr.check_invariants()
-
-    def test_release_by_block_and_by_id(self, mgr):
-        """release accepts blocks and block ids alike."""
-        a, b = mgr.allocate(2)
-        mgr.release([a, b.block_id])
-        assert a.ref_count == b.ref_count == 0 and mgr.free_blocks == 8
-        mgr.check_invariants()
-
-    def test_release_order_is_eviction_order(self, mgr):
-        """Released blocks join the back of the queue in the order given."""
-        a, b, c = mgr.allocate(3)
-        mgr.release([c, a, b])
-        assert queue_ids(mgr)[-3:] == [c.block_id, a.block_id, b.block_id]
-
-    def test_release_keeps_hash_and_data(self, mgr):
-        """A released committed block keeps its hash and payload."""
-        (block,) = self.commit_chain(mgr, self.chain(1), data="kv")
-        mgr.release([block])
-        assert block.block_hash is not None and block.cache_data == "kv"
-
-    def test_release_shared_block(self, mgr):
-        """Releasing a shared block drops one reference and keeps it out of the queue."""
-        (block,) = mgr.allocate(1)
-        mgr.touch([block])
-        mgr.release([block])
-        assert block.ref_count == 1 and block.block_id not in queue_ids(mgr)
-
-    def test_double_free(self, mgr):
-        """Releasing an unreferenced block raises DoubleFree and changes nothing."""
-        a, b = mgr.allocate(2)
-        mgr.release([b])
-        before = snapshot(mgr)
-        with pytest.raises(DoubleFree) as info:
-            mgr.release([a, b])
-        assert info.value.block_id == b.block_id
-        assert snapshot(mgr) == before and a.ref_count == 1
-        mgr.check_invariants()
-
-    def test_listed_twice_needs_two_references(self, mgr):
-        """A block listed twice is released twice, so it must hold two references."""
-        a, b = mgr.allocate(2)
-        before = snapshot(mgr)
-        with pytest.raises(DoubleFree):
-            mgr.release([b, a, a])
-        assert snapshot(mgr) == before
-        mgr.touch([a])
-        mgr.release([a, a])
-        assert a.ref_count == 0 and a.block_id in queue_ids(mgr)
-        mgr.check_invariants()
-
-    @pytest.mark.parametrize("bad", [0, -1, 9, 1.0, "1", None, "null", "foreign"])
-    def test_release_bad_items(self, mgr, bad):
-        """Unknown ids, foreign blocks and the null block raise InvalidInput, nothing changes."""
-        (a,) = mgr.allocate(1)
-        if bad == "null":
-            bad = mgr.null_block
-        elif bad == "foreign":
-            bad = CacheBlock(block_id=a.block_id, ref_count=1)
-        before = snapshot(mgr)
-        with pytest.raises(InvalidInput):
-            mgr.release([a, bad])
-        assert snapshot(mgr) == before
-        mgr.check_invariants()
-
-    def test_release_numpy_ids(self, mgr):
-        """Int-like ids (NumPy) are accepted; bools are not."""
-        a, b = mgr.allocate(2)
-        with pytest.raises(InvalidInput):
-            mgr.release([True])
-        mgr.release([np.int64(a.block_id), np.int32(b.block_id)])
-        assert a.ref_count == b.ref_count == 0
-
-    def test_release_accepts_generators(self, mgr):
-        """release takes any iterable."""
-        blocks = mgr.allocate(3)
-        mgr.release(block for block in blocks)
-        assert mgr.free_blocks == 8
-
-    def test_take_evicted_drains(self, mgr):
-        """take_evicted reports each dropped hash once, then nothing."""
-        hashes = self.chain(2)
-        mgr.release(self.commit_chain(mgr, hashes))
-        assert mgr.evict(5) == 2
-        assert mgr.take_evicted() == hashes
-        assert mgr.take_evicted() == []
-
-    def test_take_evicted_skips_recommitted_hashes(self, mgr):
-        """A hash committed again before the drain is not reported."""
-        (h,) = self.chain(1)
-        mgr.release(self.commit_chain(mgr, [h]))
-        assert mgr.evict(1) == 1
-        self.commit_chain(mgr, [h])
-        assert mgr.take_evicted() == []
-
-
-    def test_undrained_evictions_are_bounded(self):
-        """Evictions nobody drains are kept up to a bound, newest first kept."""
-        mgr = PagedCacheManager(block_size=1, max_blocks=2)
-        for token in range(3000):
-            (block,) = mgr.allocate(1)
-            mgr.cache_full_blocks([block], [token], 0, 1)
-            mgr.release([block])
-        evicted = mgr.take_evicted()
-        assert 0 < len(evicted) <= 4 * 2 + 1024
-        assert evicted[-1] == hash_block_chain([2998], 1)[0]
-
-
 class TestEvictOnReuse:
     def test_reused_block_is_never_served_for_old_content(self, mgr):
         """A freed block that is reallocated loses its hash everywhere at that moment."""
@@ -692,13 +423,13 @@ class TestEvictOnReuse:
         (block,) = cached_prompt(mgr, prompt)
         block.cache_data = "old kv"
         mgr.register_block_hash(block, prompt)
-        mgr.release([block])
-        taken = mgr.allocate(8)
+        mgr.pool.release([block])
+        taken = mgr.pool.allocate(8)
         assert block in taken
         assert block.block_hash is None and block.hash_value is None
         assert block.cache_data is None and block.token_count == 0
         assert mgr.get_computed_blocks(prompt) == ([], 0)
-        assert mgr.acquire(hash_block_chain(prompt, BS)) == []
+        assert mgr.pool.acquire(hash_block_chain(prompt, BS)) == []
         assert mgr.find_cached_block(prompt) is None
         assert mgr.hash_to_block == {}
         mgr.check_invariants()
@@ -706,10 +437,10 @@ class TestEvictOnReuse:
     def test_reuse_through_allocate_block(self, mgr):
         """allocate_block evicts like allocate."""
         prompt = tokens(4)
-        mgr.release(cached_prompt(mgr, prompt))
+        mgr.pool.release(cached_prompt(mgr, prompt))
         for _ in range(8):
             mgr.allocate_block()
-        assert mgr.lookup(hash_block_chain(prompt, BS)) == 0
+        assert mgr.pool.lookup(hash_block_chain(prompt, BS)) == 0
         mgr.check_invariants()
 
 
@@ -717,67 +448,33 @@ class TestPayloadOnRelease:
     @pytest.mark.parametrize("release", ["release", "free_block", "free_block_batch"])
     def test_unhashed_block_drops_payload_when_freed(self, mgr, release):
         """A block nobody can look up loses its payload with its last reference."""
-        (block,) = mgr.allocate(1)
+        (block,) = mgr.pool.allocate(1)
         block.cache_data = "private kv"
         if release == "free_block":
             mgr.free_block(block.block_id)
+        elif release == "release":
+            mgr.pool.release([block])
         else:
-            getattr(mgr, release)([block])
+            mgr.free_block_batch([block])
         assert block.cache_data is None
         mgr.check_invariants()
 
     def test_hashed_block_keeps_payload_until_reused(self, mgr):
         """A cached block stays servable after release: its payload stays."""
         prompt = tokens(4)
-        (block,) = mgr.allocate(1)
-        mgr.commit(block, hash_block_chain(prompt, BS)[0], num_tokens=BS, cache_data="kv")
-        mgr.release([block])
+        (block,) = mgr.pool.allocate(1)
+        mgr.pool.commit(block, hash_block_chain(prompt, BS)[0], num_tokens=BS, cache_data="kv")
+        mgr.pool.release([block])
         assert block.cache_data == "kv"
-        assert mgr.acquire(hash_block_chain(prompt, BS)) == [block]
+        assert mgr.pool.acquire(hash_block_chain(prompt, BS)) == [block]
 
     def test_shared_block_keeps_payload_while_referenced(self, mgr):
         """Dropping one of two references leaves the payload in place."""
-        (block,) = mgr.allocate(1)
+        (block,) = mgr.pool.allocate(1)
         block.cache_data = "private kv"
         mgr.increment_ref(block.block_id)
-        mgr.release([block])
+        mgr.pool.release([block])
         assert block.cache_data == "private kv"
-
-
-class TestFill:
-    def test_private_block_takes_payload_and_count(self, mgr):
-        """An uncommitted held block takes any payload and token count."""
-        (block,) = mgr.allocate(1)
-        mgr.fill(block, "tail kv", num_tokens=3)
-        assert (block.cache_data, block.token_count) == ("tail kv", 3)
-        mgr.check_invariants()
-
-    def test_committed_block_keeps_its_count(self, mgr):
-        """A committed block's payload may be replaced, its token count may not."""
-        (block,) = mgr.allocate(1)
-        mgr.commit(block, hash_block_chain(tokens(4), BS)[0], num_tokens=BS, cache_data="kv")
-        mgr.fill(block, "kv + snapshot")
-        assert block.cache_data == "kv + snapshot"
-        with pytest.raises(InvalidInput):
-            mgr.fill(block, "other", num_tokens=BS - 1)
-        assert (block.cache_data, block.token_count) == ("kv + snapshot", BS)
-
-    @pytest.mark.parametrize("num_tokens", [0, BS + 1, 1.5])
-    def test_bad_count_changes_nothing(self, mgr, num_tokens):
-        """A token count outside 1..block_size is refused before any change."""
-        (block,) = mgr.allocate(1)
-        with pytest.raises(InvalidInput):
-            mgr.fill(block, "kv", num_tokens=num_tokens)
-        assert (block.cache_data, block.token_count) == (None, 0)
-
-    def test_free_block_is_refused(self, mgr):
-        """Only a holder may fill a block."""
-        (block,) = mgr.allocate(1)
-        mgr.release([block])
-        with pytest.raises(InvalidInput):
-            mgr.fill(block, "kv")
-        with pytest.raises(InvalidInput):
-            mgr.fill(mgr.null_block, "kv")
 
 
 class TestSeedAllocation:
@@ -788,7 +485,7 @@ class TestSeedAllocation:
 
     def test_allocate_block_exhausted(self, mgr, caplog):
         """allocate_block returns None, with a warning, when no block is free."""
-        mgr.allocate(8)
+        mgr.pool.allocate(8)
         with caplog.at_level(logging.WARNING, logger="mlxkv.cache.paged"):
             assert mgr.allocate_block() is None
         assert caplog.records
@@ -815,7 +512,7 @@ class TestSeedAllocation:
     @pytest.mark.parametrize("bad", [0, 3, -1, -8, 9, 100, "x", None, 2.0])
     def test_free_block_bad_id(self, mgr, bad, caplog):
         """free_block of the null block or of an unallocated id returns False with a warning."""
-        mgr.allocate(2)  # blocks 1 and 2
+        mgr.pool.allocate(2)  # blocks 1 and 2
         before = snapshot(mgr)
         with caplog.at_level(logging.WARNING, logger="mlxkv.cache.paged"):
             assert mgr.free_block(bad) is False
@@ -865,7 +562,7 @@ class TestSeedAllocation:
         """touch adds a reference, reviving free blocks, and skips the null block."""
         prompt = tokens(8)
         blocks = cached_prompt(mgr, prompt)
-        mgr.release(blocks)
+        mgr.pool.release(blocks)
         found, _ = mgr.get_computed_blocks(prompt)
         mgr.touch(found + [mgr.null_block])
         assert all(b.ref_count == 1 for b in blocks) and mgr.free_blocks == 6
@@ -876,8 +573,8 @@ class TestSeedAllocation:
 
     def test_touch_foreign_block(self, mgr):
         """touch with a block of another manager raises InvalidInput and changes nothing."""
-        (a,) = mgr.allocate(1)
-        other = PagedCacheManager(block_size=BS, max_blocks=9).allocate(1)[0]
+        (a,) = mgr.pool.allocate(1)
+        other = PagedCacheManager(block_size=BS, max_blocks=9).pool.allocate(1)[0]
         with pytest.raises(InvalidInput):
             mgr.touch([a, other])
         assert a.ref_count == 1
@@ -916,7 +613,7 @@ class TestPrefixCaching:
         prompt = tokens(12)
         blocks = cached_prompt(mgr, prompt)
         assert [b.block_hash for b in blocks] == hash_block_chain(prompt, BS)
-        assert mgr.acquire(hash_block_chain(prompt, BS)) == blocks
+        assert mgr.pool.acquire(hash_block_chain(prompt, BS)) == blocks
 
     def test_partial_match_counts_a_miss(self, mgr):
         """A prompt that diverges after one block matches one block and counts one miss."""
@@ -952,16 +649,16 @@ class TestPrefixCaching:
     def test_memo_never_outlives_eviction(self, mgr):
         """After eviction, a prompt whose hashes were memoised is a miss."""
         prompt = tokens(8)
-        mgr.release(cached_prompt(mgr, prompt))
+        mgr.pool.release(cached_prompt(mgr, prompt))
         assert len(mgr.get_computed_blocks(prompt)[0]) == 2
-        mgr.evict(2)
+        mgr.pool.evict(2)
         assert mgr.get_computed_blocks(prompt) == ([], 0)
 
     def test_bad_tokens(self, mgr):
         """Token ids outside [0, 2**32) raise InvalidInput."""
         with pytest.raises(InvalidInput):
             mgr.get_computed_blocks([1, 2, -3, 4])
-        blocks = mgr.allocate(1)
+        blocks = mgr.pool.allocate(1)
         with pytest.raises(InvalidInput):
             mgr.cache_full_blocks(blocks, [1, 2, 3, 2**32], 0, 1)
         assert blocks[0].block_hash is None
@@ -969,7 +666,7 @@ class TestPrefixCaching:
     def test_incremental_caching(self, mgr):
         """Caching block by block gives the same hashes as caching all at once."""
         prompt = tokens(12)
-        blocks = mgr.allocate(3)
+        blocks = mgr.pool.allocate(3)
         for i in range(3):
             mgr.cache_full_blocks(blocks, prompt, i, i + 1)
         assert [b.block_hash for b in blocks] == hash_block_chain(prompt, BS)
@@ -977,8 +674,8 @@ class TestPrefixCaching:
     def test_already_hashed_blocks_are_kept(self, mgr):
         """An already hashed block keeps its hash and the chain continues from it."""
         prompt = tokens(12)
-        blocks = mgr.allocate(3)
-        mgr.commit(blocks[1], BlockHash(b"x" * 32), num_tokens=BS)
+        blocks = mgr.pool.allocate(3)
+        mgr.pool.commit(blocks[1], BlockHash(b"x" * 32), num_tokens=BS)
         mgr.cache_full_blocks(blocks, prompt, 0, 3)
         chain = hash_block_chain(prompt, BS)
         assert blocks[0].block_hash == chain[0]
@@ -989,14 +686,14 @@ class TestPrefixCaching:
     def test_unpublished_parent(self, mgr):
         """With an unhashed parent block, the chain is hashed from the first token."""
         prompt = tokens(8)
-        blocks = mgr.allocate(2)
+        blocks = mgr.pool.allocate(2)
         mgr.cache_full_blocks(blocks, prompt, 1, 2)
         assert blocks[0].block_hash is None
         assert blocks[1].block_hash == hash_block_chain(prompt, BS)[1]
 
     def test_nothing_to_cache(self, mgr):
         """num_cached_blocks >= num_full_blocks is a no-op."""
-        blocks = mgr.allocate(2)
+        blocks = mgr.pool.allocate(2)
         mgr.cache_full_blocks(blocks, tokens(8), 2, 2)
         mgr.cache_full_blocks(blocks, tokens(8), 2, 1)
         assert all(b.block_hash is None for b in blocks)
@@ -1014,7 +711,7 @@ class TestPrefixCaching:
     def test_cache_full_blocks_bad_input(self, mgr, args):
         """Too few blocks or tokens, bad counts or foreign blocks raise InvalidInput."""
         kind, token_ids, first, stop = args
-        blocks = mgr.allocate(2)
+        blocks = mgr.pool.allocate(2)
         if kind == "null":
             blocks = [blocks[0], mgr.null_block]
         elif kind == "foreign":
@@ -1134,7 +831,7 @@ class TestBlockTables:
     def test_delete_releases_tail_first(self, mgr):
         """delete_block_table releases the table's blocks, last block first."""
         table = mgr.create_block_table("r")
-        blocks = mgr.allocate(3)
+        blocks = mgr.pool.allocate(3)
         for block in blocks:
             mgr.add_block_to_table(table, block, BS)
         mgr.delete_block_table("r")
@@ -1163,7 +860,7 @@ class TestBlockTables:
     def test_fork(self, mgr):
         """fork_block_table shares every block and adds one reference to each."""
         table = mgr.create_block_table("r")
-        blocks = mgr.allocate(2)
+        blocks = mgr.pool.allocate(2)
         for block in blocks:
             mgr.add_block_to_table(table, block, BS)
         child = mgr.fork_block_table(table, "c")
@@ -1217,7 +914,7 @@ class TestBlockTables:
         """Free cached blocks are not offered for sharing by id."""
         prompt = tokens(8)
         blocks = cached_prompt(mgr, prompt)
-        mgr.release([blocks[1]])
+        mgr.pool.release([blocks[1]])
         ids, rest = mgr.find_shared_prefix(prompt)
         assert ids == [blocks[0].block_id] and rest == prompt[4:]
 
@@ -1293,7 +990,7 @@ class TestCopyOnWrite:
     def test_copy_without_free_block(self, mgr, caplog):
         """When no block is free, the shared block is returned and a warning logged."""
         table, child, block = self.shared_table(mgr)
-        mgr.allocate(mgr.free_blocks)
+        mgr.pool.allocate(mgr.free_blocks)
         with caplog.at_level(logging.WARNING, logger="mlxkv.cache.paged"):
             blocks, copied = mgr.get_blocks_for_generation(child)
         assert blocks == [block] and not copied and caplog.records
@@ -1330,22 +1027,22 @@ class TestEvictionAndPressure:
         first = cached_prompt(mgr, tokens(4))
         second = cached_prompt(mgr, tokens(4, start=10))
         held = cached_prompt(mgr, tokens(4, start=20))
-        mgr.release(second + first)
+        mgr.pool.release(second + first)
         order = queue_ids(mgr)
-        assert mgr.evict(1) == 1
+        assert mgr.pool.evict(1) == 1
         assert second[0].block_hash is None and first[0].block_hash is not None
         assert held[0].block_hash is not None
         assert queue_ids(mgr) == order  # nothing moved
         assert mgr.stats.evictions == 1
-        assert mgr.evict(10) == 1
-        assert mgr.evict(10) == 0
+        assert mgr.pool.evict(10) == 1
+        assert mgr.pool.evict(10) == 0
         mgr.check_invariants()
 
     def test_evict_lru_blocks_counts_every_cleared_free_block(self, mgr):
         """evict_lru_blocks clears the n free blocks at the LRU end, hashed or not, as the seed."""
         fresh = mgr.free_blocks - 1  # never used, at the LRU end
         blocks = cached_prompt(mgr, tokens(4))
-        mgr.release(blocks)
+        mgr.pool.release(blocks)
         assert queue_ids(mgr)[-1] == blocks[0].block_id
         order = queue_ids(mgr)
         assert mgr.evict_lru_blocks(fresh) == fresh
@@ -1355,7 +1052,7 @@ class TestEvictionAndPressure:
         assert queue_ids(mgr) == order  # cleared blocks stay first in line
         assert mgr.stats.evictions == 1
         assert mgr.evict_lru_blocks(100) == mgr.free_blocks == 8
-        assert mgr.take_evicted() == hash_block_chain(tokens(4), BS)
+        assert mgr.pool.take_evicted() == hash_block_chain(tokens(4), BS)
         mgr.check_invariants()
 
     def test_evict_lru_blocks_drops_payloads_and_legacy_hashes(self, mgr):
@@ -1370,35 +1067,36 @@ class TestEvictionAndPressure:
         assert mgr.hash_to_block == {}
         mgr.check_invariants()
 
-    @pytest.mark.parametrize("method", ["evict", "evict_lru_blocks"])
-    def test_evict_bad_count(self, mgr, method):
-        """A negative or non-int count raises InvalidInput."""
+    @pytest.mark.parametrize("owner", ["pool", "manager"])
+    def test_evict_bad_count(self, mgr, owner):
+        """A negative or non-int count raises InvalidInput (the pool's evict, the seed's evict_lru_blocks)."""
+        evict = mgr.pool.evict if owner == "pool" else mgr.evict_lru_blocks
         with pytest.raises(InvalidInput):
-            getattr(mgr, method)(-1)
+            evict(-1)
         with pytest.raises(InvalidInput):
-            getattr(mgr, method)(None)
+            evict(None)
 
     def test_handle_memory_pressure(self, mgr, caplog):
         """handle_memory_pressure says whether enough blocks are free, evicting nothing."""
-        mgr.release(cached_prompt(mgr, tokens(4)))
-        mgr.allocate(5)
+        mgr.pool.release(cached_prompt(mgr, tokens(4)))
+        mgr.pool.allocate(5)
         assert mgr.handle_memory_pressure(3) is True
         with caplog.at_level(logging.WARNING, logger="mlxkv.cache.paged"):
             assert mgr.handle_memory_pressure(4) is False
         assert caplog.records
-        assert mgr.lookup(hash_block_chain(tokens(4), BS)) == 1
+        assert mgr.pool.lookup(hash_block_chain(tokens(4), BS)) == 1
 
 
 class TestStatsAndResets:
     def test_usage(self, mgr):
         """usage is the referenced fraction of the non-null blocks."""
         assert mgr.usage == 0.0
-        mgr.allocate(2)
+        mgr.pool.allocate(2)
         assert mgr.usage == pytest.approx(0.25)
 
     def test_stats_track_the_state(self, mgr):
         """The block counts in stats follow allocation without get_stats."""
-        mgr.allocate(3)
+        mgr.pool.allocate(3)
         assert (mgr.stats.allocated_blocks, mgr.stats.free_blocks) == (4, 5)
 
     def test_get_stats(self, mgr):
@@ -1414,7 +1112,7 @@ class TestStatsAndResets:
         mgr.add_block_to_table(table, blocks[1], 3)
         assert mgr.get_stats().total_tokens_cached == BS + 3
         mgr.delete_block_table("r")
-        mgr.release(blocks[:1])
+        mgr.pool.release(blocks[:1])
         assert mgr.get_stats().total_tokens_cached == 0
 
     def test_total_tokens_cached_counts_table_blocks_once(self, mgr):
@@ -1472,12 +1170,12 @@ class TestStatsAndResets:
         prompt = tokens(8)
         blocks = cached_prompt(mgr, prompt)
         blocks[0].cache_data = "kv"
-        mgr.release(blocks)
+        mgr.pool.release(blocks)
         mgr.get_computed_blocks(prompt)
         assert mgr.reset_prefix_cache() is True
         assert all(b.block_hash is None and b.cache_data is None for b in mgr.blocks)
         assert len(mgr.cached_block_hash_to_block) == 0
-        assert sorted(mgr.take_evicted()) == sorted(hash_block_chain(prompt, BS))
+        assert sorted(mgr.pool.take_evicted()) == sorted(hash_block_chain(prompt, BS))
         assert mgr.stats.cache_hits == 0
         mgr.check_invariants()
 
@@ -1488,11 +1186,11 @@ class TestStatsAndResets:
         mgr.create_block_table("r")
         mgr.clear()
         assert mgr.request_tables == {} and mgr.free_blocks == 8
-        assert mgr.lookup(hash_block_chain(prompt, BS)) == 0
-        assert sorted(mgr.take_evicted()) == sorted(hash_block_chain(prompt, BS))
+        assert mgr.pool.lookup(hash_block_chain(prompt, BS)) == 0
+        assert sorted(mgr.pool.take_evicted()) == sorted(hash_block_chain(prompt, BS))
         assert mgr.blocks[0].is_null and mgr.stats.allocated_blocks == 1
         with pytest.raises(InvalidInput):
-            mgr.release(old)
+            mgr.pool.release(old)
         mgr.check_invariants()
 
 
@@ -1505,7 +1203,7 @@ class TestCheckInvariants:
 
     def test_detects_a_lost_block(self, mgr):
         """A block that is neither queued nor referenced is reported."""
-        (block,) = mgr.allocate(1)
+        (block,) = mgr.pool.allocate(1)
         block.ref_count = 0
         with pytest.raises(AssertionError, match=f"block {block.block_id}"):
             mgr.check_invariants()

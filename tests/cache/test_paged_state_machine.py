@@ -1,21 +1,25 @@
-"""Random operation sequences on PagedCacheManager keep every invariant.
+"""Random operation sequences on PagedCacheManager and its block pool keep every invariant.
 
-The machine holds references the way a caller would (a list of references it
-owns, plus the request tables it created) and checks after every step that
-each block's reference count is exactly what it holds, besides the manager's
-own ``check_invariants``.
+The machine mixes the seed's methods with the pool's operations (allocate,
+acquire, store all or nothing and the leading blocks that fit, retain,
+release, evict, forget), holds references the way a caller would (a list of
+references it owns, plus the request tables it created) and checks after
+every step that each block's reference count is exactly what it holds,
+besides the manager's and the pool's own ``check_invariants``. Its budget
+scales with the Hypothesis profile (``--hypothesis-profile=deep``).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
+from budget import examples
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from mlxkv.cache.block_hash import hash_block_chain
-from mlxkv.cache.errors import DoubleFree, OutOfBlocks
+from mlxkv.cache.errors import DoubleFree, InvalidInput, OutOfBlocks
 from mlxkv.cache.paged import CacheBlock, PagedCacheManager
 
 BS = 2
@@ -77,14 +81,14 @@ class PagedCacheMachine(RuleBasedStateMachine):
         if n > free:
             before = self.state()
             try:
-                self.mgr.allocate(n)
+                self.mgr.pool.allocate(n)
             except OutOfBlocks as exc:
                 assert (exc.requested, exc.available) == (n, free)
             else:
                 raise AssertionError("allocate beyond the free blocks succeeded")
             assert self.state() == before
             return
-        blocks = self.mgr.allocate(n)
+        blocks = self.mgr.pool.allocate(n)
         for block in blocks:
             assert block.ref_count == 1 and block.block_hash is None
             assert block.cache_data is None and block.token_count == 0 and not block.is_null
@@ -94,7 +98,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
     @rule(data=st.data(), by_id=st.booleans())
     def release(self, data, by_id):
         blocks = self.take_held(self.pick_held(data))
-        self.mgr.release([b.block_id for b in blocks] if by_id else blocks)
+        self.mgr.pool.release([b.block_id for b in blocks] if by_id else blocks)
 
     @rule(ident=st.integers(1, MAX_BLOCKS - 1))
     def over_release(self, ident):
@@ -102,7 +106,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
         times = self.mgr.blocks[ident].ref_count + 1
         before = self.state()
         try:
-            self.mgr.release([ident] * times)
+            self.mgr.pool.release([ident] * times)
         except DoubleFree as exc:
             assert exc.block_id == ident
         else:
@@ -115,18 +119,68 @@ class PagedCacheMachine(RuleBasedStateMachine):
         candidates = [b for b in self.held if b.block_hash is None]
         block = data.draw(st.sampled_from(candidates), label="block")
         block_hash = data.draw(st.sampled_from(CHAINS[p]), label="hash")
-        self.mgr.commit(block, block_hash, num_tokens=BS, cache_data=("kv", block_hash))
+        self.mgr.pool.commit(block, block_hash, num_tokens=BS, cache_data=("kv", block_hash))
         assert block.block_hash == block_hash
 
     @rule(p=prompt_index, data=st.data())
     def acquire(self, p, data):
         hashes = CHAINS[p][: data.draw(st.integers(0, len(CHAINS[p])), label="length")]
-        expected = self.mgr.lookup(hashes)
-        blocks = self.mgr.acquire(hashes)
+        expected = self.mgr.pool.lookup(hashes)
+        blocks = self.mgr.pool.acquire(hashes)
         assert len(blocks) == expected
         for block, block_hash in zip(blocks, hashes):
             assert block.block_hash == block_hash
         self.held.extend(blocks)
+
+    @rule(p=prompt_index, data=st.data(), leading=st.booleans())
+    def store(self, p, data, leading):
+        """The pool keeps a chain's blocks, sharing cached ones; all or nothing, or the leading ones that fit."""
+        pool = self.mgr.pool
+        start = data.draw(st.integers(0, len(CHAINS[p])), label="start")
+        hashes = CHAINS[p][start : data.draw(st.integers(start, len(CHAINS[p])), label="stop")]
+        payloads = [("kv", h) for h in hashes]
+        cached = [pool.cached_block_hash_to_block.get_block(h) for h in hashes]
+        before = self.state()
+        try:
+            stored = pool.store(hashes, payloads, leading=leading)
+        except OutOfBlocks:
+            assert not leading
+            assert self.state() == before
+            return
+        assert [b.block_hash for b in stored.blocks] == hashes[: len(stored.blocks)]
+        assert leading or len(stored.blocks) == len(hashes)
+        assert (stored.refused is None) == (len(stored.blocks) == len(hashes))
+        for block, was in zip(stored.blocks, cached):
+            assert (block in stored.fresh) == (was is None)
+            assert was is None or block is was
+        self.held.extend(stored.blocks)
+
+    @rule(data=st.data())
+    def retain(self, data):
+        """retain takes references only to blocks that still hold the hash they were seen with."""
+        pool = self.mgr.pool
+        ident = data.draw(st.integers(1, MAX_BLOCKS - 1), label="block")
+        block_hash = data.draw(st.sampled_from([h for chain in CHAINS for h in chain]), label="hash")
+        block = pool.blocks[ident]
+        if block.block_hash != block_hash:
+            before = self.state()
+            try:
+                pool.retain([(ident, block_hash)])
+            except InvalidInput:
+                assert self.state() == before
+                return
+            raise AssertionError("retain of a block that does not hold the hash succeeded")
+        assert pool.retain([(ident, block_hash)]) == [block]
+        self.held.append(block)
+
+    @rule(n=st.integers(0, 3))
+    def forget(self, n):
+        """forget clears free blocks where they are; it refuses referenced ones."""
+        pool = self.mgr.pool
+        front = pool.free_block_queue.get_all_free_blocks()[:n]
+        pool.forget(front)
+        for block in front:
+            assert block.block_hash is None and block.cache_data is None
 
     @rule(p=prompt_index)
     def get_computed_blocks(self, p):
@@ -214,7 +268,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
         cached_free = sum(
             1 for b in mgr.free_block_queue.get_all_free_blocks() if b.block_hash is not None
         )
-        assert mgr.evict(n) == min(n, cached_free)
+        assert mgr.pool.evict(n) == min(n, cached_free)
 
     @rule(n=st.integers(0, 5))
     def evict_lru_blocks(self, n):
@@ -227,8 +281,8 @@ class PagedCacheMachine(RuleBasedStateMachine):
 
     @rule()
     def take_evicted(self):
-        for block_hash in self.mgr.take_evicted():
-            assert self.mgr.lookup([block_hash]) == 0
+        for block_hash in self.mgr.pool.take_evicted():
+            assert self.mgr.pool.lookup([block_hash]) == 0
 
     @rule()
     def reset_prefix_cache(self):
@@ -258,6 +312,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
             expected.update(i for i in ids if i != 0)
         for block in self.mgr.blocks[1:]:
             assert block.ref_count == expected[block.block_id], block
+        assert self.mgr.pool.check_references(expected) == []
         assert self.mgr.null_block.ref_count == 1
         assert sorted(self.mgr.request_tables) == sorted(self.tables)
 
@@ -270,7 +325,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
 
 
 PagedCacheMachine.TestCase.settings = settings(
-    max_examples=75,
+    max_examples=examples(75),
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from budget import examples
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -547,6 +548,6 @@ class PrefixCacheAgainstReference(RuleBasedStateMachine):
 
 
 PrefixCacheAgainstReference.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=30, deadline=None
+    max_examples=examples(60), stateful_step_count=30, deadline=None
 )
 TestPrefixCacheAgainstReference = PrefixCacheAgainstReference.TestCase
