@@ -43,9 +43,9 @@ import attrs
 
 from mlxkv.actors.actor import Actor, ActorHandle, Ask, Message, Tell
 from mlxkv.actors.allocator import BlockGrant, BlockId
-from mlxkv.cache.block_hash import BlockHash, hash_block_chain
+from mlxkv.cache.block_hash import BlockHash, ChainKeys
 from mlxkv.cache.errors import DuplicateRequest, InvalidInput, UnknownRequest
-from mlxkv.cache.token_ids import TokenIds, check_token_ids
+from mlxkv.cache.token_ids import TokenIds
 
 __all__ = [
     "Adopt",
@@ -134,18 +134,14 @@ class TableSnapshot:
         hashes: their hashes.
         tail: tokens known beyond the blocks.
         tail_hashes: computed hashes of the full blocks in ``tail``.
-        extra_keys: the namespace of the request's first block.
-        late_keys: the namespace that enters at block ``late_block``.
-        late_block: where ``late_keys`` enter.
+        keys: the request's namespace (salt, images).
     """
 
     block_ids: tuple[BlockId, ...]
     hashes: tuple[BlockHash, ...]
     tail: TokenIds
     tail_hashes: tuple[BlockHash, ...]
-    extra_keys: tuple[Any, ...]
-    late_keys: tuple[Any, ...] = ()
-    late_block: int = 0
+    keys: ChainKeys = ChainKeys()
 
 
 @attrs.frozen(kw_only=True)
@@ -208,16 +204,13 @@ class Begin(Ask[PrefixMatch]):
     for blocks in flight (see the module docstring). Raises DuplicateRequest
     if the request is active.
 
-    ``extra_keys`` namespace the whole chain (they enter its first block);
-    ``late_keys`` only the blocks from ``late_block`` on (a prompt's images,
-    from the block that holds its first image token: the blocks before
-    depend on their tokens alone and are shared with any request).
+    ``keys`` is the request's namespace
+    (:meth:`~mlxkv.cache.block_hash.ChainKeys.derive`: the salt, and the
+    images from the block that holds the first image token on).
     """
 
-    tokens: Sequence[int]
-    extra_keys: tuple[Any, ...] = ()
-    late_keys: tuple[Any, ...] = ()
-    late_block: int = 0
+    tokens: TokenIds
+    keys: ChainKeys = ChainKeys()
     claim: bool = False
 
 
@@ -270,7 +263,7 @@ class Extend(Ask[Extension]):
     """Plan a store of ``tokens`` (the request's whole sequence) with one payload
     per full block beyond those the request holds; changes nothing."""
 
-    tokens: Sequence[int]
+    tokens: TokenIds
     num_payloads: int
 
 
@@ -314,9 +307,7 @@ class CheckInvariants(Ask[IndexReport]):
 
 @attrs.define(slots=True)
 class _Table:
-    extra_keys: tuple[Any, ...]
-    late_keys: tuple[Any, ...] = ()
-    late_block: int = 0
+    keys: ChainKeys
     block_ids: list[BlockId] = attrs.field(factory=list)
     hashes: list[BlockHash] = attrs.field(factory=list)
     tail: TokenIds = attrs.field(factory=lambda: array("I"))
@@ -340,6 +331,12 @@ class PrefixIndexActor(Actor):
     ``max_hints``), one table per active request (held block ids and hashes,
     the tail of known tokens with its precomputed hashes, the request's extra
     keys, the hashes it claimed), the claims in flight and hit statistics.
+
+    Messages arrive checked: the runtime validates every argument once, at
+    its public boundary (token ids as ``TokenIds``, request ids as non-empty
+    strs, the namespace as :class:`~mlxkv.cache.block_hash.ChainKeys`); a
+    handler checks only what depends on its state (a request that is active
+    or not, tokens that extend what a request holds, a table that changed).
 
     Invariants:
         - a table lists as many hashes as block ids, in chain order;
@@ -443,17 +440,13 @@ class PrefixIndexActor(Actor):
     # -- handlers ---------------------------------------------------------
 
     def _begin(self, message: Begin) -> PrefixMatch:
-        request_id = _request_id(message.request_id)
+        request_id = message.request_id
+        assert request_id is not None, "Begin names its request"
         if request_id in self._tables:
             raise DuplicateRequest(request_id)
-        tokens = check_token_ids(message.tokens)
-        late_block = message.late_block
-        if isinstance(late_block, bool) or not isinstance(late_block, int) or late_block < 0:
-            raise InvalidInput("late_block", late_block, "must be an int >= 0")
-        table = _Table(
-            extra_keys=message.extra_keys, late_keys=message.late_keys, late_block=late_block, tail=tokens
-        )
-        hashes = tuple(_chain(table, tokens, self._block_size))
+        tokens, keys = message.tokens, message.keys
+        table = _Table(keys=keys, tail=tokens)
+        hashes = tuple(keys.hash_chain(tokens, self._block_size))
         num_hinted = self._num_hinted(hashes)
         table.tail_hashes, table.num_hinted = hashes, num_hinted
         self._tables[request_id] = table
@@ -464,7 +457,7 @@ class PrefixIndexActor(Actor):
         return self._claim_or_wait(request_id, table, hashes, num_hinted)
 
     def _rematch(self, message: Rematch) -> PrefixMatch:
-        request_id = _request_id(message.request_id)
+        request_id = message.request_id
         table = self._table(request_id)
         hashes = table.tail_hashes
         table.num_hinted = self._num_hinted(hashes)
@@ -551,7 +544,7 @@ class PrefixIndexActor(Actor):
     def _extend(self, message: Extend) -> Extension:
         table = self._table(message.request_id)
         size = self._block_size
-        tokens = check_token_ids(message.tokens)
+        tokens = message.tokens
         start = len(table.block_ids)
         held_tokens = start * size
         if len(tokens) < held_tokens:
@@ -582,12 +575,11 @@ class PrefixIndexActor(Actor):
         if num_new > reusable:
             parent = hashes[-1] if hashes else (table.hashes[-1] if table.hashes else None)
             hashes += tuple(
-                _chain(
-                    table,
+                table.keys.hash_chain(
                     new[reusable * size : num_new * size],
                     size,
                     start_block=start + reusable,
-                    parent=parent,
+                    parent_hash=parent,
                 )
             )
         longest = new if len(new) >= len(known) else known
@@ -600,7 +592,7 @@ class PrefixIndexActor(Actor):
 
     def _snapshot(self, message: Snapshot) -> TableSnapshot:
         table = self._table(message.request_id)
-        fork_to = _request_id(message.fork_to)
+        fork_to = message.fork_to
         if fork_to in self._tables:
             raise DuplicateRequest(fork_to)
         return TableSnapshot(
@@ -608,22 +600,19 @@ class PrefixIndexActor(Actor):
             hashes=tuple(table.hashes),
             tail=table.tail,
             tail_hashes=table.tail_hashes,
-            extra_keys=table.extra_keys,
-            late_keys=table.late_keys,
-            late_block=table.late_block,
+            keys=table.keys,
         )
 
     def _adopt(self, message: Adopt) -> None:
-        request_id = _request_id(message.request_id)
+        request_id = message.request_id
+        assert request_id is not None, "Adopt names its request"
         if request_id in self._tables:
             raise DuplicateRequest(request_id)
         snapshot = message.snapshot
         if tuple(grant.block_id for grant in message.grants) != snapshot.block_ids:
             raise InvalidInput("grants", len(message.grants), "are not the snapshot's blocks")
         self._tables[request_id] = _Table(
-            extra_keys=snapshot.extra_keys,
-            late_keys=snapshot.late_keys,
-            late_block=snapshot.late_block,
+            keys=snapshot.keys,
             block_ids=list(snapshot.block_ids),
             hashes=list(snapshot.hashes),
             tail=snapshot.tail,
@@ -716,34 +705,6 @@ class PrefixIndexActor(Actor):
         return table
 
 
-def _chain(
-    table: _Table, tokens: Sequence[int], size: int, *, start_block: int = 0, parent: Optional[BlockHash] = None
-) -> list[BlockHash]:
-    """The hashes of the full blocks of ``tokens``, which start at block
-    ``start_block`` of ``table``'s request (``parent``: the hash of the block
-    before, None for the first), under the table's keys."""
-    late, late_block = table.late_keys, table.late_block
-    if late and late_block == 0:
-        # Keys from the first block on: one namespace, as if all were extra.
-        first, late = table.extra_keys + late, ()
-    else:
-        first = table.extra_keys
-    return hash_block_chain(
-        tokens,
-        size,
-        extra_keys=(first or None) if parent is None else None,
-        parent_hash=parent,
-        late_keys=late or None,
-        late_block=late_block - start_block,
-    )
-
-
-def _request_id(value: Any) -> RequestId:
-    if not isinstance(value, str) or not value:
-        raise InvalidInput("request_id", value, "must be a non-empty str")
-    return RequestId(value)
-
-
 class PrefixIndexHandle(ActorHandle):
     """Typed calls to a :class:`PrefixIndexActor`; messages stay inside.
 
@@ -753,29 +714,19 @@ class PrefixIndexHandle(ActorHandle):
     async def begin(
         self,
         request_id: str,
-        tokens: Sequence[int],
-        extra_keys: tuple[Any, ...] = (),
+        tokens: TokenIds,
+        keys: ChainKeys = ChainKeys(),
         *,
-        late_keys: tuple[Any, ...] = (),
-        late_block: int = 0,
         claim: bool = False,
     ) -> PrefixMatch:
         """See :class:`Begin`.
 
         Raises:
             DuplicateRequest: the request is active.
-            InvalidInput: bad request id or tokens; nothing changed.
+            InvalidInput: bad request id or keys; nothing changed.
             ActorFailed: the actor is not running.
         """
-        return await self._ref.ask(
-            Begin,
-            request_id=request_id,
-            tokens=tokens,
-            extra_keys=extra_keys,
-            late_keys=late_keys,
-            late_block=late_block,
-            claim=claim,
-        )
+        return await self._ref.ask(Begin, request_id=request_id, tokens=tokens, keys=keys, claim=claim)
 
     async def record(
         self,
@@ -820,7 +771,7 @@ class PrefixIndexHandle(ActorHandle):
         with _shield():
             await self._ref.ask(Adopt, request_id=request_id, snapshot=snapshot, grants=grants)
 
-    async def extend(self, request_id: str, tokens: Sequence[int], num_payloads: int) -> Extension:
+    async def extend(self, request_id: str, tokens: TokenIds, num_payloads: int) -> Extension:
         """See :class:`Extend`.
 
         Raises:

@@ -1,10 +1,17 @@
-"""Parent-chained block hashes: the only key under which a KV block is shared.
+"""Parent-chained block hashes and the keys they are derived under: where a block is keyed.
 
 A block's hash covers its parent's hash, its own token ids and, for the first
 block of a sequence, the sequence's extra keys (tenant salt, image hashes,
 adapter names). Two blocks therefore share a hash only if everything before
 them, and they themselves, are the same: a hit is always exact, never a match
 by content alone.
+
+:class:`ChainKeys` is the one derivation of those keys -- the salt, the
+images and the block that holds the first image token -- for every caller:
+the runtime (``fetch``, ``generate``), the prefix-index actor and the seed's
+:class:`~mlxkv.cache.block_prefix.BlockAwarePrefixCache`, so a prompt keys
+alike through either API. The image cache keys its entries by the same
+namespace (:meth:`ChainKeys.namespace`).
 
 Hashing works on bytes (``array('I', tokens)``), which is both faster and
 unambiguous compared with hashing ``str(tuple(tokens))``. A prompt's chain is
@@ -18,9 +25,11 @@ from array import array
 from collections.abc import Sequence
 from typing import Any, NewType, Optional, Tuple
 
+import attrs
+
 from mlxkv.cache.errors import InvalidInput
 
-__all__ = ["ROOT_HASH", "BlockHash", "compute_block_hash", "hash_block_chain"]
+__all__ = ["ROOT_HASH", "BlockHash", "ChainKeys", "compute_block_hash", "hash_block_chain"]
 
 #: A full-strength (SHA-256) digest of one block and everything before it.
 BlockHash = NewType("BlockHash", bytes)
@@ -126,3 +135,103 @@ def hash_block_chain(
         chain.append(parent)
         extra = b""
     return chain
+
+
+@attrs.frozen
+class ChainKeys:
+    """What a sequence's blocks are keyed under beside their tokens: its namespace.
+
+    Made by :meth:`derive` (the one place the keys are spelled), used by
+    :meth:`hash_chain`. ``first`` enters the sequence's first block and so,
+    through the chain, every block; ``late`` enters block ``late_block`` and
+    namespaces it and every later block but none before it (a prompt's
+    images, from the block that holds its first image token: the text before
+    them depends on its tokens alone and is shared with any request).
+
+    Attributes:
+        first: keys of the whole sequence (salt, caller's extra keys, images
+            that key the whole chain).
+        late: keys from block ``late_block`` on.
+        late_block: where ``late`` enters.
+
+    Invariants:
+        ``late`` is empty or ``late_block >= 1`` (keys entering block 0 are
+        ``first``'s), so equal namespaces are equal records.
+    """
+
+    first: tuple[Any, ...] = ()
+    late: tuple[Any, ...] = ()
+    late_block: int = 0
+
+    @classmethod
+    def derive(
+        cls,
+        *,
+        cache_salt: Optional[Any] = None,
+        images_key: Optional[str] = None,
+        images_start: Optional[int] = None,
+        block_size: int = 1,
+        extra_keys: Sequence[Any] = (),
+    ) -> ChainKeys:
+        """The keys of a sequence with this salt, these images and extra keys.
+
+        Args:
+            cache_salt: a tenant namespace: sequences with different salts
+                share no block (``("salt", s)``, in the first block).
+            images_key: the ordered images' 64-hex key
+                (:func:`~mlxkv.cache.mllm.combine_image_keys`), or None.
+            images_start: the index of the first image token: the images key
+                the blocks from the one that holds it on; None: every block.
+            block_size: tokens per block (to find that block).
+            extra_keys: further keys of the whole sequence (an adapter's
+                name...), after the salt, hashable with a stable ``repr``.
+
+        Returns:
+            The namespace; the empty one when nothing is given.
+        """
+        first: tuple[Any, ...] = () if cache_salt is None else (("salt", cache_salt),)
+        if extra_keys:
+            first += tuple(extra_keys)
+        if images_key is None:
+            return cls(first)
+        images = (("images", images_key),)
+        late_block = 0 if images_start is None else images_start // block_size
+        if late_block == 0:
+            return cls(first + images)
+        return cls(first, images, late_block)
+
+    def hash_chain(
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        *,
+        start_block: int = 0,
+        parent_hash: Optional[BlockHash] = None,
+    ) -> list[BlockHash]:
+        """The hashes of the full blocks of ``token_ids`` under these keys.
+
+        Args:
+            token_ids: tokens of the sequence from block ``start_block`` on.
+            block_size: tokens per block.
+            start_block: the sequence's block that ``token_ids`` starts with.
+            parent_hash: the hash of the block before it (None for block 0).
+
+        Returns:
+            ``len(token_ids) // block_size`` hashes, in order.
+
+        Raises:
+            InvalidInput: bad ``block_size`` or token ids.
+        """
+        return hash_block_chain(
+            token_ids,
+            block_size,
+            extra_keys=(self.first or None) if parent_hash is None else None,
+            parent_hash=parent_hash,
+            late_keys=self.late or None,
+            late_block=self.late_block - start_block,
+        )
+
+    def namespace(self) -> bytes:
+        """The whole namespace as bytes, for caches keyed by it rather than by
+        a chain (the image cache's entries, per salt and images)."""
+        return _extra_bytes(self.first + self.late)

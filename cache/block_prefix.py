@@ -22,8 +22,11 @@ and return values, but:
 * blocks written through the paged API in the seed's declared format (a
   ``(keys, values)`` pair per layer) are read as KV state where they are
   exactly that, and are a miss otherwise;
-* an optional ``cache_salt``/``extra_keys`` enters the hash chain, so requests
-  with different salts never share a block;
+* an optional ``cache_salt``, ``images`` (from the block that holds the
+  first image token on, with ``images_start``) and ``extra_keys`` enter the
+  hash chain through :class:`~mlxkv.cache.block_hash.ChainKeys`, the same
+  derivation the runtime uses: a prompt keys alike through either API, and
+  requests with different salts never share a block;
 * no ``id(model)`` keys, no wall clock (a logical tick), no locks.
 
 All MLX work (slicing, rebuilding) happens on the calling thread and returns
@@ -41,8 +44,9 @@ from typing import Any, Optional
 import attrs
 
 from mlxkv.cache import kv_state
-from mlxkv.cache.block_hash import BlockHash, hash_block_chain
-from mlxkv.cache.errors import CacheError, InvariantViolation, OutOfBlocks
+from mlxkv.cache.block_hash import BlockHash, ChainKeys
+from mlxkv.cache.errors import CacheError, InvalidInput, InvariantViolation, OutOfBlocks
+from mlxkv.cache.mllm import images_digest
 from mlxkv.cache.model_key import model_key
 from mlxkv.cache.paged import BlockTable, CacheBlock, PagedCacheManager
 
@@ -83,7 +87,7 @@ class BlockCacheEntry:
         block_table: the request's table in the paged manager.
         blocks: the blocks the table lists, in the same order.
         last_access: logical tick of the last operation on the request.
-        extra_keys: the keys (salt...) its hash chain was computed with.
+        keys: the namespace (salt, images...) its hash chain was computed with.
         block_hashes: chain hashes of its leading full blocks.
         num_prompt_tokens: length of the prompt it fetched or stored; the
             tokens past ``block_table.num_tokens`` are its pending suffix.
@@ -103,7 +107,7 @@ class BlockCacheEntry:
     block_table: BlockTable
     blocks: list[CacheBlock]
     last_access: int
-    extra_keys: Optional[tuple[Any, ...]] = None
+    keys: ChainKeys = ChainKeys()
     block_hashes: list[BlockHash] = attrs.field(factory=list)
     num_prompt_tokens: int = 0
     tail_tokens: tuple[int, ...] = ()
@@ -155,14 +159,32 @@ def _num_opaque(blocks: Sequence[CacheBlock]) -> int:
 
 
 def _chain_keys(
-    cache_salt: Optional[Any], extra_keys: Optional[Sequence[Any]]
-) -> Optional[tuple[Any, ...]]:
-    keys: tuple[Any, ...] = ()
-    if cache_salt is not None:
-        keys += (("cache_salt", cache_salt),)
-    if extra_keys:
-        keys += tuple(extra_keys)
-    return keys or None
+    tokens: Sequence[int],
+    block_size: int,
+    cache_salt: Optional[Any],
+    extra_keys: Optional[Sequence[Any]],
+    images: Optional[Sequence[Any]],
+    images_start: Optional[int],
+) -> ChainKeys:
+    """The request's namespace, derived as the runtime derives it.
+
+    Raises:
+        InvalidInput: bad images, or an ``images_start`` that is not the index
+            of a token (or comes without images).
+    """
+    images_key = images_digest(images) if images else None
+    if images_start is not None:
+        if images_start.__class__ is not int or not 0 <= images_start < len(tokens):
+            raise InvalidInput("images_start", images_start, f"must index the {len(tokens)} tokens")
+        if images_key is None:
+            raise InvalidInput("images_start", images_start, "is given without images")
+    return ChainKeys.derive(
+        cache_salt=cache_salt,
+        images_key=images_key,
+        images_start=images_start,
+        block_size=block_size,
+        extra_keys=extra_keys or (),
+    )
 
 
 class BlockAwarePrefixCache:
@@ -238,6 +260,8 @@ class BlockAwarePrefixCache:
         *,
         cache_salt: Optional[Any] = None,
         extra_keys: Optional[Sequence[Any]] = None,
+        images: Optional[Sequence[Any]] = None,
+        images_start: Optional[int] = None,
     ) -> tuple[Optional[BlockTable], list[int]]:
         """Find the longest cached prefix of ``tokens`` that can be served.
 
@@ -258,22 +282,29 @@ class BlockAwarePrefixCache:
             tokens: its prompt.
             cache_salt: namespace of the request (tenant); only blocks stored
                 with the same salt are found.
-            extra_keys: further namespace keys (image hashes, adapter...),
+            extra_keys: further namespace keys (an adapter's name...),
                 hashable with a stable ``repr``.
+            images: the request's images, in order, keyed as
+                :func:`~mlxkv.cache.mllm.images_digest` keys them; only blocks
+                stored with the same images in the same order are found.
+            images_start: the index of the first image token: the images key
+                the blocks from the one that holds it on, and the blocks
+                before are shared with any request; None: every block.
 
         Returns:
             ``(block_table, remaining_tokens)`` on a hit; ``(None, tokens)`` on
-            a miss, for empty ``tokens``, bad token ids or a request id that
-            is already in use (the last two are logged).
+            a miss, for empty ``tokens``, bad token ids, images or
+            ``images_start``, or a request id that is already in use (all but
+            the miss are logged).
         """
         if not tokens:
             return None, tokens
         if self._in_use(request_id):
             logger.warning("fetch_cache(%r): request already holds blocks", request_id)
             return None, tokens
-        keys = _chain_keys(cache_salt, extra_keys)
         try:
-            chain = hash_block_chain(tokens, self.block_size, extra_keys=keys)
+            keys = _chain_keys(tokens, self.block_size, cache_salt, extra_keys, images, images_start)
+            chain = keys.hash_chain(tokens, self.block_size)
         except CacheError as exc:
             logger.warning("fetch_cache(%r): %s", request_id, exc)
             return None, tokens
@@ -299,7 +330,7 @@ class BlockAwarePrefixCache:
             block_table=table,
             blocks=blocks,
             last_access=self._next_tick(),
-            extra_keys=keys,
+            keys=keys,
             block_hashes=chain[:usable],
             num_prompt_tokens=len(tokens),
         )
@@ -322,6 +353,8 @@ class BlockAwarePrefixCache:
         *,
         cache_salt: Optional[Any] = None,
         extra_keys: Optional[Sequence[Any]] = None,
+        images: Optional[Sequence[Any]] = None,
+        images_start: Optional[int] = None,
     ) -> Optional[BlockTable]:
         """Store the KV state of ``tokens`` for reuse, block by block.
 
@@ -351,10 +384,13 @@ class BlockAwarePrefixCache:
                 ``(keys, values)`` pairs; or anything else, kept as it is.
             cache_salt: namespace of the request, as in :meth:`fetch_cache`.
             extra_keys: further namespace keys, as in :meth:`fetch_cache`.
+            images: the request's images, as in :meth:`fetch_cache`.
+            images_start: the first image token's index, as in :meth:`fetch_cache`.
 
         Returns:
             The request's table, or None (logged) when nothing could be
-            stored: empty ``tokens``, bad token ids, tokens or keys that
+            stored: empty ``tokens``, bad token ids, images or
+            ``images_start``, tokens or keys that
             disagree with what the request already holds, or no free block
             at all.
         """
@@ -373,9 +409,9 @@ class BlockAwarePrefixCache:
                 layout = None
             else:
                 num_tokens = min(num_tokens, layout.num_tokens)
-        keys = _chain_keys(cache_salt, extra_keys)
         try:
-            chain = hash_block_chain(tokens[:num_tokens], self.block_size, extra_keys=keys)
+            keys = _chain_keys(tokens, self.block_size, cache_salt, extra_keys, images, images_start)
+            chain = keys.hash_chain(tokens[:num_tokens], self.block_size)
         except CacheError as exc:
             logger.warning("store_cache(%r): %s", request_id, exc)
             return None
@@ -389,7 +425,7 @@ class BlockAwarePrefixCache:
             tail_start = len(held) * self.block_size
             overlap = max(min(num_tokens, entry.block_table.num_tokens) - tail_start, 0)
             if (
-                entry.extra_keys != keys
+                entry.keys != keys
                 or chain[: len(held)] != held[: len(chain)]
                 or tuple(tokens[tail_start : tail_start + overlap]) != entry.tail_tokens[:overlap]
             ):
@@ -466,7 +502,7 @@ class BlockAwarePrefixCache:
         chain: list[BlockHash],
         num_tokens: int,
         first: int,
-        keys: Optional[tuple[Any, ...]],
+        keys: ChainKeys,
     ) -> Optional[BlockTable]:
         size = self.block_size
         num_blocks = -(-num_tokens // size)
@@ -546,7 +582,7 @@ class BlockAwarePrefixCache:
                 block_table=table,
                 blocks=[],
                 last_access=self._next_tick(),
-                extra_keys=keys,
+                keys=keys,
                 num_prompt_tokens=len(tokens),
             )
             self._request_tables[request_id] = entry

@@ -52,6 +52,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
+from mlxkv.cache.block_hash import ChainKeys
 from mlxkv.cache.errors import InvalidInput, InvariantViolation
 from mlxkv.cache.token_ids import check_token_ids
 
@@ -441,13 +442,12 @@ class _Found(NamedTuple):
     exact: bool
 
 
-def _salt_bytes(cache_salt: Optional[str]) -> bytes:
-    if cache_salt is None:
-        return b"\0"
-    if not isinstance(cache_salt, str):
+def _namespace(cache_salt: Optional[str], images_key: str) -> bytes:
+    """The (salt, ordered images) namespace, derived as block chains derive
+    theirs (:class:`~mlxkv.cache.block_hash.ChainKeys`)."""
+    if cache_salt is not None and not isinstance(cache_salt, str):
         raise InvalidInput("cache_salt", cache_salt, "must be a str or None")
-    raw = cache_salt.encode("utf-8", "surrogatepass")
-    return b"\1" + len(raw).to_bytes(8, "little") + raw
+    return ChainKeys.derive(cache_salt=cache_salt, images_key=images_key).namespace()
 
 
 def _positive(argument: str, value: Any, kinds: tuple) -> None:
@@ -466,9 +466,11 @@ class MLLMPrefixCacheManager:
     order, an index from (salt, ordered images) to the entries that carry
     vision embeddings for them, the byte count and the statistics.
 
-    Entries are keyed by SHA-256 over the optional ``cache_salt``, the ordered
-    images' full-strength keys and the prompt: tenants with different salts
-    never share an entry, not even vision embeddings.
+    Entries are keyed by SHA-256 over the namespace of the optional
+    ``cache_salt`` and the ordered images' full-strength keys (derived by
+    :class:`~mlxkv.cache.block_hash.ChainKeys`, as block chains are) and the
+    prompt: tenants with different salts never share an entry, not even
+    vision embeddings.
 
     Invariants:
         - ``len(self) <= max_size`` and ``_current_memory <= max_memory``.
@@ -503,12 +505,14 @@ class MLLMPrefixCacheManager:
     def _keys(images: Any, prompt: Any, cache_salt: Optional[str]) -> _Keys:
         if not isinstance(prompt, str):
             raise InvalidInput("prompt", prompt, "must be a str")
-        salt = _salt_bytes(cache_salt)
         fingerprints = _fingerprints(images)
         images_key = combine_image_keys([f.key for f in fingerprints])
+        namespace = _namespace(cache_salt, images_key)
         prompt_key = hashlib.sha256(prompt.encode("utf-8", "surrogatepass")).digest()
-        entry = hashlib.sha256(b"mlxkv.mllm-entry\0" + salt + bytes.fromhex(images_key) + prompt_key)
-        scope = hashlib.sha256(b"mlxkv.mllm-images\0" + salt + bytes.fromhex(images_key))
+        # The namespace is length-prefixed and the prompt key fixed-size: no
+        # two (namespace, prompt) pairs give the same bytes.
+        entry = hashlib.sha256(b"mlxkv.mllm-entry\0" + namespace + prompt_key)
+        scope = hashlib.sha256(b"mlxkv.mllm-images\0" + namespace)
         return _Keys(
             entry.hexdigest(), scope.hexdigest(), images_key, prompt_key.hex(),
             bool(fingerprints),

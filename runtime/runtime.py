@@ -63,6 +63,7 @@ from mlxkv.actors.prefix_index import (
     RequestId,
     TokenIds,
 )
+from mlxkv.cache.block_hash import ChainKeys
 from mlxkv.cache.errors import InvalidInput, UnknownRequest
 from mlxkv.cache.pool import PoolStatistics
 from mlxkv.cache.token_ids import check_token_ids
@@ -746,17 +747,13 @@ class CacheRuntime:
             images_key = None if keyed is None else keyed.digest
         # The images key the whole chain, or, their first token known, the
         # blocks from the one that holds it on.
-        whole_chain = images_key if images_start is None else None
-        late_keys = _extra_keys(None, images_key) if whole_chain is None else ()
-        late_block = images_start // self.config.block_size if late_keys else 0
-        match = await self._index.begin(
-            request_id,
-            token_ids,
-            _extra_keys(salt, whole_chain),
-            late_keys=late_keys,
-            late_block=late_block,
-            claim=share,
+        keys = ChainKeys.derive(
+            cache_salt=salt,
+            images_key=images_key,
+            images_start=images_start,
+            block_size=self.config.block_size,
         )
+        match = await self._index.begin(request_id, token_ids, keys, claim=share)
         grants: list[BlockGrant] = []
         try:
             entry = None
@@ -1287,11 +1284,3 @@ def _salt(value: Any) -> Optional[str]:
         raise InvalidInput("cache_salt", value, "must be a str or None")
     return value
 
-
-def _extra_keys(salt: Optional[str], images_key: Optional[str]) -> tuple[Any, ...]:
-    keys: tuple[Any, ...] = ()
-    if salt is not None:
-        keys += (("salt", salt),)
-    if images_key is not None:
-        keys += (("images", images_key),)
-    return keys

@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mlxkv.cache import InvalidInput, compute_block_hash, hash_block_chain
+from mlxkv.cache.block_hash import ChainKeys
 
 tokens = st.lists(st.integers(0, 2**32 - 1), max_size=300)
 
@@ -89,3 +90,44 @@ class TestHashBlockChain:
         """A block size that is not a positive int is refused."""
         with pytest.raises(InvalidInput):
             hash_block_chain([1, 2], size)
+
+
+class TestChainKeys:
+    def test_nothing_given_is_the_empty_namespace(self):
+        """No salt, images or extra keys: the plain chain."""
+        assert ChainKeys.derive() == ChainKeys()
+        assert ChainKeys().hash_chain(list(range(8)), 4) == hash_block_chain(list(range(8)), 4)
+
+    def test_order_of_the_first_keys(self):
+        """The salt comes first, then the caller's extra keys, then images of the whole chain."""
+        keys = ChainKeys.derive(cache_salt="s", images_key="k", extra_keys=("lora",))
+        assert keys == ChainKeys((("salt", "s"), "lora", ("images", "k")))
+
+    @pytest.mark.parametrize("start, block", [(None, 0), (0, 0), (3, 0), (4, 1), (9, 2)])
+    def test_images_enter_at_the_block_of_their_first_token(self, start, block):
+        """Images start at the block holding their first token; at block 0 they are first keys."""
+        keys = ChainKeys.derive(cache_salt="s", images_key="k", images_start=start, block_size=4)
+        if block == 0:
+            assert keys == ChainKeys((("salt", "s"), ("images", "k")))
+        else:
+            assert keys == ChainKeys((("salt", "s"),), (("images", "k"),), block)
+
+    @given(tokens, st.integers(1, 8), st.integers(0, 12), st.integers(0, 6))
+    def test_a_continued_chain_equals_the_whole(self, token_ids, block_size, late_block, split):
+        """Hashing from block ``split`` on with its parent gives the whole chain's tail."""
+        keys = ChainKeys((("salt", "s"),), (("images", "k"),) if late_block else (), late_block)
+        whole = keys.hash_chain(token_ids, block_size)
+        split = min(split, len(whole))
+        parent = whole[split - 1] if split else None
+        tail = keys.hash_chain(
+            token_ids[split * block_size :], block_size, start_block=split, parent_hash=parent
+        )
+        assert whole[split:] == tail
+
+    def test_namespace_separates_salts_and_images(self):
+        """The namespace bytes differ with the salt or the images, and agree otherwise."""
+        a = ChainKeys.derive(cache_salt="a", images_key="k").namespace()
+        assert a == ChainKeys.derive(cache_salt="a", images_key="k").namespace()
+        assert a != ChainKeys.derive(cache_salt="b", images_key="k").namespace()
+        assert a != ChainKeys.derive(cache_salt="a", images_key="j").namespace()
+        assert a != ChainKeys.derive(images_key="k").namespace()

@@ -143,6 +143,25 @@ class TestFetchCache:
         assert cache.fetch_cache("b", SYSTEM, extra_keys=("img-2",))[0] is None
         assert cache.fetch_cache("c", SYSTEM, extra_keys=("img-1",))[0].num_tokens == 48
 
+    def test_images_namespace_from_their_first_token(self, cache):
+        """Images key the blocks from the one holding their first token on: the text
+        before is shared with any images, the rest only with the same ones in order."""
+        cache.store_cache("a", SYSTEM, kv(SYSTEM), images=["img-1", "img-2"], images_start=20)
+        hit, _ = cache.fetch_cache("b", SYSTEM, images=["img-2", "img-1"], images_start=20)
+        assert hit.num_tokens == 16  # block 0 only: the image token is in block 1
+        whole, _ = cache.fetch_cache("c", SYSTEM, images=["img-1", "img-2"], images_start=20)
+        assert whole.num_tokens == 48
+        assert cache.fetch_cache("d", SYSTEM, images=["img-1", "img-2"])[0] is None
+        cache.check_invariants()
+
+    @pytest.mark.parametrize("start", [-1, 48, 1.0])
+    def test_images_start_must_index_a_token(self, cache, caplog, start):
+        """An images_start that is no token index, or images_start without images, is logged and refused."""
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            assert cache.store_cache("a", SYSTEM, kv(SYSTEM), images=["i"], images_start=start) is None
+            assert cache.fetch_cache("b", SYSTEM, images_start=3) == (None, SYSTEM)
+        assert "images_start" in caplog.text
+
     def test_request_in_use(self, cache, caplog):
         """Fetching for a request that already holds blocks is logged and misses."""
         cache.store_cache("a", SYSTEM, kv(SYSTEM))
