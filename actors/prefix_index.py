@@ -120,6 +120,24 @@ class Extension:
     tail: TokenIds
     tail_hashes: tuple[BlockHash, ...]
 
+    def after(
+        self, num_stored: int, tokens: TokenIds, block_size: int
+    ) -> tuple[TokenIds, tuple[BlockHash, ...]]:
+        """The request's tail and its hashes once the first ``num_stored`` new
+        blocks are stored (a store of the leading blocks that fit): the blocks
+        not stored stay known tokens, with their hashes.
+
+        Args:
+            num_stored: how many of :attr:`hashes` were stored, from the first.
+            tokens: the tokens the extension was planned for.
+            block_size: tokens per block.
+        """
+        if num_stored == len(self.hashes):
+            return self.tail, self.tail_hashes
+        begin = (self.start + num_stored) * block_size
+        end = (self.start + len(self.hashes)) * block_size
+        return tokens[begin:end] + self.tail, self.hashes[num_stored:] + self.tail_hashes
+
     def trace_fields(self) -> dict[str, int]:
         """The planned store, for tracing."""
         return {"held": self.start, "new_blocks": len(self.hashes)}

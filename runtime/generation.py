@@ -1,46 +1,53 @@
-"""Generation: one request end to end, over the cache actors and the compute actor.
+"""Generation: one request end to end, as one object over the cache client and the compute actor.
 
-:meth:`CacheRuntime.generate <mlxkv.runtime.CacheRuntime.generate>` returns a
+:meth:`CacheRuntime.generate <mlxkv.runtime.CacheRuntime.generate>` checks its
+arguments (once: :meth:`GenerationRequest.checked`) and returns a
 :class:`Generation`, an async iterator of :class:`GeneratedToken` records that
-ends with one :class:`GenerationReport`. Its flow:
+ends with one :class:`GenerationReport`. Its one :class:`Status` says where it
+is; each step moves it forward:
 
-1. prepare the prompt with the model's preparer, on the caller's side: a
-   text prompt is tokenized; images are looked up in the image cache by
-   digest (their cached features are all the model needs) or decoded and
+1. ``PREPARING`` -- prepare the prompt with the model's preparer, on the
+   caller's side: a text prompt is tokenized; images are keyed
+   (:func:`mlxkv.images.key_images`) and looked up in the image cache by
+   their key (their cached features are all the model needs) or decoded and
    processed on a worker thread;
-2. fetch the prompt, sharing what others compute: take every cached full
-   block of it; if the blocks right after them are being computed by another
-   request, wait for them to be published and take them too; claim the rest
-   (see :mod:`mlxkv.actors.prefix_index`);
-3. hand the compute actor the prompt and the leading reconstructable
-   payloads, stopping before the block that holds the last prompt token
-   (that token must be computed: its logits give the first token; a cached
-   block holding it is held, so it is not stored again, but recomputed). A
-   hybrid model's chain ends at the last block with a recurrent snapshot,
-   and every block it publishes has one. The compute actor rebuilds the
-   prefix, prefills the rest in chunks and decodes in its batch
-   (:mod:`mlxkv.actors.compute`);
-4. meanwhile a :class:`~mlxkv.storer.RequestStorer`, in a task of its own,
-   stores each chunk's new full blocks as soon as they are published (so
-   that requests waiting for them go on at once, however slowly this
-   request's consumer takes its tokens), the images' features if the
-   encoder ran, and the answer's blocks as the request finishes (so that
-   the next turn of a conversation, prompt + answer + new text, reuses
-   them); it drops the remaining claims once the prompt's blocks are out
-   (or a store fails), so that no one waits in vain;
-5. stream tokens through a per-request detokenizer; stop at an
-   end-of-sequence token or ``max_tokens``; the report follows once the
-   storer is done;
-6. on every exit -- normal, error, cancellation, or the consumer closing the
-   iterator early -- cancel the compute request, wait for the storer, and
-   release the request's blocks (which drops its claims: waiters take
-   over), shielded.
+2. ``FETCHED`` -- the request holds every cached full block of its prompt
+   (:meth:`CacheClient.fetch <mlxkv.client.CacheClient.fetch>` with ``wait``:
+   if the blocks right after them are being computed by another request, it
+   waits for them and takes them too, and claims the rest; see
+   :mod:`mlxkv.actors.prefix_index`);
+3. ``COMPUTING`` -- the compute actor has one frozen
+   :class:`~mlxkv.actors.request.RequestSpec`: the prompt and the leading
+   reconstructable payloads, stopping before the block that holds the last
+   prompt token (that token must be computed: its logits give the first
+   token; a cached block holding it is held, so it is not stored again, but
+   recomputed). A hybrid model's chain ends at the last block with a
+   recurrent snapshot, and every block it publishes has one. The compute
+   actor rebuilds the prefix, prefills the rest in chunks and decodes in its
+   batch (:mod:`mlxkv.actors.compute`). Meanwhile a
+   :class:`~mlxkv.storer.RequestStorer`, in a task of its own, stores each
+   chunk's new full blocks as soon as they are published (so that requests
+   waiting for them go on at once, however slowly this request's consumer
+   takes its tokens), the images' features if the encoder ran, and the
+   answer's blocks as the request finishes (so that the next turn of a
+   conversation, prompt + answer + new text, reuses them); it drops the
+   remaining claims once the prompt's blocks are out (or a store fails), so
+   that no one waits in vain. Tokens stream through a per-request
+   detokenizer until an end-of-sequence token or ``max_tokens``;
+4. ``FINISHED`` -- the storer is done and the request's blocks are released
+   before the report is handed out: after the report, the request holds
+   nothing. ``STOPPED`` -- it ended otherwise (an error, cancellation, or the
+   consumer closing the iterator early): the compute request is cancelled,
+   the storer awaited and the blocks released (which drops the claims:
+   waiters take over), shielded.
 
-Storing is best effort: a pool too small for the new blocks (``OutOfBlocks``)
-or KV that cannot be sliced exactly (a wrapped sliding window) only means the
-blocks are not cached; generation goes on. Both are counted in the runtime's
-statistics and reported as warnings, as is a cached prefix that could not be
-rebuilt (then the whole prompt is computed).
+Storing is best effort: a pool too small for the new blocks (the storer then
+keeps the leading blocks that fit, one store) or KV that cannot be sliced
+exactly (a wrapped sliding window) only means blocks are not cached;
+generation goes on. Both are counted in :class:`GenerationStatistics` and
+reported as warnings, as is a cached prefix that could not be rebuilt (then
+the whole prompt is computed). Only generations count there, on the event
+loop: :class:`GenerationCounters` has one writer, this module.
 
 Only the awaits on actors count as calls in flight (so ``async with`` exit
 waits for them); a generation parked at a ``yield`` does not keep the runtime
@@ -52,14 +59,17 @@ text model refuses images).
 
 from __future__ import annotations
 
+import enum
 import itertools
 import time
 from collections.abc import AsyncGenerator, Sequence
-from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
 import attrs
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from mlxkv.actors.actor import ActorFailed
 from mlxkv.actors.compute import (
@@ -73,18 +83,29 @@ from mlxkv.actors.compute import (
 )
 from mlxkv.actors.event_log import EventLog
 from mlxkv.actors.model_runner import ModelInfo, PreparedPrompt, PromptPreparer
+from mlxkv.actors.prefix_index import RequestId
 from mlxkv.actors.request import RequestSpec
 from mlxkv.actors.sampling import Sampling
 from mlxkv.cache import kv_state
+from mlxkv.cache.block_hash import ChainKeys
 from mlxkv.cache.errors import InvalidInput, counted
-from mlxkv.cache.token_ids import check_token_ids
-from mlxkv.images import KeyedImages, describe, key_images
+from mlxkv.cache.token_ids import TokenIds, check_token_ids
+from mlxkv.client import CacheClient, FetchResult
+from mlxkv.gate import Gate
+from mlxkv.images import KeyedImages, describe
 from mlxkv.storer import RequestStorer
 
-if TYPE_CHECKING:
-    from mlxkv.runtime import CacheRuntime
-
-__all__ = ["GeneratedToken", "Generation", "GenerationReport", "Record"]
+__all__ = [
+    "GeneratedToken",
+    "Generation",
+    "GenerationContext",
+    "GenerationCounters",
+    "GenerationReport",
+    "GenerationRequest",
+    "GenerationStatistics",
+    "Record",
+    "Status",
+]
 
 _ids = itertools.count()
 _LOG = EventLog(component="generation")
@@ -127,8 +148,8 @@ class GenerationReport:
         total_time: seconds from the start to the end of generation.
         stored_blocks: new blocks this request computed and stored.
         stored_bytes: bytes of KV those blocks hold.
-        prompt_logits: logits at the last prompt position (the first token
-            is sampled from them), an evaluated MLX array; for parity checks.
+        prompt_logits: logits at the last prompt position (the first token is
+            sampled from them), an evaluated MLX array; for parity checks.
         prompt_ids: the prompt's token ids as the model saw them (a text
             prompt tokenized, image pad tokens included): the next turn of
             a conversation is ``prompt_ids + tokens + new text``.
@@ -154,11 +175,174 @@ class GenerationReport:
 Record = Union[GeneratedToken, GenerationReport]
 
 
-@attrs.frozen
-class _PromptComputed:
-    """The prompt is computed (internal: the Generation takes it in, unyielded)."""
+@attrs.frozen(kw_only=True)
+class GenerationStatistics:
+    """What ``generate`` calls did.
 
-    num_cached: int
+    Attributes:
+        num_started: generations that began.
+        num_finished: generations that ended with their report.
+        num_stopped: generations that ended otherwise (cancelled, failed,
+            closed early by their consumer).
+        num_blocks_not_stored: computed blocks not cached because the pool
+            had no room (``OutOfBlocks``); each case is also a warning.
+        num_requests_not_stored: generations that stopped storing because
+            the pool had no room (one warning each).
+        num_cold_fallbacks: cached prefixes that could not be rebuilt, so
+            the whole prompt was computed; each is also a warning.
+        num_prompts_over_pool: prompts whose full blocks alone outnumber the
+            pool; each is also a warning.
+    """
+
+    num_started: int = 0
+    num_finished: int = 0
+    num_stopped: int = 0
+    num_blocks_not_stored: int = 0
+    num_requests_not_stored: int = 0
+    num_cold_fallbacks: int = 0
+    num_prompts_over_pool: int = 0
+
+
+@attrs.define(kw_only=True)
+class GenerationCounters:
+    """The running counts behind :class:`GenerationStatistics` (same fields).
+
+    One per runtime; written by :class:`Generation` only, on the event loop.
+    """
+
+    num_started: int = 0
+    num_finished: int = 0
+    num_stopped: int = 0
+    num_blocks_not_stored: int = 0
+    num_requests_not_stored: int = 0
+    num_cold_fallbacks: int = 0
+    num_prompts_over_pool: int = 0
+
+    def statistics(self) -> GenerationStatistics:
+        """A snapshot."""
+        return GenerationStatistics(**attrs.asdict(self))
+
+
+class Status(enum.Enum):
+    """Where a :class:`Generation` is; it only moves forward."""
+
+    #: Made; nothing was sent.
+    NEW = "new"
+    #: Keying images and preparing the prompt; holds nothing.
+    PREPARING = "preparing"
+    #: Holds the prompt's cached blocks (and claims what it will compute).
+    FETCHED = "fetched"
+    #: The compute actor computes it; its storer stores what is published.
+    COMPUTING = "computing"
+    #: The report was made; holds nothing.
+    FINISHED = "finished"
+    #: Ended otherwise (an error, cancellation, closed early); holds nothing.
+    STOPPED = "stopped"
+
+
+@attrs.frozen(kw_only=True)
+class GenerationRequest:
+    """A ``generate`` call's arguments, checked (:meth:`checked`: the only check).
+
+    Attributes:
+        request_id: the request (a fresh ``gen-N`` unless one was given).
+        prompt: text, or the token ids.
+        max_tokens: the most tokens to generate, >= 1.
+        sampling: how tokens are sampled.
+        images: the images, in order (a non-empty tuple), or None.
+        cache_salt: the tenant namespace, or None.
+    """
+
+    request_id: RequestId
+    prompt: Union[str, tuple[int, ...]]
+    max_tokens: int
+    sampling: Sampling
+    images: Optional[tuple[Any, ...]]
+    cache_salt: Optional[str]
+
+    @classmethod
+    def checked(
+        cls,
+        prompt: Union[str, Sequence[int]],
+        *,
+        max_tokens: int,
+        sampling: Sampling,
+        images: Optional[Sequence[Any]],
+        cache_salt: Optional[str],
+        request_id: Optional[str],
+        info: ModelInfo,
+    ) -> GenerationRequest:
+        """Check a ``generate`` call's arguments before anything is sent.
+
+        Raises:
+            InvalidInput: an empty or out-of-vocabulary prompt, ``max_tokens``
+                below 1, a token-id prompt that with ``max_tokens`` exceeds the
+                model's context, images for a model that does not take them, a
+                salt that is not a str, or a bad request id.
+        """
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise InvalidInput("max_tokens", max_tokens, "must be an int >= 1")
+        if request_id is None:
+            request_id = f"gen-{next(_ids)}"
+        elif not isinstance(request_id, str) or not request_id:
+            raise InvalidInput("request_id", request_id, "must be a non-empty str or None")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidInput("cache_salt", cache_salt, "must be a str or None")
+        if images is not None:
+            if isinstance(images, (str, bytes, bytearray, memoryview)) or not isinstance(images, Sequence):
+                raise InvalidInput("images", describe(images), "must be a list of images (put one image in a list)")
+            if images and not info.takes_images:
+                raise InvalidInput(
+                    "images", counted(len(images), "image"), "this model does not take images (load a vision-language model)"
+                )
+            images = tuple(images) or None
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidInput("prompt", prompt, "must not be empty")
+            checked: Union[str, tuple[int, ...]] = prompt
+        else:
+            # Converted once (a list, a tuple, a 1-D NumPy or MLX int array...).
+            checked = tuple(
+                check_token_ids(prompt, argument="prompt", vocab_size=info.vocab_size, allow_empty=False)
+            )
+            _check_context(prompt, len(checked), max_tokens, info)
+        return cls(
+            request_id=RequestId(request_id),
+            prompt=checked,
+            max_tokens=max_tokens,
+            sampling=sampling,
+            images=images,
+            cache_salt=cache_salt,
+        )
+
+
+@attrs.frozen(kw_only=True)
+class GenerationContext:
+    """What every generation of one runtime works with, fixed when it starts.
+
+    Attributes:
+        client: the cache client.
+        gate: the runtime's calls (in flight, refused once it stops).
+        compute: the compute actor.
+        model: what the loaded model is.
+        preparer: its prompt preparer (tokenizer, image processor).
+        block_size: tokens per block.
+        pool_blocks: usable blocks in the pool.
+        share_in_flight: wait for prefix blocks others compute.
+        trace: emit one ``generation.finished`` event per generation.
+        counters: the runtime's generation counts.
+    """
+
+    client: CacheClient
+    gate: Gate
+    compute: ComputeHandle
+    model: ModelInfo
+    preparer: PromptPreparer
+    block_size: int
+    pool_blocks: int
+    share_in_flight: bool
+    trace: bool
+    counters: GenerationCounters
 
 
 class Generation:
@@ -168,31 +352,54 @@ class Generation:
     stream: ...`` (or ``contextlib.aclosing``), so that leaving the loop
     early releases the request at once.
 
-    Owns: the request's async generator, and the report once it is made.
+    Owns: its run (:class:`_Run`: the checked request, the one
+    :attr:`status`, the storer while it computes, :attr:`cached_tokens` once
+    the prompt is computed, the report once it is made) and the async
+    generator that runs the steps. The run is an object of its own so that
+    the generator's frame does not hold the Generation: one dropped without
+    :meth:`aclose` is finalized at once (and releases its blocks), not at the
+    next garbage collection.
 
     Invariants:
-        - after :meth:`aclose`, or after the report was yielded, the request
-          holds no block and has no compute cache.
+        - :attr:`status` only moves forward; the request holds blocks only
+          while it is ``FETCHED`` or ``COMPUTING``;
+        - once the report is handed out (``FINISHED``), or after
+          :meth:`aclose` (``STOPPED``), the request holds no block and has no
+          compute cache;
+        - the runtime's counters count it once as started and once as
+          finished or stopped.
     """
 
-    def __init__(self, records: AsyncGenerator[Union[Record, _PromptComputed], None]) -> None:
-        self._records = records
-        self.report: Optional[GenerationReport] = None
-        #: Prompt tokens not computed (the report's ``cached_tokens``), known
-        #: from the first token on, so also for a generation closed early.
-        self.cached_tokens: Optional[int] = None
+    def __init__(self, request: GenerationRequest, context: GenerationContext) -> None:
+        self._run = _Run(request, context)
+        self._records = self._run.records()
+
+    @property
+    def request(self) -> GenerationRequest:
+        """The checked request."""
+        return self._run.request
+
+    @property
+    def status(self) -> Status:
+        """Where the generation is."""
+        return self._run.status
+
+    @property
+    def report(self) -> Optional[GenerationReport]:
+        """The report, once it is handed out."""
+        return self._run.report
+
+    @property
+    def cached_tokens(self) -> Optional[int]:
+        """Prompt tokens not computed (the report's ``cached_tokens``), known
+        from the first token on, so also for a generation closed early."""
+        return self._run.cached_tokens
 
     def __aiter__(self) -> Generation:
         return self
 
     async def __anext__(self) -> Record:
-        record = await self._records.__anext__()
-        if isinstance(record, _PromptComputed):
-            self.cached_tokens = record.num_cached
-            record = await self._records.__anext__()
-        if isinstance(record, GenerationReport):
-            self.report = record
-        return record
+        return await self._records.__anext__()
 
     async def aclose(self) -> None:
         """Stop generating and release everything the request holds (shielded)."""
@@ -205,280 +412,260 @@ class Generation:
         await self.aclose()
 
 
-@attrs.frozen(kw_only=True)
-class GenerationRequest:
-    """A validated ``generate`` call (internal)."""
+class _Run:
+    """A :class:`Generation`'s steps and its state (one status field).
 
-    request_id: str
-    prompt: Union[str, tuple[int, ...]]
-    max_tokens: int
-    sampling: Sampling
-    images: Optional[Sequence[Any]]
-    cache_salt: Optional[str]
-
-
-def make_request(
-    prompt: Union[str, Sequence[int]],
-    *,
-    max_tokens: int,
-    sampling: Sampling,
-    images: Optional[Sequence[Any]],
-    cache_salt: Optional[str],
-    request_id: Optional[str],
-    info: ModelInfo,
-) -> GenerationRequest:
-    """Check a ``generate`` call's arguments before anything is sent.
-
-    Raises:
-        InvalidInput: an empty or out-of-vocabulary prompt, ``max_tokens``
-            below 1, a token-id prompt that with ``max_tokens`` exceeds the
-            model's context, images for a model that does not take them, or
-            a bad request id.
+    Owns: the checked request, :attr:`status`, the storer (while it
+    computes), ``cached_tokens`` and the report.
     """
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise InvalidInput("max_tokens", max_tokens, "must be an int >= 1")
-    if request_id is None:
-        request_id = f"gen-{next(_ids)}"
-    elif not isinstance(request_id, str) or not request_id:
-        raise InvalidInput("request_id", request_id, "must be a non-empty str or None")
-    if images is not None:
-        if isinstance(images, (str, bytes, bytearray, memoryview)) or not isinstance(images, Sequence):
-            raise InvalidInput("images", describe(images), "must be a list of images (put one image in a list)")
-        if images and not info.takes_images:
-            raise InvalidInput(
-                "images", counted(len(images), "image"), "this model does not take images (load a vision-language model)"
-            )
-        images = tuple(images) or None
-    if isinstance(prompt, str):
-        if not prompt:
-            raise InvalidInput("prompt", prompt, "must not be empty")
-        checked: Union[str, tuple[int, ...]] = prompt
-    else:
-        # Converted once (a list, a tuple, a 1-D NumPy or MLX int array...).
-        checked = tuple(
-            check_token_ids(
-                prompt, argument="prompt", vocab_size=info.vocab_size, allow_empty=False
-            )
-        )
-        _check_context(prompt, len(checked), max_tokens, info)
-    return GenerationRequest(
-        request_id=request_id,
-        prompt=checked,
-        max_tokens=max_tokens,
-        sampling=sampling,
-        images=images,
-        cache_salt=cache_salt,
-    )
 
+    def __init__(self, request: GenerationRequest, context: GenerationContext) -> None:
+        self.request = request
+        self.status = Status.NEW
+        self.report: Optional[GenerationReport] = None
+        self.cached_tokens: Optional[int] = None
+        self._context = context
+        self._storer: Optional[RequestStorer] = None
 
-async def run_generation(
-    runtime: CacheRuntime, compute: ComputeHandle, info: ModelInfo, request: GenerationRequest
-) -> AsyncGenerator[Union[Record, _PromptComputed], None]:
-    """The body of a :class:`Generation` (see the module docstring for the flow)."""
-    started = time.perf_counter()
-    block_size = runtime.config.block_size
-    request_id = request.request_id
-    counts = runtime._generation_counts
-    log = _LOG.bind(request_id=request_id)
-    fetched = live = done = False
-    storer: Optional[RequestStorer] = None
-    prompt: tuple[int, ...] = ()
-    generated: list[int] = []
-    counts["started"] += 1
-    try:
-        with runtime._call():
-            preparer = runtime._preparer
-            assert preparer is not None, "a runtime with a model has its preparer"
-            images_key = None
-            if request.images:
-                keyed = await key_images(request.images, runtime._pixel_memo, for_model=True)
-                assert keyed is not None, "make_request keeps only a non-empty list"
-                images_key = keyed.digest
-                entry = await runtime._images.lookup(
-                    images_key, cache_salt=request.cache_salt, request_id=request_id
+    # -- the steps -----------------------------------------------------------------
+
+    async def records(self) -> AsyncGenerator[Record, None]:
+        """The steps, in order (see the module docstring)."""
+        context, request = self._context, self.request
+        started = time.perf_counter()
+        context.counters.num_started += 1
+        log = _LOG.bind(request_id=request.request_id)
+        generated: list[int] = []
+        try:
+            with context.gate.call():
+                self.status = Status.PREPARING
+                prepared, images_key = await self._prepare()
+                prompt = prepared.tokens
+                if not prompt:
+                    raise InvalidInput("prompt", request.prompt, "encodes to no tokens")
+                prompt_ids = check_token_ids(prompt)  # the prompt as the model sees it, once
+                if isinstance(request.prompt, str):
+                    _check_context(request.prompt, len(prompt), request.max_tokens, context.model)
+                self._check_pool(len(prompt), log)
+                detokenizer = context.preparer.new_detokenizer()
+                keys = ChainKeys.derive(
+                    cache_salt=request.cache_salt,
+                    images_key=images_key,
+                    images_start=prepared.image_start,
+                    block_size=context.block_size,
                 )
-                if entry is not None:
-                    # Seen before: their encoding (and grid) is all the model needs.
-                    prepared = preparer.prepare(request.prompt, encoded=entry.vision_embeddings)
-                    if keyed.num_decoded:
-                        await anyio.to_thread.run_sync(keyed.release)  # freeing pictures takes ms
-                else:
-                    # Decoding pixels and processing them run off the loop.
-                    prepared = await anyio.to_thread.run_sync(
-                        _prepare_with_pixels, preparer, request.prompt, keyed
-                    )
-            else:
-                prepared = preparer.prepare(request.prompt)
-            prompt = prepared.tokens
-            if not prompt:
-                raise InvalidInput("prompt", request.prompt, "encodes to no tokens")
-            prompt_ids = check_token_ids(prompt)  # once: every later check passes it through
-            if isinstance(request.prompt, str):
-                _check_context(request.prompt, len(prompt), request.max_tokens, info)
-            _check_pool(runtime, len(prompt), log)
-            detokenizer = preparer.new_detokenizer()
-            fetch = await runtime._fetch(
-                request_id,
-                prompt_ids,
-                images_key=images_key,
-                images_start=prepared.image_start,
-                cache_salt=request.cache_salt,
-                share=runtime.config.share_in_flight,
-            )
-            fetched = True
-            held = len(fetch.grants)
-            # The last prompt token is computed, whatever is cached: its
-            # logits give the first token.
-            usable = min(
-                kv_state.num_reconstructable_blocks(fetch.payloads), (len(prompt) - 1) // block_size
-            )
-            needed = events_needed(len(prompt), request.max_tokens, block_size, info.prefill_chunk)
-            events_in, events = anyio.create_memory_object_stream[Event](needed)
-            to_cache_in, to_cache = anyio.create_memory_object_stream[Event](needed)
-            starting = RequestStorer(
-                runtime,
-                request_id,
-                prompt_ids,
-                held=held,
-                images_key=images_key,
-                cache_salt=request.cache_salt,
-                num_image_tokens=prepared.num_image_tokens,
-                log=log,
-            )
-            runtime._start_task(starting.run, to_cache)
-            storer = starting
-            inputs = prepared.inputs
-            try:
-                # From here on the compute actor owns (and closes) ``events_in``
-                # and ``to_cache_in``.
-                spec = RequestSpec(
-                    request_id=request_id,
-                    prompt=prompt,
-                    prefix=fetch.payloads[:usable],
-                    sampling=request.sampling,
-                    max_tokens=request.max_tokens,
-                    block_size=block_size,
-                    held_blocks=held,
-                    namespace=(request.cache_salt, images_key),
-                    inputs=inputs,
+                fetch = await context.client.fetch(
+                    request.request_id, prompt_ids, keys, wait=context.share_in_flight
                 )
-                await compute.start(spec, events=events_in, to_cache=to_cache_in)
-            except BaseException:
-                events_in.close()
-                to_cache_in.close()
-                events.close()
-                raise
-            live = True
-        first_token_at = finished_at = time.perf_counter()
-        prefilled: Optional[Prefilled] = None
-        finish: Literal["stop", "length"] = "length"
-        with events:
-            while True:
-                with runtime._call():
-                    try:
-                        event = await events.receive()
-                    except anyio.EndOfStream:
-                        # The compute actor stopped (crashed, or the runtime
-                        # closed): ``_call`` says which, with the crash.
-                        raise compute.failed() from None
-                if isinstance(event, Prefilled):
-                    prefilled = event
-                    first_token_at = time.perf_counter()
-                    if event.cold_fallback:
-                        counts["cold_fallbacks"] += 1
-                    # For the Generation alone (it yields on at once).
-                    yield _PromptComputed(num_cached=event.num_cached)
-                elif isinstance(event, Token):
-                    for token in event.tokens:
-                        # Each token is a cancellation point, as if received alone.
-                        await anyio.lowlevel.checkpoint_if_cancelled()
-                        generated.append(token)
-                        detokenizer.add_token(token)
-                        if len(generated) >= request.max_tokens:
-                            detokenizer.finalize()
-                        yield GeneratedToken(
-                            index=len(generated) - 1, token=token, text=detokenizer.last_segment
-                        )
-                elif isinstance(event, Finished):
-                    finish = event.reason
-                    finished_at = time.perf_counter()
-                    break
-                else:
-                    assert isinstance(event, Failed), f"unexpected event {event!r}"
-                    raise event.error
-        await storer.done.wait()  # the compute actor ended its stream with Finished
-        if storer.error is not None:
-            raise storer.error
-        done = True
-        if finish == "stop":
-            detokenizer.finalize()
-        assert prefilled is not None, "a request finished without its prompt"
-        decode_time = finished_at - first_token_at
-        report = GenerationReport(
-            request_id=request_id,
-            prompt_tokens=len(prompt),
-            cached_tokens=prefilled.num_cached,
-            generated_tokens=len(generated),
-            finish_reason=finish,
-            tokens=tuple(generated),
-            text=detokenizer.text,
-            time_to_first_token=first_token_at - started,
-            decode_tokens_per_second=(
-                (len(generated) - 1) / decode_time if len(generated) > 1 and decode_time > 0 else 0.0
-            ),
-            total_time=finished_at - started,
-            stored_blocks=storer.stored_blocks,
-            stored_bytes=int(storer.stored_bytes),
-            prompt_logits=prefilled.logits,
-            prompt_ids=prompt,
-        )
-        counts["finished"] += 1
-        if runtime.config.trace:
-            log.info(
-                "generation.finished",
-                prompt_tokens=report.prompt_tokens,
-                cached_tokens=report.cached_tokens,
-                generated_tokens=report.generated_tokens,
+                self.status = Status.FETCHED
+                events = await self._start(prompt, prompt_ids, fetch, prepared, images_key, log)
+                self.status = Status.COMPUTING
+            first_token_at = finished_at = time.perf_counter()
+            prefilled: Optional[Prefilled] = None
+            finish: Literal["stop", "length"] = "length"
+            with events:
+                while True:
+                    with context.gate.call():
+                        try:
+                            event = await events.receive()
+                        except anyio.EndOfStream:
+                            # The compute actor stopped (crashed, or the runtime
+                            # closed): the gate says which, with the crash.
+                            raise context.compute.failed() from None
+                        if isinstance(event, Prefilled):
+                            prefilled = event
+                            self.cached_tokens = event.num_cached
+                            first_token_at = time.perf_counter()
+                            if event.cold_fallback:
+                                context.counters.num_cold_fallbacks += 1
+                            continue
+                    if isinstance(event, Token):
+                        for token in event.tokens:
+                            # Each token is a cancellation point, as if received alone.
+                            await anyio.lowlevel.checkpoint_if_cancelled()
+                            generated.append(token)
+                            detokenizer.add_token(token)
+                            if len(generated) >= request.max_tokens:
+                                detokenizer.finalize()
+                            yield GeneratedToken(
+                                index=len(generated) - 1, token=token, text=detokenizer.last_segment
+                            )
+                    elif isinstance(event, Finished):
+                        finish = event.reason
+                        finished_at = time.perf_counter()
+                        break
+                    else:
+                        assert isinstance(event, Failed), f"unexpected event {event!r}"
+                        raise event.error
+            storer = self._storer
+            assert storer is not None, "a computing request has its storer"
+            await storer.done.wait()  # the compute actor ended its stream with Finished
+            if storer.error is not None:
+                raise storer.error
+            if finish == "stop":
+                detokenizer.finalize()
+            assert prefilled is not None, "a request finished without its prompt"
+            decode_time = finished_at - first_token_at
+            report = GenerationReport(
+                request_id=request.request_id,
+                prompt_tokens=len(prompt),
+                cached_tokens=prefilled.num_cached,
+                generated_tokens=len(generated),
                 finish_reason=finish,
-                ttft_ms=round(report.time_to_first_token * 1e3, 3),
-                decode_tps=round(report.decode_tokens_per_second, 1),
+                tokens=tuple(generated),
+                text=detokenizer.text,
+                time_to_first_token=first_token_at - started,
+                decode_tokens_per_second=(
+                    (len(generated) - 1) / decode_time if len(generated) > 1 and decode_time > 0 else 0.0
+                ),
+                total_time=finished_at - started,
+                stored_blocks=storer.stored_blocks,
+                stored_bytes=int(storer.stored_bytes),
+                prompt_logits=prefilled.logits,
+                prompt_ids=tuple(prompt),
             )
-        yield report
-    except BaseException:
-        if not done:
-            counts["stopped"] += 1
-        raise
-    finally:
+            await self._end(Status.FINISHED)
+            self.report = report
+            if context.trace:
+                log.info(
+                    "generation.finished",
+                    prompt_tokens=report.prompt_tokens,
+                    cached_tokens=report.cached_tokens,
+                    generated_tokens=report.generated_tokens,
+                    finish_reason=finish,
+                    ttft_ms=round(report.time_to_first_token * 1e3, 3),
+                    decode_tps=round(report.decode_tokens_per_second, 1),
+                )
+            yield report
+        finally:
+            await self._end(Status.STOPPED)
+
+    async def _prepare(self) -> tuple[PreparedPrompt, Optional[str]]:
+        """The prompt as the model takes it, and its images' key (None without)."""
+        context, request = self._context, self.request
+        preparer = context.preparer
+        if not request.images:
+            return preparer.prepare(request.prompt), None
+        keyed = await context.client.key_images(request.images, for_model=True)
+        assert keyed is not None, "a checked request has a non-empty list of images"
+        entry = await context.client.lookup_images(
+            keyed.digest, cache_salt=request.cache_salt, request_id=request.request_id
+        )
+        if entry is not None:
+            # Seen before: their encoding (and grid) is all the model needs.
+            prepared = preparer.prepare(request.prompt, encoded=entry.vision_embeddings)
+            if keyed.num_decoded:
+                await anyio.to_thread.run_sync(keyed.release)  # freeing pictures takes ms
+        else:
+            # Decoding pixels and processing them run off the loop.
+            prepared = await anyio.to_thread.run_sync(
+                _prepare_with_pixels, preparer, request.prompt, keyed
+            )
+        return prepared, keyed.digest
+
+    async def _start(
+        self,
+        prompt: tuple[int, ...],
+        prompt_ids: TokenIds,
+        fetch: FetchResult,
+        prepared: PreparedPrompt,
+        images_key: Optional[str],
+        log: EventLog,
+    ) -> MemoryObjectReceiveStream[Event]:
+        """Start the storer, then hand the compute actor the request; its events."""
+        context, request = self._context, self.request
+        block_size = context.block_size
+        held = len(fetch.grants)
+        # The last prompt token is computed, whatever is cached: its logits
+        # give the first token.
+        usable = min(
+            kv_state.num_reconstructable_blocks(fetch.payloads), (len(prompt) - 1) // block_size
+        )
+        needed = events_needed(len(prompt), request.max_tokens, block_size, context.model.prefill_chunk)
+        events_in, events = anyio.create_memory_object_stream[Event](needed)
+        to_cache_in, to_cache = anyio.create_memory_object_stream[Event](needed)
+        storer = RequestStorer(
+            context.client,
+            context.gate,
+            request.request_id,
+            prompt_ids,
+            held=held,
+            block_size=block_size,
+            images_key=images_key,
+            cache_salt=request.cache_salt,
+            num_image_tokens=prepared.num_image_tokens,
+            log=log,
+        )
+        context.gate.start_soon(storer.run, to_cache)
+        self._storer = storer
+        try:
+            # From here on the compute actor owns (and closes) ``events_in``
+            # and ``to_cache_in``.
+            spec = RequestSpec(
+                request_id=request.request_id,
+                prompt=prompt,
+                prefix=fetch.payloads[:usable],
+                sampling=request.sampling,
+                max_tokens=request.max_tokens,
+                block_size=block_size,
+                held_blocks=held,
+                namespace=(request.cache_salt, images_key),
+                inputs=prepared.inputs,
+            )
+            await context.compute.start(spec, events=events_in, to_cache=to_cache_in)
+        except BaseException:
+            events_in.close()
+            to_cache_in.close()
+            events.close()
+            raise
+        return events
+
+    async def _end(self, status: Status) -> None:
+        """Leave the request holding nothing and count how it ended (shielded;
+        a second call does nothing): cancel its compute request if it still
+        computes, wait for its storer, release its blocks."""
+        reached = self.status
+        if reached is Status.FINISHED or reached is Status.STOPPED:
+            return
+        context = self._context
         with anyio.CancelScope(shield=True):
-            if live and not done:
+            if reached is Status.COMPUTING and status is Status.STOPPED:
                 try:
-                    await compute.cancel(request_id)
+                    await context.compute.cancel(self.request.request_id)
                 except ActorFailed:
                     pass  # the compute actor is gone, and every request with it
+            storer = self._storer
             if storer is not None:
                 # Its stream ends with the compute request (or the actor).
                 await storer.done.wait()
-            if fetched:
-                await runtime._abandon(request_id)
+                context.counters.num_blocks_not_stored += storer.num_not_stored
+                context.counters.num_requests_not_stored += storer.gave_up
+            if reached is Status.FETCHED or reached is Status.COMPUTING:
+                await context.client.abandon(self.request.request_id)
+        self.status = status
+        if status is Status.FINISHED:
+            context.counters.num_finished += 1
+        else:
+            context.counters.num_stopped += 1
+
+    def _check_pool(self, num_prompt: int, log: EventLog) -> None:
+        """Warn (once per request) when the prompt alone outgrows the block pool."""
+        context = self._context
+        blocks = num_prompt // context.block_size
+        if blocks > context.pool_blocks:
+            context.counters.num_prompts_over_pool += 1
+            log.warning(
+                "generation.prompt_exceeds_pool",
+                prompt_blocks=blocks,
+                pool_blocks=context.pool_blocks,
+                detail="the prompt cannot be cached whole; raise kv_memory or max_blocks",
+            )
 
 
 def _prepare_with_pixels(preparer: PromptPreparer, prompt: Any, images: KeyedImages) -> PreparedPrompt:
     """Runs on a worker thread: the images' pictures (decoding those keyed from
     memory) through the processor, then freed here."""
     return preparer.prepare(prompt, images.take_pictures())
-
-
-def _check_pool(runtime: CacheRuntime, num_prompt: int, log: EventLog) -> None:
-    """Warn (once per request) when the prompt alone outgrows the block pool."""
-    blocks = num_prompt // runtime.config.block_size
-    if blocks > runtime._num_blocks:
-        runtime._generation_counts["prompts_over_pool"] += 1
-        log.warning(
-            "generation.prompt_exceeds_pool",
-            prompt_blocks=blocks,
-            pool_blocks=runtime._num_blocks,
-            detail="the prompt cannot be cached whole; raise kv_memory or max_blocks",
-        )
 
 
 def _check_context(prompt: Any, num_prompt: int, max_tokens: int, info: ModelInfo) -> None:

@@ -1,45 +1,29 @@
-"""CacheRuntime: the public, async face of the cache, over three actors.
+"""CacheRuntime: the public, async face of the cache -- lifecycle, and a façade over its client.
 
 ``async with CacheRuntime(...) as rt:`` starts a :class:`PrefixIndexActor`,
 an :class:`ImageCacheActor` and a :class:`BlockAllocatorActor` in one task
 group. With ``model=`` it also starts a :class:`ComputeActor` that loads the model
 and serves :meth:`CacheRuntime.generate` (see :mod:`mlxkv.generation`).
-The runtime is the only place that talks to several actors in
-sequence; each of its calls follows one rule so that cancellation, at any
-await, leaves nothing behind:
 
-    Take (cancellable) -> hand over (shielded) -> done.
-
-*Taking* asks one actor for something (a table, block references). If the
-caller is cancelled while asking, the actor-ref machinery gives back whatever
-the reply granted (:meth:`ActorRef.ask`). *Handing over* moves references
-from the caller's hands into the request's table with one shielded
-:class:`Record`/:class:`Adopt`: it either succeeds (the table owns them) or
-raises (the caller still owns them and releases them, shielded). Releasing
-is always shielded. So at every await the owner of each reference is known.
+The runtime owns the lifecycle (the task group, the actors, the
+:class:`~mlxkv.gate.Gate` its calls pass through) and checks every public
+call's arguments once; the work is the :class:`~mlxkv.client.CacheClient`'s,
+the same client that generations use, which takes checked arguments only.
 """
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import os
 import sys
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import anyio
 import attrs
 from anyio.abc import TaskGroup, TaskStatus
 
-from mlxkv.actors.actor import Actor, ActorFailed, ActorRef, ActorStatistics, Intercept
-from mlxkv.actors.allocator import (
-    BlockAllocatorActor,
-    BlockAllocatorHandle,
-    BlockGrant,
-    BlockId,
-    Grants,
-)
+from mlxkv.actors.actor import Actor, ActorRef, ActorStatistics, Intercept
+from mlxkv.actors.allocator import BlockAllocatorActor, BlockAllocatorHandle
 from mlxkv.actors.compute import (
     DEFAULT_PREFILL_BATCH,
     DEFAULT_PREFILL_BUDGET,
@@ -48,29 +32,26 @@ from mlxkv.actors.compute import (
     ComputeHandle,
     ComputeStatistics,
 )
+from mlxkv.actors.image_cache import ImageCacheActor, ImageCacheHandle, ImageCacheStatistics
 from mlxkv.actors.model_runner import ModelInfo, PromptPreparer
-from mlxkv.actors.sampling import Sampling
 from mlxkv.actors.model_source import check_model_source
-from mlxkv.actors.image_cache import (
-    ImageCacheActor,
-    ImageCacheHandle,
-    ImageCacheStatistics,
-)
-from mlxkv.actors.prefix_index import (
-    PrefixIndexActor,
-    PrefixIndexHandle,
-    PrefixIndexStatistics,
-    RequestId,
-    TokenIds,
-)
+from mlxkv.actors.prefix_index import PrefixIndexActor, PrefixIndexHandle, PrefixIndexStatistics, RequestId
+from mlxkv.actors.sampling import Sampling
 from mlxkv.cache.block_hash import ChainKeys
 from mlxkv.cache.errors import InvalidInput, UnknownRequest
 from mlxkv.cache.pool import PoolStatistics
 from mlxkv.cache.token_ids import check_token_ids
+from mlxkv.client import CacheClient, FetchResult, StoreResult
 from mlxkv.errors import RuntimeClosed
-from mlxkv.images import PixelMemo, key_images
+from mlxkv.gate import Gate, Phase
+from mlxkv.generation import (
+    Generation,
+    GenerationContext,
+    GenerationCounters,
+    GenerationRequest,
+    GenerationStatistics,
+)
 from mlxkv.units import format_bytes, format_count, parse_bytes
-from mlxkv.generation import Generation, make_request, run_generation
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
@@ -203,53 +184,6 @@ class RuntimeConfig:
             raise InvalidInput("kv_memory", self.kv_memory, "sizes the pool from a model: pass model=PATH")
 
 
-@attrs.frozen(kw_only=True)
-class FetchResult:
-    """What a request holds after :meth:`CacheRuntime.fetch` (or ``fork``).
-
-    Attributes:
-        request_id: the request.
-        num_cached_tokens: tokens covered by the cached blocks it now holds.
-        grants: those blocks, in token order, with their payloads.
-        remaining: the request's tokens after the cached blocks: still to
-            compute (and then :meth:`CacheRuntime.store`).
-        vision_embeddings: cached vision-encoder output for the request's
-            images, or None.
-    """
-
-    request_id: RequestId
-    num_cached_tokens: int
-    # Payloads are arrays, whose == is elementwise: not part of equality.
-    grants: tuple[BlockGrant, ...] = attrs.field(eq=False)
-    remaining: tuple[int, ...] = attrs.field(repr=lambda tokens: f"<{len(tokens)} tokens>")
-    vision_embeddings: Any = attrs.field(default=None, eq=False, repr=False)
-
-    @property
-    def payloads(self) -> tuple[Any, ...]:
-        """The cached blocks' payloads, in token order."""
-        return tuple(grant.payload for grant in self.grants)
-
-    @property
-    def block_ids(self) -> tuple[BlockId, ...]:
-        """The cached blocks, in token order."""
-        return tuple(grant.block_id for grant in self.grants)
-
-
-@attrs.frozen(kw_only=True)
-class StoreResult:
-    """What :meth:`CacheRuntime.store` did.
-
-    Attributes:
-        num_blocks: blocks added to the request.
-        num_reused: of those, blocks found cached (the payload given for
-            them was dropped).
-        num_held_blocks: blocks the request holds now.
-    """
-
-    num_blocks: int
-    num_reused: int
-    num_held_blocks: int
-
 
 @attrs.frozen(kw_only=True)
 class KVMemoryStatistics:
@@ -270,33 +204,6 @@ class KVMemoryStatistics:
     referenced_bytes: int
     budget: Optional[int]
 
-
-@attrs.frozen(kw_only=True)
-class GenerationStatistics:
-    """What ``generate`` calls did.
-
-    Attributes:
-        num_started: generations that began.
-        num_finished: generations that ended with their report.
-        num_stopped: generations that ended otherwise (cancelled, failed,
-            closed early by their consumer).
-        num_blocks_not_stored: computed blocks not cached because the pool
-            had no room (``OutOfBlocks``); each case is also a warning.
-        num_requests_not_stored: generations that stopped storing because
-            the pool had no room (one warning each).
-        num_cold_fallbacks: cached prefixes that could not be rebuilt, so
-            the whole prompt was computed; each is also a warning.
-        num_prompts_over_pool: prompts whose full blocks alone outnumber the
-            pool; each is also a warning.
-    """
-
-    num_started: int
-    num_finished: int
-    num_stopped: int
-    num_blocks_not_stored: int
-    num_requests_not_stored: int
-    num_cold_fallbacks: int
-    num_prompts_over_pool: int
 
 
 @attrs.frozen(kw_only=True)
@@ -403,22 +310,18 @@ class RuntimeStatistics:
         return self.format()
 
 
-_NO_GRANTS = Grants()
-
-_NEW, _RUNNING, _CLOSING, _CLOSED, _FAILED = "not started", "running", "closing", "closed", "failed"
-
-
 class CacheRuntime:
-    """The KV-cache runtime: one task group of actors, and calls that orchestrate them.
+    """The KV-cache runtime: the lifecycle of its actors, and the calls that use them.
 
-    Owns: the task group, one handle (actor ref) per actor, the lifecycle
-    state, and the count of calls in flight. Cache state belongs to the
-    actors; the runtime holds references only between a take and its
-    hand-over (see the module docstring).
+    Owns: the task group, one handle (actor ref) per actor, the
+    :class:`~mlxkv.gate.Gate` (phase, calls in flight, the crash that failed
+    it), the :class:`~mlxkv.client.CacheClient` over the cache actors, the
+    generation counters, and what the loaded model is. Cache state belongs
+    to the actors.
 
     Invariants:
-        - a call starts only while running; ``num_in_flight`` counts calls
-          between their start and their end;
+        - a call starts only while running, and checks its arguments before
+          anything is sent;
         - when every call has ended, every block reference is owned by a
           request table (checked by :meth:`check_invariants`).
 
@@ -461,34 +364,29 @@ class CacheRuntime:
                 raise InvalidInput(name, value, "is not a RuntimeConfig field")
         self.config = attrs.evolve(config, **overrides) if overrides else config
         self._intercept = intercept
-        self._state = _NEW
-        self._failure: Optional[BaseException] = None
+        self._gate = Gate()
         self._task_group: Optional[TaskGroup] = None
         self._actors: tuple[Actor, ...] = ()
         self._stopped: tuple[anyio.Event, ...] = ()
-        self._drained: Optional[anyio.Event] = None
-        self._in_flight = 0
-        self._num_calls = 0
         self._compute: Optional[ComputeHandle] = None
         self._allocator: Optional[BlockAllocatorHandle] = None
         self._images: Optional[ImageCacheHandle] = None
         self._index: Optional[PrefixIndexHandle] = None
+        self._client: Optional[CacheClient] = None
         self._model_info: Optional[ModelInfo] = None
         self._preparer: Optional[PromptPreparer] = None
-        #: Usable blocks in the pool (the allocator's null block excluded).
-        self._num_blocks = self.config.max_blocks
+        self._generation: Optional[GenerationContext] = None
         #: Counted by generations (all on the event loop): see GenerationStatistics.
-        self._generation_counts: collections.Counter[str] = collections.Counter()
-        #: Pixel keys of the encoded images read, for every entry point (on the event loop).
-        self._pixel_memo = PixelMemo()
+        self._counters = GenerationCounters()
 
     # -- lifecycle --------------------------------------------------------
 
     async def __aenter__(self) -> CacheRuntime:
-        if self._state is _RUNNING or self._state is _CLOSING:
-            raise InvalidInput("runtime", self._state, "is already entered; enter it once")
-        if self._state is not _NEW:
-            raise RuntimeClosed(self._state)
+        phase = self._gate.phase
+        if phase is Phase.RUNNING or phase is Phase.CLOSING:
+            raise InvalidInput("runtime", phase.value, "is already entered; enter it once")
+        if phase is not Phase.NEW:
+            raise RuntimeClosed(phase.value)
         config = self.config
         # Checked before anything starts: a bad path is one typed error.
         source = None if config.model is None else check_model_source(config.model)
@@ -498,7 +396,6 @@ class CacheRuntime:
             trace_polls=config.trace_polls,
             intercept=self._intercept,
         )
-        self._drained = anyio.Event()
         task_group = self._task_group = anyio.create_task_group()
         await task_group.__aenter__()
         try:
@@ -517,9 +414,9 @@ class CacheRuntime:
                 self._compute = ComputeHandle(await self._start_actor(compute))
                 self._model_info = await self._compute.describe()
                 self._preparer = await self._compute.preparer()
-            self._num_blocks = _pool_size(config, self._model_info)
+            num_blocks = _pool_size(config, self._model_info)
             allocator = BlockAllocatorActor(
-                block_size=config.block_size, max_blocks=self._num_blocks + 1, **options
+                block_size=config.block_size, max_blocks=num_blocks + 1, **options
             )
             self._allocator = BlockAllocatorHandle(await self._start_actor(allocator))
             images = ImageCacheActor(
@@ -527,15 +424,32 @@ class CacheRuntime:
             )
             self._images = ImageCacheHandle(await self._start_actor(images))
             index = PrefixIndexActor(
-                block_size=config.block_size, max_hints=4 * self._num_blocks + 1024, **options
+                block_size=config.block_size, max_hints=4 * num_blocks + 1024, **options
             )
             self._index = PrefixIndexHandle(await self._start_actor(index))
         except BaseException as error:
             self._close_handles()
-            self._state = _CLOSED
+            self._gate.closed()
             await self._exit_task_group(type(error), error, error.__traceback__)
             raise
-        self._state = _RUNNING
+        self._client = CacheClient(
+            allocator=self._allocator, index=self._index, images=self._images, block_size=config.block_size
+        )
+        if self._compute is not None:
+            assert self._model_info is not None and self._preparer is not None, "a model was loaded"
+            self._generation = GenerationContext(
+                client=self._client,
+                gate=self._gate,
+                compute=self._compute,
+                model=self._model_info,
+                preparer=self._preparer,
+                block_size=config.block_size,
+                pool_blocks=num_blocks,
+                share_in_flight=config.share_in_flight,
+                trace=config.trace,
+                counters=self._counters,
+            )
+        self._gate.open(task_group)
         return self
 
     async def _start_actor(self, actor: Actor) -> ActorRef:
@@ -558,11 +472,10 @@ class CacheRuntime:
         return ref
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        if self._state is _RUNNING:
-            self._state = _CLOSING
+        gate = self._gate
+        gate.close()
         try:
-            if self._in_flight:
-                await self._drained.wait()  # type: ignore[union-attr]
+            await gate.wait_drained()
             self._close_handles()
             for stopped in self._stopped:
                 await stopped.wait()
@@ -570,8 +483,7 @@ class CacheRuntime:
             self._close_handles()
             if exc is None:
                 exc_type, exc, tb = type(error), error, error.__traceback__
-        if self._state is _CLOSING:
-            self._state = _CLOSED
+        gate.closed()
         return await self._exit_task_group(exc_type, exc, tb)
 
     async def _exit_task_group(self, exc_type: Any, exc: Any, tb: Any) -> bool:
@@ -593,15 +505,14 @@ class CacheRuntime:
         errors after a crash are consequences of the crash.
         """
         cancelled = anyio.get_cancelled_exc_class()
+        failed = self._gate.failure is not None
         leaves = []
         pending = [group]
         while pending:
             for error in pending.pop().exceptions:
                 if isinstance(error, BaseExceptionGroup):
                     pending.append(error)
-                elif not isinstance(error, cancelled) and not (
-                    self._failure is not None and isinstance(error, RuntimeClosed)
-                ):
+                elif not isinstance(error, cancelled) and not (failed and isinstance(error, RuntimeClosed)):
                     leaves.append(error)
         return leaves[0] if len(leaves) == 1 else None
 
@@ -611,9 +522,8 @@ class CacheRuntime:
         try:
             await actor.run(task_status=task_status)
         except BaseException as error:
-            if not isinstance(error, anyio.get_cancelled_exc_class()) and self._failure is None:
-                self._failure = error
-                self._state = _FAILED
+            if not isinstance(error, anyio.get_cancelled_exc_class()):
+                self._gate.fail(error)
             raise
         finally:
             stopped.set()
@@ -627,41 +537,21 @@ class CacheRuntime:
     @property
     def closed(self) -> bool:
         """Whether calls are refused (not started, closing, closed or failed)."""
-        return self._state is not _RUNNING
+        return not self._gate.running
 
-    @contextlib.contextmanager
-    def _call(self) -> Iterator[None]:
-        """Count a call in flight; refuse it unless running; report a stopped
-        actor as RuntimeClosed."""
-        if self._state is not _RUNNING:
-            raise self._closed_error()
-        self._in_flight += 1
-        self._num_calls += 1
-        try:
-            yield
-        except ActorFailed as error:
-            raise self._closed_error(error) from error
-        finally:
-            self._in_flight -= 1
-            if not self._in_flight and self._state is not _RUNNING:
-                self._drained.set()  # type: ignore[union-attr]
+    @property
+    def client(self) -> CacheClient:
+        """The cache client under the low-level API and ``generate``.
 
-    def _start_task(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
-        """Run ``fn(*args)`` in the runtime's task group (it must not raise:
-        an exception there would crash the runtime)."""
-        if self._state is not _RUNNING or self._task_group is None:
-            raise self._closed_error()
-        self._task_group.start_soon(fn, *args)
+        It takes checked arguments only and passes through no gate: use the
+        runtime's own methods; this is for tests and tools that look inside.
 
-    def _closed_error(self, stopped: Optional[ActorFailed] = None) -> RuntimeClosed:
-        """Why calls are refused; ``stopped``: the actor a call found stopped
-        (its crash counts before the task group has recorded it)."""
-        failure = self._failure
-        if failure is None and stopped is not None:
-            failure = stopped.cause
-        if failure is not None:
-            return RuntimeClosed(_FAILED, failure)
-        return RuntimeClosed(_CLOSED if self._state is _RUNNING else self._state)
+        Raises:
+            RuntimeClosed: the runtime was never started.
+        """
+        if self._client is None:
+            raise self._gate.closed_error()
+        return self._client
 
     # -- the low-level API --------------------------------------------------
 
@@ -705,82 +595,27 @@ class CacheRuntime:
             DuplicateRequest: ``request_id`` is active.
             RuntimeClosed: the runtime is not running.
         """
-        with self._call():
-            return await self._fetch(
-                request_id, tokens, images=images, images_start=images_start, cache_salt=cache_salt
-            )
-
-    async def _fetch(
-        self,
-        request_id: str,
-        tokens: Sequence[int],
-        *,
-        images: Optional[Sequence[Any]] = None,
-        images_key: Optional[str] = None,
-        images_start: Optional[int] = None,
-        cache_salt: Optional[str] = None,
-        share: bool = False,
-    ) -> FetchResult:
-        """:meth:`fetch`; with ``share``, also wait for prefix blocks that other
-        requests are computing right now, and claim the rest (generation's way:
-        see :mod:`mlxkv.actors.prefix_index`). ``images_key`` is the images'
-        digest when the caller has it (and has looked them up in the image
-        cache) already; ``images_start``, the index of the prompt's first
-        image token, when the caller knows it: the images then key the blocks
-        from the one that holds it on, and the blocks before are shared with
-        any request (with the images of the whole chain otherwise). The
-        caller counts the call."""
-        request_id = _request_id(request_id)
-        token_ids = check_token_ids(tokens)
-        salt = _salt(cache_salt)
-        if images_start is not None:
-            if isinstance(images_start, bool) or not isinstance(images_start, int):
-                raise InvalidInput("images_start", images_start, "must be an int or None")
-            if not 0 <= images_start < len(token_ids):
-                raise InvalidInput("images_start", images_start, f"must index the {len(token_ids)} tokens")
-            if images is None and images_key is None:
-                raise InvalidInput("images_start", images_start, "is given without images")
-        # A caller with the key has looked the images up itself.
-        look_up = images_key is None
-        if look_up:
-            keyed = await key_images(images, self._pixel_memo, for_model=False)
+        with self._gate.call():
+            client = self.client
+            request_id = _request_id(request_id)
+            token_ids = check_token_ids(tokens)
+            salt = _salt(cache_salt)
+            if images_start is not None:
+                if isinstance(images_start, bool) or not isinstance(images_start, int):
+                    raise InvalidInput("images_start", images_start, "must be an int or None")
+                if not 0 <= images_start < len(token_ids):
+                    raise InvalidInput("images_start", images_start, f"must index the {len(token_ids)} tokens")
+                if images is None:
+                    raise InvalidInput("images_start", images_start, "is given without images")
+            keyed = await client.key_images(images, for_model=False)
             images_key = None if keyed is None else keyed.digest
-        # The images key the whole chain, or, their first token known, the
-        # blocks from the one that holds it on.
-        keys = ChainKeys.derive(
-            cache_salt=salt,
-            images_key=images_key,
-            images_start=images_start,
-            block_size=self.config.block_size,
-        )
-        match = await self._index.begin(request_id, token_ids, keys, claim=share)
-        grants: list[BlockGrant] = []
-        try:
-            entry = None
-            if look_up and images_key is not None:
-                entry = await self._images.lookup(images_key, cache_salt=salt, request_id=request_id)
-            while True:
-                if match.num_hinted:
-                    # The whole chain, not just the hinted part: the allocator
-                    # decides, so a hint missing for a cached block costs nothing.
-                    acquired = await self._allocator.acquire(match.hashes, request_id=request_id)
-                    await self._hand_over(request_id, len(grants), acquired, hit=True)
-                    grants.extend(acquired.grants)
-                if match.wait is None:
-                    break
-                await match.wait.wait()
-                match = await self._index.rematch(request_id)
-        except BaseException:
-            await self._abandon(request_id)
-            raise
-        num_cached = len(grants) * self.config.block_size
-        return FetchResult(
-            request_id=request_id,
-            num_cached_tokens=num_cached,
-            grants=tuple(grants),
-            remaining=tuple(token_ids[num_cached:]),
-            vision_embeddings=None if entry is None else entry.vision_embeddings,
-        )
+            keys = ChainKeys.derive(
+                cache_salt=salt,
+                images_key=images_key,
+                images_start=images_start,
+                block_size=self.config.block_size,
+            )
+            return await client.fetch(request_id, token_ids, keys, images_key=images_key, cache_salt=salt)
 
     async def store(
         self, request_id: str, tokens: Sequence[int], payloads: Sequence[Any]
@@ -808,28 +643,12 @@ class CacheRuntime:
             OutOfBlocks: the new blocks do not fit; nothing changed.
             RuntimeClosed: the runtime is not running.
         """
-        with self._call():
+        with self._gate.call():
             request_id = _request_id(request_id)
             token_ids = check_token_ids(tokens)
             if not isinstance(payloads, (list, tuple)):
                 raise InvalidInput("payloads", payloads, "must be a list or tuple")
-            payloads = tuple(payloads)
-            extension = await self._index.extend(request_id, token_ids, len(payloads))
-            if not extension.hashes:
-                return StoreResult(num_blocks=0, num_reused=0, num_held_blocks=extension.start)
-            grants = await self._allocator.store_blocks(
-                extension.hashes, payloads, request_id=request_id
-            )
-            held = await self._hand_over(
-                request_id,
-                extension.start,
-                grants,
-                tail=extension.tail,
-                tail_hashes=extension.tail_hashes,
-            )
-            return StoreResult(
-                num_blocks=len(grants.grants), num_reused=grants.num_reused, num_held_blocks=held
-            )
+            return await self.client.store(request_id, token_ids, tuple(payloads))
 
     async def fork(self, source_id: str, request_id: str) -> FetchResult:
         """Start ``request_id`` holding the same blocks and tokens as ``source_id``.
@@ -850,29 +669,8 @@ class CacheRuntime:
             DuplicateRequest: ``request_id`` is active.
             RuntimeClosed: the runtime is not running.
         """
-        with self._call():
-            source_id = _request_id(source_id)
-            request_id = _request_id(request_id)
-            snapshot = await self._index.snapshot(source_id, request_id)
-            grants = _NO_GRANTS
-            if snapshot.block_ids:
-                grants = await self._allocator.retain(
-                    tuple(zip(snapshot.block_ids, snapshot.hashes)), request_id=request_id
-                )
-            try:
-                await self._index.adopt(request_id, snapshot, grants.grants)
-            except BaseException:
-                await self._allocator.release(
-                    grants.block_ids, reannounce=grants.evicted, request_id=request_id
-                )
-                raise
-            await self._index.forget(grants.evicted, request_id=request_id)
-            return FetchResult(
-                request_id=request_id,
-                num_cached_tokens=len(grants.grants) * self.config.block_size,
-                grants=grants.grants,
-                remaining=tuple(snapshot.tail),
-            )
+        with self._gate.call():
+            return await self.client.fork(_request_id(source_id), _request_id(request_id))
 
     async def release(self, request_id: str) -> int:
         """End a request: drop its table and every reference it holds.
@@ -891,13 +689,8 @@ class CacheRuntime:
             UnknownRequest: the request is not active.
             RuntimeClosed: the runtime is not running.
         """
-        with self._call():
-            request_id = _request_id(request_id)
-            with anyio.CancelScope(shield=True):
-                block_ids = await self._index.close_table(request_id)
-                if block_ids:
-                    await self._allocator.release(_tail_first(block_ids), request_id=request_id)
-            return len(block_ids)
+        with self._gate.call():
+            return await self.client.release(_request_id(request_id))
 
     async def evict(self, num_blocks: int) -> int:
         """Drop the cached content of up to ``num_blocks`` unreferenced blocks, LRU first.
@@ -912,10 +705,8 @@ class CacheRuntime:
             InvalidInput: ``num_blocks`` is not a non-negative int.
             RuntimeClosed: the runtime is not running.
         """
-        with self._call():
-            eviction = await self._allocator.evict(num_blocks)
-            await self._index.forget(eviction.evicted)
-            return eviction.num_evicted
+        with self._gate.call():
+            return await self.client.evict(num_blocks)
 
     async def store_images(
         self,
@@ -937,12 +728,13 @@ class CacheRuntime:
             InvalidInput: bad images, salt or count; nothing changed.
             RuntimeClosed: the runtime is not running.
         """
-        with self._call():
+        with self._gate.call():
+            client = self.client
             salt = _salt(cache_salt)
-            keyed = await key_images(images, self._pixel_memo, for_model=False)
+            keyed = await client.key_images(images, for_model=False)
             if keyed is None:
                 raise InvalidInput("images", images, "must name at least one image")
-            await self._images.store(
+            await client.store_images(
                 keyed.digest, vision_embeddings, num_image_tokens=num_image_tokens, cache_salt=salt
             )
 
@@ -952,23 +744,13 @@ class CacheRuntime:
         Raises:
             RuntimeClosed: the runtime is not running.
         """
-        with self._call():
-            allocator = await self._allocator.statistics()
-            index = await self._index.statistics()
-            images = await self._images.statistics()
+        gate = self._gate
+        with gate.call():
+            allocator, index, images = await self.client.statistics()
             compute = None if self._compute is None else await self._compute.statistics()
             memory = generation = None
             if self._model_info is not None:
-                counts = self._generation_counts
-                generation = GenerationStatistics(
-                    num_started=counts["started"],
-                    num_finished=counts["finished"],
-                    num_stopped=counts["stopped"],
-                    num_blocks_not_stored=counts["blocks_not_stored"],
-                    num_requests_not_stored=counts["requests_not_stored"],
-                    num_cold_fallbacks=counts["cold_fallbacks"],
-                    num_prompts_over_pool=counts["prompts_over_pool"],
-                )
+                generation = self._counters.statistics()
                 block_bytes = self._model_info.block_bytes(self.config.block_size)
                 memory = KVMemoryStatistics(
                     block_bytes=block_bytes,
@@ -982,8 +764,8 @@ class CacheRuntime:
                 index=index,
                 images=images,
                 actors=tuple(actor.statistics() for actor in self._actors),
-                num_calls=self._num_calls,
-                num_in_flight=self._in_flight - 1,
+                num_calls=gate.num_calls,
+                num_in_flight=gate.num_in_flight - 1,
                 compute=compute,
                 memory=memory,
                 generation=generation,
@@ -1004,16 +786,14 @@ class CacheRuntime:
             AssertionError: listing every violation found.
             RuntimeClosed: the runtime is not running.
         """
-        with self._call():
-            quiet = self._in_flight == 1
-            calls = self._num_calls
-            index = await self._index.check_invariants()
-            allocator = await self._allocator.check_invariants(index.holdings)
-            images = await self._images.check_invariants()
-            exact = quiet and self._num_calls == calls
-        violations = [*index.violations, *allocator.violations, *images]
+        gate = self._gate
+        with gate.call():
+            quiet = gate.num_in_flight == 1
+            calls = gate.num_calls
+            violations, mismatches = await self.client.check_invariants()
+            exact = quiet and gate.num_calls == calls
         if exact:
-            violations += allocator.reference_mismatches
+            violations += mismatches
         if violations:
             raise AssertionError("; ".join(violations))
         return exact
@@ -1041,7 +821,8 @@ class CacheRuntime:
         ends with a :class:`~mlxkv.generation.GenerationReport`. Generation
         stops at an end-of-sequence token or after ``max_tokens``. The
         prompt's full blocks (and the generated tokens' ones) are stored for
-        later requests; the request is released on every exit. Use::
+        later requests; the request is released on every exit, and before
+        the report is handed out. Use::
 
             async with rt.generate("Hello", max_tokens=32) as stream:
                 async for record in stream:
@@ -1072,32 +853,34 @@ class CacheRuntime:
             InvalidInput: the runtime has no model, or a bad argument (an
                 empty prompt, ``max_tokens`` < 1, a token out of the
                 vocabulary, bad sampling settings, images for a model that
-                does not take them); nothing was sent. An image that cannot
-                be read is refused the same way while iterating, before
-                anything is computed or cached, naming the image.
+                does not take them, a salt that is not a str); nothing was
+                sent. An image that cannot be read is refused the same way
+                while iterating, before anything is computed or cached,
+                naming the image.
             RuntimeClosed: the runtime is not running (also raised while
                 iterating, if it stops meanwhile).
             DuplicateRequest: ``request_id`` is active (while iterating).
             ComputeFailed: a model call of this request raised (while
                 iterating); other requests go on, this one holds nothing.
         """
-        if self._state is not _RUNNING:
-            raise self._closed_error()
-        if self._compute is None or self._model_info is None:
+        if not self._gate.running:
+            raise self._gate.closed_error()
+        context = self._generation
+        if context is None:
             raise InvalidInput("model", None, "the runtime has no model: pass model=PATH")
         sampling = Sampling(
             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed
         )
-        request = make_request(
+        request = GenerationRequest.checked(
             prompt,
             max_tokens=max_tokens,
             sampling=sampling,
             images=images,
             cache_salt=cache_salt,
             request_id=request_id,
-            info=self._model_info,
+            info=context.model,
         )
-        return Generation(run_generation(self, self._compute, self._model_info, request))
+        return Generation(request, context)
 
     async def tokenize(self, text: str) -> tuple[int, ...]:
         """The model's token ids for ``text`` (special tokens as its tokenizer
@@ -1109,7 +892,7 @@ class CacheRuntime:
             InvalidInput: the runtime has no model, or ``text`` is not a str.
             RuntimeClosed: the runtime is not running.
         """
-        with self._call():
+        with self._gate.call():
             if self._preparer is None:
                 raise InvalidInput("model", None, "the runtime has no model: pass model=PATH")
             if not isinstance(text, str):
@@ -1120,6 +903,12 @@ class CacheRuntime:
     def model_info(self) -> Optional[ModelInfo]:
         """What the loaded model is (vocabulary, end tokens, cache layers), or None."""
         return self._model_info
+
+    @property
+    def preparer(self) -> Optional[PromptPreparer]:
+        """The loaded model's prompt preparer, as ``generate`` uses it (text or
+        token ids plus images -> the token ids the model sees), or None."""
+        return self._preparer
 
     def request(
         self,
@@ -1141,45 +930,6 @@ class CacheRuntime:
         return RequestHandle(
             self, request_id, tokens, images=images, images_start=images_start, cache_salt=cache_salt
         )
-
-    # -- orchestration helpers -------------------------------------------------
-
-    async def _hand_over(
-        self,
-        request_id: RequestId,
-        start: int,
-        grants: Grants,
-        *,
-        tail: Optional[TokenIds] = None,
-        tail_hashes: tuple = (),
-        hit: bool = False,
-    ) -> int:
-        """Move ``grants`` into the request's table (shielded), or release them."""
-        try:
-            return await self._index.record(
-                request_id,
-                start,
-                grants.grants,
-                tail=tail,
-                tail_hashes=tail_hashes,
-                forget=grants.evicted,
-                hit=hit,
-            )
-        except BaseException:
-            await self._allocator.release(
-                grants.block_ids, reannounce=grants.evicted, request_id=request_id
-            )
-            raise
-
-    async def _abandon(self, request_id: RequestId) -> None:
-        """Close a request whose start failed, releasing what its table held (shielded)."""
-        with anyio.CancelScope(shield=True):
-            try:
-                block_ids = await self._index.close_table(request_id)
-                if block_ids:
-                    await self._allocator.release(_tail_first(block_ids), request_id=request_id)
-            except (UnknownRequest, ActorFailed):
-                pass  # gone already, or the runtime is going down with it
 
 
 class RequestHandle:
@@ -1259,17 +1009,6 @@ def _pool_size(config: RuntimeConfig, info: Optional[ModelInfo]) -> int:
     return blocks
 
 
-def _tail_first(block_ids: tuple[BlockId, ...]) -> tuple[BlockId, ...]:
-    """A table's blocks in the order they should become evictable: tail first.
-
-    The free queue evicts the block released longest ago. Releasing a chain
-    head first would evict its head first and strand every later block (a
-    hit needs the whole chain before it); tail first keeps the longest
-    reusable prefix, as vLLM does.
-    """
-    return block_ids[::-1]
-
-
 # -- validation (before anything is sent) ---------------------------------------
 
 
@@ -1283,4 +1022,3 @@ def _salt(value: Any) -> Optional[str]:
     if value is not None and not isinstance(value, str):
         raise InvalidInput("cache_salt", value, "must be a str or None")
     return value
-

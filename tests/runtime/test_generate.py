@@ -19,7 +19,7 @@ import pytest
 
 from mlxkv import CacheRuntime, DuplicateRequest, InvalidInput, ModelLoadError, RuntimeClosed
 from mlxkv.default_model import TINY_HYBRID, TINY_LLAMA, TINY_SLIDING_LLAMA, ensure_model
-from mlxkv.generation import GeneratedToken
+from mlxkv.generation import GeneratedToken, GenerationReport, Status
 
 from parity import BS, assert_clean, assert_matches_cold, run
 
@@ -275,6 +275,62 @@ class TestCleanup:
                     break
             await assert_clean(rt)
 
+    async def test_the_report_comes_after_the_release(self, llama):
+        """When the report is handed out the generation is FINISHED and holds nothing,
+        before the iterator is asked for more."""
+        async with CacheRuntime(model=llama, block_size=BS) as rt:
+            stream = rt.generate(SYSTEM, max_tokens=3)
+            assert stream.status is Status.NEW
+            statuses = []
+            async with stream:
+                async for record in stream:
+                    statuses.append(stream.status)
+                    if isinstance(record, GenerationReport):
+                        assert stream.status is Status.FINISHED and stream.report is record
+                        await assert_clean(rt)
+            assert statuses[:-1] == [Status.COMPUTING] * 3 and statuses[-1] is Status.FINISHED
+            stats = await rt.stats()
+        assert stats.generation is not None
+        assert (stats.generation.num_started, stats.generation.num_finished, stats.generation.num_stopped) == (1, 1, 0)
+
+    async def test_a_generation_closed_early_is_stopped_once(self, llama):
+        """Closing the iterator early leaves it STOPPED and counted once, however
+        often it is closed."""
+        async with CacheRuntime(model=llama, block_size=BS) as rt:
+            stream = rt.generate(SYSTEM, max_tokens=20)
+            await stream.__anext__()
+            assert stream.status is Status.COMPUTING
+            await stream.aclose()
+            await stream.aclose()
+            assert stream.status is Status.STOPPED and stream.report is None
+            await assert_clean(rt)
+            stats = await rt.stats()
+        assert stats.generation is not None
+        assert (stats.generation.num_started, stats.generation.num_stopped) == (1, 1)
+
+    # trio finalizes the dropped generator at once too, and warns that it was not closed.
+    @pytest.mark.filterwarnings("ignore::ResourceWarning", "ignore::pytest.PytestUnraisableExceptionWarning")
+    async def test_a_generation_dropped_unclosed_releases_at_once(self, llama):
+        """A generation dropped mid-stream without aclose is finalized when its last
+        reference goes (no reference cycle waits for the collector) and holds nothing."""
+        import gc
+        import weakref
+
+        async with CacheRuntime(model=llama, block_size=BS) as rt:
+            gc.disable()
+            try:
+                stream = rt.generate(SYSTEM, max_tokens=20)
+                await stream.__anext__()
+                dropped = weakref.ref(stream)
+                del stream
+                assert dropped() is None
+                with anyio.fail_after(10):
+                    while (await rt.stats()).allocator.num_referenced:
+                        await anyio.sleep(0.01)
+            finally:
+                gc.enable()
+            await assert_clean(rt)
+
     async def test_runtime_closed_before_and_after(self, llama):
         """generate on a runtime that is not running raises RuntimeClosed."""
         rt = CacheRuntime(model=llama, block_size=BS)
@@ -475,6 +531,27 @@ class TestFailuresAreHeard:
         # Each request's prompt and answer blocks beyond the 7.
         assert stats.generation is not None
         assert stats.generation.num_blocks_not_stored == 2 * ((300 + 4) // BS - 7)
+
+    async def test_a_chunk_that_does_not_fit_is_one_store(self, llama):
+        """The storer keeps the leading blocks that fit with a single store of the
+        chunk (the pool's leading store), not a second all-or-nothing one."""
+        from mlxkv.actors.actor import Message
+        from mlxkv.actors.allocator import StoreBlocks
+
+        stores: list[StoreBlocks] = []
+
+        def intercept(actor: str, message: Message) -> None:
+            if isinstance(message, StoreBlocks):
+                stores.append(message)
+
+        prompt = _tokens(300, salt=9)
+        async with CacheRuntime(
+            model=llama, block_size=BS, max_blocks=7, keep_last_cache=False, intercept=intercept
+        ) as rt:
+            _, report = await run(rt, prompt, max_tokens=2)
+            await assert_clean(rt)
+        assert report.stored_blocks == 7
+        assert len(stores) == 1 and stores[0].leading and len(stores[0].hashes) > 7
 
     async def test_a_store_that_fails_unexpectedly_fails_the_generation(self, llama):
         """The storer's failure (not a full pool) reaches the generation that owns

@@ -405,5 +405,5 @@ class TestEntryPoints:
                 async with rt.request(f"r{k}", PROMPT, images=[FORMS[form](picture)]) as request:
                     assert request.result.vision_embeddings is not None, form
                     assert request.result.num_cached_tokens == 48, form
-            assert rt._pixel_memo.num_hits > 0
+            assert rt.client.pixel_memo.num_hits > 0
             assert await rt.check_invariants()

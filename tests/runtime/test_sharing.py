@@ -163,7 +163,7 @@ class TestSlowConsumer:
                     # The second request arrives while the first computes its one
                     # chunk (asking the index alone: the compute actor answers
                     # statistics only between jobs).
-                    while (await rt._index.statistics()).num_in_flight == 0:
+                    while (await rt.client.index_statistics()).num_in_flight == 0:
                         await anyio.sleep(0)
                     _, report = await run(rt, second, max_tokens=4)
                     assert stalled.is_set()

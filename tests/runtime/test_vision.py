@@ -331,8 +331,8 @@ class TestImageBudget:
 async def _prompt_tokens(rt: CacheRuntime, text: str, images: list[str]) -> list[int]:
     """The token ids generate made of ``text`` and ``images`` (image pads included)."""
     loaded = [Image.open(path).convert("RGB") for path in images]
-    assert rt._preparer is not None
-    return list(rt._preparer.prepare(text, loaded).tokens)
+    assert rt.preparer is not None
+    return list(rt.preparer.prepare(text, loaded).tokens)
 
 
 def _png_bytes(width: int = 64, height: int = 64) -> bytes:
