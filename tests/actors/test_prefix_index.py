@@ -171,6 +171,22 @@ class TestExtend:
             rest = await handle.extend("r1", TOKENS, 2)
         assert rest.hashes == match.hashes[2:]
 
+    async def test_a_partial_store_keeps_the_blocks_not_stored_as_tail(self, index, running):
+        """After storing only the first new blocks, the others are tail with their
+        hashes: the next store plans exactly them, hashing nothing again."""
+        longer = TOKENS + tuple(range(100, 100 + BS))
+        async with running(index) as ref:
+            handle = Handle(ref)
+            await handle.begin("r1", TOKENS)
+            plan = await handle.extend("r1", longer, 5)
+            tail, tail_hashes = plan.after(2, array("I", longer), BS)
+            assert tuple(tail) == longer[2 * BS :] and tail_hashes == plan.hashes[2:]
+            await handle.record("r1", 0, grants(plan.hashes[:2]), tail=tail, tail_hashes=tail_hashes)
+            rest = await handle.extend("r1", longer, 3)
+            assert (await handle.check_invariants()).violations == ()
+        assert rest.start == 2 and rest.hashes == plan.hashes[2:]
+        assert plan.after(5, array("I", longer), BS) == (plan.tail, plan.tail_hashes)
+
 
 class TestTables:
     async def test_a_fork_extends_under_the_late_keys(self, index, running):
