@@ -37,6 +37,7 @@ from mlxkv.cache.tiers.block_format import (
     encode_block,
 )
 from mlxkv.cache.tiers.cache_dir import default_fingerprint_memo, default_kv_dir
+from mlxkv.cache.tiers.disk_tier import DiskTier
 from mlxkv.cache.tiers.errors import CorruptValue, MissingExtra
 from mlxkv.cache.tiers.fingerprint import model_fingerprint
 from mlxkv.cache.tiers.kv_layout import KVLayout
@@ -46,17 +47,26 @@ from mlxkv.cache.tiers.namespace import (
     namespace_for_model,
     namespace_from_fields,
 )
+from mlxkv.cache.tiers.redis_tier import RedisTier
 from mlxkv.cache.tiers.storage_key import StorageKey, storage_key, storage_keys
+from mlxkv.cache.tiers.tier import Tier, TierRemoval, TierStatistics
+from mlxkv.cache.tiers.tier_health import TierHealth
 
 __all__ = [
     "FORMAT_VERSION",
     "SCHEMA_VERSION",
     "CheckedValue",
     "CorruptValue",
+    "DiskTier",
     "KVLayout",
     "MissingExtra",
     "Namespace",
+    "RedisTier",
     "StorageKey",
+    "Tier",
+    "TierHealth",
+    "TierRemoval",
+    "TierStatistics",
     "check_value",
     "decode_block",
     "decode_payload",
