@@ -40,6 +40,14 @@ from mlxkv.cache.tiers.cache_dir import default_fingerprint_memo, default_kv_dir
 from mlxkv.cache.tiers.disk_tier import DiskTier
 from mlxkv.cache.tiers.errors import CorruptValue, MissingExtra
 from mlxkv.cache.tiers.fingerprint import model_fingerprint
+from mlxkv.cache.tiers.kv_events import (
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventHub,
+    KVEventStatistics,
+    KVEventSubscription,
+)
 from mlxkv.cache.tiers.kv_layout import KVLayout
 from mlxkv.cache.tiers.namespace import (
     SCHEMA_VERSION,
@@ -51,21 +59,40 @@ from mlxkv.cache.tiers.redis_tier import RedisTier
 from mlxkv.cache.tiers.storage_key import StorageKey, storage_key, storage_keys
 from mlxkv.cache.tiers.tier import Tier, TierRemoval, TierStatistics
 from mlxkv.cache.tiers.tier_health import TierHealth
+from mlxkv.cache.tiers.tier_stack import TierStack, TierStackStatistics
+from mlxkv.cache.tiers.tier_url import (
+    DiskTierSpec,
+    RedisTierSpec,
+    TierSpec,
+    open_tier,
+    parse_tier_url,
+)
 
 __all__ = [
     "FORMAT_VERSION",
     "SCHEMA_VERSION",
+    "BlockRemoved",
+    "BlockStored",
     "CheckedValue",
     "CorruptValue",
     "DiskTier",
+    "DiskTierSpec",
+    "KVEvent",
+    "KVEventHub",
+    "KVEventStatistics",
+    "KVEventSubscription",
     "KVLayout",
     "MissingExtra",
     "Namespace",
     "RedisTier",
+    "RedisTierSpec",
     "StorageKey",
     "Tier",
     "TierHealth",
     "TierRemoval",
+    "TierSpec",
+    "TierStack",
+    "TierStackStatistics",
     "TierStatistics",
     "check_value",
     "decode_block",
@@ -76,6 +103,8 @@ __all__ = [
     "model_fingerprint",
     "namespace_for_model",
     "namespace_from_fields",
+    "open_tier",
+    "parse_tier_url",
     "storage_key",
     "storage_keys",
 ]
