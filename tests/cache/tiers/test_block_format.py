@@ -1,0 +1,247 @@
+"""The stored form of a block: exact round trips, and nothing that does not verify decodes."""
+
+from __future__ import annotations
+
+import struct
+import threading
+
+import attrs
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tier_blocks import assert_same_payload, kv_blocks, mixed_blocks, namespace_of
+
+from mlxkv.cache.errors import InvalidInput
+from mlxkv.cache.kv_state import (
+    ArraysLayer,
+    BlockPayload,
+    KVLayer,
+    QuantizedLayer,
+    RotatingLayer,
+    reconstruct,
+    slice_blocks,
+)
+from mlxkv.cache.tiers import (
+    CorruptValue,
+    check_value,
+    decode_block,
+    encode_block,
+    storage_key,
+)
+
+DTYPES = [
+    mx.float32,
+    mx.float16,
+    mx.bfloat16,
+    mx.uint32,
+    mx.uint8,
+    mx.int8,
+    mx.int32,
+    mx.bool_,
+    mx.complex64,
+    mx.float64,
+]
+
+
+def _random_array(draw: st.DrawFn, dtype: mx.Dtype, shape: tuple[int, ...]) -> mx.array:
+    size = int(np.prod(shape, dtype=np.int64)) * dtype.size
+    seed = draw(st.integers(0, 2**32 - 1))
+    raw = np.random.default_rng(seed).bytes(size)
+    array = mx.array(np.frombuffer(raw, dtype=np.uint8)).view(dtype).reshape(shape)
+    mx.eval(array)
+    return array
+
+
+@st.composite
+def payloads(draw: st.DrawFn) -> BlockPayload:
+    """A full block of a random layout: plain, sliding-window, quantized and
+    recurrent layers, any payload dtype, recurrent snapshots with None entries
+    or no snapshot at all."""
+    block_size = draw(st.integers(1, 5))
+    layers, arrays, signature = [], [], []
+    for _ in range(draw(st.integers(1, 4))):
+        kind = draw(st.sampled_from(["kv", "rotating", "quantized", "arrays"]))
+        if kind == "arrays":
+            size = draw(st.integers(1, 3))
+            entries = []
+            for _ in range(size):
+                if draw(st.booleans()):
+                    entries.append(None)
+                    continue
+                shape = tuple(draw(st.lists(st.integers(0, 3), max_size=3)))
+                entries.append(_random_array(draw, draw(st.sampled_from(DTYPES)), shape))
+            layers.append(ArraysLayer(size=size))
+            signature.append(tuple(None if a is None else (str(a.dtype), a.shape) for a in entries))
+            arrays.append(tuple(entries) if draw(st.booleans()) else None)
+            continue
+        count = 6 if kind == "quantized" else 2
+        group = []
+        for _ in range(count):
+            shape = (1, draw(st.integers(1, 2)), block_size, draw(st.integers(1, 3)))
+            group.append(_random_array(draw, draw(st.sampled_from(DTYPES)), shape))
+        if kind == "kv":
+            layers.append(KVLayer())
+        elif kind == "rotating":
+            layers.append(RotatingLayer(max_size=draw(st.integers(8, 64)), keep=draw(st.integers(0, 4))))
+        else:
+            layers.append(QuantizedLayer(group_size=draw(st.sampled_from([32, 64])), bits=draw(st.sampled_from([4, 8]))))
+        signature.append(tuple((str(a.dtype), a.shape[:2], a.shape[3:]) for a in group))
+        arrays.append(tuple(group))
+    return BlockPayload(
+        layers=tuple(layers),
+        start=block_size * draw(st.integers(0, 3)),
+        num_tokens=block_size,
+        arrays=tuple(arrays),
+        signature=tuple(signature),
+    )
+
+
+PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+class TestRoundTrip:
+    @PROPERTY
+    @given(payload=payloads())
+    def test_random_layouts_round_trip_exactly(self, payload):
+        """Any layout's block decodes to the same layers, position and array bytes."""
+        namespace = namespace_of(payload)
+        key = storage_key(namespace, b"chain")
+        decoded = decode_block(encode_block(payload, key=key, namespace=namespace), key=key, namespace=namespace)
+        assert_same_payload(decoded, payload)
+
+    def test_mixed_model_blocks_round_trip_and_rebuild(self):
+        """bfloat16, 4-bit quantized and recurrent blocks cut by slice_blocks decode
+        to payloads that reconstruct the same cache."""
+        blocks = mixed_blocks(2)
+        namespace = namespace_of(blocks[0])
+        decoded = []
+        for i, block in enumerate(blocks):
+            key = storage_key(namespace, bytes([i]))
+            decoded.append(decode_block(encode_block(block, key=key, namespace=namespace), key=key, namespace=namespace))
+            assert_same_payload(decoded[-1], block)
+        assert decoded[0].arrays[2] is None and decoded[1].arrays[2][1] is None
+        rebuilt, original = reconstruct(decoded), reconstruct(blocks)
+        assert mx.array_equal(rebuilt[0].keys[..., :8, :], original[0].keys[..., :8, :]).item()
+        assert mx.array_equal(rebuilt[1].keys[0][..., :8, :], original[1].keys[0][..., :8, :]).item()
+
+    def test_decoded_arrays_own_their_memory(self):
+        """Each decoded array is exactly its own size (no view of the value's buffer)."""
+        (block,) = kv_blocks(1)
+        namespace = namespace_of(block)
+        key = storage_key(namespace, b"k")
+        decoded = decode_block(encode_block(block, key=key, namespace=namespace), key=key, namespace=namespace)
+        assert decoded.nbytes == block.nbytes
+
+    def test_decoded_on_another_thread_usable_here(self):
+        """A block decoded on a worker thread is evaluated: this thread can compute with it."""
+        (block,) = kv_blocks(1, dtype=mx.bfloat16)
+        namespace = namespace_of(block)
+        key = storage_key(namespace, b"k")
+        value = encode_block(block, key=key, namespace=namespace)
+        result = []
+        worker = threading.Thread(target=lambda: result.append(decode_block(value, key=key, namespace=namespace)))
+        worker.start()
+        worker.join()
+        assert mx.array_equal(result[0].arrays[0][0] * 2, block.arrays[0][0] * 2).item()
+
+
+class TestDetection:
+    @PROPERTY
+    @given(payload=payloads(), data=st.data())
+    def test_any_flipped_bit_is_detected(self, payload, data):
+        """Flipping any one bit anywhere in a value makes it corrupt."""
+        namespace = namespace_of(payload)
+        key = storage_key(namespace, b"chain")
+        value = bytearray(encode_block(payload, key=key, namespace=namespace))
+        position = data.draw(st.integers(0, len(value) - 1))
+        value[position] ^= 1 << data.draw(st.integers(0, 7))
+        with pytest.raises(CorruptValue):
+            check_value(bytes(value), key=key, namespace=namespace)
+
+    @PROPERTY
+    @given(payload=payloads(), data=st.data())
+    def test_any_truncation_or_extension_is_detected(self, payload, data):
+        """A value cut short anywhere, or with bytes appended, is corrupt."""
+        namespace = namespace_of(payload)
+        key = storage_key(namespace, b"chain")
+        value = encode_block(payload, key=key, namespace=namespace)
+        with pytest.raises(CorruptValue):
+            check_value(value[: data.draw(st.integers(0, len(value) - 1))], key=key, namespace=namespace)
+        with pytest.raises(CorruptValue):
+            check_value(value + data.draw(st.binary(min_size=1, max_size=8)), key=key, namespace=namespace)
+
+    @pytest.mark.parametrize(
+        "other",
+        [
+            pytest.param(lambda block: namespace_of(block, model="sha256:model-b"), id="other-model"),
+            pytest.param(lambda block: namespace_of(block, extra="adapter-x"), id="other-extra"),
+            pytest.param(lambda block: namespace_of(kv_blocks(1, block_size=8)[0]), id="other-block-size"),
+            pytest.param(lambda block: namespace_of(kv_blocks(1, dtype=mx.float32)[0]), id="other-dtype"),
+            pytest.param(lambda block: namespace_of(kv_blocks(1, heads=2)[0]), id="other-kv-heads"),
+        ],
+    )
+    def test_another_namespace_never_decodes(self, other):
+        """A value read as if it belonged to another namespace is corrupt, even
+        under the key it was written with."""
+        (block,) = kv_blocks(1)
+        namespace = namespace_of(block)
+        key = storage_key(namespace, b"chain")
+        value = encode_block(block, key=key, namespace=namespace)
+        with pytest.raises(CorruptValue, match="another namespace"):
+            check_value(value, key=key, namespace=other(block))
+
+    def test_value_under_another_key_is_corrupt(self):
+        """A value copied under another block's key does not decode there."""
+        (block,) = kv_blocks(1)
+        namespace = namespace_of(block)
+        value = encode_block(block, key=storage_key(namespace, b"a"), namespace=namespace)
+        with pytest.raises(CorruptValue, match="another key"):
+            check_value(value, key=storage_key(namespace, b"b"), namespace=namespace)
+
+    def test_other_format_version_is_corrupt(self):
+        """A value of another format version is corrupt (a miss, not a misread)."""
+        (block,) = kv_blocks(1)
+        namespace = namespace_of(block)
+        key = storage_key(namespace, b"a")
+        value = bytearray(encode_block(block, key=key, namespace=namespace))
+        struct.pack_into("<H", value, 6, 2)
+        with pytest.raises(CorruptValue, match="format version 2"):
+            check_value(bytes(value), key=key, namespace=namespace)
+
+    def test_empty_and_foreign_values_are_corrupt(self):
+        """Empty bytes and bytes that are no block value at all are corrupt."""
+        (block,) = kv_blocks(1)
+        namespace = namespace_of(block)
+        key = storage_key(namespace, b"a")
+        for value in (b"", b"hello", b"x" * 100):
+            with pytest.raises(CorruptValue):
+                check_value(value, key=key, namespace=namespace)
+
+
+class TestEncodeRefuses:
+    def test_a_partial_block(self):
+        """Only full blocks are stored: a trailing partial block is refused."""
+        import mlx_lm.models.cache as mlc
+
+        cache = mlc.KVCache()
+        cache.update_and_fetch(mx.zeros((1, 1, 6, 8)), mx.zeros((1, 1, 6, 8)))
+        full, partial = slice_blocks([cache], 4)
+        namespace = namespace_of(full)
+        with pytest.raises(InvalidInput, match="2 tokens"):
+            encode_block(partial, key=storage_key(namespace, b"a"), namespace=namespace)
+
+    def test_a_block_off_the_boundaries(self):
+        """A block whose start is not a multiple of the block size is refused."""
+        (block,) = kv_blocks(1)
+        namespace = namespace_of(block)
+        with pytest.raises(InvalidInput, match="boundary"):
+            encode_block(attrs.evolve(block, start=1), key=storage_key(namespace, b"a"), namespace=namespace)
+
+    def test_a_block_of_another_layout(self):
+        """A float32 block is refused by a float16 namespace."""
+        namespace = namespace_of(kv_blocks(1)[0])
+        (other,) = kv_blocks(1, dtype=mx.float32)
+        with pytest.raises(InvalidInput, match="layout"):
+            encode_block(other, key=storage_key(namespace, b"a"), namespace=namespace)

@@ -1,0 +1,93 @@
+"""Tier URLs: what each names, and a clear error for anything else."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from tier_blocks import kv_blocks, namespace_of
+
+from mlxkv.cache.errors import InvalidInput
+from mlxkv.cache.tiers import (
+    DiskTier,
+    DiskTierSpec,
+    MissingExtra,
+    RedisTier,
+    RedisTierSpec,
+    default_kv_dir,
+    open_tier,
+    parse_tier_url,
+)
+
+
+class TestParseTierUrl:
+    @pytest.mark.parametrize(
+        ("url", "spec"),
+        [
+            ("file:///var/kv", DiskTierSpec(Path("/var/kv"))),
+            ("file://localhost/var/kv?max_bytes=1000", DiskTierSpec(Path("/var/kv"), max_bytes=1000)),
+            ("file:///a%20b", DiskTierSpec(Path("/a b"))),
+            ("redis://cache:6380/2", RedisTierSpec(host="cache", port=6380, db=2)),
+            ("redis://localhost", RedisTierSpec()),
+            ("redis://u:p%40ss@h/1?ttl=60&timeout=0.1", RedisTierSpec(host="h", db=1, username="u", password="p@ss", ttl=60.0, timeout=0.1)),
+            ("rediss://h:7000", RedisTierSpec(host="h", port=7000, tls=True)),
+        ],
+    )
+    def test_valid_urls(self, url, spec):
+        """Each form parses into its spec, with defaults for what it leaves out."""
+        assert parse_tier_url(url) == spec
+
+    def test_file_without_a_path_is_the_default_directory(self, monkeypatch, tmp_path):
+        """``file://`` alone means ``<cache>/kv``."""
+        monkeypatch.setenv("MLXKV_CACHE_DIR", str(tmp_path))
+        assert parse_tier_url("file://").directory == default_kv_dir() == tmp_path / "kv"
+
+    @pytest.mark.parametrize(
+        ("url", "reason"),
+        [
+            ("s3://bucket/kv", "must be a file:///path or redis://"),
+            ("/var/kv", "must be a file:///path or redis://"),
+            ("file://otherhost/kv", "local directory"),
+            ("file:relative/kv", "absolute path"),
+            ("file:///kv?max_bytes=lots", "max_bytes='lots'"),
+            ("file:///kv?max_bytes=0", "max_bytes='0'"),
+            ("file:///kv?ttl=5", "unknown option 'ttl'"),
+            ("redis://h:port", "not a valid URL"),
+            ("redis://h/db1", "database must be a number"),
+            ("redis://h?ttl=-1", "ttl='-1'"),
+            ("redis://h?ttl=1&ttl=2", "more than once"),
+            ("redis://h?colour=blue", "unknown option 'colour'"),
+        ],
+    )
+    def test_invalid_urls_name_the_problem(self, url, reason):
+        """Anything else raises InvalidInput naming the URL and what is wrong."""
+        with pytest.raises(InvalidInput, match=reason.replace("?", r"\?")) as raised:
+            parse_tier_url(url)
+        assert raised.value.argument == "tier" and raised.value.value == url
+
+
+class TestOpenTier:
+    def test_opens_each_kind(self, tmp_path):
+        """A file URL opens a DiskTier, a redis URL a RedisTier, with their options."""
+        namespace = namespace_of(kv_blocks(1)[0])
+        disk = open_tier(f"file://{tmp_path}?max_bytes=4096", namespace)
+        assert isinstance(disk, DiskTier) and disk.max_bytes == 4096 and disk.directory == tmp_path
+        pytest.importorskip("coredis")
+        redis = open_tier("redis://h:7000/3?ttl=9", namespace)
+        assert isinstance(redis, RedisTier) and redis.name == "redis://h:7000/3" and redis.ttl == 9
+
+    def test_redis_without_the_extra_names_it(self, monkeypatch):
+        """Without coredis, a redis:// tier says which extra to install."""
+        monkeypatch.setitem(sys.modules, "coredis", None)
+        with pytest.raises(MissingExtra, match=r"pip install 'mlxkv\[redis\]'") as raised:
+            open_tier("redis://localhost", namespace_of(kv_blocks(1)[0]))
+        assert raised.value.extra == "redis" and isinstance(raised.value, ImportError)
+
+    def test_plain_install_imports_without_coredis(self, run_optimized):
+        """The tiers package imports, and disk tiers open, with coredis absent."""
+        run_optimized(
+            "import sys; sys.modules['coredis'] = None\n"
+            "import mlxkv.cache.tiers as tiers\n"
+            "assert 'coredis' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
+        )
