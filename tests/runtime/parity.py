@@ -54,6 +54,17 @@ async def assert_matches_cold(
     )
 
 
+async def holds_nothing(rt: CacheRuntime) -> bool:
+    """No block referenced, no request table open, no compute cache live."""
+    stats = await rt.stats()
+    return (
+        stats.allocator.num_referenced == 0
+        and stats.index.num_active_requests == 0
+        and stats.compute is not None
+        and stats.compute.num_live == 0
+    )
+
+
 async def assert_clean(rt: CacheRuntime) -> None:
     """No block referenced, no compute cache live, every invariant holds."""
     stats = await rt.stats()
