@@ -88,6 +88,8 @@ class Grants:
         refused: for a ``StoreBlocks`` of the leading blocks that fit, the
             :class:`OutOfBlocks` storing them all would have raised; None
             when every block was stored.
+        fresh: hashes of the blocks a ``StoreBlocks`` newly committed (their
+            given payload was stored), in order; the others were cached already.
     """
 
     # Payloads are arrays, whose == is elementwise: not part of equality.
@@ -95,6 +97,7 @@ class Grants:
     num_reused: int = 0
     evicted: tuple[BlockHash, ...] = ()
     refused: Optional[OutOfBlocks] = attrs.field(default=None, eq=False)
+    fresh: tuple[BlockHash, ...] = ()
 
     @property
     def block_ids(self) -> tuple[BlockId, ...]:
@@ -263,7 +266,12 @@ class BlockAllocatorActor(Actor):
                 return self._grants(pool.acquire(message.hashes))
             case StoreBlocks():
                 stored = pool.store(message.hashes, message.payloads, leading=message.leading)
-                return self._grants(stored.blocks, num_reused=stored.num_reused, refused=stored.refused)
+                return self._grants(
+                    stored.blocks,
+                    num_reused=stored.num_reused,
+                    refused=stored.refused,
+                    fresh=tuple(block.block_hash for block in stored.fresh),
+                )
             case Retain():
                 return self._grants(pool.retain(message.blocks))
             case Release():

@@ -29,6 +29,7 @@ from mlxkv.actors.sequence import Sequence
 from mlxkv.cache import kv_state
 from mlxkv.cache.errors import InvalidInput
 from mlxkv.cache.kv_state import BlockPayload
+from mlxkv.cache.tiers.kv_layout import KVLayout
 from mlxkv.cache.shared_prefix import (
     PrefixGroups,
     SharedPrefixCache,
@@ -102,6 +103,9 @@ class ModelInfo:
             sizes (what the scheduler weighs a prefill chunk's context by).
         state_bytes: bytes of one snapshot of every recurrent layer's state
             (0 without recurrent layers); every stored block carries one.
+        kv_layout: the layer kinds, dtypes and shapes of every stored
+            block (what a KV tier's namespace commits to), or None if a
+            block of this model could not be cut.
     """
 
     vocab_size: Optional[int]
@@ -117,6 +121,7 @@ class ModelInfo:
     kv_bytes_per_token: int = 0
     context_unit: int = 512
     state_bytes: int = 0
+    kv_layout: Optional[KVLayout] = None
 
     def block_bytes(self, block_size: int) -> int:
         """Bytes one stored block of ``block_size`` tokens takes, snapshot included."""
@@ -345,6 +350,12 @@ class CacheRunner(abc.ABC):
             for group in (getattr(layer, "keys", None), getattr(layer, "values", None)):
                 arrays = group if isinstance(group, (tuple, list)) else (group,)
                 kv_bytes += sum(a.nbytes // a.shape[2] for a in arrays if a is not None)
+        try:
+            kv_layout: Optional[KVLayout] = KVLayout.of(
+                kv_state.slice_blocks(cold, 1, range(1), num_tokens=1)[0]
+            )
+        except (InvalidInput, kv_state.NotReconstructable):
+            kv_layout = None
         names = tuple(type(layer).__name__ for layer in cold)
         self._trimmable = all(name in _TRIMMABLE for name in names)
         shared = shared_prefix and all(name == "KVCache" for name in names)
@@ -358,6 +369,7 @@ class CacheRunner(abc.ABC):
             and all(name in _BATCH_PREFILL for name in names),
             "kv_bytes_per_token": kv_bytes,
             "state_bytes": state_bytes,
+            "kv_layout": kv_layout,
         }
         return fields, layout
 

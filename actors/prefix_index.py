@@ -113,12 +113,15 @@ class Extension:
         hashes: hashes of the new full blocks, in order.
         tail: tokens the request knows beyond the new blocks.
         tail_hashes: already computed hashes of the full blocks in ``tail``.
+        parent_hash: the hash of the last block the request held when asked
+            (the new blocks' parent), or None if it held none.
     """
 
     start: int
     hashes: tuple[BlockHash, ...]
     tail: TokenIds
     tail_hashes: tuple[BlockHash, ...]
+    parent_hash: Optional[BlockHash] = None
 
     def after(
         self, num_stored: int, tokens: TokenIds, block_size: int
@@ -606,6 +609,7 @@ class PrefixIndexActor(Actor):
             hashes=hashes,
             tail=longest[num_new * size :],
             tail_hashes=table.tail_hashes[num_new:],
+            parent_hash=table.hashes[-1] if table.hashes else None,
         )
 
     def _snapshot(self, message: Snapshot) -> TableSnapshot:

@@ -243,6 +243,15 @@ def _pool_options(parser: argparse.ArgumentParser) -> None:
         choices=(4, 8),
         help="quantize the KV cache (blocks and live caches) to 4 or 8 bits (default: the model's precision)",
     )
+    parser.add_argument(
+        "--kv-tier",
+        metavar="URL",
+        action="append",
+        default=[],
+        help="a tier below the pool that keeps KV across runs and processes, fastest first"
+        " (repeatable): file:///DIR[?max_bytes=N] (file:// alone: the default directory)"
+        " or redis://HOST:PORT/DB[?ttl=S] (needs the redis extra)",
+    )
 
 
 def _trace_option(parser: argparse.ArgumentParser) -> None:
@@ -282,6 +291,7 @@ def _run(args: argparse.Namespace) -> int:
         max_blocks=args.max_blocks,
         kv_memory=args.kv_memory,
         kv_bits=args.kv_bits,
+        kv_tiers=tuple(args.kv_tier),
         images=args.images,
         seed=args.seed,
         trace=args.trace is not None,

@@ -38,9 +38,10 @@ from mlxkv.actors.actor import ActorFailed
 from mlxkv.actors.allocator import BlockAllocatorHandle, BlockGrant, BlockId, Grants
 from mlxkv.actors.image_cache import ImageCacheHandle, ImageCacheStatistics, ImageEntry
 from mlxkv.actors.prefix_index import PrefixIndexHandle, PrefixIndexStatistics, RequestId
-from mlxkv.cache.block_hash import ChainKeys
+from mlxkv.cache.block_hash import BlockHash, ChainKeys
 from mlxkv.cache.errors import OutOfBlocks, UnknownRequest
 from mlxkv.cache.pool import PoolStatistics
+from mlxkv.cache.tiers.tier_stack import TierStack
 from mlxkv.cache.token_ids import TokenIds
 from mlxkv.images import KeyedImages, PixelMemo, key_images
 
@@ -105,7 +106,8 @@ class CacheClient:
     """Cache operations over the allocator, prefix-index and image-cache actors.
 
     Owns: the three actor handles (shared with the runtime, which closes
-    them), the block size, and the runtime's :class:`~mlxkv.images.PixelMemo`
+    them), the block size, the runtime's :class:`TierStack` if it has tiers
+    (entered and left by the runtime), and the runtime's :class:`~mlxkv.images.PixelMemo`
     (pixel keys of the encoded images read, for every entry point; touched
     only on the event loop). Cache state belongs to the actors; the client
     holds references only between a take and its hand-over.
@@ -122,10 +124,12 @@ class CacheClient:
         index: PrefixIndexHandle,
         images: ImageCacheHandle,
         block_size: int,
+        tiers: Optional[TierStack] = None,
     ) -> None:
         self._allocator = allocator
         self._index = index
         self._images = images
+        self._tiers = tiers
         self.block_size = block_size
         #: Pixel keys of the encoded images read, for every entry point.
         self.pixel_memo = PixelMemo()
@@ -174,16 +178,20 @@ class CacheClient:
                     images_key, cache_salt=cache_salt, request_id=request_id
                 )
             while True:
+                missing = match.hashes
                 if match.num_hinted:
                     # The whole chain, not just the hinted part: the allocator
                     # decides, so a hint missing for a cached block costs nothing.
                     acquired = await self._allocator.acquire(match.hashes, request_id=request_id)
                     await self._hand_over(request_id, len(grants), acquired, hit=True)
                     grants.extend(acquired.grants)
+                    missing = match.hashes[len(acquired.grants) :]
                 if match.wait is None:
                     break
                 await match.wait.wait()
                 match = await self._index.rematch(request_id)
+            if self._tiers is not None and missing:
+                grants.extend(await self._load(request_id, len(grants), missing))
         except BaseException:
             await self.abandon(request_id)
             raise
@@ -233,6 +241,8 @@ class CacheClient:
         held = await self._hand_over(
             request_id, extension.start, grants, tail=tail, tail_hashes=tail_hashes
         )
+        if self._tiers is not None and grants.fresh:
+            self._write_behind(grants, extension.parent_hash)
         return StoreResult(
             num_blocks=len(grants.grants),
             num_reused=grants.num_reused,
@@ -357,6 +367,32 @@ class CacheClient:
         allocator = await self._allocator.check_invariants(index.holdings)
         images = await self._images.check_invariants()
         return [*index.violations, *allocator.violations, *images], list(allocator.reference_mismatches)
+
+    async def _load(
+        self, request_id: RequestId, start: int, missing: tuple[BlockHash, ...]
+    ) -> tuple[BlockGrant, ...]:
+        """Continue the request's chain from the tiers where the pool missed:
+        the leading ``missing`` blocks some tier holds enter the pool as
+        cached blocks (those that fit) and the request holds them."""
+        assert self._tiers is not None
+        payloads = await self._tiers.lookup_chain(missing)
+        if not payloads:
+            return ()
+        stored = await self._allocator.store_blocks(
+            missing[: len(payloads)], tuple(payloads), leading=True, request_id=request_id
+        )
+        # Not a hit at the index: its hit counters are the pool's; the tiers count theirs.
+        await self._hand_over(request_id, start, stored)
+        return stored.grants
+
+    def _write_behind(self, grants: Grants, parent_hash: Optional[BlockHash]) -> None:
+        """Offer the blocks a store newly committed to the tiers (never waits)."""
+        assert self._tiers is not None
+        fresh = set(grants.fresh)
+        for grant in grants.grants:
+            if grant.block_hash in fresh:
+                self._tiers.offer(grant.block_hash, grant.payload, parent_hash=parent_hash)
+            parent_hash = grant.block_hash
 
     async def _hand_over(
         self,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, Optional
 
 import anyio
@@ -40,6 +41,10 @@ from mlxkv.actors.sampling import Sampling
 from mlxkv.cache.block_hash import ChainKeys
 from mlxkv.cache.errors import InvalidInput, UnknownRequest
 from mlxkv.cache.pool import PoolStatistics
+from mlxkv.cache.tiers.kv_events import KVEventSubscription
+from mlxkv.cache.tiers.namespace import Namespace, namespace_for_model
+from mlxkv.cache.tiers.tier import TierStatistics
+from mlxkv.cache.tiers.tier_stack import TierStack, TierStackStatistics
 from mlxkv.cache.token_ids import check_token_ids
 from mlxkv.client import CacheClient, FetchResult, StoreResult
 from mlxkv.errors import RuntimeClosed
@@ -89,6 +94,20 @@ def _model_path(value: Any) -> Optional[str]:
     if not isinstance(value, str) or not value:
         raise InvalidInput("model", value, "must be a model directory (str or path) or None")
     return value
+
+
+def _tier_urls(value: Any) -> tuple[str, ...]:
+    """``kv_tiers`` as a tuple of checked URLs (one string is one URL)."""
+    from mlxkv.cache.tiers.tier_url import parse_tier_url
+
+    urls = (value,) if isinstance(value, str) else value
+    try:
+        urls = tuple(urls)
+    except TypeError:
+        raise InvalidInput("kv_tiers", value, "must be a URL or a sequence of URLs") from None
+    for url in urls:
+        parse_tier_url(url)
+    return urls
 
 
 def _byte_budget(value: Any) -> Optional[int]:
@@ -152,9 +171,17 @@ class RuntimeConfig:
             then computes only the rest: all shared tokens within one cache
             salt and set of images, only its cached blocks' tokens across
             salts (on by default).
+        kv_tiers: tiers below the block pool, fastest first, as URLs:
+            ``file:///path?max_bytes=N`` (a directory; ``file://`` alone is
+            the default one under the cache directory) and
+            ``redis://host:port/db?ttl=S&timeout=S`` (Redis or Valkey, with
+            the ``redis`` extra). Every full block stored in the pool is
+            also written behind to each tier; a prefix the pool misses
+            continues from them. Needs a model. Empty (the default): no tiers.
 
     Raises:
-        InvalidInput: a field is out of range, or ``kv_memory`` without a model.
+        InvalidInput: a field is out of range, ``kv_memory`` or ``kv_tiers``
+            without a model, or a tier URL that names no tier.
     """
 
     block_size: int = attrs.field(default=64, validator=_int_at_least(1))
@@ -173,6 +200,7 @@ class RuntimeConfig:
     shared_prefix: bool = attrs.field(default=True, validator=_is_bool)
     kv_bits: Optional[int] = attrs.field(default=None)
     keep_last_cache: bool = attrs.field(default=True, validator=_is_bool)
+    kv_tiers: tuple[str, ...] = attrs.field(default=(), converter=_tier_urls)
 
     @kv_bits.validator
     def _check_kv_bits(self, attribute: attrs.Attribute, value: Any) -> None:
@@ -182,6 +210,8 @@ class RuntimeConfig:
     def __attrs_post_init__(self) -> None:
         if self.kv_memory is not None and self.model is None:
             raise InvalidInput("kv_memory", self.kv_memory, "sizes the pool from a model: pass model=PATH")
+        if self.kv_tiers and self.model is None:
+            raise InvalidInput("kv_tiers", self.kv_tiers, "store a model's KV: pass model=PATH")
 
 
 
@@ -222,6 +252,9 @@ class RuntimeStatistics:
         compute: the compute actor, or None without a model.
         memory: the pool in bytes, or None without a model.
         generation: what ``generate`` calls did, or None without a model.
+        tiers: the KV tiers below the pool (blocks written behind, chain
+            lookups, blocks loaded, each tier's counters), or None without
+            tiers.
     """
 
     allocator: PoolStatistics
@@ -233,6 +266,7 @@ class RuntimeStatistics:
     compute: Optional[ComputeStatistics] = None
     memory: Optional[KVMemoryStatistics] = None
     generation: Optional[GenerationStatistics] = None
+    tiers: Optional[TierStackStatistics] = None
 
     def format(self) -> str:
         """A few aligned lines a person can read."""
@@ -291,6 +325,18 @@ class RuntimeStatistics:
                     f" {format_count(generation.num_blocks_not_stored, 'block')} not stored"
                     f" (pool full, {format_count(generation.num_requests_not_stored, 'request')}),"
                     f" {format_count(generation.num_cold_fallbacks, 'cold fallback')}",
+                )
+            )
+        if self.tiers is not None:
+            tiers = self.tiers
+            rows.append(
+                (
+                    "tiers",
+                    f"{format_count(tiers.num_blocks_found, 'block')} loaded"
+                    f" ({tiers.num_lookups} lookups), {tiers.num_queued} written behind"
+                    f" ({tiers.num_pending} pending, {tiers.num_queue_dropped} dropped),"
+                    f" {tiers.num_timeouts} timeouts: "
+                    + ", ".join(_format_tier(tier) for tier in tiers.tiers),
                 )
             )
         rows.append(
@@ -373,6 +419,7 @@ class CacheRuntime:
         self._images: Optional[ImageCacheHandle] = None
         self._index: Optional[PrefixIndexHandle] = None
         self._client: Optional[CacheClient] = None
+        self._tiers: Optional[TierStack] = None
         self._model_info: Optional[ModelInfo] = None
         self._preparer: Optional[PromptPreparer] = None
         self._generation: Optional[GenerationContext] = None
@@ -427,13 +474,23 @@ class CacheRuntime:
                 block_size=config.block_size, max_hints=4 * num_blocks + 1024, **options
             )
             self._index = PrefixIndexHandle(await self._start_actor(index))
+            if config.kv_tiers:
+                assert source is not None and self._model_info is not None, "checked by the config"
+                namespace = await _tier_namespace(source.path, self._model_info, config.block_size)
+                tiers = TierStack.from_urls(config.kv_tiers, namespace)
+                await tiers.__aenter__()
+                self._tiers = tiers
         except BaseException as error:
             self._close_handles()
             self._gate.closed()
             await self._exit_task_group(type(error), error, error.__traceback__)
             raise
         self._client = CacheClient(
-            allocator=self._allocator, index=self._index, images=self._images, block_size=config.block_size
+            allocator=self._allocator,
+            index=self._index,
+            images=self._images,
+            block_size=config.block_size,
+            tiers=self._tiers,
         )
         if self._compute is not None:
             assert self._model_info is not None and self._preparer is not None, "a model was loaded"
@@ -476,15 +533,24 @@ class CacheRuntime:
         gate.close()
         try:
             await gate.wait_drained()
+            await self._close_tiers(exc_type, exc, tb)
             self._close_handles()
             for stopped in self._stopped:
                 await stopped.wait()
         except BaseException as error:  # cancelled: an actor crashed, or from outside
+            with anyio.CancelScope(shield=True):
+                await self._close_tiers(type(error), error, error.__traceback__)
             self._close_handles()
             if exc is None:
                 exc_type, exc, tb = type(error), error, error.__traceback__
         gate.closed()
         return await self._exit_task_group(exc_type, exc, tb)
+
+    async def _close_tiers(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        """Leave the tier stack (writing what is queued, bounded); idempotent."""
+        tiers, self._tiers = self._tiers, None
+        if tiers is not None:
+            await tiers.__aexit__(exc_type, exc, tb)
 
     async def _exit_task_group(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         task_group = self._task_group
@@ -769,7 +835,36 @@ class CacheRuntime:
                 compute=compute,
                 memory=memory,
                 generation=generation,
+                tiers=None if self._tiers is None else self._tiers.statistics(),
             )
+
+    def kv_events(self, buffer: int = 1024) -> KVEventSubscription:
+        """The tiers' KV events from now on, for prefix-aware routers: a
+        ``BlockStored`` when a tier holds a block, a ``BlockRemoved`` when one
+        no longer does (see :mod:`mlxkv.cache.tiers.kv_events`). A subscriber
+        that falls ``buffer`` events behind loses the oldest (counted).
+
+        Use as ``with rt.kv_events() as events: async for event in events:``.
+
+        Raises:
+            RuntimeClosed: the runtime is not running.
+            InvalidInput: the runtime has no tiers.
+        """
+        with self._gate.call():
+            if self._tiers is None:
+                raise InvalidInput("kv_tiers", (), "the runtime has no tiers: pass kv_tiers=[URL]")
+            return self._tiers.subscribe(buffer)
+
+    async def flush_tiers(self) -> None:
+        """Wait until every block stored so far has been written to every tier
+        (or dropped by one); at once without tiers.
+
+        Raises:
+            RuntimeClosed: the runtime is not running.
+        """
+        with self._gate.call():
+            if self._tiers is not None:
+                await self._tiers.wait_written()
 
     async def check_invariants(self) -> bool:
         """Verify every actor's invariants and, when quiet, that references add up.
@@ -1022,3 +1117,40 @@ def _salt(value: Any) -> Optional[str]:
     if value is not None and not isinstance(value, str):
         raise InvalidInput("cache_salt", value, "must be a str or None")
     return value
+
+
+def _format_tier(tier: TierStatistics) -> str:
+    """One tier's counters, for :meth:`RuntimeStatistics.format`."""
+    state = "" if tier.available else " (unavailable)"
+    return (
+        f"{tier.name}{state} {tier.num_written} written, {tier.num_loaded} loaded,"
+        f" {tier.num_corrupt} corrupt, {tier.num_evicted} evicted"
+    )
+
+
+async def _tier_namespace(model_path: str, info: ModelInfo, block_size: int) -> Namespace:
+    """The namespace of this model's blocks in the tiers (fingerprinting reads
+    the weight files once, memoized, in a worker thread).
+
+    Raises:
+        InvalidInput: the model's blocks have no layout a tier can check, or
+            a Hugging Face id that is not in the local cache.
+    """
+    if info.kv_layout is None:
+        raise InvalidInput("kv_tiers", info.cache_layers, "this model's blocks cannot be cut for a tier")
+    path = model_path
+    if not os.path.isdir(path):
+        path = await anyio.to_thread.run_sync(_local_snapshot, model_path)
+    return await anyio.to_thread.run_sync(
+        partial(namespace_for_model, path, layout=info.kv_layout, block_size=block_size)
+    )
+
+
+def _local_snapshot(repo_id: str) -> str:
+    """The local directory of a Hugging Face model that was loaded already."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id, local_files_only=True)
+    except Exception as error:
+        raise InvalidInput("model", repo_id, f"has no local copy to fingerprint for the tiers ({type(error).__name__})") from None

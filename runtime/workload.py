@@ -31,6 +31,7 @@ import anyio
 import attrs
 
 from mlxkv.cache.errors import InvalidInput
+from mlxkv.cache.tiers.tier_stack import TierStackStatistics
 from mlxkv.generation import GenerationReport
 from mlxkv.progress import Progress
 from mlxkv.runtime import CacheRuntime, RuntimeConfig
@@ -83,6 +84,7 @@ class WorkloadConfig:
             needs a vision-language model).
         kv_memory: bytes the KV pool may hold (sizes the pool from the model).
         kv_bits: quantize the KV cache to 4 or 8 bits (None: the model's precision).
+        kv_tiers: tiers below the pool, as URLs (see ``RuntimeConfig.kv_tiers``).
         seed: seeds the texts (decoding is greedy).
         trace: emit the runtime's structured events.
     """
@@ -101,6 +103,7 @@ class WorkloadConfig:
         default=None, converter=lambda v: None if v is None else parse_bytes(v, argument="kv_memory")
     )
     kv_bits: Optional[int] = None
+    kv_tiers: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     images: int = attrs.field(default=0, validator=_at_least(0))
     seed: int = 0
     trace: bool = False
@@ -152,6 +155,11 @@ class WorkloadReport:
             holds (each one a ``generation.prompt_exceeds_pool`` event).
         cold_fallbacks: requests whose cached prefix could not be rebuilt,
             so their whole prompt was computed (``prefill.cold_fallback``).
+        kv_tiers: the tiers' URLs (empty without tiers).
+        tier_blocks_loaded: blocks the prompts continued from the tiers
+            below the pool (0 without tiers).
+        tier_blocks_written: blocks written behind to the tiers (each
+            counted once, however many tiers hold it).
         wall_seconds: the workload's duration.
         interrupted: the workload was stopped before every request ran
             (``stop`` was set); the figures cover the requests that finished.
@@ -193,6 +201,9 @@ class WorkloadReport:
     cold_fallbacks: int
     wall_seconds: float
     interrupted: bool = False
+    kv_tiers: tuple[str, ...] = ()
+    tier_blocks_loaded: int = 0
+    tier_blocks_written: int = 0
 
     def rows(self) -> list[tuple[str, str]]:
         """The report as ``(name, value)`` rows, in reading order."""
@@ -243,6 +254,17 @@ class WorkloadReport:
                 f"{format_bytes(self.peak_kv_bytes)} ({self.peak_blocks_cached} blocks cached)",
             ),
             ("peak MLX memory", format_bytes(self.peak_mlx_memory_bytes)),
+            *(
+                [
+                    (
+                        "KV tiers",
+                        f"{self.tier_blocks_loaded} blocks loaded, {self.tier_blocks_written}"
+                        f" written ({', '.join(self.kv_tiers)})",
+                    )
+                ]
+                if self.kv_tiers
+                else []
+            ),
             ("wall time", f"{self.wall_seconds:.2f} s"),
         ]
 
@@ -345,6 +367,7 @@ async def run_workload(
         max_blocks=config.max_blocks,
         kv_memory=config.kv_memory,
         kv_bits=config.kv_bits,
+        kv_tiers=config.kv_tiers,
         trace=config.trace,
     )
     reports: list[GenerationReport] = []
@@ -429,6 +452,7 @@ async def run_workload(
         interrupted = requests.cancelled_caught
         if progress is not None and not interrupted:
             _show(progress, reports, round(wall, 3), final=True)
+        await rt.flush_tiers()
         stats = await rt.stats()
     peak_cached = max(peak_cached, stats.allocator.num_cached)
 
@@ -478,9 +502,17 @@ async def run_workload(
         blocks_not_stored=generation.num_blocks_not_stored,
         prompts_over_pool=generation.num_prompts_over_pool,
         cold_fallbacks=generation.num_cold_fallbacks,
+        kv_tiers=config.kv_tiers,
+        tier_blocks_loaded=0 if stats.tiers is None else stats.tiers.num_blocks_found,
+        tier_blocks_written=0 if stats.tiers is None else _blocks_written(stats.tiers),
         wall_seconds=round(wall, 3),
         interrupted=interrupted,
     )
+
+
+def _blocks_written(tiers: TierStackStatistics) -> int:
+    """Blocks some tier holds after being written behind: each counted once."""
+    return max((tier.num_written for tier in tiers.tiers), default=0)
 
 
 def _show(

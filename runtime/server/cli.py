@@ -119,6 +119,7 @@ def serve_command(args: argparse.Namespace) -> int:
             max_blocks=args.max_blocks,
             kv_memory=args.kv_memory,
             kv_bits=args.kv_bits,
+            kv_tiers=tuple(args.kv_tier),
             prefill_chunk=args.prefill_chunk,
             trace=args.trace is not None,
         )
