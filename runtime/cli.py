@@ -105,8 +105,21 @@ def _stress_parser(subparsers: argparse._SubParsersAction) -> None:
         default=64,
         help="finished generations computed again cold at the end, whose tokens must match (64)",
     )
+    _tier_option(parser)
     _backend_option(parser)
     _json_option(parser)
+
+
+def _tier_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kv-tier",
+        metavar="URL",
+        action="append",
+        default=[],
+        help="a tier below the pool that keeps KV across runs and processes, fastest first"
+        " (repeatable): file:///DIR[?max_bytes=N] (file:// alone: the default directory)"
+        " or redis://HOST:PORT/DB[?ttl=S] (needs the redis extra)",
+    )
 
 
 def _backend_option(parser: argparse.ArgumentParser) -> None:
@@ -162,6 +175,7 @@ def _stress(args: argparse.Namespace) -> int:
         backend=args.backend,
         generate_rate=args.generate_rate,
         verify=args.verify,
+        kv_tiers=tuple(args.kv_tier),
     )
     if args.generate or args.model:
         from mlxkv.default_model import ensure_model
@@ -243,15 +257,7 @@ def _pool_options(parser: argparse.ArgumentParser) -> None:
         choices=(4, 8),
         help="quantize the KV cache (blocks and live caches) to 4 or 8 bits (default: the model's precision)",
     )
-    parser.add_argument(
-        "--kv-tier",
-        metavar="URL",
-        action="append",
-        default=[],
-        help="a tier below the pool that keeps KV across runs and processes, fastest first"
-        " (repeatable): file:///DIR[?max_bytes=N] (file:// alone: the default directory)"
-        " or redis://HOST:PORT/DB[?ttl=S] (needs the redis extra)",
-    )
+    _tier_option(parser)
 
 
 def _trace_option(parser: argparse.ArgumentParser) -> None:

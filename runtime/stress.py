@@ -99,6 +99,8 @@ class StressConfig:
             generations.
         verify: with a model, the most finished generations computed again
             cold at the end, whose tokens must match.
+        kv_tiers: with a model, tiers below the pool (URLs, see
+            ``RuntimeConfig.kv_tiers``): evicted prefixes come back from them.
     """
 
     clients: int = attrs.field(default=16, validator=_at_least(1))
@@ -117,6 +119,7 @@ class StressConfig:
     model: Optional[str] = None
     generate_rate: float = attrs.field(default=0.2, validator=_rate)
     verify: int = attrs.field(default=64, validator=_at_least(0))
+    kv_tiers: tuple[str, ...] = attrs.field(default=(), converter=tuple)
 
     @backend.validator
     def _check_backend(self, attribute: attrs.Attribute, value: Any) -> None:
@@ -170,6 +173,9 @@ class StressReport:
         leaked_blocks: blocks still referenced after every request ended.
         open_tables: request tables left after every request ended.
         violations: everything that went wrong (empty on success).
+        tier_blocks_loaded: blocks prompts continued from the tiers (0 without).
+        tier_blocks_written: blocks written behind to the tiers (the most any
+            one tier wrote).
     """
 
     config: StressConfig
@@ -192,6 +198,8 @@ class StressReport:
     leaked_blocks: int
     open_tables: int
     violations: tuple[str, ...]
+    tier_blocks_loaded: int = 0
+    tier_blocks_written: int = 0
 
     @property
     def ok(self) -> bool:
@@ -227,6 +235,14 @@ class StressReport:
                     f"  token checks: {self.token_checks} generations matched a cold run",
                 ]
                 if c.model
+                else []
+            ),
+            *(
+                [
+                    f"  tiers ({', '.join(c.kv_tiers)}): {self.tier_blocks_loaded} blocks loaded,"
+                    f" {self.tier_blocks_written} written"
+                ]
+                if c.kv_tiers
                 else []
             ),
             f"  invariant checks passed: {self.checks}  leaked blocks: {self.leaked_blocks}"
@@ -475,6 +491,7 @@ async def run_stress(config: StressConfig) -> StressReport:
         max_blocks=config.max_blocks,
         intercept=faults if faults.enabled else None,
         model=config.model,
+        kv_tiers=config.kv_tiers,
     ) as rt:
         clients = [_Client(i, rt, config, prefixes, tally, text_prefixes) for i in range(config.clients)]
         started = time.perf_counter()
@@ -502,6 +519,7 @@ async def run_stress(config: StressConfig) -> StressReport:
         faults.enabled = False
         token_checks = await _verify(rt, tally)
         checks += await _check(rt, tally.violations, "after the token checks")
+        await rt.flush_tiers()
         stats = await rt.stats()
     leaked = stats.allocator.num_referenced
     open_tables = stats.index.num_active_requests
@@ -534,6 +552,8 @@ async def run_stress(config: StressConfig) -> StressReport:
         generated_tokens=tally.generated_tokens,
         shared_waits=workload.index.num_waits,
         token_checks=token_checks,
+        tier_blocks_loaded=0 if stats.tiers is None else stats.tiers.num_blocks_found,
+        tier_blocks_written=0 if stats.tiers is None else stats.tiers.num_blocks_written,
         mean_batch_size=0.0 if workload.compute is None else round(workload.compute.mean_batch_size, 2),
         checks=checks,
         leaked_blocks=leaked,

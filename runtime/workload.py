@@ -31,7 +31,6 @@ import anyio
 import attrs
 
 from mlxkv.cache.errors import InvalidInput
-from mlxkv.cache.tiers.tier_stack import TierStackStatistics
 from mlxkv.generation import GenerationReport
 from mlxkv.progress import Progress
 from mlxkv.runtime import CacheRuntime, RuntimeConfig
@@ -504,15 +503,10 @@ async def run_workload(
         cold_fallbacks=generation.num_cold_fallbacks,
         kv_tiers=config.kv_tiers,
         tier_blocks_loaded=0 if stats.tiers is None else stats.tiers.num_blocks_found,
-        tier_blocks_written=0 if stats.tiers is None else _blocks_written(stats.tiers),
+        tier_blocks_written=0 if stats.tiers is None else stats.tiers.num_blocks_written,
         wall_seconds=round(wall, 3),
         interrupted=interrupted,
     )
-
-
-def _blocks_written(tiers: TierStackStatistics) -> int:
-    """Blocks some tier holds after being written behind: each counted once."""
-    return max((tier.num_written for tier in tiers.tiers), default=0)
 
 
 def _show(

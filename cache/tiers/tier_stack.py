@@ -93,6 +93,12 @@ class TierStackStatistics:
     tiers: tuple[TierStatistics, ...]
     events: KVEventStatistics
 
+    @property
+    def num_blocks_written(self) -> int:
+        """Blocks written behind that some tier holds, each counted once (the
+        most any one tier wrote)."""
+        return max((tier.num_written for tier in self.tiers), default=0)
+
 
 @attrs.frozen
 class _Write:

@@ -58,6 +58,31 @@ class TestStress:
         assert (report.leaked_blocks, report.open_tables) == (0, 0)
         assert report.token_checks == min(64, report.generations) > 0
 
+    async def test_generation_under_faults_over_both_tiers(self, anyio_backend, model_dir, tmp_path, redis_server):
+        """The same over a small pool with a disk and a Redis tier below it:
+        evicted prefixes come back from the tiers while requests are cancelled
+        and fail, and every checked generation still matches a cold run."""
+        from mlxkv.default_model import TINY_LLAMA, ensure_model
+
+        config = StressConfig(
+            clients=8,
+            operations=400,
+            duration=120.0,
+            check_every=100,
+            max_blocks=48,
+            cancel_rate=0.1,
+            error_rate=0.02,
+            generate_rate=0.4,
+            model=str(ensure_model(TINY_LLAMA, model_dir)),
+            kv_tiers=(f"file://{tmp_path / 'kv'}", redis_server.url),
+            backend=anyio_backend,
+        )
+        report = await run_stress(config)
+        assert report.ok, report.format()
+        assert report.tier_blocks_written > 0 and report.tier_blocks_loaded > 0
+        assert (report.leaked_blocks, report.open_tables) == (0, 0)
+        assert report.token_checks == min(64, report.generations) > 0
+
     async def test_a_wrong_prefix_fails_the_token_checks(self, anyio_backend, model_dir, monkeypatch):
         """With every prefix rebuilt from blocks made wrong (block 0's KV
         replaced by block 1's), finished generations no longer match their
