@@ -137,6 +137,7 @@ class ChildResult:
 
     @classmethod
     def from_json(cls, data: dict[str, Any], wall_s: float) -> ChildResult:
+        """The result a child printed (:func:`run_child`), timed at ``wall_s``."""
         return cls(
             requests=tuple(RequestResult(**r) for r in data["requests"]),
             tiers=data["tiers"],
@@ -235,10 +236,8 @@ class RedisServer:
 
     def __init__(self, binary: Path, directory: Path) -> None:
         self.port = free_port()
-        self._command = [
-            str(binary), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "no", "--dir", str(directory), "--loglevel", "warning",
-        ]  # fmt: skip
+        self._command = [str(binary), "--port", str(self.port), "--bind", "127.0.0.1"]
+        self._command += ["--save", "", "--appendonly", "no", "--dir", str(directory), "--loglevel", "warning"]
         self._process: Optional[subprocess.Popen[bytes]] = None
 
     @property
@@ -246,7 +245,9 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def __enter__(self) -> RedisServer:
-        self._process = subprocess.Popen(self._command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._process = subprocess.Popen(
+            self._command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         try:
             self._wait_ready()
         except BaseException:
@@ -338,7 +339,7 @@ def bench_disk(args: argparse.Namespace, base: ChildSpec) -> dict[str, Any]:
     cold_ms = [c.requests[0].ttft_ms for c in cold]
     disk_ms = [d.requests[0].ttft_ms for d in disk]
     memory_ms = [d.requests[1].ttft_ms for d in disk]
-    same = fill.requests[0].tokens
+    same, other = fill.requests[0].tokens, reference.requests[0].tokens
     return {
         "cold_ttft_ms": _median(cold_ms),
         "disk_ttft_ms": _median(disk_ms),
@@ -355,7 +356,7 @@ def bench_disk(args: argparse.Namespace, base: ChildSpec) -> dict[str, Any]:
         "fill_blocks_written": fill.blocks_written,
         "tokens_equal_cold_disk": all(c.requests[0].tokens == same for c in cold)
         and all(d.requests[0].tokens == same for d in disk),
-        "tokens_equal_memory_reference": all(d.requests[1].tokens == reference.requests[0].tokens for d in disk),
+        "tokens_equal_memory_reference": all(d.requests[1].tokens == other for d in disk),
         "disk_tiers": _tier_summary(disk[-1]),
         "samples": {"cold_ttft_ms": cold_ms, "disk_ttft_ms": disk_ms, "memory_ttft_ms": memory_ms},
     }
@@ -389,10 +390,17 @@ def bench_redis(args: argparse.Namespace, base: ChildSpec) -> dict[str, Any]:
 
 #: The figures of an ``mlxkv run`` report that part ``cli`` keeps.
 CLI_FIELDS = (
-    "requests", "cold_requests", "warm_requests", "reused_percent", "tier_blocks_loaded",
-    "tier_blocks_written", "ttft_cold_p50_ms", "ttft_warm_p50_ms", "throughput_tokens_per_second",
+    "requests",
+    "cold_requests",
+    "warm_requests",
+    "reused_percent",
+    "tier_blocks_loaded",
+    "tier_blocks_written",
+    "ttft_cold_p50_ms",
+    "ttft_warm_p50_ms",
+    "throughput_tokens_per_second",
     "wall_seconds",
-)  # fmt: skip
+)
 
 
 def bench_cli(args: argparse.Namespace) -> dict[str, Any]:
@@ -402,17 +410,16 @@ def bench_cli(args: argparse.Namespace) -> dict[str, Any]:
         url = f"file://{directory}/kv"
         for run in (1, 2):
             report = Path(directory) / f"run{run}.json"
-            command = [
-                sys.executable, "-m", "mlxkv.cli", "run", "--kv-tier", url, "--quiet",
-                "--json", str(report), *(["--model", args.model] if args.model else []),
-                *shlex.split(args.cli_args),
-            ]  # fmt: skip
+            command = [sys.executable, "-m", "mlxkv.cli", "run", "--kv-tier", url, "--quiet"]
+            command += ["--json", str(report), *(["--model", args.model] if args.model else [])]
+            command += shlex.split(args.cli_args)
             done = subprocess.run(command, capture_output=True, text=True)
             if done.returncode != 0:
                 raise RuntimeError(f"mlxkv run failed ({done.returncode}):\n{done.stderr[-4000:]}")
             data = json.loads(report.read_text())
             runs.append({field: data[field] for field in CLI_FIELDS})
-    return {"first": runs[0], "second": runs[1], "command": f"mlxkv run --kv-tier {url} --quiet --json FILE {args.cli_args}".strip()}
+    shown = f"mlxkv run --kv-tier {url} --quiet --json FILE {args.cli_args}".strip()
+    return {"first": runs[0], "second": runs[1], "command": shown}
 
 
 # -- the report -----------------------------------------------------------------------
@@ -425,12 +432,16 @@ def _ms(value: Optional[float]) -> str:
 def disk_table(figures: dict[str, Any]) -> str:
     """Part ``disk`` as a table, and the disk child's tier counters."""
     rows = [
-        ("cold (no tiers)", figures["cold_ttft_ms"], figures["cold_cached_tokens"], "-"),
-        ("from disk (fresh process)", figures["disk_ttft_ms"], figures["disk_cached_tokens"], figures["disk_blocks_loaded"]),
-        ("warm in memory (same process)", figures["memory_ttft_ms"], figures["memory_cached_tokens"], "-"),
-    ]  # fmt: skip
-    lines = ["| request | TTFT (median) | cached tokens | blocks loaded from disk |", "| --- | --- | --- | --- |"]
-    lines += [f"| {name} | {_ms(ttft)} | {cached:,} | {loaded} |" for name, ttft, cached, loaded in rows]
+        ("cold (no tiers)", "cold", "-"),
+        ("from disk (fresh process)", "disk", figures["disk_blocks_loaded"]),
+        ("warm in memory (same process)", "memory", "-"),
+    ]
+    lines = ["| request | TTFT (median) | cached tokens | blocks loaded from disk |"]
+    lines.append("| --- | --- | --- | --- |")
+    lines += [
+        f"| {name} | {_ms(figures[f'{kind}_ttft_ms'])} | {figures[f'{kind}_cached_tokens']:,} | {loaded} |"
+        for name, kind, loaded in rows
+    ]
     tiers = figures["disk_tiers"]
     lines.append(
         f"\nfill process: TTFT {_ms(figures['fill_ttft_ms'])} (cold, writing behind),"
@@ -452,9 +463,10 @@ def redis_table(figures: dict[str, Any]) -> str:
         [
             "| process | TTFT (median) | detail |",
             "| --- | --- | --- |",
-            f"| A (cold, writes to Redis) | {_ms(figures['a_ttft_ms'])} | {figures['a_blocks_written']} blocks written |",
-            f"| B (after A, from Redis) | {_ms(figures['b_ttft_ms'])} | {figures['b_cached_tokens']:,} tokens cached,"
-            f" {figures['b_blocks_loaded']} blocks loaded |",
+            f"| A (cold, writes to Redis) | {_ms(figures['a_ttft_ms'])} |"
+            f" {figures['a_blocks_written']} blocks written |",
+            f"| B (after A, from Redis) | {_ms(figures['b_ttft_ms'])} |"
+            f" {figures['b_cached_tokens']:,} tokens cached, {figures['b_blocks_loaded']} blocks loaded |",
             f"\nB's tiers: {tiers['lookups']} lookups; {tiers['tier']}: {tiers['loaded']} loaded,"
             f" {tiers['missed']} missed, {tiers['corrupt']} corrupt, {tiers['timeouts']} timeouts;"
             f" A/B {figures['a_over_b']:.1f}x",
@@ -481,7 +493,15 @@ def cli_table(figures: dict[str, Any]) -> str:
 
 @attrs.frozen
 class Goal:
-    """One thing the benchmark must show, and whether it did."""
+    """One thing the benchmark must show, and whether it did.
+
+    Attributes:
+        name: what must hold.
+        met: whether it held.
+        detail: the figures behind it.
+        correctness: a correctness check (tokens, where the prefix came
+            from), not a speed goal: failing one fails the script.
+    """
 
     name: str
     met: bool
@@ -489,36 +509,66 @@ class Goal:
     correctness: bool = False
 
 
+def _same_tokens(name: str, met: bool) -> Goal:
+    return Goal(f"tokens equal: {name}", met, "greedy, same prompt", correctness=True)
+
+
+def _loaded(name: str, cached: int, loaded: int, prefix: int, more: str = "") -> Goal:
+    detail = f"{cached:,} tokens cached, {loaded} blocks loaded{more}"
+    return Goal(name, cached >= prefix and loaded > 0, detail, correctness=True)
+
+
+def disk_goals(d: dict[str, Any], prefix: int) -> list[Goal]:
+    """Part ``disk``'s goals: the two ratios, the prefix's source, the tokens."""
+    disk, memory, cold = _ms(d["disk_ttft_ms"]), _ms(d["memory_ttft_ms"]), _ms(d["cold_ttft_ms"])
+    return [
+        Goal(
+            "from disk <= 1.5x warm in memory",
+            d["disk_over_memory"] <= 1.5,
+            f"{d['disk_over_memory']:.2f}x ({disk} vs {memory})",
+        ),
+        Goal(
+            "cold >= 5x from disk",
+            d["cold_over_disk"] >= 5,
+            f"{d['cold_over_disk']:.1f}x ({cold} vs {disk})",
+        ),
+        _loaded("prefix from disk after a restart", d["disk_cached_tokens"], d["disk_blocks_loaded"], prefix),
+        _same_tokens("cold, from disk", d["tokens_equal_cold_disk"]),
+        _same_tokens("warm in memory, its cold run", d["tokens_equal_memory_reference"]),
+    ]
+
+
+def redis_goals(r: dict[str, Any], prefix: int) -> list[Goal]:
+    """Part ``redis``'s goals: B's prefix from Redis, A's tokens."""
+    times = f"; TTFT A {_ms(r['a_ttft_ms'])}, B {_ms(r['b_ttft_ms'])}"
+    return [
+        _loaded("B takes the prefix from Redis", r["b_cached_tokens"], r["b_blocks_loaded"], prefix, times),
+        _same_tokens("A, B", r["tokens_equal"]),
+    ]
+
+
+def cli_goals(c: dict[str, Any]) -> list[Goal]:
+    """Part ``cli``'s goal: the second run has no cold request."""
+    second = c["second"]
+    return [
+        Goal(
+            "second mlxkv run: no cold request, blocks from the tier",
+            second["cold_requests"] == 0 and second["tier_blocks_loaded"] > 0,
+            f"{second['cold_requests']} cold requests, {second['tier_blocks_loaded']} blocks loaded",
+            correctness=True,
+        )
+    ]
+
+
 def goals(results: dict[str, Any], prefix: int) -> list[Goal]:
-    """Every goal of the parts that ran."""
+    """Every goal of the parts that ran, in part order."""
     out: list[Goal] = []
     if "disk" in results:
-        d = results["disk"]
-        out += [
-            Goal("from disk <= 1.5x warm in memory", d["disk_over_memory"] <= 1.5,
-                 f"{d['disk_over_memory']:.2f}x ({_ms(d['disk_ttft_ms'])} vs {_ms(d['memory_ttft_ms'])})"),
-            Goal("cold >= 5x from disk", d["cold_over_disk"] >= 5,
-                 f"{d['cold_over_disk']:.1f}x ({_ms(d['cold_ttft_ms'])} vs {_ms(d['disk_ttft_ms'])})"),
-            Goal("prefix from disk after a restart", d["disk_cached_tokens"] >= prefix and d["disk_blocks_loaded"] > 0,
-                 f"{d['disk_cached_tokens']:,} tokens cached, {d['disk_blocks_loaded']} blocks loaded", True),
-            Goal("tokens equal: cold, from disk", d["tokens_equal_cold_disk"], "greedy, same prompt", True),
-            Goal("tokens equal: warm in memory, its cold run", d["tokens_equal_memory_reference"], "greedy, same prompt", True),
-        ]  # fmt: skip
+        out += disk_goals(results["disk"], prefix)
     if "redis" in results:
-        r = results["redis"]
-        out += [
-            Goal("B takes the prefix from Redis", r["b_cached_tokens"] >= prefix and r["b_blocks_loaded"] > 0,
-                 f"{r['b_cached_tokens']:,} tokens cached, {r['b_blocks_loaded']} blocks loaded;"
-                 f" TTFT A {_ms(r['a_ttft_ms'])}, B {_ms(r['b_ttft_ms'])}", True),
-            Goal("tokens equal: A, B", r["tokens_equal"], "greedy, same prompt", True),
-        ]  # fmt: skip
+        out += redis_goals(results["redis"], prefix)
     if "cli" in results:
-        second = results["cli"]["second"]
-        out.append(
-            Goal("second mlxkv run: no cold request, blocks from the tier",
-                 second["cold_requests"] == 0 and second["tier_blocks_loaded"] > 0,
-                 f"{second['cold_requests']} cold requests, {second['tier_blocks_loaded']} blocks loaded", True)
-        )  # fmt: skip
+        out += cli_goals(results["cli"])
     return out
 
 
@@ -551,7 +601,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=_positive, default=5, help="rounds of the disk and redis parts (5)")
     parser.add_argument(
-        "--prefix-tokens", type=_block_multiple, default=8192, help=f"cached prefix, a multiple of {BLOCK} (8192)"
+        "--prefix-tokens",
+        type=_block_multiple,
+        default=8192,
+        help=f"cached prefix tokens, a multiple of {BLOCK} (8192)",
     )
     parser.add_argument("--suffix-tokens", type=_positive, default=32, help="own tokens after it (32)")
     parser.add_argument("--max-tokens", type=_positive, default=16, help="tokens generated per request (16)")
@@ -590,7 +643,32 @@ def _model_path(args: argparse.Namespace) -> str:
     return model
 
 
+def _title(part: str, args: argparse.Namespace) -> str:
+    """A part's heading."""
+    if part == "disk":
+        return (
+            f"warm restart from disk: {args.prefix_tokens:,} cached + {args.suffix_tokens} own tokens,"
+            f" {args.max_tokens} generated, {args.rounds} rounds"
+        )
+    if part == "redis":
+        return f"two processes on one Redis: the same prompt, {args.rounds} rounds"
+    return "mlxkv run twice on one disk tier"
+
+
+def run_part(part: str, args: argparse.Namespace, base: ChildSpec) -> dict[str, Any]:
+    """Run one part; its figures."""
+    if part == "disk":
+        return bench_disk(args, base)
+    if part == "redis":
+        return bench_redis(args, base)
+    return bench_cli(args)
+
+
+TABLES = {"disk": disk_table, "redis": redis_table, "cli": cli_table}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the parts (or, with ``--child``, one child); the exit status."""
     args = parse_args(argv)
     if args.child is not None:
         import anyio
@@ -599,29 +677,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     if "redis" in args.parts:
         redis_binary()  # fail before any work
+    if args.json:
+        open(args.json, "a").close()  # fail before any work
     model = _model_path(args)
     base = _base_spec(args, model)
-    benches = {"disk": lambda: bench_disk(args, base), "redis": lambda: bench_redis(args, base), "cli": lambda: bench_cli(args)}
-    tables = {"disk": disk_table, "redis": redis_table, "cli": cli_table}
-    titles = {
-        "disk": f"warm restart from disk: {args.prefix_tokens:,} cached + {args.suffix_tokens} own tokens,"
-        f" {args.max_tokens} generated, {args.rounds} rounds",
-        "redis": f"two processes on one Redis: the same prompt, {args.rounds} rounds",
-        "cli": "mlxkv run twice on one disk tier",
-    }
     results: dict[str, Any] = {}
     for part in args.parts:
-        results[part] = benches[part]()
-        print(f"\n## {titles[part]}\n\n{tables[part](results[part])}", flush=True)
+        results[part] = run_part(part, args, base)
+        print(f"\n## {_title(part, args)}\n\n{TABLES[part](results[part])}", flush=True)
     checked = goals(results, args.prefix_tokens)
     print("\n## goals\n")
     for goal in checked:
         print(f"- {'met' if goal.met else 'NOT MET'}: {goal.name}: {goal.detail}")
     results["goals"] = [attrs.asdict(goal) for goal in checked]
-    results["settings"] = {
-        "rounds": args.rounds, "prefix_tokens": args.prefix_tokens, "suffix_tokens": args.suffix_tokens,
-        "max_tokens": args.max_tokens, "model": model, "warmup": not args.no_warmup,
-    }  # fmt: skip
+    settings = ("rounds", "prefix_tokens", "suffix_tokens", "max_tokens", "parts", "cli_args")
+    results["settings"] = {name: getattr(args, name) for name in settings}
+    results["settings"].update(model=model, warmup=not args.no_warmup)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     return 1 if any(goal.correctness and not goal.met for goal in checked) else 0

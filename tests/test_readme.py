@@ -60,11 +60,12 @@ class TestReadmeExamples:
     """Each python block of the README, run as a script."""
 
     def test_there_are_examples(self):
-        """The parser finds the README's examples (generating, images, low level, the
-        server's openai client) and the outputs the last two show."""
+        """The parser finds the README's examples (generating, images, the tiers, low
+        level, the server's openai client) and the outputs the last two show."""
         assert [e.section for e in EXAMPLES] == [
             "Generating",
             "Images",
+            "KV that outlives the process: disk and Redis tiers",
             "The low-level API",
             "`mlxkv serve` — an OpenAI-compatible server",
         ]
