@@ -31,6 +31,7 @@ import anyio
 import attrs
 
 from mlxkv.cache.errors import InvalidInput
+from mlxkv.cache.tiers.tier import TierStatistics
 from mlxkv.generation import GenerationReport
 from mlxkv.progress import Progress
 from mlxkv.runtime import CacheRuntime, RuntimeConfig
@@ -155,6 +156,8 @@ class WorkloadReport:
         cold_fallbacks: requests whose cached prefix could not be rebuilt,
             so their whole prompt was computed (``prefill.cold_fallback``).
         kv_tiers: the tiers' URLs (empty without tiers).
+        tiers: each tier's counters at the end (written, loaded, missed,
+            dropped, corrupt, evicted), in lookup order.
         tier_blocks_loaded: blocks the prompts continued from the tiers
             below the pool (0 without tiers).
         tier_blocks_written: blocks written behind to the tiers (each
@@ -203,6 +206,7 @@ class WorkloadReport:
     kv_tiers: tuple[str, ...] = ()
     tier_blocks_loaded: int = 0
     tier_blocks_written: int = 0
+    tiers: tuple[TierStatistics, ...] = ()
 
     def rows(self) -> list[tuple[str, str]]:
         """The report as ``(name, value)`` rows, in reading order."""
@@ -254,15 +258,18 @@ class WorkloadReport:
             ),
             ("peak MLX memory", format_bytes(self.peak_mlx_memory_bytes)),
             *(
-                [
-                    (
-                        "KV tiers",
-                        f"{self.tier_blocks_loaded} blocks loaded, {self.tier_blocks_written}"
-                        f" written ({', '.join(self.kv_tiers)})",
-                    )
-                ]
+                [("KV tiers", f"{self.tier_blocks_loaded} blocks loaded, {self.tier_blocks_written} written")]
                 if self.kv_tiers
                 else []
+            ),
+            *(
+                (
+                    f"  {tier.name}",
+                    f"{tier.num_written} written, {tier.num_loaded} loaded, {tier.num_missed} missed,"
+                    f" {tier.num_dropped} dropped, {tier.num_corrupt} corrupt, {tier.num_evicted} evicted"
+                    + ("" if tier.available else " (unavailable at the end)"),
+                )
+                for tier in self.tiers
             ),
             ("wall time", f"{self.wall_seconds:.2f} s"),
         ]
@@ -504,6 +511,7 @@ async def run_workload(
         kv_tiers=config.kv_tiers,
         tier_blocks_loaded=0 if stats.tiers is None else stats.tiers.num_blocks_found,
         tier_blocks_written=0 if stats.tiers is None else stats.tiers.num_blocks_written,
+        tiers=() if stats.tiers is None else stats.tiers.tiers,
         wall_seconds=round(wall, 3),
         interrupted=interrupted,
     )

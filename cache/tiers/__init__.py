@@ -34,6 +34,7 @@ from mlxkv.cache.tiers.block_format import (
     check_value,
     decode_block,
     decode_payload,
+    decode_payloads,
     encode_block,
 )
 from mlxkv.cache.tiers.cache_dir import default_fingerprint_memo, default_kv_dir
@@ -97,6 +98,7 @@ __all__ = [
     "check_value",
     "decode_block",
     "decode_payload",
+    "decode_payloads",
     "default_fingerprint_memo",
     "default_kv_dir",
     "encode_block",

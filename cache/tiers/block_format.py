@@ -34,6 +34,7 @@ import hmac
 import json
 import math
 import struct
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional, Union
 
 import attrs
@@ -54,6 +55,7 @@ __all__ = [
     "check_value",
     "decode_block",
     "decode_payload",
+    "decode_payloads",
     "encode_block",
 ]
 
@@ -291,32 +293,50 @@ def decode_payload(value: CheckedValue) -> BlockPayload:
     Returns:
         A payload equal to the one encoded, array for array, bit for bit.
     """
+    return decode_payloads([value])[0]
+
+
+def decode_payloads(values: Sequence[CheckedValue]) -> list[BlockPayload]:
+    """:func:`decode_payload` of each value, with one evaluation for all of them.
+
+    An array whose dtype NumPy has is copied into MLX straight from a typed
+    view of the value's bytes (no MLX graph); only the others (bfloat16) are
+    reinterpreted by MLX, and evaluated together at the end.
+    """
     import mlx.core as mx
     import numpy as np
 
-    built: list[Any] = []
+    pending: list[Any] = []
 
-    def build(record: ArrayRecord) -> Any:
-        raw = np.frombuffer(
-            value.data, dtype=np.uint8, count=record.nbytes, offset=value.arrays_offset + record.offset
-        )
+    def build(value: CheckedValue, record: ArrayRecord) -> Any:
+        start = value.arrays_offset + record.offset
+        typed = _numpy_dtype(record.dtype)
+        if typed is not None:
+            count = record.nbytes // np.dtype(typed).itemsize
+            view = np.frombuffer(value.data, dtype=typed, count=count, offset=start)
+            return mx.array(view.reshape(record.shape))
+        raw = np.frombuffer(value.data, dtype=np.uint8, count=record.nbytes, offset=start)
         # mx.array copies; view reinterprets those bytes in place.
         array = mx.array(raw).view(_mx_dtype(record.dtype)).reshape(record.shape)
-        built.append(array)
+        pending.append(array)
         return array
 
-    arrays = tuple(
-        None if group is None else tuple(None if r is None else build(r) for r in group)
-        for group in value.arrays
-    )
-    mx.eval(built)
-    return BlockPayload(
-        layers=value.layout.layers,
-        start=value.start,
-        num_tokens=value.num_tokens,
-        arrays=arrays,
-        signature=value.layout.signature,
-    )
+    payloads = [
+        BlockPayload(
+            layers=value.layout.layers,
+            start=value.start,
+            num_tokens=value.num_tokens,
+            arrays=tuple(
+                None if group is None else tuple(None if r is None else build(value, r) for r in group)
+                for group in value.arrays
+            ),
+            signature=value.layout.signature,
+        )
+        for value in values
+    ]
+    if pending:
+        mx.eval(pending)
+    return payloads
 
 
 def decode_block(data: Buffer, *, key: StorageKey, namespace: Namespace) -> BlockPayload:
@@ -326,6 +346,17 @@ def decode_block(data: Buffer, *, key: StorageKey, namespace: Namespace) -> Bloc
         CorruptValue: the value does not verify.
     """
     return decode_payload(check_value(data, key=key, namespace=namespace))
+
+
+#: MLX dtypes NumPy has under the same name (bfloat16 is the one it lacks).
+_NUMPY_DTYPES = frozenset(
+    {"bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64", "float16", "float32"}
+)
+
+
+def _numpy_dtype(name: str) -> Optional[str]:
+    attribute = name.rpartition(".")[2]
+    return attribute if attribute in _NUMPY_DTYPES else None
 
 
 def _mx_dtype(name: str) -> Any:

@@ -42,7 +42,7 @@ from anyio.abc import TaskStatus
 
 from mlxkv.cache.errors import InvalidInput
 from mlxkv.cache.kv_state import BlockPayload
-from mlxkv.cache.tiers.block_format import CheckedValue, decode_payload, encode_block
+from mlxkv.cache.tiers.block_format import CheckedValue, decode_payloads, encode_block
 from mlxkv.cache.tiers.kv_events import KVEventHub, KVEventStatistics, KVEventSubscription
 from mlxkv.cache.tiers.namespace import Namespace
 from mlxkv.cache.tiers.storage_key import StorageKey, storage_key, storage_keys
@@ -56,6 +56,9 @@ T = TypeVar("T")
 
 #: Blocks the write queue holds before offers are dropped.
 DEFAULT_QUEUE_SIZE = 256
+
+#: Blocks one read asks a tier for (the reads of a lookup run concurrently).
+GET_CHUNK = 32
 
 #: Seconds any one call to a tier may take.
 DEFAULT_TIMEOUT = 1.0
@@ -316,17 +319,19 @@ class TierStack:
         holder = [t for t in owner[:run] if t is not None]  # the first tier holding each
         values: list[Optional[CheckedValue]] = [None] * run
 
-        async def fetch(index: int, tier: Tier) -> None:
-            positions = [i for i in range(run) if holder[i] == index]
-            if positions:
-                got = await self._bounded(tier, tier.get_many([keys[i] for i in positions]), None)
-                for i, value in zip(positions, got or ()):
-                    values[i] = value
+        async def fetch(tier: Tier, positions: list[int]) -> None:
+            got = await self._bounded(tier, tier.get_many([keys[i] for i in positions]), None)
+            for i, value in zip(positions, got or ()):
+                values[i] = value
 
         if run:
+            # In chunks, each bounded by the timeout on its own: a long chain
+            # of large blocks is not one call that must finish within it.
             async with anyio.create_task_group() as task_group:
                 for index, tier in enumerate(self._tiers):
-                    task_group.start_soon(fetch, index, tier)
+                    positions = [i for i in range(run) if holder[i] == index]
+                    for begin in range(0, len(positions), GET_CHUNK):
+                        task_group.start_soon(fetch, tier, positions[begin : begin + GET_CHUNK])
         # A value that vanished or did not verify since the probe may still
         # be in a later tier: ask those, in order, before the run ends there.
         for index, tier in enumerate(self._tiers):
@@ -338,7 +343,7 @@ class TierStack:
         run = next((i for i, v in enumerate(values) if v is None), run)
         verified = [v for v in values[:run] if v is not None]
         payloads: list[BlockPayload] = (
-            await self._run_mlx(partial(_decode_all, verified)) if verified else []
+            await self._run_mlx(partial(decode_payloads, verified)) if verified else []
         )
         self._num_blocks_found += len(payloads)
         self._publish_removals()
@@ -444,8 +449,3 @@ class TierStack:
         for tier in self._tiers:
             for removal in tier.take_removals():
                 self._events.removed(tier=tier.name, key=removal.key, reason=removal.reason)
-
-
-def _decode_all(values: list[CheckedValue]) -> list[BlockPayload]:
-    return [decode_payload(value) for value in values]
-

@@ -420,3 +420,5 @@ class TestConfiguration:
             reports.append(json.loads(out.read_text()))
         assert reports[0]["cold_requests"] > 0 and reports[0]["tier_blocks_written"] > 0
         assert reports[1]["cold_requests"] == 0 and reports[1]["tier_blocks_loaded"] > 0
+        (tier,) = reports[1]["tiers"]
+        assert tier["num_loaded"] == reports[1]["tier_blocks_loaded"] and tier["num_corrupt"] == 0
