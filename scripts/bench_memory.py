@@ -21,6 +21,12 @@ length (K prefixes cached, each shared by N/K requests; the floor counts
 each once). Also reported: generated tokens per second of each method (the
 same greedy tokens are checked across methods).
 
+Before each round the garbage of the previous one is collected, and the
+runtime runs with ``keep_last_cache=False``: the kept last cache (one
+finished request's KV beside the pool, replaced as requests finish) would
+sit in "what was active just before" and be freed during the round, so the
+peak above it would undercount (even below zero).
+
     .venv/bin/python scripts/bench_memory.py [--sizes 8,16,32,64] [--groups 1] [--rounds 3] [--json FILE]
 """
 
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import random
 import statistics
@@ -77,6 +84,7 @@ class MlxLm:
         from mlx_lm.generate import BatchGenerator
 
         groups = len(self.caches)
+        gc.collect()
         mx.synchronize()
         base = mx.get_active_memory()
         mx.reset_peak_memory()
@@ -103,7 +111,9 @@ async def _mlxkv(path: str, prefixes: list[list[int]], owns_by_round: list[list[
 
     results = []
     groups = len(prefixes)
-    async with CacheRuntime(model=path, block_size=BLOCK, shared_prefix=shared, max_blocks=4096) as rt:
+    async with CacheRuntime(
+        model=path, block_size=BLOCK, shared_prefix=shared, max_blocks=4096, keep_last_cache=False
+    ) as rt:
         for prefix in prefixes:  # stores each prefix's blocks in the pool
             async with rt.generate(prefix + [33], max_tokens=1, cache_salt=None) as warm:
                 async for _ in warm:
@@ -117,6 +127,7 @@ async def _mlxkv(path: str, prefixes: list[list[int]], owns_by_round: list[list[
                         if isinstance(record, GenerationReport):
                             reports[i] = record
 
+            gc.collect()  # the previous method's arrays: freed now, not during the round
             mx.synchronize()
             base = mx.get_active_memory()
             mx.reset_peak_memory()
