@@ -431,6 +431,8 @@ def cascade_attention(
     batch, heads, length, dim = queries.shape
     kv_heads = keys.shape[1]
     repeats = heads // kv_heads
+    if batch == 1 and length > 1 and len(segments) == 1:
+        return _prefill_one_row(queries, keys, values, mask, scale, segments[0])
     if length == 1 and len(segments) == 1 and len(segments[0][0]) == batch and min(segments[0][3]) == segments[0][1].shape[2]:
         return _decode_one_group(queries, keys, values, mask, scale, segments[0][1], segments[0][2])
     q = (queries * scale).reshape(batch, kv_heads, repeats, length, dim)
@@ -492,6 +494,30 @@ def cascade_attention(
         else:
             output[index] = merged
     return output.reshape(batch, heads, length, -1)
+
+
+def _prefill_one_row(
+    queries: Any, keys: Any, values: Any, mask: Any, scale: float, segment: tuple[list[int], Any, Any, list[int]]
+) -> Any:
+    """One row's prefill chunk over its shared prefix: fused attention over the
+    prefix and the suffix side by side. The concatenation is a transient of one
+    layer's prefix for one row (freed once this layer's attention ran); the
+    row still holds only its suffix, and the fused kernel is faster than the
+    scores in plain operations on many queries."""
+    import mlx.core as mx
+
+    _, prefix_keys, prefix_values, lengths = segment
+    size = lengths[0]
+    length, total = queries.shape[2], size + keys.shape[2]
+    keys = mx.concatenate([prefix_keys[:, :, :size], keys], axis=2)
+    values = mx.concatenate([prefix_values[:, :, :size], values], axis=2)
+    if isinstance(mask, str):
+        # The queries are the last `length` of all positions, prefix first.
+        mask = mx.arange(total - length, total)[:, None] >= mx.arange(total)[None]
+    elif mask is not None:
+        seen = mx.ones if mask.dtype == mx.bool_ else mx.zeros
+        mask = mx.concatenate([seen((*mask.shape[:-1], size), dtype=mask.dtype), mask], axis=-1)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
 def _decode_one_group(queries: Any, keys: Any, values: Any, mask: Any, scale: float, prefix_keys: Any, prefix_values: Any) -> Any:

@@ -79,6 +79,29 @@ class TestCascadeAttention:
             expected = _fused(q[b : b + 1], [*parts_k, ks[b : b + 1]], [*parts_v, vs[b : b + 1]], full_mask)
             np.testing.assert_allclose(np.array(out[b : b + 1]), np.array(expected), atol=TOL, rtol=0)
 
+    @pytest.mark.parametrize("mask_kind", ["causal", "bool", "additive"])
+    def test_one_rows_prefill_over_part_of_its_prefix_equals_fused_attention(self, mask_kind):
+        """A lone row's prefill chunk (the fused path over prefix + suffix), with
+        the model's mask as a string, a boolean or an additive array."""
+        rng = np.random.default_rng(11)
+        heads, kv_heads, dim, size, seen, length, suffix = 4, 2, 8, 200, 150, 5, 7
+        q = mx.array(rng.standard_normal((1, heads, length, dim)), dtype=mx.float32)
+        ks = mx.array(rng.standard_normal((1, kv_heads, suffix, dim)), dtype=mx.float32)
+        vs = mx.array(rng.standard_normal((1, kv_heads, suffix, dim)), dtype=mx.float32)
+        kp = mx.array(rng.standard_normal((1, kv_heads, size, dim)), dtype=mx.float32)
+        vp = mx.array(rng.standard_normal((1, kv_heads, size, dim)), dtype=mx.float32)
+        causal = mx.arange(suffix - length, suffix)[:, None] >= mx.arange(suffix)[None]
+        mask = {
+            "causal": "causal",
+            "bool": causal[None, None],
+            "additive": mx.where(causal, 0.0, -mx.inf)[None, None],
+        }[mask_kind]
+        out = cascade_attention(q, ks, vs, mask, dim**-0.5, [([0], kp, vp, [seen])])
+        total = seen + suffix
+        full = mx.arange(total - length, total)[:, None] >= mx.arange(total)[None]
+        expected = _fused(q, [kp[:, :, :seen], ks], [vp[:, :, :seen], vs], full)
+        np.testing.assert_allclose(np.array(out), np.array(expected), atol=TOL, rtol=0)
+
     @pytest.mark.parametrize("padded", [False, True])
     def test_a_decode_step_of_one_group_equals_fused_attention(self, padded):
         """The common step -- every row one query over one group's whole
