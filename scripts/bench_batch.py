@@ -207,7 +207,9 @@ async def _mlxkv(rt: Any, owns: list[list[int]], tokens: int) -> dict[str, Any]:
         for i in range(len(owns)):
             tg.start_soon(one, i)
     wall = time.perf_counter() - started
-    assert all(r.cached_tokens == PREFIX // 64 * 64 for _, r in reports), "the prefix was not reused"
+    cached = [r.cached_tokens for _, r in reports]
+    # The kept last cache may serve a token or two more (own tokens that begin alike).
+    assert all(c >= PREFIX // 64 * 64 for c in cached), f"the prefix was not reused: {cached}"
     return {
         "wall": wall,
         "ttft": [r.time_to_first_token for _, r in reports],
