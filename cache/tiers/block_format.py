@@ -29,6 +29,7 @@ can write a value that verifies. Share a tier only with writers you trust.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -255,12 +256,15 @@ def check_value(data: Buffer, *, key: StorageKey, namespace: Namespace) -> Check
         _corrupt("another namespace")
     if len(key) != KEY_SIZE or header["key"] != bytes(key).hex():
         _corrupt("stored under another key")
-    try:
-        layout = KVLayout.from_json(header["layout"])
-    except InvalidInput as exc:
-        _corrupt(f"layout: {exc}")
-    if layout != namespace.layout:
-        _corrupt("another KV layout")
+    if header["layout"] == _layout_json(namespace.layout):
+        layout = namespace.layout  # the usual case, without building it again
+    else:
+        try:
+            layout = KVLayout.from_json(header["layout"])
+        except InvalidInput as exc:
+            _corrupt(f"layout: {exc}")
+        if layout != namespace.layout:
+            _corrupt("another KV layout")
     start, num_tokens = header["start"], header["num_tokens"]
     if not (_is_count(start) and _is_count(num_tokens)):
         _corrupt("start and num_tokens must be ints >= 0")
@@ -279,6 +283,12 @@ def check_value(data: Buffer, *, key: StorageKey, namespace: Namespace) -> Check
         data=data,
         arrays_offset=_PREFIX.size + header_size,
     )
+
+
+@functools.lru_cache(maxsize=16)
+def _layout_json(layout: KVLayout) -> Any:
+    """``layout`` as a value header's JSON reads back (lists for tuples)."""
+    return json.loads(json.dumps(layout.to_json()))
 
 
 def decode_payload(value: CheckedValue) -> BlockPayload:

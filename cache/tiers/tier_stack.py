@@ -57,7 +57,7 @@ T = TypeVar("T")
 #: Blocks the write queue holds before offers are dropped.
 DEFAULT_QUEUE_SIZE = 256
 
-#: Blocks one read asks a tier for (the reads of a lookup run concurrently).
+#: Blocks one read asks a tier for (a tier's reads of one lookup run one after another).
 GET_CHUNK = 32
 
 #: Seconds any one call to a tier may take.
@@ -319,19 +319,23 @@ class TierStack:
         holder = [t for t in owner[:run] if t is not None]  # the first tier holding each
         values: list[Optional[CheckedValue]] = [None] * run
 
-        async def fetch(tier: Tier, positions: list[int]) -> None:
-            got = await self._bounded(tier, tier.get_many([keys[i] for i in positions]), None)
-            for i, value in zip(positions, got or ()):
-                values[i] = value
+        async def fetch(index: int, tier: Tier) -> None:
+            # In chunks, in chain order, each bounded by the timeout on its
+            # own: a long chain of large blocks is not one call that must
+            # finish within it, and a chunk that times out ends the run there.
+            positions = [i for i in range(run) if holder[i] == index]
+            for begin in range(0, len(positions), GET_CHUNK):
+                chunk = positions[begin : begin + GET_CHUNK]
+                got = await self._bounded(tier, tier.get_many([keys[i] for i in chunk]), None)
+                if got is None:
+                    return
+                for i, value in zip(chunk, got):
+                    values[i] = value
 
         if run:
-            # In chunks, each bounded by the timeout on its own: a long chain
-            # of large blocks is not one call that must finish within it.
             async with anyio.create_task_group() as task_group:
                 for index, tier in enumerate(self._tiers):
-                    positions = [i for i in range(run) if holder[i] == index]
-                    for begin in range(0, len(positions), GET_CHUNK):
-                        task_group.start_soon(fetch, tier, positions[begin : begin + GET_CHUNK])
+                    task_group.start_soon(fetch, index, tier)
         # A value that vanished or did not verify since the probe may still
         # be in a later tier: ask those, in order, before the run ends there.
         for index, tier in enumerate(self._tiers):
