@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import attrs
+
+from mlxkv.cache.tiers import cache_dir
 
 __all__ = [
     "BYTE_VOCAB",
@@ -233,12 +234,10 @@ DEFAULT_MODEL = ModelSpec(
 
 
 def default_cache_dir() -> Path:
-    """Where models are written: ``$MLXKV_CACHE_DIR``, else ``~/.cache/mlxkv``."""
-    env = os.environ.get("MLXKV_CACHE_DIR")
-    if env:
-        return Path(env)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return Path(xdg) / "mlxkv" if xdg else Path.home() / ".cache" / "mlxkv"
+    """Where models are written: ``$MLXKV_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/mlxkv``, else ``~/.cache/mlxkv`` (the one rule, in
+    :func:`mlxkv.cache.tiers.cache_dir.default_cache_dir`)."""
+    return cache_dir.default_cache_dir()
 
 
 def ensure_model(spec: ModelSpec = DEFAULT_MODEL, cache_dir: Path | None = None) -> Path:

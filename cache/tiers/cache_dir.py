@@ -1,10 +1,9 @@
 """Where the tiers keep their files by default: under mlxkv's cache directory.
 
-The runtime writes its built-in models to ``$MLXKV_CACHE_DIR``, else
-``$XDG_CACHE_HOME/mlxkv``, else ``~/.cache/mlxkv``
-(``mlxkv.default_model.default_cache_dir``). The cache layer may not import
-the runtime, so the same rule is written here once more; a test checks that
-the two agree.
+The one rule for mlxkv's cache directory: ``$MLXKV_CACHE_DIR``, else
+``$XDG_CACHE_HOME/mlxkv``, else ``~/.cache/mlxkv``. The runtime writes its
+built-in models there too (``mlxkv.default_model.default_cache_dir`` calls
+this one).
 """
 
 from __future__ import annotations
@@ -16,7 +15,8 @@ __all__ = ["default_cache_dir", "default_fingerprint_memo", "default_kv_dir"]
 
 
 def default_cache_dir() -> Path:
-    """mlxkv's cache directory: ``$MLXKV_CACHE_DIR``, else ``~/.cache/mlxkv``."""
+    """mlxkv's cache directory: ``$MLXKV_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/mlxkv``, else ``~/.cache/mlxkv``."""
     env = os.environ.get("MLXKV_CACHE_DIR")
     if env:
         return Path(env)
