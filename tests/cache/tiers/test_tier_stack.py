@@ -333,6 +333,38 @@ class TestFaults:
         assert len(found) == 6 and 0.2 <= elapsed < 0.6
         assert stats.num_timeouts == 1 and stats.tiers[1].num_loaded == 6
 
+    async def test_reads_go_in_chunks_and_a_chunk_that_times_out_ends_the_hit(
+        self, disk, namespace, blocks, chain, monkeypatch
+    ):
+        """A tier's values are read a chunk at a time, in chain order, each chunk
+        bounded by the timeout on its own: a tier that stalls on its second chunk
+        still serves the first, and the caller waits one timeout, not more."""
+        from mlxkv.cache.tiers import tier_stack
+
+        monkeypatch.setattr(tier_stack, "GET_CHUNK", 2)
+        async with TierStack([disk(namespace)], namespace) as stack:
+            _offer_all(stack, chain, blocks)
+        stalling = SlowTier(disk(namespace))
+        reads = []
+        inner_get_many = stalling.get_many
+
+        async def get_many(keys):
+            reads.append(len(keys))
+            stalling.get_delay = 10.0 if len(reads) == 2 else 0.0
+            return await inner_get_many(keys)
+
+        stalling.get_many = get_many
+        async with TierStack([stalling], namespace, timeout=0.2) as stack:
+            start = anyio.current_time()
+            found = await stack.lookup_chain(chain)
+            elapsed = anyio.current_time() - start
+            stats = stack.statistics()
+        assert reads == [2, 2]  # the third chunk is not asked for: the hit ended
+        assert len(found) == 2
+        for payload, block in zip(found, blocks):
+            assert_same_payload(payload, block)
+        assert stats.num_timeouts == 1 and 0.2 <= elapsed < 0.6
+
     async def test_redis_down_costs_only_its_misses(self, disk, redis, redis_server, namespace, blocks, chain, caplog):
         """With Redis killed, offers still go through, disk still serves, and Redis
         logs one warning; nothing raises."""
