@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mlxkv.cache.block_hash import BlockHash, hash_block_chain
+from mlxkv.cache.block_hash import hash_block_chain
 from mlxkv.cache.blocks import CacheBlock
 from mlxkv.cache.errors import DoubleFree, InvalidInput, OutOfBlocks
 from mlxkv.cache.pool import BlockPool

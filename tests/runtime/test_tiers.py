@@ -50,6 +50,13 @@ def _disk(directory: Path, **options: Any) -> str:
     return f"file://{directory}" + (f"?{query}" if query else "")
 
 
+def _redis(server: Any) -> str:
+    """The server's URL with a generous call timeout: on a loaded machine a
+    test that expects hits must not see a slow call as the server failing
+    (the frozen-server test keeps the default)."""
+    return f"{server.url}?timeout=5"
+
+
 def _runtime(model: str, *tiers: str, **options: Any) -> CacheRuntime:
     options.setdefault("block_size", BS)
     return CacheRuntime(model=model, kv_tiers=list(tiers), **options)
@@ -242,14 +249,14 @@ class TestCorruption:
 
     async def test_corrupt_redis_values_are_misses_and_deleted(self, llama, redis_server):
         prompt = _prompt(32)
-        await _store(llama, prompt, redis_server.url)
+        await _store(llama, prompt, _redis(redis_server))
         keys = redis_server.command("KEYS", "*")
         assert len(keys) == _full_blocks(prompt)
         for key in keys:
             value = bytearray(redis_server.command("GET", key))
             value[-1] ^= 0xFF
             redis_server.command("SET", key, bytes(value))
-        async with _runtime(llama, redis_server.url) as rt:
+        async with _runtime(llama, _redis(redis_server)) as rt:
             warm = await run(rt, prompt)
             assert warm[1].cached_tokens == 0
             (tier,) = (await rt.stats()).tiers.tiers
@@ -263,7 +270,7 @@ class TestRedis:
 
     async def test_two_runtimes_share_one_server(self, llama, redis_server):
         prompt = _prompt(40)
-        async with _runtime(llama, redis_server.url) as first, _runtime(llama, redis_server.url) as second:
+        async with _runtime(llama, _redis(redis_server)) as first, _runtime(llama, _redis(redis_server)) as second:
             cold = await run(first, prompt)
             await first.flush_tiers()
             warm = await run(second, prompt)
@@ -275,7 +282,7 @@ class TestRedis:
 
     async def test_a_killed_server_makes_misses_then_reconnects(self, llama, redis_server):
         first, second = _prompt(41), _prompt(42)
-        async with _runtime(llama, redis_server.url) as rt:
+        async with _runtime(llama, _redis(redis_server)) as rt:
             await run(rt, first)
             await rt.flush_tiers()
             redis_server.kill()
@@ -296,13 +303,13 @@ class TestRedis:
             await run(rt, third)
             await rt.flush_tiers()
             await assert_clean(rt)
-        async with _runtime(llama, redis_server.url) as rt:
+        async with _runtime(llama, _redis(redis_server)) as rt:
             _, report = await run(rt, third)
             assert report.cached_tokens == _full_blocks(third) * BS
 
     async def test_a_frozen_server_costs_timeouts_not_requests(self, llama, redis_server):
         prompt = _prompt(44)
-        await _store(llama, prompt, redis_server.url)
+        await _store(llama, prompt, _redis(redis_server))
         async with _runtime(llama, redis_server.url) as rt:
             redis_server.pause()
             try:
@@ -319,15 +326,15 @@ class TestRedis:
         self, llama, tmp_path, redis_server
     ):
         prompt = _prompt(45)
-        await _store(llama, prompt, _disk(tmp_path), redis_server.url)
+        await _store(llama, prompt, _disk(tmp_path), _redis(redis_server))
         assert len(redis_server.command("KEYS", "*")) == _full_blocks(prompt)
-        async with _runtime(llama, _disk(tmp_path), redis_server.url) as rt:
+        async with _runtime(llama, _disk(tmp_path), _redis(redis_server)) as rt:
             warm = await run(rt, prompt)
             disk, redis = (await rt.stats()).tiers.tiers
             assert warm[1].cached_tokens == _full_blocks(prompt) * BS
             assert disk.num_loaded == _full_blocks(prompt) and redis.num_loaded == 0
         # Without the disk, Redis alone serves it.
-        async with _runtime(llama, redis_server.url) as rt:
+        async with _runtime(llama, _redis(redis_server)) as rt:
             _, report = await run(rt, prompt)
             assert report.cached_tokens == _full_blocks(prompt) * BS
 

@@ -319,18 +319,24 @@ class TestWriteBehind:
 
 
 class TestFaults:
-    async def test_lookups_time_out_into_misses(self, disk, redis, namespace, blocks, chain):
+    async def test_lookups_time_out_into_misses(self, disk, redis_server, namespace, blocks, chain):
         """A tier that does not answer within the timeout is a miss; the next tier
-        serves the chain, and the caller waits no longer than the timeout."""
-        async with TierStack([disk(namespace), redis(namespace)], namespace) as stack:
+        serves the chain, and the slow tier costs the caller one timeout, not its
+        10 s. (Redis gets a generous timeout of its own here: on a loaded machine
+        its first connection must not be the tier that times out.)"""
+
+        def redis():
+            return RedisTier(namespace, host="127.0.0.1", port=redis_server.port, timeout=5.0)
+
+        async with TierStack([disk(namespace), redis()], namespace) as stack:
             _offer_all(stack, chain, blocks)
         slow = SlowTier(disk(namespace), get_delay=10.0)
-        async with TierStack([slow, redis(namespace)], namespace, timeout=0.2) as stack:
+        async with TierStack([slow, redis()], namespace, timeout=1.0) as stack:
             start = anyio.current_time()
             found = await stack.lookup_chain(chain)
             elapsed = anyio.current_time() - start
             stats = stack.statistics()
-        assert len(found) == 6 and 0.2 <= elapsed < 0.6
+        assert len(found) == 6 and 1.0 <= elapsed < 4.0
         assert stats.num_timeouts == 1 and stats.tiers[1].num_loaded == 6
 
     async def test_reads_go_in_chunks_and_a_chunk_that_times_out_ends_the_hit(
@@ -354,7 +360,7 @@ class TestFaults:
             return await inner_get_many(keys)
 
         stalling.get_many = get_many
-        async with TierStack([stalling], namespace, timeout=0.2) as stack:
+        async with TierStack([stalling], namespace, timeout=0.5) as stack:
             start = anyio.current_time()
             found = await stack.lookup_chain(chain)
             elapsed = anyio.current_time() - start
@@ -363,7 +369,7 @@ class TestFaults:
         assert len(found) == 2
         for payload, block in zip(found, blocks):
             assert_same_payload(payload, block)
-        assert stats.num_timeouts == 1 and 0.2 <= elapsed < 0.6
+        assert stats.num_timeouts == 1 and 0.5 <= elapsed < 2.0
 
     async def test_redis_down_costs_only_its_misses(self, disk, redis, redis_server, namespace, blocks, chain, caplog):
         """With Redis killed, offers still go through, disk still serves, and Redis
