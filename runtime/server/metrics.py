@@ -11,7 +11,9 @@ servers in one process never mix their figures). Two kinds:
   prefix-cache queries and hits, tokens reused and computed, KV blocks held,
   cached and in the pool, decode steps and the request-steps they served
   (their ratio is the decode batch size), the admission slots and queue, the
-  chat turns continued exactly.
+  chat turns continued exactly, and with ``--kv-tier`` each tier's blocks by
+  event (written, loaded, missed, dropped, corrupt, evicted), whether it
+  answers, the write queue's drops and the tier timeouts.
 
 Outcomes: ``stop`` and ``length`` (finished, as ``finish_reason``),
 ``disconnected`` (the client left; its generation was cancelled),
@@ -27,6 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from mlxkv.cache.tiers.tier_stack import TierStackStatistics
 from mlxkv.runtime import RuntimeStatistics
 from mlxkv.server.admission import AdmissionStatistics
 from mlxkv.server.chat import MemoryStatistics
@@ -162,6 +165,8 @@ class _Snapshot(Collector):
                 "Requests prefilling or decoding now.",
                 compute.num_live,
             )
+        if stats.tiers is not None:
+            yield from _tier_metrics(stats.tiers)
         yield _gauge(
             "mlxkv_requests_running", "Requests holding an admission slot.", admission.num_running
         )
@@ -180,6 +185,38 @@ class _Snapshot(Collector):
             "Chat prompts built on an earlier turn's exact tokens.",
             memory.num_continued,
         )
+
+
+def _tier_metrics(tiers: TierStackStatistics) -> Iterator[Metric]:
+    """The KV tiers below the pool: each tier's blocks by what happened to
+    them, whether it answers, and the write-behind queue's drops."""
+    blocks = CounterMetricFamily(
+        "mlxkv_kv_tier_blocks", "Blocks each KV tier wrote, loaded, missed, dropped, found corrupt or evicted.",
+        labels=["tier", "event"],
+    )
+    available = GaugeMetricFamily(
+        "mlxkv_kv_tier_available", "Whether the tier's storage answered its last call (1) or not (0).",
+        labels=["tier"],
+    )
+    for tier in tiers.tiers:
+        for event, value in (
+            ("written", tier.num_written),
+            ("loaded", tier.num_loaded),
+            ("missed", tier.num_missed),
+            ("dropped", tier.num_dropped),
+            ("corrupt", tier.num_corrupt),
+            ("evicted", tier.num_evicted),
+        ):
+            blocks.add_metric([tier.name, event], value)
+        available.add_metric([tier.name], 1.0 if tier.available else 0.0)
+    yield blocks
+    yield available
+    yield _counter(
+        "mlxkv_kv_tier_queue_dropped",
+        "Blocks not written behind because the write queue was full.",
+        tiers.num_queue_dropped,
+    )
+    yield _counter("mlxkv_kv_tier_timeouts", "Tier calls cut off by the stack's timeout.", tiers.num_timeouts)
 
 
 def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:

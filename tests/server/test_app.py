@@ -504,6 +504,23 @@ class TestHealthAndMetrics:
             assert health == {"status": "ok", "model": "tiny", "running": 0, "waiting": 0}
 
 
+    async def test_metrics_count_each_kv_tiers_blocks(self, serve, tmp_path):
+        """With a disk tier, /metrics has its blocks by event and whether it
+        answers; a second server over the same directory loads the prompt."""
+        tier = f"file://{tmp_path}"
+        async with serve(kv_tiers=[tier]) as s:
+            await s.client.completions.create(model="tiny", prompt=SYSTEM, max_tokens=3, **GREEDY)
+            await s.runtime.flush_tiers()
+            metrics = await _metrics(s.url)
+        assert metrics[f'mlxkv_kv_tier_blocks_total{{event="written",tier="{tier}"}}'] > 0
+        assert metrics[f'mlxkv_kv_tier_available{{tier="{tier}"}}'] == 1
+        assert metrics["mlxkv_kv_tier_queue_dropped_total"] == 0
+        async with serve(kv_tiers=[tier]) as s:
+            await s.client.completions.create(model="tiny", prompt=SYSTEM, max_tokens=3, **GREEDY)
+            metrics = await _metrics(s.url)
+        assert metrics[f'mlxkv_kv_tier_blocks_total{{event="loaded",tier="{tier}"}}'] > 0
+
+
 class TestImages:
     """Image parts on the built-in vision-language model."""
 
