@@ -10,10 +10,12 @@ refused at once (:class:`Overloaded`), never queued without bound.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import AsyncIterator
 
 import anyio
+import anyio.lowlevel
 import attrs
 
 __all__ = ["Admission", "AdmissionStatistics", "Overloaded"]
@@ -44,14 +46,28 @@ class AdmissionStatistics:
     num_refused: int
 
 
+class _Waiter:
+    """One request in the queue: woken when a leaving request hands it its slot."""
+
+    __slots__ = ("granted", "woken")
+
+    def __init__(self) -> None:
+        self.granted = False
+        self.woken = anyio.Event()
+
+
 class Admission:
     """Slots for generating requests, and a bounded queue for them.
 
-    Owns: a FIFO semaphore of ``max_running`` slots and the count of waiters.
+    Owns: the count of running requests and the FIFO queue of waiters, both
+    touched only on the event loop (no lock: a request that leaves hands its
+    slot straight to the queue's head, which is woken holding it).
 
     Invariants:
         - ``0 <= num_running <= max_running`` and ``0 <= num_waiting <= max_waiting``;
-        - a waiter that is cancelled (its client left) leaves the queue and holds no slot.
+        - a waiter is queued only while every slot is taken;
+        - a waiter that is cancelled (its client left) leaves the queue and holds
+          no slot: one it was handed meanwhile goes on to the next.
     """
 
     def __init__(self, max_running: int, max_waiting: int) -> None:
@@ -61,8 +77,8 @@ class Admission:
             )
         self._max_running = max_running
         self._max_waiting = max_waiting
-        self._slots = anyio.Semaphore(max_running, fast_acquire=False)
-        self._num_waiting = 0
+        self._num_running = 0
+        self._queue: collections.deque[_Waiter] = collections.deque()
         self._num_admitted = 0
         self._num_refused = 0
 
@@ -73,27 +89,45 @@ class Admission:
         Raises:
             Overloaded: no slot is free and the queue is full (raised at once).
         """
-        if self._slots.value == 0 and self._num_waiting >= self._max_waiting:
+        if self._num_running < self._max_running:
+            self._num_running += 1
+            await anyio.lowlevel.checkpoint()
+        elif len(self._queue) >= self._max_waiting:
             self._num_refused += 1
             raise Overloaded
-        self._num_waiting += 1
-        try:
-            await self._slots.acquire()
-        finally:
-            self._num_waiting -= 1
+        else:
+            waiter = _Waiter()
+            self._queue.append(waiter)
+            try:
+                await waiter.woken.wait()
+            except BaseException:
+                if waiter.granted:
+                    self._leave()  # handed a slot while being cancelled: pass it on
+                else:
+                    self._queue.remove(waiter)
+                raise
         self._num_admitted += 1
         try:
             yield
         finally:
-            self._slots.release()
+            self._leave()
+
+    def _leave(self) -> None:
+        """Give up a slot: to the longest waiter if there is one, else free it."""
+        if self._queue:
+            waiter = self._queue.popleft()
+            waiter.granted = True
+            waiter.woken.set()
+        else:
+            self._num_running -= 1
 
     def statistics(self) -> AdmissionStatistics:
         """A snapshot of the slots and the queue."""
         return AdmissionStatistics(
             max_running=self._max_running,
             max_waiting=self._max_waiting,
-            num_running=self._max_running - self._slots.value,
-            num_waiting=self._num_waiting,
+            num_running=self._num_running,
+            num_waiting=len(self._queue),
             num_admitted=self._num_admitted,
             num_refused=self._num_refused,
         )

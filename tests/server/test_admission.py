@@ -59,6 +59,36 @@ class TestAdmission:
             assert admission.statistics().num_running == 1
         assert admission.statistics().num_running == 0
 
+    async def test_a_slot_handed_to_a_cancelled_waiter_goes_on_to_the_next(self):
+        """The head of the queue is cancelled in the same step a slot is handed to
+        it: it never runs, and the slot goes to the next waiter, not lost."""
+        admission = Admission(max_running=1, max_waiting=2)
+        entered: list[str] = []
+        release_c = anyio.Event()
+
+        async def wait(name: str, scope: anyio.CancelScope) -> None:
+            with scope:
+                async with admission.slot():
+                    entered.append(name)
+                    await release_c.wait()
+
+        scope_b, scope_c = anyio.CancelScope(), anyio.CancelScope()
+        async with anyio.create_task_group() as tg:
+            async with admission.slot():
+                tg.start_soon(wait, "b", scope_b)
+                await anyio.wait_all_tasks_blocked()
+                tg.start_soon(wait, "c", scope_c)
+                await anyio.wait_all_tasks_blocked()
+                assert admission.statistics().num_waiting == 2
+                scope_b.cancel()  # b is cancelled, and is handed the slot below
+            await anyio.wait_all_tasks_blocked()
+            assert entered == ["c"]
+            stats = admission.statistics()
+            assert (stats.num_running, stats.num_waiting) == (1, 0)
+            release_c.set()
+        stats = admission.statistics()
+        assert (stats.num_running, stats.num_waiting, stats.num_admitted) == (0, 0, 2)
+
     def test_bounds_are_checked(self):
         """At least one slot; a queue of zero means refuse whenever every slot is taken."""
         with pytest.raises(ValueError):
