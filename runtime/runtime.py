@@ -43,7 +43,6 @@ from mlxkv.cache.errors import InvalidInput, UnknownRequest
 from mlxkv.cache.pool import PoolStatistics
 from mlxkv.cache.tiers.kv_events import KVEventSubscription
 from mlxkv.cache.tiers.namespace import Namespace, namespace_for_model
-from mlxkv.cache.tiers.tier import TierStatistics
 from mlxkv.cache.tiers.tier_stack import TierStack, TierStackStatistics
 from mlxkv.cache.token_ids import check_token_ids
 from mlxkv.client import CacheClient, FetchResult, StoreResult
@@ -336,7 +335,7 @@ class RuntimeStatistics:
                     f" ({tiers.num_lookups} lookups), {tiers.num_queued} written behind"
                     f" ({tiers.num_pending} pending, {tiers.num_queue_dropped} dropped),"
                     f" {tiers.num_timeouts} timeouts: "
-                    + ", ".join(_format_tier(tier) for tier in tiers.tiers),
+                    + ", ".join(f"{tier.name} {tier.summary()}" for tier in tiers.tiers),
                 )
             )
         rows.append(
@@ -1117,15 +1116,6 @@ def _salt(value: Any) -> Optional[str]:
     if value is not None and not isinstance(value, str):
         raise InvalidInput("cache_salt", value, "must be a str or None")
     return value
-
-
-def _format_tier(tier: TierStatistics) -> str:
-    """One tier's counters, for :meth:`RuntimeStatistics.format`."""
-    state = "" if tier.available else " (unavailable)"
-    return (
-        f"{tier.name}{state} {tier.num_written} written, {tier.num_loaded} loaded,"
-        f" {tier.num_corrupt} corrupt, {tier.num_evicted} evicted"
-    )
 
 
 async def _tier_namespace(model_path: str, info: ModelInfo, block_size: int) -> Namespace:

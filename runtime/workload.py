@@ -263,13 +263,7 @@ class WorkloadReport:
                 else []
             ),
             *(
-                (
-                    f"  {tier.name}",
-                    f"{tier.num_written} written, {tier.num_loaded} loaded, {tier.num_missed} missed,"
-                    f" {tier.num_dropped} dropped, {tier.num_corrupt} corrupt, {tier.num_evicted} evicted"
-                    + ("" if tier.available else " (unavailable at the end)"),
-                )
-                for tier in self.tiers
+(f"  {tier.name}", tier.summary()) for tier in self.tiers
             ),
             ("wall time", f"{self.wall_seconds:.2f} s"),
         ]

@@ -74,6 +74,14 @@ class TierStatistics:
     num_bytes: Optional[int]
     available: bool
 
+    def summary(self) -> str:
+        """The counters as one line a person can read (without the name)."""
+        return (
+            f"{self.num_written} written, {self.num_loaded} loaded, {self.num_missed} missed,"
+            f" {self.num_dropped} dropped, {self.num_corrupt} corrupt, {self.num_evicted} evicted"
+            + ("" if self.available else " (unavailable)")
+        )
+
 
 @attrs.define
 class TierCounters:
