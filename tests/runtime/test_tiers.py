@@ -196,13 +196,27 @@ class TestNamespaces:
             assert same.cached_tokens == _full_blocks(prompt) * BS
 
     async def test_no_prompt_token_is_stored_in_plain_text(self, llama, tmp_path):
-        prompt = [7, 7, 7, 7] * (2 * BS)  # a run of one byte in an encoded prompt would show
+        """No run of the prompt's token ids appears in any stored file, in any
+        encoding a careless format would use (8-, 16-, 32- or 64-bit integers,
+        JSON or text); the check itself finds such a run where there is one."""
+        import json
+
+        import numpy as np
+
+        prompt = _prompt(24)
+        run_of = prompt[BS : BS + 8]  # inside a stored block, not at its edge
+        needles = [np.array(run_of, dtype=dtype).tobytes() for dtype in ("u1", "<u2", "<i4", "<i8")]
+        needles += [json.dumps(run_of)[1:-1].encode(), json.dumps(run_of, separators=(",", ":"))[1:-1].encode()]
+
+        def holds_tokens(data: bytes) -> bool:
+            return any(needle in data for needle in needles)
+
+        assert all(holds_tokens(b"header" + needle + b"trailer") for needle in needles)
         await _store(llama, prompt, _disk(tmp_path))
         files = [path for path in tmp_path.rglob("*") if path.is_file()]
-        assert files
-        needle = bytes([7]) * 32
+        assert len(files) >= _full_blocks(prompt)
         for path in files:
-            assert needle not in path.read_bytes()
+            assert not holds_tokens(path.read_bytes()), path.name
 
 
 class TestCorruption:
