@@ -1,12 +1,11 @@
 """State has one owner: no lock anywhere in the library (actors/, cache/, runtime/).
 
-Two exceptions are allowed, and listed in ``ALLOWED``: the ``mlxkv run``
+One exception is allowed, and listed in ``ALLOWED``: the ``mlxkv run``
 workload (``runtime/workload.py``) plays the *clients* of the runtime, and
 bounds how many requests those clients have in flight with a
-``CapacityLimiter``; ``mlxkv serve`` (``runtime/server/admission.py``) bounds
-how many of its HTTP clients' requests generate at once with a
-``Semaphore``. Both are admission limits on the runtime's callers, guarding
-no cache state; every piece of cache state is still owned by one actor.
+``CapacityLimiter`` -- a limit on the runtime's callers, guarding no cache
+state. (``mlxkv serve``'s admission owns its count and queue of waiters and
+hands slots over without a lock.)
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SOURCES = sorted(path for folder in ("actors", "cache", "runtime") for path in (ROOT / folder).rglob("*.py"))
 
 #: module -> lock-like names it may use, and why (see the module docstring).
-ALLOWED = {"workload.py": {"CapacityLimiter"}, "admission.py": {"Semaphore"}}
+ALLOWED = {"workload.py": {"CapacityLimiter"}}
 
 #: Lock-like primitives of threading, asyncio, anyio and trio.
 LOCKS = {
