@@ -39,6 +39,7 @@ import attrs
 from mlxkv.actors.model_runner import ModelRunner
 from mlxkv.actors.request import stop_reason
 from mlxkv.actors.sequence import Sequence
+from mlxkv.cache.shared_prefix import BatchSharedPrefixCache
 
 __all__ = ["BatchBroken", "DecodeBatch", "Emitted", "RowFailed", "without_frames"]
 
@@ -163,6 +164,9 @@ class DecodeBatch:
             try:
                 for layer in self._cache:
                     layer.filter(kept)
+                # Cut now: evaluated with the next step, the old and the new
+                # batch cache would both be held through that step's transients.
+                mx.eval([layer.state for layer in self._cache])
             except Exception as error:
                 raise BatchBroken(without_frames(error)) from None
         self.rows = [self.rows[i] for i in stay]
@@ -240,6 +244,7 @@ class DecodeBatch:
             try:
                 for layer, new in zip(self._cache, merged):
                     layer.extend(new)
+                mx.eval([layer.state for layer in self._cache])  # as in leave
             except Exception as error:
                 raise BatchBroken(without_frames(error)) from None
             self._next = mx.concatenate([self._next, tokens])
@@ -289,6 +294,9 @@ class DecodeBatch:
             sequence.num_tokens - 1 if fresh[index] else sequence.num_tokens
             for index, sequence in enumerate(self.rows)
         ]
+        grown = [a for layer in self._cache if isinstance(layer, BatchSharedPrefixCache) for a in layer.reserve(1)]
+        if grown:
+            mx.eval(grown)
         logits = self._runner.decode(inputs, self._cache, self.rows, positions)
         if any(sequence.sampler is not None or sequence.keep_logits for sequence in self.rows):
             logits = logits - mx.logsumexp(logits, axis=-1, keepdims=True)

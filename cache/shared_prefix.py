@@ -387,6 +387,29 @@ class BatchSharedPrefixCache(_OverSuffix):
             for group, rows, lengths in by_group.values()
         ]
 
+    def reserve(self, num_tokens: int) -> list[Any]:
+        """Grow the suffix now if the next ``num_tokens`` would not fit; the
+        grown arrays, to evaluate before the step (none: it had room).
+
+        Grown inside the step (as ``update_and_fetch`` would), the old and the
+        new buffer are both held through the step's attention transients.
+        """
+        import mlx.core as mx
+
+        suffix = self.suffix
+        if suffix.keys is None or suffix._idx + num_tokens <= suffix.keys.shape[2]:
+            return []
+        used = suffix._idx
+        grow = -(-num_tokens // suffix.step) * suffix.step
+        arrays = []
+        for name in ("keys", "values"):
+            old = getattr(suffix, name)
+            b, h, _, d = old.shape
+            grown = mx.concatenate([old[..., :used, :], mx.zeros((b, h, grow, d), dtype=old.dtype)], axis=2)
+            setattr(suffix, name, grown)
+            arrays.append(grown)
+        return arrays
+
     def filter(self, batch_indices: Any) -> None:
         indices = [int(i) for i in (batch_indices.tolist() if hasattr(batch_indices, "tolist") else batch_indices)]
         self.rows = [self.rows[i] for i in indices]
@@ -522,9 +545,10 @@ def _prefill_one_row(
 
 def _decode_one_group(queries: Any, keys: Any, values: Any, mask: Any, scale: float, prefix_keys: Any, prefix_values: Any) -> Any:
     """The common decode step: every row one query, all of one group's whole
-    prefix. Its scores (few: one query per row) go through one softmax with
-    the suffix's, in as few operations as fused attention over copies takes
-    memory reads."""
+    prefix. Prefix and suffix scores share one running maximum and are never
+    concatenated: a step's transient is the prefix scores and their
+    exponentials (two arrays of ``rows x heads x P`` floats, the most a step
+    holds beside the caches), not also their concatenation and softmax."""
     import mlx.core as mx
 
     batch, heads, _, dim = queries.shape
@@ -535,9 +559,12 @@ def _decode_one_group(queries: Any, keys: Any, values: Any, mask: Any, scale: fl
     if mask is not None:
         mask = mask.reshape(mask.shape[0], 1, 1, *mask.shape[-2:]) if mask.ndim == 4 else mask
         own_scores = mx.where(mask, own_scores, -mx.inf) if mask.dtype == mx.bool_ else own_scores + mask
-    size = prefix_keys.shape[2]
-    weights = mx.softmax(mx.concatenate([prefix_scores, own_scores], axis=-1), axis=-1, precise=True)
-    out = weights[..., :size] @ prefix_values[:, :, None] + weights[..., size:] @ values[:, :, None]
+    # Every row sees its own newest token, so the maximum is finite.
+    top = mx.maximum(prefix_scores.max(-1, keepdims=True), own_scores.max(-1, keepdims=True))
+    prefix_weights = mx.exp(prefix_scores - top)
+    own_weights = mx.exp(own_scores - top)
+    total = prefix_weights.sum(-1, keepdims=True) + own_weights.sum(-1, keepdims=True)
+    out = (prefix_weights @ prefix_values[:, :, None] + own_weights @ values[:, :, None]) / total
     return out.reshape(batch, heads, 1, -1)
 
 
