@@ -24,6 +24,7 @@ from mlxkv.cache.kv_state import (
     slice_blocks,
 )
 from mlxkv.cache.tiers import (
+    FORMAT_VERSION,
     CorruptValue,
     check_value,
     decode_block,
@@ -206,8 +207,8 @@ class TestDetection:
         namespace = namespace_of(block)
         key = storage_key(namespace, b"a")
         value = bytearray(encode_block(block, key=key, namespace=namespace))
-        struct.pack_into("<H", value, 6, 2)
-        with pytest.raises(CorruptValue, match="format version 2"):
+        struct.pack_into("<H", value, 6, FORMAT_VERSION + 1)
+        with pytest.raises(CorruptValue, match=f"format version {FORMAT_VERSION + 1}"):
             check_value(bytes(value), key=key, namespace=namespace)
 
     def test_empty_and_foreign_values_are_corrupt(self):

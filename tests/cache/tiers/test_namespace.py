@@ -86,7 +86,7 @@ class TestNamespace:
     def test_versions_count(self):
         """Another schema or payload format version is another namespace."""
         base = namespace_from_fields(**_fields())
-        for change in ({"schema_version": 2}, {"payload_format": 2}):
+        for change in ({"schema_version": base.schema_version + 1}, {"payload_format": base.payload_format + 1}):
             other = Namespace(**{**attrs.asdict(base, recurse=False, filter=lambda a, _: a.init), **change})
             assert other.digest != base.digest
 
