@@ -456,8 +456,8 @@ def cascade_attention(
     repeats = heads // kv_heads
     if batch == 1 and len(segments) == 1:
         return _one_row(queries, keys, values, mask, scale, segments[0])
-    if length == 1 and len(segments) == 1 and len(segments[0][0]) == batch and min(segments[0][3]) == segments[0][1].shape[2]:
-        return _decode_one_group(queries, keys, values, mask, scale, segments[0][1], segments[0][2])
+    if length == 1 and all(min(lengths) == prefix_keys.shape[2] for _, prefix_keys, _, lengths in segments):
+        return _decode_whole_prefixes(queries, keys, values, mask, scale, segments)
     q = (queries * scale).reshape(batch, kv_heads, repeats, length, dim)
     scores = q @ keys[:, :, None].swapaxes(-1, -2)  # (batch, kv_heads, repeats, L, S)
     if mask is not None:
@@ -545,29 +545,68 @@ def _one_row(
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
-def _decode_one_group(queries: Any, keys: Any, values: Any, mask: Any, scale: float, prefix_keys: Any, prefix_values: Any) -> Any:
-    """The common decode step: every row one query, all of one group's whole
-    prefix. Prefix and suffix scores share one running maximum and are never
-    concatenated: a step's transient is the prefix scores and their
-    exponentials (two arrays of ``rows x heads x P`` floats, the most a step
-    holds beside the caches), not also their concatenation and softmax."""
+def _decode_whole_prefixes(
+    queries: Any, keys: Any, values: Any, mask: Any, scale: float, segments: list[tuple[list[int], Any, Any, list[int]]]
+) -> Any:
+    """The common decode step: every row one query, each row of a segment over
+    its group's whole prefix (rows in no segment have only their suffix).
+
+    Each group's prefix attention is one matrix product for its rows, kept as
+    unnormalised softmax statistics (maximum, sum, weighted values); the
+    suffix's scores share each row's running maximum. Nothing is concatenated:
+    a step holds at most one group's prefix scores and their exponentials
+    beside the caches, and the ops per group are few (this runs every layer of
+    every step). Softmax arithmetic is in float32 whatever the model's dtype.
+    """
     import mlx.core as mx
 
     batch, heads, _, dim = queries.shape
     kv_heads = keys.shape[1]
+    dtype = queries.dtype
     q = (queries * scale).reshape(batch, kv_heads, heads // kv_heads, 1, dim)
-    prefix_scores = q @ prefix_keys[:, :, None].swapaxes(-1, -2)  # (batch, kv, rep, 1, P)
-    own_scores = q @ keys[:, :, None].swapaxes(-1, -2)  # (batch, kv, rep, 1, S)
+    own_scores = _f32(q @ keys[:, :, None].swapaxes(-1, -2))  # (batch, kv, rep, 1, S)
     if mask is not None:
         mask = mask.reshape(mask.shape[0], 1, 1, *mask.shape[-2:]) if mask.ndim == 4 else mask
         own_scores = mx.where(mask, own_scores, -mx.inf) if mask.dtype == mx.bool_ else own_scores + mask
-    # Every row sees its own newest token, so the maximum is finite.
-    top = mx.maximum(prefix_scores.max(-1, keepdims=True), own_scores.max(-1, keepdims=True))
-    prefix_weights = mx.exp(prefix_scores - top)
+    tops, totals, outs, order = [], [], [], []
+    for rows, prefix_keys, prefix_values, _ in segments:
+        q_rows = q if len(rows) == batch else q[mx.array(rows)]
+        scores = _f32(q_rows @ prefix_keys[:, :, None].swapaxes(-1, -2))  # (rows, kv, rep, 1, P)
+        top = scores.max(-1, keepdims=True)
+        weights = mx.exp(scores - top)
+        tops.append(top)
+        totals.append(weights.sum(-1, keepdims=True))
+        outs.append(_f32(weights.astype(dtype) @ prefix_values[:, :, None]))
+        order.extend(rows)
+    if len(order) < batch:
+        # Rows without a prefix: no mass there (a maximum of -inf weighs 0).
+        seen = set(order)
+        alone = [r for r in range(batch) if r not in seen]
+        shape = (len(alone), *q.shape[1:4], 1)
+        tops.append(mx.full(shape, -mx.inf, dtype=mx.float32))
+        totals.append(mx.zeros(shape, dtype=mx.float32))
+        outs.append(mx.zeros((*shape[:-1], values.shape[-1]), dtype=mx.float32))
+        order.extend(alone)
+    prefix_top, prefix_total, prefix_out = (parts[0] if len(parts) == 1 else mx.concatenate(parts) for parts in (tops, totals, outs))
+    if order != list(range(batch)):
+        where = [0] * batch
+        for position, row in enumerate(order):
+            where[row] = position
+        back = mx.array(where)
+        prefix_top, prefix_total, prefix_out = prefix_top[back], prefix_total[back], prefix_out[back]
+    # Every row sees its own newest token, so the joint maximum is finite.
+    top = mx.maximum(prefix_top, own_scores.max(-1, keepdims=True))
+    prefix_share = mx.exp(prefix_top - top)
     own_weights = mx.exp(own_scores - top)
-    total = prefix_weights.sum(-1, keepdims=True) + own_weights.sum(-1, keepdims=True)
-    out = (prefix_weights @ prefix_values[:, :, None] + own_weights @ values[:, :, None]) / total
-    return out.reshape(batch, heads, 1, -1)
+    total = prefix_total * prefix_share + own_weights.sum(-1, keepdims=True)
+    out = prefix_out * prefix_share + _f32(own_weights.astype(dtype) @ values[:, :, None])
+    return (out / total).astype(dtype).reshape(batch, heads, 1, -1)
+
+
+def _f32(array: Any) -> Any:
+    import mlx.core as mx
+
+    return array if array.dtype == mx.float32 else array.astype(mx.float32)
 
 
 #: Tokens a suffix's buffer grows by (mlx-lm grows a ``KVCache`` by 256): a

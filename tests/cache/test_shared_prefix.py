@@ -120,6 +120,45 @@ class TestCascadeAttention:
             expected = _fused(q[b : b + 1], [kp, ks[b : b + 1, :, pad:]], [vp, vs[b : b + 1, :, pad:]])
             np.testing.assert_allclose(np.array(out[b : b + 1]), np.array(expected), atol=TOL, rtol=0)
 
+    @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+    def test_a_decode_step_of_several_groups_equals_fused_attention(self, dtype):
+        """The step of a batch over several groups -- rows interleaved, one row
+        in no group, rows left-padded -- equals fused attention over each row's
+        prefix + suffix (in half precision within its rounding: the softmax
+        arithmetic is float32 either way)."""
+        rng = np.random.default_rng(13)
+        batch, heads, kv_heads, dim, suffix = 7, 4, 2, 8, 9
+        owner = [0, 1, 0, -1, 2, 1, 0]
+        sizes = [300, 45, 128]
+        pads = [0, 3, 1, 8, 0, 2, 5]
+        as_dtype = getattr(mx, dtype)
+
+        def normal(shape):
+            return mx.array(rng.standard_normal(shape), dtype=mx.float32).astype(as_dtype)
+
+        q = normal((batch, heads, 1, dim))
+        ks, vs = normal((batch, kv_heads, suffix, dim)), normal((batch, kv_heads, suffix, dim))
+        prefixes = [(normal((1, kv_heads, n, dim)), normal((1, kv_heads, n, dim))) for n in sizes]
+        segments = [
+            ([b for b in range(batch) if owner[b] == g], kp, vp, [kp.shape[2]] * owner.count(g))
+            for g, (kp, vp) in enumerate(prefixes)
+        ]
+        mask = mx.array([[[[j >= pad for j in range(suffix)]]] for pad in pads])
+        out = cascade_attention(q, ks, vs, mask, dim**-0.5, segments)
+        assert out.dtype == as_dtype
+        tolerance = TOL if dtype == "float32" else 2e-2
+        for b, pad in enumerate(pads):
+            parts_k, parts_v = [], []
+            if owner[b] >= 0:
+                parts_k.append(prefixes[owner[b]][0])
+                parts_v.append(prefixes[owner[b]][1])
+            up = [a.astype(mx.float32) for a in (*parts_k, ks[b : b + 1, :, pad:])]
+            vp_up = [a.astype(mx.float32) for a in (*parts_v, vs[b : b + 1, :, pad:])]
+            expected = _fused(q[b : b + 1].astype(mx.float32), up, vp_up)
+            np.testing.assert_allclose(
+                np.array(out[b : b + 1].astype(mx.float32)), np.array(expected), atol=tolerance, rtol=0
+            )
+
     def test_a_long_prefix_in_slices_equals_one_slice(self, monkeypatch):
         """Many queries against a long prefix are scored a slice at a time:
         the same result as one slice."""
