@@ -37,7 +37,12 @@ report them), and the greedy answers compared with mlxkv's in the same
 round (a trailing U+FFFD aside: servers differ in how they flush a last
 incomplete UTF-8 character at ``max_tokens``; the time to the first text
 includes the decode steps until a first complete character, often two or
-three on the built-in model's random bytes). Each server first runs
+three on the built-in model's random bytes). Turn 2's answers agree with
+mlxkv's in few conversations, by design: mlxkv continues from the tokens it
+generated in turn 1 (its conversation memory), the other servers from the
+answer's text tokenized again, which on the built-in model's bytes (many
+not UTF-8, sent back as U+FFFD) is another prompt (its turn-2 prompt token
+count differs too); the others then agree with each other. Each server first runs
 ``--warmup`` untimed passes of the same workload over other texts (1), so
 that the timed pass meets a server that has been up a while (kernels for
 every prefill and batch shape built, buffers allocated); ``--warmup 0``
