@@ -241,6 +241,28 @@ class TestCaches:
         assert isinstance(row, SharedPrefixCache) and row.group is group and row.num_prefix == 64
         assert row.suffix.offset == 3 and float(row.suffix.keys[0, 0, 0, 0]) == 3.0
 
+    def test_a_batch_suffix_grows_ahead_of_the_step_that_needs_room(self, tiny_llama):
+        """``reserve`` grows the rows' suffixes only when the next tokens would
+        not fit, keeps what they hold, and the step then writes in place."""
+        model, _ = tiny_llama
+        group = PrefixGroup.build(_payloads(model, list(range(64)), 16))
+        caches = []
+        for own in (3, 5):
+            suffix = KVCache()
+            suffix.update_and_fetch(mx.ones((1, 2, own, 16)) * own, mx.ones((1, 2, own, 16)))
+            caches.append(SharedPrefixCache(group, 0, 64, suffix))
+        batch = SharedPrefixCache.merge(caches)
+        held = np.array(batch.suffix.keys[..., : batch.suffix._idx, :])
+        room = batch.suffix.keys.shape[2] - batch.suffix._idx
+        assert room > 0 and batch.reserve(room) == []
+        grown = batch.reserve(room + 1)
+        assert len(grown) == 2 and batch.suffix.keys.shape[2] >= batch.suffix._idx + room + 1
+        np.testing.assert_array_equal(np.array(batch.suffix.keys[..., : batch.suffix._idx, :]), held)
+        keys = batch.suffix.keys
+        batch.update_and_fetch(mx.zeros((2, 2, room + 1, 16)), mx.zeros((2, 2, room + 1, 16)))
+        assert batch.suffix.keys.shape == keys.shape  # no growth inside the step
+        assert np.array(batch.offset).tolist() == [64 + own + room + 1 for own in (3, 5)]
+
     def test_a_cut_into_the_prefix_keeps_whole_blocks(self, tiny_llama):
         """Cut back into its prefix, a cache keeps the whole blocks as its
         prefix and copies the partial block's tokens into its suffix."""
