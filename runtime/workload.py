@@ -87,6 +87,8 @@ class WorkloadConfig:
         kv_tiers: tiers below the pool, as URLs (see ``RuntimeConfig.kv_tiers``).
         seed: seeds the texts (decoding is greedy).
         trace: emit the runtime's structured events.
+        shared_prefix: requests over the same cached blocks hold one copy of
+            them (``RuntimeConfig.shared_prefix``; off only to measure it).
     """
 
     model: str
@@ -107,6 +109,7 @@ class WorkloadConfig:
     images: int = attrs.field(default=0, validator=_at_least(0))
     seed: int = 0
     trace: bool = False
+    shared_prefix: bool = True
 
 
 @attrs.frozen(kw_only=True)
@@ -369,6 +372,7 @@ async def run_workload(
         kv_bits=config.kv_bits,
         kv_tiers=config.kv_tiers,
         trace=config.trace,
+        shared_prefix=config.shared_prefix,
     )
     reports: list[GenerationReport] = []
     peak_cached = 0
