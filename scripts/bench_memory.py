@@ -25,7 +25,12 @@ Before each round the garbage of the previous one is collected, and the
 runtime runs with ``keep_last_cache=False``: the kept last cache (one
 finished request's KV beside the pool, replaced as requests finish) would
 sit in "what was active just before" and be freed during the round, so the
-peak above it would undercount (even below zero).
+peak above it would undercount (even below zero). Each method is set up
+once and serves every round (mlx-lm's model and prefix caches, and one
+runtime for each mlxkv method), so no method's timed rounds include its
+start-up; until 7609661 each mlxkv round ran on a fresh runtime, whose
+first requests are slower (its tokens/s were 0.73x ``batch_generate``'s
+at 8 requests that way).
 
     .venv/bin/python scripts/bench_memory.py [--sizes 8,16,32,64] [--groups 1] [--rounds 3] [--json FILE]
 """
@@ -40,6 +45,7 @@ import random
 import statistics
 import sys
 import time
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
@@ -104,75 +110,80 @@ class MlxLm:
         return {"peak": peak, "wall": wall, "tokens": [out[u] for u in uids]}
 
 
-async def _mlxkv(path: str, prefixes: list[list[int]], owns_by_round: list[list[list[int]]], shared: bool) -> list[dict[str, Any]]:
+async def _open(stack: AsyncExitStack, path: str, prefixes: list[list[int]], shared: bool) -> Any:
+    """A runtime with every prefix's blocks in its pool (stored by a warm-up
+    request each), open for the rest of the run."""
+    from mlxkv import CacheRuntime
+
+    rt = await stack.enter_async_context(
+        CacheRuntime(model=path, block_size=BLOCK, shared_prefix=shared, max_blocks=4096, keep_last_cache=False)
+    )
+    for prefix in prefixes:
+        async with rt.generate(prefix + [33], max_tokens=1, cache_salt=None) as warm:
+            async for _ in warm:
+                pass
+    return rt
+
+
+async def _mlxkv(rt: Any, prefixes: list[list[int]], owns: list[list[int]]) -> dict[str, Any]:
+    """One round on ``rt``: every request at once; peak memory above what was active before."""
     import mlx.core as mx
 
-    from mlxkv import CacheRuntime, GenerationReport
+    from mlxkv import GenerationReport
 
-    results = []
     groups = len(prefixes)
-    async with CacheRuntime(
-        model=path, block_size=BLOCK, shared_prefix=shared, max_blocks=4096, keep_last_cache=False
-    ) as rt:
-        for prefix in prefixes:  # stores each prefix's blocks in the pool
-            async with rt.generate(prefix + [33], max_tokens=1, cache_salt=None) as warm:
-                async for _ in warm:
-                    pass
-        for owns in owns_by_round:
-            reports: list[Any] = [None] * len(owns)
+    reports: list[Any] = [None] * len(owns)
 
-            async def one(i: int) -> None:
-                async with rt.generate(prefixes[i % groups] + owns[i], max_tokens=GENERATED) as stream:
-                    async for record in stream:
-                        if isinstance(record, GenerationReport):
-                            reports[i] = record
+    async def one(i: int) -> None:
+        async with rt.generate(prefixes[i % groups] + owns[i], max_tokens=GENERATED) as stream:
+            async for record in stream:
+                if isinstance(record, GenerationReport):
+                    reports[i] = record
 
-            gc.collect()  # the previous method's arrays: freed now, not during the round
-            mx.synchronize()
-            base = mx.get_active_memory()
-            mx.reset_peak_memory()
-            started = time.perf_counter()
-            async with anyio.create_task_group() as tg:
-                for i in range(len(owns)):
-                    tg.start_soon(one, i)
-            wall = time.perf_counter() - started
-            peak = mx.get_peak_memory() - base
-            assert all(r.cached_tokens == PREFIX // BLOCK * BLOCK for r in reports), "the prefix was not reused"
-            stats = await rt.stats()
-            results.append({"peak": peak, "wall": wall, "tokens": [list(r.tokens) for r in reports]})
-        assert stats.compute is not None
-        if shared:
-            assert stats.compute.num_shared_prefix_tokens > 0, "no request read a shared prefix"
-    return results
+    gc.collect()  # the previous method's arrays: freed now, not during the round
+    mx.synchronize()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    started = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for i in range(len(owns)):
+            tg.start_soon(one, i)
+    wall = time.perf_counter() - started
+    peak = mx.get_peak_memory() - base
+    assert all(r.cached_tokens == PREFIX // BLOCK * BLOCK for r in reports), "the prefix was not reused"
+    return {"peak": peak, "wall": wall, "tokens": [list(r.tokens) for r in reports]}
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    from mlxkv import CacheRuntime
     from mlxkv.default_model import ensure_model
 
     path = args.model or str(ensure_model())
     prefixes = _prefixes(args.groups)
-    async with CacheRuntime(model=path) as probe:
-        per_token = probe.model_info.kv_bytes_per_token
     mlx_lm = MlxLm(path, prefixes)
     table: dict[int, dict[str, list[dict[str, Any]]]] = {}
-    for n in args.sizes:
-        samples: dict[str, list[dict[str, Any]]] = {"mlxkv": [], "mlxkv, copies": [], "batch_generate": []}
-        rounds = [_owns(r, n) for r in range(args.rounds)]
-        for r, owns in enumerate(rounds):
-            order = list(samples)[r % 3 :] + list(samples)[: r % 3]
-            outs = {}
-            for method in order:
-                if method == "batch_generate":
-                    outs[method] = mlx_lm.run(owns)
-                else:
-                    outs[method] = (await _mlxkv(path, prefixes, [owns], method == "mlxkv"))[0]
-                samples[method].append(outs[method])
-            reference = outs["batch_generate"]["tokens"]
-            for method in ("mlxkv", "mlxkv, copies"):
-                if outs[method]["tokens"] != reference:
-                    print(f"warning: {method} tokens differ from batch_generate's (n={n})", file=sys.stderr)
-        table[n] = samples
+    async with AsyncExitStack() as stack:
+        runtimes = {method: await _open(stack, path, prefixes, method == "mlxkv") for method in ("mlxkv", "mlxkv, copies")}
+        assert runtimes["mlxkv"].model_info is not None, "a runtime with a model describes it"
+        per_token = runtimes["mlxkv"].model_info.kv_bytes_per_token
+        for n in args.sizes:
+            samples: dict[str, list[dict[str, Any]]] = {"mlxkv": [], "mlxkv, copies": [], "batch_generate": []}
+            rounds = [_owns(r, n) for r in range(args.rounds)]
+            for r, owns in enumerate(rounds):
+                order = list(samples)[r % 3 :] + list(samples)[: r % 3]
+                outs = {}
+                for method in order:
+                    if method == "batch_generate":
+                        outs[method] = mlx_lm.run(owns)
+                    else:
+                        outs[method] = await _mlxkv(runtimes[method], prefixes, owns)
+                    samples[method].append(outs[method])
+                reference = outs["batch_generate"]["tokens"]
+                for method in ("mlxkv", "mlxkv, copies"):
+                    if outs[method]["tokens"] != reference:
+                        print(f"warning: {method} tokens differ from batch_generate's (n={n})", file=sys.stderr)
+            table[n] = samples
+        stats = await runtimes["mlxkv"].stats()
+        assert stats.compute is not None and stats.compute.num_shared_prefix_tokens > 0, "no request read a shared prefix"
     return {"per_token": per_token, "groups": args.groups, "table": table}
 
 
