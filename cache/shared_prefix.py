@@ -625,17 +625,19 @@ def _softmax_out(scores: Any, values: Any, *, masked: bool = False) -> tuple[Any
 
     ``masked``: some query may see none of these positions (all ``-inf``); it
     then contributes nothing: output 0 and log-sum-exp ``-inf`` (not 0/0).
+    One exponential pass over the scores (a log-sum-exp first would be a
+    second: on this CPU ``exp`` is most of a softmax's time); the weighted
+    values are normalised after the product, where they are few.
     """
     import mlx.core as mx
 
-    if not masked:
-        lse = mx.logsumexp(scores, axis=-1, keepdims=True)
-        return mx.exp(scores - lse) @ values, lse
     top = scores.max(-1, keepdims=True)
-    top = mx.where(mx.isinf(top), 0.0, top)
+    if masked:
+        top = mx.where(mx.isinf(top), 0.0, top)
     weights = mx.exp(scores - top)
     total = weights.sum(-1, keepdims=True)
-    return (weights @ values) / mx.maximum(total, 1e-30), top + mx.log(total)
+    out = (weights @ values) / (mx.maximum(total, 1e-30) if masked else total)
+    return out, top + mx.log(total)
 
 
 #: module name -> the original ``scaled_dot_product_attention`` of every
