@@ -554,9 +554,10 @@ def _decode_whole_prefixes(
     Each group's prefix attention is one matrix product for its rows, kept as
     unnormalised softmax statistics (maximum, sum, weighted values); the
     suffix's scores share each row's running maximum. Nothing is concatenated:
-    a step holds at most one group's prefix scores and their exponentials
-    beside the caches, and the ops per group are few (this runs every layer of
-    every step). Softmax arithmetic is in float32 whatever the model's dtype.
+    a step's transients are the groups' prefix scores and their exponentials
+    (not also a copy joined with the suffix's scores), and the ops per group
+    are few (this runs every layer of every step). Softmax arithmetic is in
+    float32 whatever the model's dtype.
     """
     import mlx.core as mx
 

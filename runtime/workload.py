@@ -265,9 +265,7 @@ class WorkloadReport:
                 if self.kv_tiers
                 else []
             ),
-            *(
-(f"  {tier.name}", tier.summary()) for tier in self.tiers
-            ),
+            *((f"  {tier.name}", tier.summary()) for tier in self.tiers),
             ("wall time", f"{self.wall_seconds:.2f} s"),
         ]
 

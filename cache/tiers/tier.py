@@ -74,13 +74,22 @@ class TierStatistics:
     num_bytes: Optional[int]
     available: bool
 
+    def counts(self) -> tuple[tuple[str, int], ...]:
+        """The block counters by what happened to the blocks, in one order
+        (what the run report, the statistics and /metrics show)."""
+        return (
+            ("written", self.num_written),
+            ("loaded", self.num_loaded),
+            ("missed", self.num_missed),
+            ("dropped", self.num_dropped),
+            ("corrupt", self.num_corrupt),
+            ("evicted", self.num_evicted),
+        )
+
     def summary(self) -> str:
         """The counters as one line a person can read (without the name)."""
-        return (
-            f"{self.num_written} written, {self.num_loaded} loaded, {self.num_missed} missed,"
-            f" {self.num_dropped} dropped, {self.num_corrupt} corrupt, {self.num_evicted} evicted"
-            + ("" if self.available else " (unavailable)")
-        )
+        line = ", ".join(f"{value} {event}" for event, value in self.counts())
+        return line + ("" if self.available else " (unavailable)")
 
 
 @attrs.define

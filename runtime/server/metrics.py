@@ -199,14 +199,7 @@ def _tier_metrics(tiers: TierStackStatistics) -> Iterator[Metric]:
         labels=["tier"],
     )
     for tier in tiers.tiers:
-        for event, value in (
-            ("written", tier.num_written),
-            ("loaded", tier.num_loaded),
-            ("missed", tier.num_missed),
-            ("dropped", tier.num_dropped),
-            ("corrupt", tier.num_corrupt),
-            ("evicted", tier.num_evicted),
-        ):
+        for event, value in tier.counts():
             blocks.add_metric([tier.name, event], value)
         available.add_metric([tier.name], 1.0 if tier.available else 0.0)
     yield blocks

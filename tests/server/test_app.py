@@ -503,7 +503,6 @@ class TestHealthAndMetrics:
                 health = (await http.get("/health")).json()
             assert health == {"status": "ok", "model": "tiny", "running": 0, "waiting": 0}
 
-
     async def test_metrics_count_each_kv_tiers_blocks(self, serve, tmp_path):
         """With a disk tier, /metrics has its blocks by event and whether it
         answers; a second server over the same directory loads the prompt."""
