@@ -99,6 +99,7 @@ from mlxkv.cache.token_ids import check_token_ids
 
 __all__ = [
     "DEFAULT_DECODE_BURST",
+    "DEFAULT_DECODE_WAIT",
     "DEFAULT_PREFILL_BATCH",
     "DEFAULT_PREFILL_BUDGET",
     "DEFAULT_PREFILL_CHUNK",
@@ -133,6 +134,15 @@ __all__ = [
 #: most that many steps, and tokens reach the consumer in bursts of as many.
 #: (64 measured 1.02-1.07x the throughput of 32 at 8 and 32 requests.)
 DEFAULT_DECODE_BURST = 64
+
+#: Prefill plans a decode step waits behind at most, while more requests
+#: wait for their first token than there are rows to decode (a wave of
+#: arrivals; otherwise decode and prefill plans alternate): each partial
+#: decode step during a wave is a model call the batch makes again once the
+#: wave has joined. 32 requests arriving together over a cached prefix on
+#: the built-in model make 40 decode calls instead of 47 with it, 32 with no
+#: bound (scripts/bench_memory.py).
+DEFAULT_DECODE_WAIT = 8
 
 #: Tokens per prefill chunk of one request: 30-150 ms of the default model
 #: on a 2-core CPU (more as the context grows); smaller chunks made a 2k
@@ -290,6 +300,7 @@ class ComputeActor(Actor):
         prefill_budget: int = DEFAULT_PREFILL_BUDGET,
         prefill_batch: int = DEFAULT_PREFILL_BATCH,
         decode_burst: int = DEFAULT_DECODE_BURST,
+        decode_wait: int = DEFAULT_DECODE_WAIT,
         keep_last_cache: bool = True,
         shared_prefix: bool = True,
         kv_bits: Optional[int] = None,
@@ -307,6 +318,8 @@ class ComputeActor(Actor):
             prefill_batch: requests one prefill plan serves at most, > 0.
             decode_burst: the most request-steps one decode plan runs while
                 nothing else waits, > 0 (see :data:`DEFAULT_DECODE_BURST`).
+            decode_wait: the most prefill plans a decode step waits behind,
+                > 0 (see :data:`DEFAULT_DECODE_WAIT`; 1: they alternate).
             keep_last_cache: keep the cache of the request that finished
                 last (one request's KV, outside the block pool) for the next
                 request that shares its first tokens.
@@ -331,6 +344,7 @@ class ComputeActor(Actor):
             ("prefill_budget", prefill_budget),
             ("prefill_batch", prefill_batch),
             ("decode_burst", decode_burst),
+            ("decode_wait", decode_wait),
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise InvalidInput(name, value, "must be a positive int")
@@ -349,6 +363,7 @@ class ComputeActor(Actor):
         self._budget = prefill_budget
         self._prefill_batch = prefill_batch
         self._burst = decode_burst
+        self._decode_wait = decode_wait
         self._keep_last_cache = keep_last_cache
         self._runner_options = {"prefill_chunk": prefill_chunk, "shared_prefix": shared_prefix, "kv_bits": kv_bits}
         self._thread = MLXThread(name="mlxkv-compute", log=self._log)
@@ -435,6 +450,7 @@ class ComputeActor(Actor):
                 prefill_budget=self._budget,
                 prefill_batch=self._prefill_batch,
                 decode_burst=self._burst,
+                decode_wait=self._decode_wait,
                 recurrent=runner.info.has_recurrent,
                 context_unit=runner.info.context_unit,
             )

@@ -29,9 +29,17 @@ no blocks to publish) -- or prefills -- one chunk
 each for up to ``prefill_batch`` requests, in arrival order, while their
 chunks cost at most ``prefill_budget`` (:func:`chunk_cost`: tokens, with
 their attention over long contexts counted too; the oldest always gets its
-chunk). Decode and prefill plans alternate while both have work.
+chunk). While both have work, decode and prefill plans alternate -- except
+in a wave of arrivals: while more requests wait for their first token
+(queued or prefilling) than there are rows to decode, a prefill plan
+follows a prefill plan, up to ``decode_wait`` in a row. A decode step then
+would hold up more first tokens than it serves, and each partial step is a
+model call the batch makes again once the wave has joined (as mlx-lm's
+``BatchGenerator`` prefills every waiting prompt before it decodes, and
+TGI pauses decoding while the waiting outnumber the running).
 
-Fairness bound: between two decode plans runs at most one prefill plan, of
+Fairness bound: between two decode plans run at most ``decode_wait``
+prefill plans (one where as many rows decode as requests wait), each of
 cost at most ``max(prefill_budget, cost of one chunk)`` -- so at most
 ``max(prefill_budget, prefill_chunk + 1)`` new tokens (a chunk that reaches
 the prompt's last token takes it along); between two
@@ -422,6 +430,7 @@ class Scheduler:
         prefill_budget: int,
         prefill_batch: int,
         decode_burst: int,
+        decode_wait: int = 1,
         recurrent: bool = False,
         context_unit: int = 512,
     ) -> None:
@@ -433,6 +442,10 @@ class Scheduler:
             prefill_batch: requests one prefill plan serves at most.
             decode_burst: request-steps a decode plan runs while nothing
                 else waits (``decode_burst // rows`` steps, at least one).
+            decode_wait: prefill plans a decode step waits behind at most
+                (more than one only while the requests waiting for their
+                first token outnumber the rows decoding); 1: decode and
+                prefill plans always alternate.
             recurrent: the model has recurrent layers: chunks also end at
                 every block end (where their state is snapshotted).
             context_unit: the context, in tokens, over which a token's
@@ -443,10 +456,12 @@ class Scheduler:
         self._budget = prefill_budget
         self._batch = prefill_batch
         self._burst = decode_burst
+        self._decode_wait = decode_wait
         self._recurrent = recurrent
         self._context_unit = context_unit
         self._requests: dict[str, RequestState] = {}
-        self._decoded_last = False
+        #: prefill plans since the last decode plan
+        self._prefills_in_a_row = 0
         self._counts = dict.fromkeys(attrs.fields_dict(SchedulerStatistics), 0)
 
     # -- requests ------------------------------------------------------------
@@ -572,16 +587,23 @@ class Scheduler:
         rows = decoding + len(join)
         steps = 0
         chunks: tuple[Chunk, ...] = ()
-        if rows and (not prefilling or not self._decoded_last):
+        if rows and (not prefilling or self._decode_turn(rows, prefilling)):
             # Blocks to publish may be awaited by requests that wait for a
             # prefix in flight: then the plan is short (one step).
             idle = not (prefilling or messages_waiting or publish)
             steps = min(MAX_BURST_STEPS, max(1, self._burst // rows)) if idle else 1
-            self._decoded_last = True
+            self._prefills_in_a_row = 0
         elif prefilling:
             chunks = self._chunks()
-            self._decoded_last = False
+            self._prefills_in_a_row += 1
         return Plan(publish=tuple(publish), leave=tuple(leave), join=tuple(join), steps=steps, prefill=chunks)
+
+    def _decode_turn(self, rows: int, waiting: int) -> bool:
+        """With ``rows`` to decode and ``waiting`` requests to prefill: whether
+        this plan decodes (the module docstring's policy)."""
+        if self._prefills_in_a_row >= self._decode_wait:
+            return True
+        return self._prefills_in_a_row > 0 and waiting <= rows
 
     def _slices(self, state: RequestState) -> list[Slice]:
         stop = state.num_computed // state.spec.block_size

@@ -26,6 +26,7 @@ from anyio.abc import TaskGroup, TaskStatus
 from mlxkv.actors.actor import Actor, ActorRef, ActorStatistics, Intercept
 from mlxkv.actors.allocator import BlockAllocatorActor, BlockAllocatorHandle
 from mlxkv.actors.compute import (
+    DEFAULT_DECODE_WAIT,
     DEFAULT_PREFILL_BATCH,
     DEFAULT_PREFILL_BUDGET,
     DEFAULT_PREFILL_CHUNK,
@@ -146,9 +147,15 @@ class RuntimeConfig:
             after ``c`` earlier ones costs ``n * (1 + (c + n/2) / u)`` with
             ``u`` the model's ``model_info.context_unit`` (attention over a
             long context counts), and the oldest request's chunk always
-            fits: a decode step waits behind at most one such plan.
+            fits: a decode step waits behind at most ``decode_wait`` such
+            plans.
         prefill_batch: the most requests whose chunks one prefill plan runs
             (in one model call where the model batches prefill).
+        decode_wait: the most prefill plans a decode step waits behind.
+            Decode and prefill plans alternate, except while more requests
+            wait for their first token than there are rows decoding (a
+            wave of arrivals, prefilled first: fewer, fuller decode steps);
+            1 makes them always alternate.
         share_in_flight: a generation whose prefix another generation is
             computing right now waits for those blocks instead of computing
             them again (on by default; off only to measure what it saves).
@@ -195,6 +202,7 @@ class RuntimeConfig:
     prefill_chunk: int = attrs.field(default=DEFAULT_PREFILL_CHUNK, validator=_int_at_least(1))
     prefill_budget: int = attrs.field(default=DEFAULT_PREFILL_BUDGET, validator=_int_at_least(1))
     prefill_batch: int = attrs.field(default=DEFAULT_PREFILL_BATCH, validator=_int_at_least(1))
+    decode_wait: int = attrs.field(default=DEFAULT_DECODE_WAIT, validator=_int_at_least(1))
     share_in_flight: bool = attrs.field(default=True, validator=_is_bool)
     shared_prefix: bool = attrs.field(default=True, validator=_is_bool)
     kv_bits: Optional[int] = attrs.field(default=None)
@@ -452,6 +460,7 @@ class CacheRuntime:
                     prefill_chunk=config.prefill_chunk,
                     prefill_budget=config.prefill_budget,
                     prefill_batch=config.prefill_batch,
+                    decode_wait=config.decode_wait,
                     keep_last_cache=config.keep_last_cache,
                     shared_prefix=config.shared_prefix,
                     kv_bits=config.kv_bits,

@@ -11,6 +11,9 @@ alternating:
   begin with it read one shared copy of it (``shared_prefix=True``);
 - ``mlxkv, copies``: the same with ``shared_prefix=False``: each request
   rebuilds its own copy of the prefix, as before shared prefixes;
+- ``mlxkv, decode_wait=W`` (with ``--decode-wait W``): ``mlxkv`` with
+  another scheduling bound (1: decode and prefill plans alternate, as
+  before a wave of arrivals was prefilled first);
 - ``batch_generate``: mlx-lm's ``BatchGenerator`` given a copy of the
   prefix cache per request (``caches=``), as ``batch_generate`` takes them;
 - ``floor``: the KV the work needs: the prefix once and each request's own
@@ -19,7 +22,10 @@ alternating:
 ``--groups K`` splits the N requests over K different prefixes of the same
 length (K prefixes cached, each shared by N/K requests; the floor counts
 each once). Also reported: generated tokens per second of each method (the
-same greedy tokens are checked across methods).
+same greedy tokens are checked across methods), each round's ratio of
+mlxkv's to ``batch_generate``'s (their median), and time to first token
+(median and 95th percentile over every request of every round, from the
+round's start).
 
 Before each round the garbage of the previous one is collected, and the
 runtime runs with ``keep_last_cache=False``: the kept last cache (one
@@ -32,7 +38,7 @@ start-up; until 7609661 each mlxkv round ran on a fresh runtime, whose
 first requests are slower (its tokens/s were 0.73x ``batch_generate``'s
 at 8 requests that way).
 
-    .venv/bin/python scripts/bench_memory.py [--sizes 8,16,32,64] [--groups 1] [--rounds 3] [--json FILE]
+    .venv/bin/python scripts/bench_memory.py [--sizes 8,16,32,64] [--groups 1] [--rounds 3] [--decode-wait 1] [--json FILE]
 """
 
 from __future__ import annotations
@@ -68,6 +74,16 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def _percentiles(seconds: list[float]) -> tuple[float, float]:
+    """Median and 95th percentile."""
+    ordered = sorted(seconds)
+    return statistics.median(ordered), ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+
+
+def _ms(pair: tuple[float, float]) -> str:
+    return f"{pair[0] * 1e3:.0f} / {pair[1] * 1e3:.0f} ms"
+
+
 class MlxLm:
     """mlx-lm's BatchGenerator with a copy of the prefix cache per request."""
 
@@ -100,23 +116,26 @@ class MlxLm:
         uids = generator.insert(owns, [GENERATED] * len(owns), caches=caches)
         del caches
         out: dict[int, list[int]] = {uid: [] for uid in uids}
+        first: dict[int, float] = {}
         while responses := generator.next_generated():
+            now = time.perf_counter() - started
             for response in responses:
+                first.setdefault(response.uid, now)
                 if response.finish_reason != "stop":
                     out[response.uid].append(response.token)
         wall = time.perf_counter() - started
         generator.close()
         peak = mx.get_peak_memory() - base
-        return {"peak": peak, "wall": wall, "tokens": [out[u] for u in uids]}
+        return {"peak": peak, "wall": wall, "tokens": [out[u] for u in uids], "ttft": [first[u] for u in uids]}
 
 
-async def _open(stack: AsyncExitStack, path: str, prefixes: list[list[int]], shared: bool) -> Any:
+async def _open(stack: AsyncExitStack, path: str, prefixes: list[list[int]], **options: Any) -> Any:
     """A runtime with every prefix's blocks in its pool (stored by a warm-up
     request each), open for the rest of the run."""
     from mlxkv import CacheRuntime
 
     rt = await stack.enter_async_context(
-        CacheRuntime(model=path, block_size=BLOCK, shared_prefix=shared, max_blocks=4096, keep_last_cache=False)
+        CacheRuntime(model=path, block_size=BLOCK, max_blocks=4096, keep_last_cache=False, **options)
     )
     for prefix in prefixes:
         async with rt.generate(prefix + [33], max_tokens=1, cache_salt=None) as warm:
@@ -151,7 +170,12 @@ async def _mlxkv(rt: Any, prefixes: list[list[int]], owns: list[list[int]]) -> d
     wall = time.perf_counter() - started
     peak = mx.get_peak_memory() - base
     assert all(r.cached_tokens == PREFIX // BLOCK * BLOCK for r in reports), "the prefix was not reused"
-    return {"peak": peak, "wall": wall, "tokens": [list(r.tokens) for r in reports]}
+    return {
+        "peak": peak,
+        "wall": wall,
+        "tokens": [list(r.tokens) for r in reports],
+        "ttft": [r.time_to_first_token for r in reports],
+    }
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
@@ -162,14 +186,18 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     mlx_lm = MlxLm(path, prefixes)
     table: dict[int, dict[str, list[dict[str, Any]]]] = {}
     async with AsyncExitStack() as stack:
-        runtimes = {method: await _open(stack, path, prefixes, method == "mlxkv") for method in ("mlxkv", "mlxkv, copies")}
+        options: dict[str, dict[str, Any]] = {"mlxkv": {}, "mlxkv, copies": {"shared_prefix": False}}
+        if args.decode_wait is not None:
+            options[f"mlxkv, decode_wait={args.decode_wait}"] = {"decode_wait": args.decode_wait}
+        runtimes = {method: await _open(stack, path, prefixes, **kw) for method, kw in options.items()}
         assert runtimes["mlxkv"].model_info is not None, "a runtime with a model describes it"
         per_token = runtimes["mlxkv"].model_info.kv_bytes_per_token
         for n in args.sizes:
-            samples: dict[str, list[dict[str, Any]]] = {"mlxkv": [], "mlxkv, copies": [], "batch_generate": []}
+            samples: dict[str, list[dict[str, Any]]] = {method: [] for method in [*options, "batch_generate"]}
             rounds = [_owns(r, n) for r in range(args.rounds)]
             for r, owns in enumerate(rounds):
-                order = list(samples)[r % 3 :] + list(samples)[: r % 3]
+                turn = r % len(samples)
+                order = list(samples)[turn:] + list(samples)[:turn]
                 outs = {}
                 for method in order:
                     if method == "batch_generate":
@@ -178,7 +206,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                         outs[method] = await _mlxkv(runtimes[method], prefixes, owns)
                     samples[method].append(outs[method])
                 reference = outs["batch_generate"]["tokens"]
-                for method in ("mlxkv", "mlxkv, copies"):
+                for method in options:
                     if outs[method]["tokens"] != reference:
                         print(f"warning: {method} tokens differ from batch_generate's (n={n})", file=sys.stderr)
             table[n] = samples
@@ -193,24 +221,44 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=1, help="different prefixes the requests share (1)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per size (3)")
     parser.add_argument("--model", help="an mlx-lm model directory (default: the built-in model)")
+    parser.add_argument(
+        "--decode-wait", type=int, help="also run mlxkv with this decode_wait (1: decode and prefill alternate)"
+    )
     parser.add_argument("--json", help="also write the results as JSON to FILE")
     args = parser.parse_args()
     args.sizes = [int(s) for s in args.sizes.split(",")]
     results = anyio.run(main_async, args)
     per_token, groups = results["per_token"], results["groups"]
     print(f"peak MLX memory above idle, {groups} prefix group(s) of {PREFIX} tokens, {OWN} own + {GENERATED} generated each")
-    print("| N | mlxkv | mlxkv, copies | batch_generate | floor | mlxkv / floor | tok/s mlxkv | tok/s batch_generate |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        "| N | mlxkv | mlxkv, copies | batch_generate | floor | mlxkv / floor | tok/s mlxkv | tok/s batch_generate"
+        " | tok/s ratio | TTFT p50 / p95 mlxkv | TTFT p50 / p95 batch_generate |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     summary = {}
     for n, samples in results["table"].items():
         floor = per_token * (groups * PREFIX + n * (OWN + GENERATED))
         peaks = {m: statistics.median(s["peak"] for s in v) for m, v in samples.items()}
         tps = {m: statistics.median(n * GENERATED / s["wall"] for s in v) for m, v in samples.items()}
-        summary[n] = {"peak": peaks, "floor": floor, "tokens_per_second": tps}
+        # Each round's ratio, then their median: the methods ran side by side.
+        ratios = {
+            m: statistics.median(b["wall"] / a["wall"] for a, b in zip(v, samples["batch_generate"]))
+            for m, v in samples.items()
+        }
+        ttft = {m: _percentiles([t for s in v for t in s["ttft"]]) for m, v in samples.items()}
+        summary[n] = {"peak": peaks, "floor": floor, "tokens_per_second": tps, "ratio": ratios, "ttft": ttft}
         print(
             f"| {n} | {_mib(peaks['mlxkv'])} | {_mib(peaks['mlxkv, copies'])} | {_mib(peaks['batch_generate'])}"
-            f" | {_mib(floor)} | {peaks['mlxkv'] / floor:.2f}x | {tps['mlxkv']:,.0f} | {tps['batch_generate']:,.0f} |"
+            f" | {_mib(floor)} | {peaks['mlxkv'] / floor:.2f}x | {tps['mlxkv']:,.0f} | {tps['batch_generate']:,.0f}"
+            f" | {ratios['mlxkv']:.2f}x | {_ms(ttft['mlxkv'])} | {_ms(ttft['batch_generate'])} |"
         )
+    for method in [m for m in results["table"][args.sizes[0]] if m not in ("mlxkv", "batch_generate")]:
+        for n in args.sizes:
+            row = summary[n]
+            print(
+                f"{method}, N={n}: {_mib(row['peak'][method])}, {row['tokens_per_second'][method]:,.0f} tok/s,"
+                f" {row['ratio'][method]:.2f}x batch_generate, TTFT {_ms(row['ttft'][method])}"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
 

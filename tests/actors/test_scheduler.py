@@ -334,20 +334,47 @@ class TestFairness:
         assert "pp" not in kinds
         assert "dd" not in kinds[: kinds.rfind("p")]
 
+    @pytest.mark.parametrize(("wait", "kinds"), [(1, "pdpdpd"), (2, "ppdpdp"), (8, "pppdpd")])
+    def test_a_wave_of_arrivals_prefills_first(self, wait, kinds):
+        """Six requests at once, one prefilled a plan: a prefill plan follows a
+        prefill plan while more requests wait than decode (5 > 1, 4 > 2, not
+        3 > 3), at most ``decode_wait`` in a row; then they alternate."""
+        sim = Sim(_scheduler(prefill_batch=1, decode_wait=wait))
+        for k in range(6):
+            sim.scheduler.add(_spec(f"r{k}", max_tokens=20))
+        plans = [sim.step() for _ in range(len(kinds))]
+        assert "".join("d" if p.steps else "p" for p in plans) == kinds
+
+    def test_as_many_decoding_as_waiting_alternate(self):
+        """One long prompt beside one decoding request: they alternate whatever
+        ``decode_wait`` (a decode step serves as many as it holds up)."""
+        sim = Sim(_scheduler(prefill_budget=CHUNK, prefill_batch=1, decode_wait=8))
+        sim.scheduler.add(_spec("decoder", max_tokens=200))
+        while not any(s.status is Status.DECODING for s in sim.scheduler.requests()):
+            sim.step()
+        sim.scheduler.add(_spec("long", prompt=6 * CHUNK))
+        kinds = ""
+        while sim.scheduler.requests() and any(s.request_id == "long" and s.status is not Status.DECODING for s in sim.scheduler.requests()):
+            plan = sim.step()
+            kinds += "d" if plan.steps else "p" if plan.prefill else ""
+        assert kinds.count("p") == 6 and "pp" not in kinds
+
     @settings(max_examples=examples(60), deadline=None)
     @given(
         st.lists(st.tuples(st.integers(1, 80), st.integers(1, 12), st.integers(0, 6)), min_size=1, max_size=8),
         st.integers(1, 64),
         st.integers(1, 4),
         st.sampled_from([8, 64, 512]),
+        st.integers(1, 4),
     )
-    def test_the_bound_holds_for_any_mix(self, requests, budget, batch, unit):
+    def test_the_bound_holds_for_any_mix(self, requests, budget, batch, unit, wait):
         """For any requests (prompt, max tokens, arrival plan), every prefill plan
         costs at most max(budget, its oldest chunk's cost) and so runs at most
         max(budget, chunk + 1) new tokens, at most ``batch`` requests, a decode
-        step waits behind at most one prefill plan, and every request finishes
-        with its tokens."""
-        sim = Sim(_scheduler(prefill_budget=budget, prefill_batch=batch, context_unit=unit))
+        step waits behind at most ``decode_wait`` prefill plans (a second in a
+        row only while more requests wait than decode), and every request
+        finishes with its tokens."""
+        sim = Sim(_scheduler(prefill_budget=budget, prefill_batch=batch, context_unit=unit, decode_wait=wait))
         pending = sorted(((arrive, k, p, m) for k, (p, m, arrive) in enumerate(requests)), reverse=True)
         plans = 0
         since_decode = 0
@@ -358,7 +385,10 @@ class TestFairness:
             if not sim.scheduler.has_work():
                 plans += 1
                 continue
-            decoding = any(s.status in (Status.DECODING, Status.JOINING) for s in sim.scheduler.requests())
+            statuses = [s.status for s in sim.scheduler.requests()]
+            rows = sum(s in (Status.DECODING, Status.JOINING) for s in statuses)
+            waiting = sum(s in (Status.WAITING, Status.PREFILLING) for s in statuses)
+            decoding = rows > 0
             before = dict(sim.computed)
             plan = sim.step()
             plans += 1
@@ -371,7 +401,8 @@ class TestFairness:
                 assert sum(costs) <= max(budget, costs[0]) + 1e-9
             if decoding:
                 since_decode = 0 if plan.steps else since_decode + bool(plan.prefill)
-                assert since_decode <= 1
+                assert since_decode <= wait
+                assert since_decode <= 1 or waiting > rows
         for k, (_, m, _) in enumerate(requests):
             assert len(sim.tokens(f"r{k}")) == m
             assert isinstance(sim.final(f"r{k}"), Finished)
