@@ -25,7 +25,8 @@ each once). Also reported: generated tokens per second of each method (the
 same greedy tokens are checked across methods), each round's ratio of
 mlxkv's to ``batch_generate``'s (their median), and time to first token
 (median and 95th percentile over every request of every round, from the
-round's start).
+round's start), and the decode model calls each mlxkv method made
+(``batch_generate`` makes one per generated token: 32).
 
 Before each round the garbage of the previous one is collected, and the
 runtime runs with ``keep_last_cache=False``: the kept last cache (one
@@ -159,6 +160,7 @@ async def _mlxkv(rt: Any, prefixes: list[list[int]], owns: list[list[int]]) -> d
                 if isinstance(record, GenerationReport):
                     reports[i] = record
 
+    before = await rt.stats()
     gc.collect()  # the previous method's arrays: freed now, not during the round
     mx.synchronize()
     base = mx.get_active_memory()
@@ -170,7 +172,9 @@ async def _mlxkv(rt: Any, prefixes: list[list[int]], owns: list[list[int]]) -> d
     wall = time.perf_counter() - started
     peak = mx.get_peak_memory() - base
     assert all(r.cached_tokens == PREFIX // BLOCK * BLOCK for r in reports), "the prefix was not reused"
+    after = await rt.stats()
     return {
+        "decode_calls": after.compute.num_decode_steps - before.compute.num_decode_steps,
         "peak": peak,
         "wall": wall,
         "tokens": [list(r.tokens) for r in reports],
@@ -246,18 +250,27 @@ def main() -> None:
             for m, v in samples.items()
         }
         ttft = {m: _percentiles([t for s in v for t in s["ttft"]]) for m, v in samples.items()}
-        summary[n] = {"peak": peaks, "floor": floor, "tokens_per_second": tps, "ratio": ratios, "ttft": ttft}
+        calls = {m: statistics.median(s["decode_calls"] for s in v) for m, v in samples.items() if m != "batch_generate"}
+        summary[n] = {
+            "peak": peaks,
+            "floor": floor,
+            "tokens_per_second": tps,
+            "ratio": ratios,
+            "ttft": ttft,
+            "decode_calls": calls,
+        }
         print(
             f"| {n} | {_mib(peaks['mlxkv'])} | {_mib(peaks['mlxkv, copies'])} | {_mib(peaks['batch_generate'])}"
             f" | {_mib(floor)} | {peaks['mlxkv'] / floor:.2f}x | {tps['mlxkv']:,.0f} | {tps['batch_generate']:,.0f}"
             f" | {ratios['mlxkv']:.2f}x | {_ms(ttft['mlxkv'])} | {_ms(ttft['batch_generate'])} |"
         )
-    for method in [m for m in results["table"][args.sizes[0]] if m not in ("mlxkv", "batch_generate")]:
+    for method in [m for m in results["table"][args.sizes[0]] if m != "batch_generate"]:
         for n in args.sizes:
             row = summary[n]
             print(
                 f"{method}, N={n}: {_mib(row['peak'][method])}, {row['tokens_per_second'][method]:,.0f} tok/s,"
-                f" {row['ratio'][method]:.2f}x batch_generate, TTFT {_ms(row['ttft'][method])}"
+                f" {row['ratio'][method]:.2f}x batch_generate, TTFT {_ms(row['ttft'][method])},"
+                f" {row['decode_calls'][method]:.0f} decode calls"
             )
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
