@@ -285,6 +285,12 @@ class SharedPrefixCache(_OverSuffix):
             suffix.update_and_fetch(keys, values)
         return SharedPrefixCache(self.group if kept else None, self.layer, kept, suffix)
 
+    @property
+    def last_layer(self) -> bool:
+        """Whether this is the model's last attention layer (see
+        :func:`cascade_attention`'s ``evaluate_slices``)."""
+        return self.group is not None and self.layer == len(self.group.keys) - 1
+
     def segments(self) -> list[tuple[list[int], Any, Any, list[int]]]:
         """The prefix this cache attends to besides its suffix (see :func:`cascade_attention`)."""
         if self.group is None or self.num_prefix == 0:
@@ -373,6 +379,12 @@ class BatchSharedPrefixCache(_OverSuffix):
     def empty(self) -> bool:
         return self.suffix.empty() and not any(n for _, n in self.rows)
 
+    @property
+    def last_layer(self) -> bool:
+        """Whether this is the model's last attention layer (see
+        :func:`cascade_attention`'s ``evaluate_slices``)."""
+        return any(group is not None and self.layer == len(group.keys) - 1 for group, _ in self.rows)
+
     def segments(self) -> list[tuple[list[int], Any, Any, list[int]]]:
         """Rows grouped by prefix: ``(rows, keys, values, prefix lengths)``."""
         by_group: dict[int, tuple[PrefixGroup, list[int], list[int]]] = {}
@@ -431,6 +443,8 @@ def cascade_attention(
     mask: Any,
     scale: float,
     segments: list[tuple[list[int], Any, Any, list[int]]],
+    *,
+    evaluate_slices: bool = True,
 ) -> Any:
     """Attention over shared prefixes and each row's own suffix, merged exactly.
 
@@ -444,6 +458,14 @@ def cascade_attention(
         segments: ``(rows, keys, values, lengths)``: rows that attend to a
             prefix ``(1, kv_heads, P, head_dim)``, each to its first
             ``lengths[i]`` positions.
+        evaluate_slices: evaluate the scores of many queries against a long
+            prefix a slice at a time, so the transients stay near
+            :data:`SCORE_ELEMENTS` floats. False leaves the slices to MLX:
+            for a model's last layer, whose output over a prefill's body
+            nobody evaluates (only the body's keys and values enter the
+            cache: the prompt's last token runs in a call of its own), so
+            forcing the slices would compute attention that is never read
+            -- half the attention of a batched prefill on a two-layer model.
 
     Returns:
         ``(batch, heads, L, head_dim)``, as fused attention over each row's
@@ -499,7 +521,7 @@ def cascade_attention(
                 joint = mx.logaddexp(prefix_lse, lse_part)
                 prefix_out = prefix_out * mx.exp(prefix_lse - joint) + out * mx.exp(lse_part - joint)
                 prefix_lse = joint
-            if step < size:
+            if step < size and evaluate_slices:
                 # Evaluated slice by slice: left to itself, MLX computes every
                 # slice's scores before merging any, and the transient is the
                 # whole score matrix again.
@@ -691,7 +713,7 @@ def _dispatcher(original: Callable[..., Any]) -> Callable[..., Any]:
             import mlx.core as mx
 
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
-        return cascade_attention(queries, keys, values, mask, scale, segments)
+        return cascade_attention(queries, keys, values, mask, scale, segments, evaluate_slices=not cache.last_layer)
 
     scaled_dot_product_attention.__wrapped__ = original  # type: ignore[attr-defined]
     return scaled_dot_product_attention

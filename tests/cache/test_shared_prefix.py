@@ -292,6 +292,46 @@ class TestInstall:
         after = model(x, cache=make_prompt_cache(model))
         assert mx.array_equal(before, after).item()
 
+    def test_the_last_layer_leaves_its_prefix_slices_lazy(self, tiny_llama, monkeypatch):
+        """Every layer but the last evaluates a long prefix's scores slice by
+        slice; the last leaves them to MLX, so a prefill body's last-layer
+        attention, which nothing reads, is never computed."""
+        import mlxkv.cache.shared_prefix as module
+
+        model, _ = tiny_llama
+        assert install(model)
+        group = PrefixGroup.build(_payloads(model, list(range(64)), 16))
+        layers = len(group.keys)
+        assert layers > 1
+        caches = [SharedPrefixCache(group, i, 64, suffix) for i, suffix in enumerate(suffix_cache((), 8, layers))]
+        assert [c.last_layer for c in caches] == [False] * (layers - 1) + [True]
+        batch = [SharedPrefixCache.merge([c, SharedPrefixCache(group, c.layer, 32, suffix_cache((), 8, 1)[0])]) for c in caches]
+        assert [b.last_layer for b in batch] == [False] * (layers - 1) + [True]
+        flags: list[bool] = []
+        real = module.cascade_attention
+
+        def recording(*args: Any, evaluate_slices: bool = True) -> Any:
+            flags.append(evaluate_slices)
+            return real(*args, evaluate_slices=evaluate_slices)
+
+        monkeypatch.setattr(module, "cascade_attention", recording)
+        model(mx.array([[1, 2, 3, 4], [5, 6, 7, 8]]), cache=batch)
+        assert flags == [True] * (layers - 1) + [False]
+
+    def test_lazy_slices_give_the_same_attention(self, monkeypatch):
+        """Left to MLX, the slices of a long prefix merge to the same result."""
+        import mlxkv.cache.shared_prefix as module
+
+        rng = np.random.default_rng(5)
+        q = mx.array(rng.standard_normal((3, 4, 16, 8)), dtype=mx.float32)
+        ks = mx.array(rng.standard_normal((3, 2, 16, 8)), dtype=mx.float32)
+        kp = mx.array(rng.standard_normal((1, 2, 3000, 8)), dtype=mx.float32)
+        segments = [([0, 1, 2], kp, kp * 0.5, [3000, 1500, 20])]
+        monkeypatch.setattr(module, "SCORE_ELEMENTS", 1 << 10)
+        forced = cascade_attention(q, ks, ks, "causal", 0.3, segments)
+        lazy = cascade_attention(q, ks, ks, "causal", 0.3, segments, evaluate_slices=False)
+        np.testing.assert_allclose(np.array(lazy), np.array(forced), atol=TOL, rtol=0)
+
     def test_a_model_without_the_name_is_not_served(self):
         """A model whose attention does not call a module-level
         scaled_dot_product_attention is refused, and nothing changes."""
