@@ -11,9 +11,10 @@ alternating:
   begin with it read one shared copy of it (``shared_prefix=True``);
 - ``mlxkv, copies``: the same with ``shared_prefix=False``: each request
   rebuilds its own copy of the prefix, as before shared prefixes;
-- ``mlxkv, decode_wait=W`` (with ``--decode-wait W``): ``mlxkv`` with
-  another scheduling bound (1: decode and prefill plans alternate, as
-  before a wave of arrivals was prefilled first);
+- ``mlxkv, KEY=VALUE`` (with ``--also KEY=VALUE,...``): ``mlxkv`` with
+  other runtime options, e.g. ``prefill_budget=512,decode_wait=1``, the
+  defaults before a wave of arrivals was prefilled first and five requests
+  over 2,048 tokens fit a prefill plan;
 - ``batch_generate``: mlx-lm's ``BatchGenerator`` given a copy of the
   prefix cache per request (``caches=``), as ``batch_generate`` takes them;
 - ``floor``: the KV the work needs: the prefix once and each request's own
@@ -39,7 +40,7 @@ start-up; until 7609661 each mlxkv round ran on a fresh runtime, whose
 first requests are slower (its tokens/s were 0.73x ``batch_generate``'s
 at 8 requests that way).
 
-    .venv/bin/python scripts/bench_memory.py [--sizes 8,16,32,64] [--groups 1] [--rounds 3] [--decode-wait 1] [--json FILE]
+    .venv/bin/python scripts/bench_memory.py [--sizes 8,16,32,64] [--groups 1] [--rounds 3] [--also prefill_budget=512,decode_wait=1] [--json FILE]
 """
 
 from __future__ import annotations
@@ -73,6 +74,15 @@ def _owns(round_: int, n: int) -> list[list[int]]:
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
+
+
+def _runtime_options(text: str) -> dict[str, int]:
+    """``"a=1,b=2"`` as ``{"a": 1, "b": 2}``."""
+    options = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        options[key.strip()] = int(value)
+    return options
 
 
 def _percentiles(seconds: list[float]) -> tuple[float, float]:
@@ -191,8 +201,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     table: dict[int, dict[str, list[dict[str, Any]]]] = {}
     async with AsyncExitStack() as stack:
         options: dict[str, dict[str, Any]] = {"mlxkv": {}, "mlxkv, copies": {"shared_prefix": False}}
-        if args.decode_wait is not None:
-            options[f"mlxkv, decode_wait={args.decode_wait}"] = {"decode_wait": args.decode_wait}
+        for extra in args.also:
+            options[f"mlxkv, {extra}"] = _runtime_options(extra)
         runtimes = {method: await _open(stack, path, prefixes, **kw) for method, kw in options.items()}
         assert runtimes["mlxkv"].model_info is not None, "a runtime with a model describes it"
         per_token = runtimes["mlxkv"].model_info.kv_bytes_per_token
@@ -226,7 +236,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per size (3)")
     parser.add_argument("--model", help="an mlx-lm model directory (default: the built-in model)")
     parser.add_argument(
-        "--decode-wait", type=int, help="also run mlxkv with this decode_wait (1: decode and prefill alternate)"
+        "--also",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE[,KEY=VALUE]",
+        help="also run mlxkv with these runtime options (integers), e.g. prefill_budget=512,decode_wait=1; repeatable",
     )
     parser.add_argument("--json", help="also write the results as JSON to FILE")
     args = parser.parse_args()
