@@ -153,10 +153,11 @@ DEFAULT_PREFILL_CHUNK = 256
 #: over a long context counted too) one prefill plan runs at most, over all
 #: its requests (the oldest request's chunk always fits): what a decode step
 #: can wait behind. 1024 admits 5 requests of 32 new tokens over a 2,048-token
-#: prefix a plan (512: 2), 0.94-1.10x ``batch_generate``'s tokens/s at 8 and 32
-#: requests against 0.92-1.00x, TTFT p95 lower, peak memory 5.6 MiB at 32
-#: (1.9x the floor; scripts/bench_memory.py).
-DEFAULT_PREFILL_BUDGET = 1024
+#: prefix a plan (512: 2), 0.97-1.07x ``batch_generate``'s tokens/s at 8 to 64
+#: requests arriving together against 0.90-0.96x (scripts/bench_memory.py),
+#: but the ``mlxkv run`` chat workload lost 5% of its tokens/s and its warm
+#: TTFT p50 rose from 57 to 67 ms with it: a throughput setting, not the default.
+DEFAULT_PREFILL_BUDGET = 512
 
 #: Requests one prefill plan serves at most (mlx-lm's ``BatchGenerator``
 #: prefills 8 prompts at once too).

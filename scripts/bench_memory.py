@@ -12,9 +12,9 @@ alternating:
 - ``mlxkv, copies``: the same with ``shared_prefix=False``: each request
   rebuilds its own copy of the prefix, as before shared prefixes;
 - ``mlxkv, KEY=VALUE`` (with ``--also KEY=VALUE,...``): ``mlxkv`` with
-  other runtime options, e.g. ``prefill_budget=512,decode_wait=1``, the
-  defaults before a wave of arrivals was prefilled first and five requests
-  over 2,048 tokens fit a prefill plan;
+  other runtime options, e.g. ``decode_wait=1`` (the scheduling before a
+  wave of arrivals was prefilled first) or ``prefill_budget=1024`` (five
+  requests over 2,048 tokens a prefill plan instead of two);
 - ``batch_generate``: mlx-lm's ``BatchGenerator`` given a copy of the
   prefix cache per request (``caches=``), as ``batch_generate`` takes them;
 - ``floor``: the KV the work needs: the prefix once and each request's own
@@ -40,7 +40,7 @@ start-up; until 7609661 each mlxkv round ran on a fresh runtime, whose
 first requests are slower (its tokens/s were 0.73x ``batch_generate``'s
 at 8 requests that way).
 
-    .venv/bin/python scripts/bench_memory.py [--sizes 8,16,32,64] [--groups 1] [--rounds 3] [--also prefill_budget=512,decode_wait=1] [--json FILE]
+    .venv/bin/python scripts/bench_memory.py [--sizes 8,16,32,64] [--groups 1] [--rounds 3] [--also decode_wait=1] [--json FILE]
 """
 
 from __future__ import annotations
@@ -240,7 +240,7 @@ def main() -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE[,KEY=VALUE]",
-        help="also run mlxkv with these runtime options (integers), e.g. prefill_budget=512,decode_wait=1; repeatable",
+        help="also run mlxkv with these runtime options (integers), e.g. prefill_budget=1024,decode_wait=1; repeatable",
     )
     parser.add_argument("--json", help="also write the results as JSON to FILE")
     args = parser.parse_args()
