@@ -225,6 +225,7 @@ def _run_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--user-tokens", type=int, default=48, help="tokens per user turn (48)")
     _pool_options(parser)
+    _scheduling_options(parser)
     parser.add_argument("--seed", type=int, default=0, help="seeds the texts (0)")
     _backend_option(parser)
     _json_option(parser)
@@ -236,6 +237,7 @@ def _serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("serve", help=SERVE_HELP, description=SERVE_DESCRIPTION)
     add_serve_options(parser)
     _pool_options(parser)
+    _scheduling_options(parser)
     _backend_option(parser)
     _trace_option(parser)
 
@@ -258,6 +260,28 @@ def _pool_options(parser: argparse.ArgumentParser) -> None:
         help="quantize the KV cache (blocks and live caches) to 4 or 8 bits (default: the model's precision)",
     )
     _tier_option(parser)
+
+
+def _scheduling_options(parser: argparse.ArgumentParser) -> None:
+    """The compute path's scheduling options (``mlxkv run`` and ``mlxkv serve``)."""
+    from mlxkv.actors.compute import DEFAULT_DECODE_WAIT, DEFAULT_PREFILL_BUDGET
+
+    parser.add_argument(
+        "--prefill-budget",
+        type=int,
+        default=DEFAULT_PREFILL_BUDGET,
+        metavar="COST",
+        help=f"the most prefill work one model call runs, in tokens, a long context counting more ({DEFAULT_PREFILL_BUDGET};"
+        " larger prefills many requests arriving together faster, at some latency for the others)",
+    )
+    parser.add_argument(
+        "--decode-wait",
+        type=int,
+        default=DEFAULT_DECODE_WAIT,
+        metavar="N",
+        help=f"the most prefill calls a decode step waits behind while more requests wait than decode"
+        f" ({DEFAULT_DECODE_WAIT}; 1: decode and prefill always alternate)",
+    )
 
 
 def _trace_option(parser: argparse.ArgumentParser) -> None:
@@ -298,6 +322,8 @@ def _run(args: argparse.Namespace) -> int:
         kv_memory=args.kv_memory,
         kv_bits=args.kv_bits,
         kv_tiers=tuple(args.kv_tier),
+        prefill_budget=args.prefill_budget,
+        decode_wait=args.decode_wait,
         images=args.images,
         seed=args.seed,
         trace=args.trace is not None,

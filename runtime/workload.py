@@ -30,6 +30,7 @@ from typing import Any, Optional
 import anyio
 import attrs
 
+from mlxkv.actors.compute import DEFAULT_DECODE_WAIT, DEFAULT_PREFILL_BUDGET
 from mlxkv.cache.errors import InvalidInput
 from mlxkv.cache.tiers.tier import TierStatistics
 from mlxkv.generation import GenerationReport
@@ -85,6 +86,10 @@ class WorkloadConfig:
         kv_memory: bytes the KV pool may hold (sizes the pool from the model).
         kv_bits: quantize the KV cache to 4 or 8 bits (None: the model's precision).
         kv_tiers: tiers below the pool, as URLs (see ``RuntimeConfig.kv_tiers``).
+        prefill_budget: the most prefill work one plan runs
+            (``RuntimeConfig.prefill_budget``).
+        decode_wait: the most prefill plans a decode step waits behind
+            (``RuntimeConfig.decode_wait``).
         seed: seeds the texts (decoding is greedy).
         trace: emit the runtime's structured events.
         shared_prefix: requests over the same cached blocks hold one copy of
@@ -106,6 +111,8 @@ class WorkloadConfig:
     )
     kv_bits: Optional[int] = None
     kv_tiers: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    prefill_budget: int = attrs.field(default=DEFAULT_PREFILL_BUDGET, validator=_at_least(1))
+    decode_wait: int = attrs.field(default=DEFAULT_DECODE_WAIT, validator=_at_least(1))
     images: int = attrs.field(default=0, validator=_at_least(0))
     seed: int = 0
     trace: bool = False
@@ -369,6 +376,8 @@ async def run_workload(
         kv_memory=config.kv_memory,
         kv_bits=config.kv_bits,
         kv_tiers=config.kv_tiers,
+        prefill_budget=config.prefill_budget,
+        decode_wait=config.decode_wait,
         trace=config.trace,
         shared_prefix=config.shared_prefix,
     )

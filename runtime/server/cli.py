@@ -43,7 +43,8 @@ DESCRIPTION = (
 
 def add_serve_options(parser: argparse.ArgumentParser) -> None:
     """Declare the options of ``mlxkv serve`` it has alone (:mod:`mlxkv.cli` adds
-    the block pool's, ``--backend`` and ``--trace``, as ``mlxkv run`` has them)."""
+    the block pool's, the scheduling's, ``--backend`` and ``--trace``, as ``mlxkv run``
+    has them)."""
     parser.add_argument(
         "--model", help="an mlx-lm or mlx-vlm model directory (default: the built-in model)"
     )
@@ -121,6 +122,8 @@ def serve_command(args: argparse.Namespace) -> int:
             kv_bits=args.kv_bits,
             kv_tiers=tuple(args.kv_tier),
             prefill_chunk=args.prefill_chunk,
+            prefill_budget=args.prefill_budget,
+            decode_wait=args.decode_wait,
             trace=args.trace is not None,
         )
         server_config = ServerConfig(

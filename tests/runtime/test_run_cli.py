@@ -20,7 +20,7 @@ from mlxkv.workload import WorkloadReport
 SMALL = [
     "--requests", "6", "--system-prompts", "2", "--turns", "2", "--concurrency", "2",
     "--max-tokens", "4", "--prompt-tokens", "80", "--user-tokens", "12",
-    "--block-size", "16", "--max-blocks", "64",
+    "--block-size", "16", "--max-blocks", "64", "--decode-wait", "2",
 ]  # fmt: skip
 
 
@@ -55,10 +55,14 @@ class TestRunCommand:
         actors = {event.get("actor") for event in events if event["event"] == "message.handled"}
         assert {"allocator", "prefix_index", "compute"} <= actors
 
-    def test_bad_settings_exit_2(self, capsys: pytest.CaptureFixture[str]):
+    @pytest.mark.parametrize(
+        ("option", "value", "blamed"),
+        [("--requests", "0", "requests"), ("--decode-wait", "0", "decode_wait"), ("--prefill-budget", "0", "prefill_budget")],
+    )
+    def test_bad_settings_exit_2(self, capsys: pytest.CaptureFixture[str], option: str, value: str, blamed: str):
         """An out-of-range setting is a usage error, reported on stderr."""
-        assert main(["run", "--requests", "0", "--model", "unused"]) == 2
-        assert "requests" in capsys.readouterr().err
+        assert main(["run", option, value, "--model", "unused"]) == 2
+        assert blamed in capsys.readouterr().err
 
 
 class TestWorkloadFits:

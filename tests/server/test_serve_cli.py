@@ -173,6 +173,8 @@ class TestServeErrors:
             (("--max-concurrent", "0"), "max_concurrent"),
             (("--port", "70000"), "--port"),
             (("--max-blocks", "0"), "max_blocks"),
+            (("--decode-wait", "0"), "decode_wait"),
+            (("--prefill-budget", "-1"), "prefill_budget"),
             (("--model", "/nonexistent/model"), "/nonexistent/model"),
         ],
     )
