@@ -343,7 +343,8 @@ class RuntimeStatistics:
                 (
                     "tiers",
                     f"{format_count(tiers.num_blocks_found, 'block')} loaded"
-                    f" ({tiers.num_lookups} lookups), {tiers.num_queued} written behind"
+                    f" ({tiers.num_lookups} lookups, {tiers.lookup_seconds * 1e3:.1f} ms),"
+                    f" {tiers.num_queued} written behind"
                     f" ({tiers.num_pending} pending, {tiers.num_queue_dropped} dropped),"
                     f" {tiers.num_timeouts} timeouts: "
                     + ", ".join(f"{tier.name} {tier.summary()}" for tier in tiers.tiers),

@@ -323,6 +323,7 @@ def _tier_summary(result: ChildResult) -> dict[str, Any]:
     return {
         "lookups": result.tiers["num_lookups"],
         "blocks_found": result.tiers["num_blocks_found"],
+        "lookup_ms": result.tiers["lookup_seconds"] * 1e3,
         "tier": tier["name"],
         "loaded": tier["num_loaded"],
         "written": tier["num_written"],
@@ -475,7 +476,7 @@ def disk_table(figures: dict[str, Any]) -> str:
         f" cold {figures['cold_process_s']:.2f} s, from disk {figures['disk_process_s']:.2f} s"
     )
     lines.append(
-        f"disk child's tiers: {tiers['lookups']} lookups, {tiers['blocks_found']} blocks found;"
+        f"disk child's tiers: {tiers['lookups']} lookups ({_ms(tiers['lookup_ms'])}), {tiers['blocks_found']} blocks found;"
         f" {tiers['tier']}: {tiers['loaded']} loaded, {tiers['missed']} missed,"
         f" {tiers['corrupt']} corrupt, {tiers['timeouts']} timeouts"
     )

@@ -29,6 +29,7 @@ runtime's MLX thread).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Iterable, Sequence
 from contextlib import AsyncExitStack
 from functools import partial
@@ -80,6 +81,9 @@ class TierStackStatistics:
         num_pending: queued blocks not yet written to every tier.
         num_lookups: chain lookups.
         num_blocks_found: blocks the lookups returned.
+        lookup_seconds: time the lookups took in all: probing, reading,
+            verifying and decoding (what a prefix from the tiers adds to its
+            request's time to first token).
         num_timeouts: calls to a tier that took longer than ``timeout``.
         tiers: each tier's own statistics, in lookup order.
         events: the KV event hub's statistics.
@@ -92,6 +96,7 @@ class TierStackStatistics:
     num_pending: int
     num_lookups: int
     num_blocks_found: int
+    lookup_seconds: float
     num_timeouts: int
     tiers: tuple[TierStatistics, ...]
     events: KVEventStatistics
@@ -185,6 +190,7 @@ class TierStack:
         self._num_handled = 0
         self._num_lookups = 0
         self._num_blocks_found = 0
+        self._lookup_seconds = 0.0
         self._num_timeouts = 0
 
     @classmethod
@@ -305,6 +311,13 @@ class TierStack:
         self._num_lookups += 1
         if not chain or not self._tiers:
             return []
+        started = time.perf_counter()
+        try:
+            return await self._lookup(chain)
+        finally:
+            self._lookup_seconds += time.perf_counter() - started
+
+    async def _lookup(self, chain: Sequence[bytes]) -> list[BlockPayload]:
         keys = storage_keys(self._namespace, chain)
         owner: list[Optional[int]] = [None] * len(keys)
         for index, tier in enumerate(self._tiers):
@@ -367,6 +380,7 @@ class TierStack:
             num_pending=self._num_queued - self._num_handled,
             num_lookups=self._num_lookups,
             num_blocks_found=self._num_blocks_found,
+            lookup_seconds=self._lookup_seconds,
             num_timeouts=self._num_timeouts,
             tiers=tuple(tier.statistics() for tier in self._tiers),
             events=self._events.statistics(),

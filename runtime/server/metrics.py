@@ -210,6 +210,11 @@ def _tier_metrics(tiers: TierStackStatistics) -> Iterator[Metric]:
         tiers.num_queue_dropped,
     )
     yield _counter("mlxkv_kv_tier_timeouts", "Tier calls cut off by the stack's timeout.", tiers.num_timeouts)
+    yield _counter(
+        "mlxkv_kv_tier_lookup_seconds",
+        "Time prefix lookups in the KV tiers took: probing, reading, verifying and decoding blocks.",
+        tiers.lookup_seconds,
+    )
 
 
 def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:

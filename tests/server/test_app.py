@@ -518,6 +518,7 @@ class TestHealthAndMetrics:
             await s.client.completions.create(model="tiny", prompt=SYSTEM, max_tokens=3, **GREEDY)
             metrics = await _metrics(s.url)
         assert metrics[f'mlxkv_kv_tier_blocks_total{{event="loaded",tier="{tier}"}}'] > 0
+        assert metrics["mlxkv_kv_tier_lookup_seconds_total"] > 0
 
 
 class TestImages:

@@ -124,8 +124,10 @@ class TestLookupChain:
             await stack.wait_written()
             for tier in stack.tiers:
                 assert await tier.contains_many([storage_key(namespace, h) for h in chain]) == [True] * 6
+            assert stack.statistics().lookup_seconds == 0
             found = await stack.lookup_chain(chain)
             stats = stack.statistics()
+        assert stats.num_lookups == 1 and stats.lookup_seconds > 0  # the lookup's own time
         assert len(found) == 6
         for payload, block in zip(found, blocks):
             assert_same_payload(payload, block)
