@@ -430,7 +430,7 @@ class Scheduler:
         prefill_budget: int,
         prefill_batch: int,
         decode_burst: int,
-        decode_wait: int = 1,
+        decode_wait: int,
         recurrent: bool = False,
         context_unit: int = 512,
     ) -> None:

@@ -383,7 +383,9 @@ class BatchSharedPrefixCache(_OverSuffix):
     def last_layer(self) -> bool:
         """Whether this is the model's last attention layer (see
         :func:`cascade_attention`'s ``evaluate_slices``)."""
-        return any(group is not None and self.layer == len(group.keys) - 1 for group, _ in self.rows)
+        # Every group holds the same layers (one model's): the first says.
+        group = next((group for group, _ in self.rows if group is not None), None)
+        return group is not None and self.layer == len(group.keys) - 1
 
     def segments(self) -> list[tuple[list[int], Any, Any, list[int]]]:
         """Rows grouped by prefix: ``(rows, keys, values, prefix lengths)``."""

@@ -38,7 +38,7 @@ from mlxkv.progress import Progress
 from mlxkv.runtime import CacheRuntime, RuntimeConfig
 from mlxkv.units import format_bytes, parse_bytes
 
-__all__ = ["SUMMARIZED_EVENTS", "WorkloadConfig", "WorkloadReport", "run_workload"]
+__all__ = ["SUMMARIZED_EVENTS", "WorkloadConfig", "WorkloadReport", "run_workload", "runtime_config"]
 
 #: The per-request warning events a :class:`WorkloadReport` counts (so that an
 #: application can show the count instead of every event).
@@ -340,6 +340,22 @@ async def _cut(rt: CacheRuntime, text: str, n: int, rng: random.Random) -> list[
     return tokens[:n]
 
 
+def runtime_config(config: WorkloadConfig) -> RuntimeConfig:
+    """The runtime a workload runs on: its pool, tiers and scheduling settings."""
+    return RuntimeConfig(
+        model=config.model,
+        block_size=config.block_size,
+        max_blocks=config.max_blocks,
+        kv_memory=config.kv_memory,
+        kv_bits=config.kv_bits,
+        kv_tiers=config.kv_tiers,
+        prefill_budget=config.prefill_budget,
+        decode_wait=config.decode_wait,
+        trace=config.trace,
+        shared_prefix=config.shared_prefix,
+    )
+
+
 async def run_workload(
     config: WorkloadConfig,
     *,
@@ -369,22 +385,10 @@ async def run_workload(
     import mlx.core as mx
 
     rng = random.Random(config.seed)
-    runtime_config = RuntimeConfig(
-        model=config.model,
-        block_size=config.block_size,
-        max_blocks=config.max_blocks,
-        kv_memory=config.kv_memory,
-        kv_bits=config.kv_bits,
-        kv_tiers=config.kv_tiers,
-        prefill_budget=config.prefill_budget,
-        decode_wait=config.decode_wait,
-        trace=config.trace,
-        shared_prefix=config.shared_prefix,
-    )
     reports: list[GenerationReport] = []
     peak_cached = 0
     num_conversations = math.ceil(config.requests / config.turns)
-    async with CacheRuntime(runtime_config) as rt:
+    async with CacheRuntime(runtime_config(config)) as rt:
         assert rt.model_info is not None, "a runtime with a model describes it"
         _check_fits(config, rt.model_info.max_context)  # before tokenizing anything
         systems = [

@@ -66,7 +66,7 @@ class _Payload:
 
 
 def _scheduler(**kw: Any) -> Scheduler:
-    options = dict(prefill_chunk=CHUNK, prefill_budget=2 * CHUNK, prefill_batch=4, decode_burst=32)
+    options = dict(prefill_chunk=CHUNK, prefill_budget=2 * CHUNK, prefill_batch=4, decode_burst=32, decode_wait=1)
     options.update(kw)
     return Scheduler(**options)
 

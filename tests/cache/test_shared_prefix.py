@@ -319,7 +319,8 @@ class TestInstall:
         assert flags == [True] * (layers - 1) + [False]
 
     def test_lazy_slices_give_the_same_attention(self, monkeypatch):
-        """Left to MLX, the slices of a long prefix merge to the same result."""
+        """Left to MLX (nothing evaluated inside), the slices of a long prefix
+        merge to the same result as slices evaluated one by one."""
         import mlxkv.cache.shared_prefix as module
 
         rng = np.random.default_rng(5)
@@ -328,8 +329,20 @@ class TestInstall:
         kp = mx.array(rng.standard_normal((1, 2, 3000, 8)), dtype=mx.float32)
         segments = [([0, 1, 2], kp, kp * 0.5, [3000, 1500, 20])]
         monkeypatch.setattr(module, "SCORE_ELEMENTS", 1 << 10)
+        evaluated: list[int] = []
+        real_eval = mx.eval
+
+        def counting(*arrays: Any) -> None:
+            evaluated.append(len(arrays))
+            real_eval(*arrays)
+
+        monkeypatch.setattr(mx, "eval", counting)
         forced = cascade_attention(q, ks, ks, "causal", 0.3, segments)
+        assert evaluated, "the slices are evaluated one by one by default"
+        evaluated.clear()
         lazy = cascade_attention(q, ks, ks, "causal", 0.3, segments, evaluate_slices=False)
+        assert not evaluated, "lazy slices are left to MLX"
+        monkeypatch.setattr(mx, "eval", real_eval)
         np.testing.assert_allclose(np.array(lazy), np.array(forced), atol=TOL, rtol=0)
 
     def test_a_model_without_the_name_is_not_served(self):

@@ -65,6 +65,22 @@ class TestRunCommand:
         assert blamed in capsys.readouterr().err
 
 
+class TestWorkloadRuntime:
+    def test_the_workloads_settings_reach_its_runtime(self):
+        """What ``mlxkv run`` is told about the pool, tiers and scheduling is
+        what its runtime is configured with."""
+        from mlxkv.workload import WorkloadConfig, runtime_config
+
+        config = WorkloadConfig(
+            model="unused", block_size=16, max_blocks=64, kv_bits=8, kv_tiers=["file:///tmp/x"],
+            prefill_budget=1024, decode_wait=3, trace=True, shared_prefix=False,
+        )  # fmt: skip
+        runtime = runtime_config(config)
+        for name in ("block_size", "max_blocks", "kv_bits", "kv_tiers", "prefill_budget", "decode_wait", "trace", "shared_prefix"):
+            assert getattr(runtime, name) == getattr(config, name), name
+        assert runtime.model == "unused"
+
+
 class TestWorkloadFits:
     """A workload whose longest request outgrows the model's context is refused
     once the model is loaded, before any request, blaming the setting to lower."""
