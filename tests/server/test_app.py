@@ -376,7 +376,9 @@ class TestErrors:
 
             async def wait_in_queue() -> None:
                 queued.append(
-                    await s.client.completions.create(model="tiny", prompt="hi", max_tokens=2)
+                    await s.client.completions.create(
+                        model="tiny", prompt="hi", max_tokens=2, **GREEDY
+                    )
                 )
 
             async with anyio.create_task_group() as tg:
