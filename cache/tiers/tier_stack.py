@@ -6,7 +6,8 @@ The pool is tier 0; a :class:`TierStack` is everything after it:
   it asks each tier in order which of the chain's blocks it holds, takes the
   leading run of blocks that some tier holds (the first block missing
   everywhere ends the hit), reads each from the first tier that holds it
-  (tiers read at once), and decodes them. A block that vanished or failed to
+  (tiers read at once, each a chunk at a time), and decodes each chunk as it
+  arrives, so a lookup holds one chunk's raw bytes per tier, not the run's. A block that vanished or failed to
   verify between the probe and the read is asked of the later tiers; if none
   has it, the run ends there.
 - :meth:`TierStack.offer` hands a newly computed block to the writer. It
@@ -43,7 +44,7 @@ from anyio.abc import TaskStatus
 
 from mlxkv.cache.errors import InvalidInput
 from mlxkv.cache.kv_state import BlockPayload
-from mlxkv.cache.tiers.block_format import CheckedValue, decode_payloads, encode_block
+from mlxkv.cache.tiers.block_format import decode_payloads, encode_block
 from mlxkv.cache.tiers.kv_events import KVEventHub, KVEventStatistics, KVEventSubscription
 from mlxkv.cache.tiers.namespace import Namespace
 from mlxkv.cache.tiers.storage_key import StorageKey, storage_key, storage_keys
@@ -58,7 +59,8 @@ T = TypeVar("T")
 #: Blocks the write queue holds before offers are dropped.
 DEFAULT_QUEUE_SIZE = 256
 
-#: Blocks one read asks a tier for (a tier's reads of one lookup run one after another).
+#: Blocks one read asks a tier for (a tier's reads of one lookup run one
+#: after another, each decoded before the next).
 GET_CHUNK = 32
 
 #: Seconds any one call to a tier may take.
@@ -330,20 +332,33 @@ class TierStack:
                     owner[i] = index
         run = next((i for i, t in enumerate(owner) if t is None), len(owner))
         holder = [t for t in owner[:run] if t is not None]  # the first tier holding each
-        values: list[Optional[CheckedValue]] = [None] * run
+        payloads: list[Optional[BlockPayload]] = [None] * run
+
+        async def read(tier: Tier, positions: list[int]) -> bool:
+            """Read and decode ``positions`` from ``tier``; whether the read
+            answered in time (a value it lacks is left None)."""
+            got = await self._bounded(tier, tier.get_many([keys[i] for i in positions]), None)
+            if got is None:
+                return False
+            found = [(i, value) for i, value in zip(positions, got) if value is not None]
+            if found:
+                decoded = await self._run_mlx(partial(decode_payloads, [value for _, value in found]))
+                for (i, _), payload in zip(found, decoded):
+                    payloads[i] = payload
+            return True
 
         async def fetch(index: int, tier: Tier) -> None:
             # In chunks, in chain order, each bounded by the timeout on its
-            # own: a long chain of large blocks is not one call that must
-            # finish within it, and a chunk that times out ends the run there.
+            # own (a long chain of large blocks is not one call that must
+            # finish within it) and decoded before the next is read, so a
+            # lookup holds one chunk's raw bytes at a time. A chunk that
+            # times out ends the run there: no later chunk is asked for.
+            # (Reading the next chunk while one decodes was slower: the
+            # reading and decoding threads take turns on the GIL.)
             positions = [i for i in range(run) if holder[i] == index]
             for begin in range(0, len(positions), GET_CHUNK):
-                chunk = positions[begin : begin + GET_CHUNK]
-                got = await self._bounded(tier, tier.get_many([keys[i] for i in chunk]), None)
-                if got is None:
+                if not await read(tier, positions[begin : begin + GET_CHUNK]):
                     return
-                for i, value in zip(chunk, got):
-                    values[i] = value
 
         if run:
             async with anyio.create_task_group() as task_group:
@@ -352,19 +367,14 @@ class TierStack:
         # A value that vanished or did not verify since the probe may still
         # be in a later tier: ask those, in order, before the run ends there.
         for index, tier in enumerate(self._tiers):
-            retry = [i for i in range(run) if values[i] is None and holder[i] < index]
+            retry = [i for i in range(run) if payloads[i] is None and holder[i] < index]
             if retry:
-                got = await self._bounded(tier, tier.get_many([keys[i] for i in retry]), None)
-                for i, value in zip(retry, got or ()):
-                    values[i] = value
-        run = next((i for i, v in enumerate(values) if v is None), run)
-        verified = [v for v in values[:run] if v is not None]
-        payloads: list[BlockPayload] = (
-            await self._run_mlx(partial(decode_payloads, verified)) if verified else []
-        )
-        self._num_blocks_found += len(payloads)
+                await read(tier, retry)
+        run = next((i for i, p in enumerate(payloads) if p is None), run)
+        found = [p for p in payloads[:run] if p is not None]
+        self._num_blocks_found += len(found)
         self._publish_removals()
-        return payloads
+        return found
 
     def subscribe(self, buffer: int = 1024) -> KVEventSubscription:
         """KV events from now on (see :meth:`KVEventHub.subscribe`)."""

@@ -216,6 +216,37 @@ class TestLookupChain:
             assert len(await stack.lookup_chain(chain)) == 3
         assert len(threads) == 1 and threads[0] != threading.get_ident()
 
+    async def test_each_chunk_is_decoded_before_the_next_is_read(
+        self, disk, namespace, blocks, chain, monkeypatch
+    ):
+        """A lookup reads a chunk, decodes it, then reads the next: it never
+        holds more than one chunk's raw bytes of a tier, and the payloads still
+        come back whole and in chain order."""
+        from mlxkv.cache.tiers import tier_stack
+
+        monkeypatch.setattr(tier_stack, "GET_CHUNK", 2)
+        async with TierStack([disk(namespace)], namespace) as stack:
+            _offer_all(stack, chain, blocks)
+        reading = SlowTier(disk(namespace))
+        steps = []
+        inner_get_many = reading.get_many
+
+        async def get_many(keys):
+            steps.append(("read", len(keys)))
+            return await inner_get_many(keys)
+
+        async def run_mlx(function):
+            steps.append(("decode", len(function.args[0])))
+            return await anyio.to_thread.run_sync(function)
+
+        reading.get_many = get_many
+        async with TierStack([reading], namespace, run_mlx=run_mlx) as stack:
+            found = await stack.lookup_chain(chain)
+        assert steps == [("read", 2), ("decode", 2)] * 3
+        assert [p.start for p in found] == [0, 4, 8, 12, 16, 20]
+        for payload, block in zip(found, blocks):
+            assert_same_payload(payload, block)
+
 
 class TestLifecycle:
     def test_made_outside_an_event_loop(self, tmp_path, namespace, blocks, chain):
