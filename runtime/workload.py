@@ -94,6 +94,9 @@ class WorkloadConfig:
         trace: emit the runtime's structured events.
         shared_prefix: requests over the same cached blocks hold one copy of
             them (``RuntimeConfig.shared_prefix``; off only to measure it).
+        freeze_gc: keep what is alive once the runtime has started out of the
+            garbage collector's scans (``RuntimeConfig.freeze_gc``; off only
+            to measure it).
     """
 
     model: str
@@ -117,6 +120,7 @@ class WorkloadConfig:
     seed: int = 0
     trace: bool = False
     shared_prefix: bool = True
+    freeze_gc: bool = True
 
 
 @attrs.frozen(kw_only=True)
@@ -353,6 +357,7 @@ def runtime_config(config: WorkloadConfig) -> RuntimeConfig:
         decode_wait=config.decode_wait,
         trace=config.trace,
         shared_prefix=config.shared_prefix,
+        freeze_gc=config.freeze_gc,
     )
 
 
