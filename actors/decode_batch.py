@@ -15,9 +15,12 @@ the KV of a row always holds exactly its prompt and its emitted tokens.
 Rows join with the first token their prefill sampled (already emitted) and
 leave when finished or cancelled; joining and leaving copy the batch cache
 (mlx-lm's ``extend``/``filter``), once per request, not per token. A batch of
-one row keeps that request's own cache (no merge, no padding mask): a lone
-request decodes as fast as mlx-lm's ``generate_step``; the cache is merged
-when a second row joins and extracted again when one row is left.
+one row keeps that request's own cache (no merge, no padding mask), made
+ready to decode alone by the runner (:meth:`ModelRunner.alone`: over a
+shared prefix, one plain run of prefix and own tokens), so a lone request
+decodes as fast as mlx-lm's ``generate_step``; the cache is made ready to
+merge again (:meth:`ModelRunner.together`) and merged when a second row
+joins, and extracted again when one row is left.
 
 Failures. What is done for one row -- merging its cache in, extracting it on
 the way out, sampling its next token, snapshotting its recurrent state --
@@ -151,7 +154,8 @@ class DecodeBatch:
         if len(stay) == 1:
             # The last row keeps its own cache again (no padding mask).
             try:
-                self._cache, self._merged = self._row_cache(stay[0]), False
+                alone = self._runner.alone(self.rows[stay[0]], self._row_cache(stay[0]))
+                self._cache, self._merged = alone, False
             except Exception as error:
                 failed.append(RowFailed(self.rows[stay[0]], without_frames(error)))
                 stay = []
@@ -233,11 +237,13 @@ class DecodeBatch:
             caches.append(sequence.cache)
         tokens = mx.array([sequence.generated[-1] for sequence in sequences], dtype=mx.uint32)
         if self._cache is None and len(caches) == 1:
-            self._cache, self._merged, self._next = caches[0], False, tokens
+            alone = self._runner.alone(sequences[0], caches[0])
+            self._cache, self._merged, self._next = alone, False, tokens
         elif self._cache is None:
             self._cache, self._merged, self._next = self._runner.merge(caches), True, tokens
         elif not self._merged:
-            self._cache, self._merged = self._runner.merge([self._cache, *caches]), True
+            lone = self._runner.together(self.rows[0], self._cache)
+            self._cache, self._merged = self._runner.merge([lone, *caches]), True
             self._next = mx.concatenate([self._next, tokens])
         else:
             merged = self._runner.merge(caches)

@@ -265,6 +265,16 @@ class ModelRunner(Protocol):
         """A request cache holding ``row`` of a batch cache."""
         ...
 
+    def alone(self, sequence: Sequence, cache: list[Any]) -> list[Any]:
+        """``sequence``'s request cache ``cache`` made ready to decode alone
+        (a batch of one row); ``cache`` itself where nothing changes."""
+        ...
+
+    def together(self, sequence: Sequence, cache: list[Any]) -> list[Any]:
+        """What :meth:`alone` made of ``sequence``'s cache, ready to merge
+        into a batch again; ``cache`` itself where nothing changes."""
+        ...
+
     def snapshot(self, cache: list[Any], row: int) -> tuple[Optional[tuple[Any, ...]], ...]:
         """The recurrent layers' state of ``row`` (None for other layers), lazily."""
         ...
@@ -636,6 +646,29 @@ class CacheRunner(abc.ABC):
         if not self._info.batchable:
             return cache
         return [layer.extract(row) for layer in cache]
+
+    def alone(self, sequence: Sequence, cache: list[Any]) -> list[Any]:
+        """Over a shared prefix: the prefix and the request's own tokens as
+        one plain run (a copy of the prefix, with room for the rest of the
+        request), so a step attends through one fused call over contiguous
+        KV instead of the cascade's or a per-step concatenation (a lone
+        request over a 4,096-token prefix decoded ~15% slower than over a
+        plain cache). The request no longer holds the group: it lives on
+        only for the requests that still use it, so a lone request holds
+        one copy of its prefix either way."""
+        if self._groups is None or not isinstance(cache[0], SharedPrefixCache) or not cache[0].num_prefix:
+            return cache
+        room = _room(sequence, cache[0].offset)
+        return [SharedPrefixCache(None, i, 0, layer.to_plain(room)) for i, layer in enumerate(cache)]
+
+    def together(self, sequence: Sequence, cache: list[Any]) -> list[Any]:
+        """A lone request's plain run over its prefix's live group again (a new
+        group of its prefix blocks if none lives): only its own tokens are
+        copied, so the batch it joins keeps its rows as short as their own
+        tokens."""
+        if self._groups is None or not isinstance(cache[0], SharedPrefixCache) or cache[0].num_prefix:
+            return cache
+        return self._own(sequence, cache, cache[0].offset)
 
     def snapshot(self, cache: list[Any], row: int) -> tuple[Optional[tuple[Any, ...]], ...]:
         import mlx.core as mx

@@ -298,23 +298,34 @@ class SharedPrefixCache(_OverSuffix):
         keys, values = self.group.keys[self.layer], self.group.values[self.layer]
         return [([0], keys, values, [self.num_prefix])]
 
-    def to_plain(self) -> Any:
-        """A plain ``KVCache`` of prefix and suffix (a copy of both)."""
+    def to_plain(self, extra_tokens: int = 0) -> Any:
+        """A plain ``KVCache`` of prefix and suffix (a copy of both, made in
+        one concatenation), with room for ``extra_tokens`` more (it then
+        grows by :data:`SUFFIX_STEP`, as a suffix does); the suffix itself
+        when there is no prefix."""
         import mlx.core as mx
         from mlx_lm.models.cache import KVCache
 
         if self.num_prefix == 0:
             return self.suffix
+        assert self.group is not None, "a prefix comes with its group"
         n = self.suffix.offset
-        layer = KVCache()
-        prefix_k = self.group.keys[self.layer][..., : self.num_prefix, :]  # type: ignore[union-attr]
-        prefix_v = self.group.values[self.layer][..., : self.num_prefix, :]  # type: ignore[union-attr]
-        if n:
-            layer.keys = mx.concatenate([prefix_k, self.suffix.keys[..., :n, :]], axis=2)
-            layer.values = mx.concatenate([prefix_v, self.suffix.values[..., :n, :]], axis=2)
-        else:
-            layer.keys, layer.values = mx.array(prefix_k), mx.array(prefix_v)
-        layer.offset = self.num_prefix + n
+        room = _capacity(self.offset, extra_tokens) - self.offset if extra_tokens else 0
+        layer = suffix_layer() if extra_tokens else KVCache()
+        arrays = []
+        for prefix, own in (
+            (self.group.keys[self.layer], self.suffix.keys),
+            (self.group.values[self.layer], self.suffix.values),
+        ):
+            parts = [prefix[..., : self.num_prefix, :]]
+            if n:
+                parts.append(own[..., :n, :])
+            if room:
+                b, h, _, d = prefix.shape
+                parts.append(mx.zeros((b, h, room, d), dtype=prefix.dtype))
+            arrays.append(mx.concatenate(parts, axis=2) if len(parts) > 1 else mx.array(parts[0]))
+        layer.keys, layer.values = arrays
+        layer.offset = self.offset
         return layer
 
     @classmethod

@@ -218,6 +218,26 @@ class TestCaches:
         assert isinstance(plain, KVCache) and plain.offset == 51
         np.testing.assert_array_equal(np.array(plain.keys[..., :48, :]), np.array(group.keys[0][..., :48, :]))
 
+    def test_a_plain_run_with_room_copies_prefix_and_suffix_once(self, tiny_llama):
+        """``to_plain(extra)``: prefix then own tokens in one buffer with room for
+        ``extra`` more (whole suffix steps), growing by a suffix's step; no
+        prefix: the suffix itself."""
+        from mlxkv.cache.shared_prefix import SUFFIX_STEP
+
+        model, _ = tiny_llama
+        group = PrefixGroup.build(_payloads(model, list(range(64)), 16))
+        (suffix, *_rest) = suffix_cache((), 8, 2)
+        own = mx.ones((1, 2, 5, 16)) * 3
+        suffix.update_and_fetch(own, own)
+        plain = SharedPrefixCache(group, 0, 48, suffix).to_plain(20)
+        assert plain.offset == 53 and plain.step == SUFFIX_STEP
+        assert plain.keys.shape[2] % SUFFIX_STEP == 0 and plain.keys.shape[2] >= 73
+        np.testing.assert_array_equal(np.array(plain.keys[..., :48, :]), np.array(group.keys[0][..., :48, :]))
+        np.testing.assert_array_equal(np.array(plain.values[..., 48:53, :]), np.array(own))
+        keys, _ = plain.update_and_fetch(own[..., :1, :], own[..., :1, :])
+        assert keys.shape[2] == 54 and plain.keys.shape[2] >= 73  # written in place, not grown
+        assert SharedPrefixCache(None, 0, 0, suffix).to_plain(20) is suffix
+
     def test_batches_merge_filter_extend_and_extract_suffixes(self, tiny_llama):
         """A batch of requests over prefixes keeps each row's group and prefix
         length; filtering, extending and extracting move suffixes only."""

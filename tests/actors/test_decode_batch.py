@@ -1,0 +1,109 @@
+"""A decode batch over a real tiny Llama and its runner: a lone row over a shared
+prefix decodes over one plain run of its prefix and own tokens (holding no
+group), and is over the prefix's group again, holding only its own tokens,
+once a second row joins; greedy tokens equal cold runs throughout."""
+
+from __future__ import annotations
+
+import gc
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxkv.actors.decode_batch import DecodeBatch
+from mlxkv.actors.model_runner import TextRunner
+from mlxkv.actors.request import RequestSpec
+from mlxkv.actors.sequence import Sequence
+from mlxkv.cache import kv_state
+from mlxkv.cache.shared_prefix import BatchSharedPrefixCache, SharedPrefixCache
+
+BS = 16
+PREFIX = [(i * 37 + 5) % 250 for i in range(4 * BS)]
+
+
+def own(n: int, salt: int) -> list[int]:
+    return [(i * 11 + salt * 29) % 250 for i in range(n)]
+
+
+@pytest.fixture
+def runner(tiny_llama):
+    model, tokenizer = tiny_llama
+    return TextRunner(model, tokenizer, prefill_chunk=256)
+
+
+def prefix_payloads(model) -> tuple:
+    cache = make_prompt_cache(model)
+    model(mx.array(PREFIX)[None], cache=cache)
+    mx.eval([layer.state for layer in cache])
+    return tuple(kv_state.slice_blocks(cache, BS, range(len(PREFIX) // BS), num_tokens=len(PREFIX)))
+
+
+def started(runner, request_id: str, prompt: list[int], prefix: tuple = ()) -> Sequence:
+    """A request whose prefill is done: its first token sampled (greedy)."""
+    spec = RequestSpec(
+        request_id=request_id, prompt=prompt, prefix=prefix, max_tokens=64,
+        block_size=BS, stop_tokens=frozenset(),
+    )  # fmt: skip
+    sequence = Sequence(spec)
+    runner.start(sequence)
+    logits = runner.prefill(sequence, len(prompt))
+    sequence.generated.append(int(mx.argmax(logits).item()))
+    return sequence
+
+
+def decode(batch: DecodeBatch, steps: int) -> None:
+    for _ in range(steps):
+        _, failed, _ = batch.advance(1)
+        assert not failed
+
+
+def cold_tokens(runner, prompt: list[int], count: int) -> list[int]:
+    batch = DecodeBatch(runner)
+    sequence = started(runner, "cold", prompt)
+    batch.join([sequence])
+    decode(batch, count)
+    return sequence.generated[:count]
+
+
+class TestLoneRow:
+    def test_a_lone_row_decodes_over_a_plain_run_and_shares_again_when_joined(self, runner, tiny_llama):
+        model, _ = tiny_llama
+        assert runner.info.shared_prefix
+        payloads = prefix_payloads(model)
+        first = PREFIX + own(9, salt=1)
+        second = PREFIX + own(5, salt=2)
+
+        batch = DecodeBatch(runner)
+        a = started(runner, "a", first, payloads)
+        assert isinstance(a.cache[0], SharedPrefixCache) and a.cache[0].num_prefix == len(PREFIX)
+        batch.join([a])
+        lone = batch._cache[0]
+        assert isinstance(lone, SharedPrefixCache) and lone.group is None and lone.num_prefix == 0
+        assert lone.suffix.offset == len(first)  # prefix and own tokens, in one run
+        gc.collect()
+        assert len(runner._groups) == 0, "the lone row still holds its prefix's group"
+        decode(batch, 3)
+
+        b = started(runner, "b", second, payloads)
+        batch.join([b])
+        joined = batch._cache[0]
+        assert isinstance(joined, BatchSharedPrefixCache)
+        assert [rows for rows, *_ in joined.segments()] == [[0, 1]], "both rows over one group"
+        assert [n for _, n in joined.rows] == [len(PREFIX), len(PREFIX)]
+        # The suffixes hold the rows' own tokens only: 9 + 3 decoded for a (5 for b, left-padded).
+        assert joined.suffix._idx == 12
+        decode(batch, 6)
+
+        batch.leave([b])
+        assert batch._cache[0].group is None  # alone again: one plain run
+        decode(batch, 3)
+        assert len(a.generated) == 12 and a.generated == cold_tokens(runner, first, 12)
+        assert len(b.generated) == 6 and b.generated == cold_tokens(runner, second, 6)
+
+    def test_a_row_without_a_prefix_is_left_as_it_is(self, runner):
+        batch = DecodeBatch(runner)
+        a = started(runner, "a", own(20, salt=3))
+        cache = a.cache
+        batch.join([a])
+        assert batch._cache is cache
