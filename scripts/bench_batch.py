@@ -1,7 +1,7 @@
 """Concurrent generation throughput: mlxkv's batched decode against mlx-lm's own engines.
 
-Every request shares a 512-token prefix that is already cached, adds 32
-tokens of its own and generates greedily. Three ways to serve N such
+Every request shares a 512-token prefix (``--prefix-tokens``) that is
+already cached, adds 32 tokens of its own and generates greedily. Three ways to serve N such
 requests on the built-in model, side by side in one process:
 
 - ``batch_generate``: mlx-lm's ``BatchGenerator`` (what ``batch_generate``
@@ -29,7 +29,8 @@ over. Ratios are medians of the per-round ratios (each round's methods ran
 back to back, so a slow patch of the machine affects both sides of a ratio).
 Greedy tokens are compared across the methods (they must agree).
 
-    .venv/bin/python scripts/bench_batch.py [--rounds 5] [--json FILE]
+    .venv/bin/python scripts/bench_batch.py [--rounds 5] [--prefix-tokens 512]
+        [--settings 1x128,8x48,32x48] [--json FILE]
 """
 
 from __future__ import annotations
@@ -48,12 +49,12 @@ from typing import Any
 import anyio
 
 REPO = Path(__file__).resolve().parent.parent
-PREFIX, OWN = 512, 32
-SETTINGS = [(1, 128), (8, 48), (32, 48)]  # (concurrent requests, tokens each)
+PREFIX, OWN = 512, 32  # the default shared prefix's tokens; each request's own
+SETTINGS = "1x128,8x48,32x48"  # concurrent requests x tokens each
 
 
-def _prefix() -> list[int]:
-    return [32 + (i * 37 + (i // 11) ** 2) % 95 for i in range(PREFIX)]
+def _prefix(num_tokens: int = PREFIX) -> list[int]:
+    return [32 + (i * 37 + (i // 11) ** 2) % 95 for i in range(num_tokens)]
 
 
 def _own(round_: int, n: int) -> list[list[int]]:
@@ -69,15 +70,15 @@ def _percentile(values: list[float], q: float) -> float:
 class MlxLm:
     """mlx-lm on the main thread: the model, and the prefix's cache computed once."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, prefix: list[int]) -> None:
         import mlx.core as mx
         from mlx_lm import load
         from mlx_lm.models.cache import make_prompt_cache
 
         self.model, self.tokenizer = load(path)
         self.prefix_cache = make_prompt_cache(self.model)
-        prefix = _prefix()
-        for start in range(0, PREFIX, 256):
+        self.num_prefix = len(prefix)
+        for start in range(0, len(prefix), 256):
             self.model(mx.array(prefix[start : start + 256])[None], cache=self.prefix_cache)
             mx.eval([c.state for c in self.prefix_cache])
 
@@ -120,7 +121,7 @@ class MlxLm:
                     break
                 out.append(response.token)
             outs.append(out)
-            trim_prompt_cache(self.prefix_cache, self.prefix_cache[0].offset - PREFIX)
+            trim_prompt_cache(self.prefix_cache, self.prefix_cache[0].offset - self.num_prefix)
         return {"wall": time.perf_counter() - started, "ttft": ttft, "tokens": outs}
 
 
@@ -162,9 +163,9 @@ anyio.run(main)
 class Baseline:
     """The same mlxkv workload on another environment's mlxkv, in a child process."""
 
-    def __init__(self, python: str, path: str) -> None:
+    def __init__(self, python: str, path: str, prefix: list[int]) -> None:
         self.proc = subprocess.Popen(
-            [python, "-c", CHILD, path, json.dumps(_prefix())],
+            [python, "-c", CHILD, path, json.dumps(prefix)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -190,10 +191,9 @@ class Baseline:
         self.proc.wait(timeout=60)
 
 
-async def _mlxkv(rt: Any, owns: list[list[int]], tokens: int) -> dict[str, Any]:
+async def _mlxkv(rt: Any, prefix: list[int], owns: list[list[int]], tokens: int) -> dict[str, Any]:
     from mlxkv import GenerationReport
 
-    prefix = _prefix()
     reports: list[Any] = [None] * len(owns)
     started = time.perf_counter()
 
@@ -209,7 +209,7 @@ async def _mlxkv(rt: Any, owns: list[list[int]], tokens: int) -> dict[str, Any]:
     wall = time.perf_counter() - started
     cached = [r.cached_tokens for _, r in reports]
     # The kept last cache may serve a token or two more (own tokens that begin alike).
-    assert all(c >= PREFIX // 64 * 64 for c in cached), f"the prefix was not reused: {cached}"
+    assert all(c >= len(prefix) // 64 * 64 for c in cached), f"the prefix was not reused: {cached}"
     return {
         "wall": wall,
         "ttft": [r.time_to_first_token for _, r in reports],
@@ -222,14 +222,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     from mlxkv.default_model import ensure_model
 
     path = args.model or str(ensure_model())
-    mlx_lm = MlxLm(path)
-    baseline = Baseline(args.baseline_python, path) if args.baseline_python else None
+    prefix = _prefix(args.prefix_tokens)
+    mlx_lm = MlxLm(path, prefix)
+    baseline = Baseline(args.baseline_python, path, prefix) if args.baseline_python else None
     results: dict[str, Any] = {}
     async with CacheRuntime(model=path, block_size=64) as rt:
-        async with rt.generate(_prefix() + [33], max_tokens=1) as warm:  # stores the prefix
+        async with rt.generate(prefix + [33], max_tokens=1) as warm:  # stores the prefix
             async for _ in warm:
                 pass
-        for n, tokens in SETTINGS:
+        for n, tokens in args.settings:
             samples: dict[str, list[dict[str, Any]]] = {"batch_generate": [], "stream_generate": [], "mlxkv": []}
             if baseline is not None:
                 samples["baseline"] = []
@@ -240,7 +241,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 outs = {}
                 for method in order:
                     if method == "mlxkv":
-                        outs[method] = await _mlxkv(rt, owns, tokens)
+                        outs[method] = await _mlxkv(rt, prefix, owns, tokens)
                     elif method == "batch_generate":
                         outs[method] = mlx_lm.batch(owns, tokens)
                     elif method == "baseline":
@@ -290,6 +291,17 @@ def _table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _settings(text: str) -> list[tuple[int, int]]:
+    """``"8x48,32x48"`` as ``[(8, 48), (32, 48)]``."""
+    try:
+        pairs = [tuple(int(n) for n in item.split("x")) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not REQUESTSxTOKENS,...: {text!r}") from None
+    if not pairs or any(len(p) != 2 or min(p) < 1 for p in pairs):
+        raise argparse.ArgumentTypeError(f"not REQUESTSxTOKENS,... with both >= 1: {text!r}")
+    return pairs  # type: ignore[return-value]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="rounds per setting (5)")
@@ -298,7 +310,16 @@ def main() -> None:
     parser.add_argument(
         "--baseline-python", help="python of another environment whose mlxkv runs as 'baseline'"
     )
+    parser.add_argument(
+        "--prefix-tokens", type=int, default=PREFIX, help=f"tokens of the shared cached prefix ({PREFIX})"
+    )
+    parser.add_argument(
+        "--settings", type=_settings, default=_settings(SETTINGS),
+        help=f"comma-separated REQUESTSxTOKENS ({SETTINGS})",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.prefix_tokens < 64:
+        parser.error("--prefix-tokens must be at least one block (64)")
     results = anyio.run(main_async, args)
     print(_table(results))
     print(f"\nmlxkv mean decode batch size: {results['mlxkv_mean_batch_size']:.1f}")
