@@ -191,7 +191,7 @@ class RuntimeConfig:
         freeze_gc: once started, move every object alive then (the model
             and its libraries) out of the cyclic garbage collector's scans
             (``gc.freeze()``), so that a full collection stalls the requests
-            in flight for ~2.5 ms instead of 65-99 ms on the built-in model;
+            in flight for 0.1-0.2 ms instead of 64-95 ms on the built-in model;
             the last such runtime of the process to stop unfreezes them (see
             :mod:`mlxkv.heap_freeze`). Off for an application that freezes
             the heap itself.

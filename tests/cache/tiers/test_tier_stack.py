@@ -105,6 +105,17 @@ def redis(redis_server):
     return make
 
 
+async def _stored_in_chunks_of_two(disk, namespace, blocks, chain, monkeypatch):
+    """Every block written to a disk tier, read back two blocks a call; the
+    tier to read them from, wrapped so a test can replace its get_many."""
+    from mlxkv.cache.tiers import tier_stack
+
+    monkeypatch.setattr(tier_stack, "GET_CHUNK", 2)
+    async with TierStack([disk(namespace)], namespace) as stack:
+        _offer_all(stack, chain, blocks)
+    return SlowTier(disk(namespace))
+
+
 def _offer_all(stack, chain, blocks):
     parents = [None, *chain[:-1]]
     return [stack.offer(h, b, parent_hash=p) for h, b, p in zip(chain, blocks, parents)]
@@ -222,12 +233,7 @@ class TestLookupChain:
         """A lookup reads a chunk, decodes it, then reads the next: it never
         holds more than one chunk's raw bytes of a tier, and the payloads still
         come back whole and in chain order."""
-        from mlxkv.cache.tiers import tier_stack
-
-        monkeypatch.setattr(tier_stack, "GET_CHUNK", 2)
-        async with TierStack([disk(namespace)], namespace) as stack:
-            _offer_all(stack, chain, blocks)
-        reading = SlowTier(disk(namespace))
+        reading = await _stored_in_chunks_of_two(disk, namespace, blocks, chain, monkeypatch)
         steps = []
         inner_get_many = reading.get_many
 
@@ -382,12 +388,7 @@ class TestFaults:
         """A tier's values are read a chunk at a time, in chain order, each chunk
         bounded by the timeout on its own: a tier that stalls on its second chunk
         still serves the first, and the caller waits one timeout, not more."""
-        from mlxkv.cache.tiers import tier_stack
-
-        monkeypatch.setattr(tier_stack, "GET_CHUNK", 2)
-        async with TierStack([disk(namespace)], namespace) as stack:
-            _offer_all(stack, chain, blocks)
-        stalling = SlowTier(disk(namespace))
+        stalling = await _stored_in_chunks_of_two(disk, namespace, blocks, chain, monkeypatch)
         reads = []
         inner_get_many = stalling.get_many
 
