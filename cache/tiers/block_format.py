@@ -18,7 +18,10 @@ knowing it).
 built: its size, magic, version and checksum, that its header parses and
 names the expected namespace and key, that its layout is the namespace's,
 that it is one full block, and that every array's dtype, shape and bytes
-agree with the layout and with the value's length. Anything else raises
+agree with the layout and with the value's length (a header that differs
+from one verified before only in its key and ``start`` is compared byte for
+byte instead of parsed again: the same verdict; 128 values of the built-in
+model verify in 2.7 ms instead of 5.3). Anything else raises
 :class:`~mlxkv.cache.tiers.errors.CorruptValue`; :func:`decode_payload` then
 cannot fail on what :func:`check_value` accepted. A value is therefore
 either exactly the block that was encoded, or a miss: never wrong KV.
@@ -37,6 +40,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 import struct
 import zlib
 from collections.abc import Sequence
@@ -245,6 +249,85 @@ def check_value(data: Buffer, *, key: StorageKey, namespace: Namespace) -> Check
         if zlib.crc32(view[: size - _CHECKSUM_SIZE]) != stored:
             _corrupt("checksum mismatch")
         header_bytes = bytes(view[_PREFIX.size : _PREFIX.size + header_size])
+    fields = _known_header(header_bytes, key, namespace)
+    if fields is None:
+        fields = _parse_header(header_bytes, key, namespace)
+    start, num_tokens, layout, arrays, end = fields
+    _check_block_extent(start, num_tokens, namespace, _corrupt)
+    region = size - _PREFIX.size - header_size - _CHECKSUM_SIZE
+    if end != region:
+        _corrupt(f"arrays take {end} bytes, the value holds {region}")
+    return CheckedValue(
+        key=key,
+        start=start,
+        num_tokens=num_tokens,
+        layout=layout,
+        arrays=arrays,
+        data=data,
+        arrays_offset=_PREFIX.size + header_size,
+    )
+
+
+#: What :func:`_parse_header` returns: ``start``, ``num_tokens``, the
+#: layout, the array records and where the last array ends.
+_HeaderFields = tuple[int, int, KVLayout, tuple[Optional[tuple[Optional[ArrayRecord], ...]], ...], int]
+
+#: A run of ASCII digits as JSON writes an int >= 0 (no leading zero).
+_COUNT = re.compile(rb"0|[1-9][0-9]*")
+
+#: The storage key :func:`_header_after_start` parses its headers under.
+_PLACEHOLDER_KEY = StorageKey(bytes(KEY_SIZE))
+
+
+def _known_header(header: bytes, key: StorageKey, namespace: Namespace) -> Optional[_HeaderFields]:
+    """The header's fields without parsing it, when it is the kind
+    :func:`encode_block` writes and one like it (all but its key and start)
+    verified before; else None (then :func:`_parse_header` decides).
+
+    Every header of a namespace's blocks is one text but for the key and
+    ``start``, so what follows ``start`` is parsed and verified once
+    (:func:`_header_after_start`, cached) and compared byte for byte after
+    that: a block's header costs a comparison, not a JSON parse and a
+    check of every array record (a warm restart reads one per block).
+    Whatever this accepts, :func:`_parse_header` accepts with the same fields.
+    """
+    if len(key) != KEY_SIZE:
+        return None
+    lead = _header_lead(namespace.digest, bytes(key))
+    if not header.startswith(lead):
+        return None
+    count = _COUNT.match(header, len(lead))
+    if count is None:
+        return None
+    try:
+        _, num_tokens, layout, arrays, end = _header_after_start(header[count.end() :], namespace)
+    except CorruptValue:
+        return None
+    return int(count.group()), num_tokens, layout, arrays, end
+
+
+def _header_lead(digest: bytes, key: bytes) -> bytes:
+    """A header's text up to its ``start`` value, as :func:`encode_block` writes it."""
+    return b'{"namespace":"%s","key":"%s","start":' % (digest.hex().encode(), key.hex().encode())
+
+
+@functools.lru_cache(maxsize=64)
+def _header_after_start(rest: bytes, namespace: Namespace) -> _HeaderFields:
+    """:func:`_parse_header` of a header that ends with ``rest`` after a
+    ``start`` of 0 (under a placeholder key); raises CorruptValue if that
+    header does not verify or its ``start`` is not the one before ``rest``
+    (``rest`` names one of its own: JSON's last duplicate wins)."""
+    lead = _header_lead(namespace.digest, _PLACEHOLDER_KEY)
+    for start in (1, 0):
+        fields = _parse_header(lead + b"%d" % start + rest, _PLACEHOLDER_KEY, namespace)
+        if fields[0] != start:
+            _corrupt("a header that names its start twice")
+    return fields
+
+
+def _parse_header(header_bytes: bytes, key: StorageKey, namespace: Namespace) -> _HeaderFields:
+    """Parse and verify a value's header against its key and namespace (its
+    block extent and size are checked by the caller)."""
     try:
         header = json.loads(header_bytes)
     except ValueError as exc:
@@ -274,21 +357,9 @@ def check_value(data: Buffer, *, key: StorageKey, namespace: Namespace) -> Check
     start, num_tokens = header["start"], header["num_tokens"]
     if not (_is_count(start) and _is_count(num_tokens)):
         _corrupt("start and num_tokens must be ints >= 0")
-    _check_block_extent(start, num_tokens, namespace, _corrupt)
     arrays = _records_from_json(header["arrays"])
-    region = size - _PREFIX.size - header_size - _CHECKSUM_SIZE
     end = _check_arrays(layout, num_tokens, arrays, _corrupt)
-    if end != region:
-        _corrupt(f"arrays take {end} bytes, the value holds {region}")
-    return CheckedValue(
-        key=key,
-        start=start,
-        num_tokens=num_tokens,
-        layout=layout,
-        arrays=arrays,
-        data=data,
-        arrays_offset=_PREFIX.size + header_size,
-    )
+    return start, num_tokens, layout, arrays, end
 
 
 @functools.lru_cache(maxsize=16)

@@ -7,9 +7,10 @@ The pool is tier 0; a :class:`TierStack` is everything after it:
   leading run of blocks that some tier holds (the first block missing
   everywhere ends the hit), reads each from the first tier that holds it
   (tiers read at once, each a chunk at a time), and decodes each chunk as it
-  arrives, so a lookup holds one chunk's raw bytes per tier, not the run's. A block that vanished or failed to
-  verify between the probe and the read is asked of the later tiers; if none
-  has it, the run ends there.
+  arrives, so a lookup holds one chunk's raw bytes per tier, not the run's.
+  A block that vanished or failed to verify between the probe and the read
+  is asked of the later tiers; if none has it, the run ends there. A single
+  tier is not probed: it is read chunk by chunk until a block is missing.
 - :meth:`TierStack.offer` hands a newly computed block to the writer. It
   never waits and never raises: the block goes into a bounded queue, or is
   dropped (and counted) when the queue is full. The writer task encodes
@@ -321,8 +322,10 @@ class TierStack:
 
     async def _lookup(self, chain: Sequence[bytes]) -> list[BlockPayload]:
         keys = storage_keys(self._namespace, chain)
-        owner: list[Optional[int]] = [None] * len(keys)
-        for index, tier in enumerate(self._tiers):
+        # One tier is read without a probe: its first missing value ends the run.
+        probed = len(self._tiers) > 1
+        owner: list[Optional[int]] = [None] * len(keys) if probed else [0] * len(keys)
+        for index, tier in enumerate(self._tiers if probed else ()):
             wanted = [i for i, t in enumerate(owner) if t is None]
             if not wanted:
                 break
@@ -357,8 +360,11 @@ class TierStack:
             # reading and decoding threads take turns on the GIL.)
             positions = [i for i in range(run) if holder[i] == index]
             for begin in range(0, len(positions), GET_CHUNK):
-                if not await read(tier, positions[begin : begin + GET_CHUNK]):
+                chunk = positions[begin : begin + GET_CHUNK]
+                if not await read(tier, chunk):
                     return
+                if not probed and any(payloads[i] is None for i in chunk):
+                    return  # the run ends in this chunk: nothing after it is read
 
         if run:
             async with anyio.create_task_group() as task_group:

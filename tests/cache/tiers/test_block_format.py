@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import struct
 import threading
 
@@ -28,6 +29,7 @@ from mlxkv.cache.tiers import (
     CorruptValue,
     check_value,
     decode_block,
+    decode_payload,
     encode_block,
     storage_key,
 )
@@ -246,3 +248,75 @@ class TestEncodeRefuses:
         (other,) = kv_blocks(1, dtype=mx.float32)
         with pytest.raises(InvalidInput, match="layout"):
             encode_block(other, key=storage_key(namespace, b"a"), namespace=namespace)
+
+
+def _rewritten(value: bytes, header: bytes) -> bytes:
+    """``value`` with its header replaced and its checksum made to match:
+    what a writer other than :func:`encode_block` could store."""
+    import zlib
+
+    _, version, size = struct.unpack_from("<6sHI", value, 0)
+    body = struct.pack("<6sHI", b"MLXKVB", version, len(header)) + header + value[12 + size : -4]
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def _verdict(check):
+    try:
+        return check()
+    except CorruptValue:
+        return "corrupt"
+
+
+class TestHeaderFastPath:
+    """A header like one already verified is compared, not parsed; the
+    verdict is the full parse's on every header."""
+
+    def test_every_block_of_a_run_verifies_with_its_own_start(self):
+        blocks = kv_blocks(3)
+        namespace = namespace_of(blocks[0])
+        for index, block in enumerate(blocks):
+            key = storage_key(namespace, bytes([index]))
+            checked = check_value(encode_block(block, key=key, namespace=namespace), key=key, namespace=namespace)
+            assert (checked.start, checked.num_tokens) == (block.start, block.num_tokens)
+            assert_same_payload(decode_payload(checked), block)
+
+    @pytest.mark.parametrize(
+        "rewrite",
+        [
+            pytest.param(lambda h: h, id="as-written"),
+            pytest.param(lambda h: json.dumps(json.loads(h)).encode(), id="spaced"),
+            pytest.param(lambda h: json.dumps(dict(reversed(json.loads(h).items()))).encode(), id="reordered"),
+            pytest.param(lambda h: h.replace(b'"start":8', b'"start":08'), id="leading-zero"),
+            pytest.param(lambda h: h.replace(b'"start":8', b'"start":8.0'), id="float-start"),
+            pytest.param(lambda h: h.replace(b'"start":8', b'"start":-8'), id="negative-start"),
+            pytest.param(lambda h: h.replace(b'"start":8', b'"start":16'), id="other-start"),
+            pytest.param(lambda h: h.replace(b'"start":8', b'"start":9'), id="off-boundary"),
+            pytest.param(lambda h: h.replace(b'"num_tokens"', b'"start":0,"num_tokens"'), id="start-twice"),
+            pytest.param(lambda h: h.replace(b'"start":8', b'"start":8e0'), id="exponent"),
+            pytest.param(lambda h: h[:-1] + b',"extra":1}', id="extra-field"),
+            pytest.param(lambda h: h.replace(b'"nbytes":', b'"nbytes":1', 1), id="wrong-size"),
+        ],
+    )
+    def test_the_verdict_is_the_full_parse(self, rewrite):
+        from mlxkv.cache.tiers import block_format
+
+        first, second = kv_blocks(2, block_size=8)
+        namespace = namespace_of(first)
+        key = storage_key(namespace, b"second")
+        # The first block's header is verified first, so the fast path knows its kind.
+        known = storage_key(namespace, b"first")
+        check_value(encode_block(first, key=known, namespace=namespace), key=known, namespace=namespace)
+        value = encode_block(second, key=key, namespace=namespace)
+        size = struct.unpack_from("<I", value, 8)[0]
+        header = rewrite(value[12 : 12 + size])
+        stored = _rewritten(value, header)
+        checked = _verdict(lambda: check_value(stored, key=key, namespace=namespace))
+        parsed = _verdict(lambda: block_format._parse_header(header, key, namespace))
+        if parsed != "corrupt":
+            start, num_tokens = parsed[0], parsed[1]
+            if num_tokens != 8 or start % 8 or parsed[4] != len(value) - 16 - size:
+                parsed = "corrupt"
+        if checked == "corrupt" or parsed == "corrupt":
+            assert checked == parsed
+        else:
+            assert (checked.start, checked.num_tokens, checked.arrays) == (parsed[0], parsed[1], parsed[3])

@@ -253,6 +253,31 @@ class TestLookupChain:
         for payload, block in zip(found, blocks):
             assert_same_payload(payload, block)
 
+    async def test_one_tier_is_read_until_a_block_is_missing(self, disk, namespace, blocks, chain, monkeypatch):
+        """A lone tier is not probed first: its chunks are read in order, and the
+        chunk that lacks a block ends the run (no later chunk is read)."""
+        reading = await _stored_in_chunks_of_two(disk, namespace, blocks, chain, monkeypatch)
+        async with reading:
+            await reading.delete(storage_key(namespace, chain[3]))
+        calls = []
+        inner_get_many = reading.get_many
+
+        async def contains_many(keys):
+            calls.append(("probe", len(keys)))
+
+        async def get_many(keys):
+            calls.append(("read", len(keys)))
+            return await inner_get_many(keys)
+
+        reading.contains_many = contains_many
+        reading.get_many = get_many
+        async with TierStack([reading], namespace) as stack:
+            found = await stack.lookup_chain(chain)
+            stats = stack.statistics()
+        assert calls == [("read", 2), ("read", 2)]
+        assert [p.start for p in found] == [0, 4, 8]
+        assert stats.num_blocks_found == 3 and stats.tiers[0].num_missed == 1
+
 
 class TestLifecycle:
     def test_made_outside_an_event_loop(self, tmp_path, namespace, blocks, chain):
