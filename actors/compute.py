@@ -151,8 +151,9 @@ DEFAULT_PREFILL_CHUNK = 256
 
 #: The cost (:func:`~mlxkv.actors.scheduler.chunk_cost`: tokens, attention
 #: over a long context counted too) one prefill plan runs at most, over all
-#: its requests (the oldest request's chunk always fits): what a decode step
-#: can wait behind. 1024 admits 5 requests of 32 new tokens over a 2,048-token
+#: its requests, while rows decode (the oldest request's chunk always fits;
+#: with nothing decoding only ``prefill_batch`` bounds a plan): what a decode
+#: step can wait behind. 1024 admits 5 requests of 32 new tokens over a 2,048-token
 #: prefix a plan (512: 2), 0.97-1.07x ``batch_generate``'s tokens/s at 8 to 64
 #: requests arriving together against 0.90-0.96x (scripts/bench_memory.py),
 #: but the ``mlxkv run`` chat workload lost 5% of its tokens/s and its warm
@@ -320,7 +321,8 @@ class ComputeActor(Actor):
             runner: a model runner already made (on the MLX thread it will
                 run on: see :meth:`loading` for real models).
             prefill_chunk: tokens per prefill chunk of one request, > 0.
-            prefill_budget: new tokens one prefill plan runs at most, > 0.
+            prefill_budget: the cost one prefill plan runs at most while rows
+                decode, > 0 (:class:`~mlxkv.actors.scheduler.Scheduler`).
             prefill_batch: requests one prefill plan serves at most, > 0.
             decode_burst: the most request-steps one decode plan runs while
                 nothing else waits, > 0 (see :data:`DEFAULT_DECODE_BURST`).

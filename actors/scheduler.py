@@ -29,7 +29,10 @@ no blocks to publish) -- or prefills -- one chunk
 each for up to ``prefill_batch`` requests, in arrival order, while their
 chunks cost at most ``prefill_budget`` (:func:`chunk_cost`: tokens, with
 their attention over long contexts counted too; the oldest always gets its
-chunk). While both have work, decode and prefill plans alternate -- except
+chunk) -- a budget only while some row decodes: with none, no step waits
+behind the plan, and it takes ``prefill_batch`` requests' chunks whatever
+they cost (a wave arriving together prefills in one model call, as
+mlx-lm's ``BatchGenerator`` prefills its waiting prompts). While both have work, decode and prefill plans alternate -- except
 in a wave of arrivals: while more requests wait for their first token
 (queued or prefilling) than there are rows to decode, a prefill plan
 follows a prefill plan, up to ``decode_wait`` in a row. A decode step then
@@ -40,7 +43,7 @@ TGI pauses decoding while the waiting outnumber the running).
 
 Fairness bound: between two decode plans run at most ``decode_wait``
 prefill plans (one where as many rows decode as requests wait), each of
-cost at most ``max(prefill_budget, cost of one chunk)`` -- so at most
+cost at most ``max(prefill_budget, cost of one chunk)`` while rows decode -- so at most
 ``max(prefill_budget, prefill_chunk + 1)`` new tokens (a chunk that reaches
 the prompt's last token takes it along); between two
 prefill plans at most one decode plan, of at most :data:`MAX_BURST_STEPS`
@@ -50,6 +53,7 @@ steps. Requests prefill in arrival order.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Iterable
 from typing import Any, Literal, Optional
 
@@ -437,8 +441,9 @@ class Scheduler:
         """Args:
             prefill_chunk: tokens per prefill chunk of one request.
             prefill_budget: the cost (:func:`chunk_cost`) one prefill plan
-                runs at most (the
-                oldest request's chunk always fits).
+                runs at most while a row decodes (the oldest request's
+                chunk always fits; with no row decoding, only
+                ``prefill_batch`` bounds a plan).
             prefill_batch: requests one prefill plan serves at most.
             decode_burst: request-steps a decode plan runs while nothing
                 else waits (``decode_burst // rows`` steps, at least one).
@@ -594,7 +599,8 @@ class Scheduler:
             steps = min(MAX_BURST_STEPS, max(1, self._burst // rows)) if idle else 1
             self._prefills_in_a_row = 0
         elif prefilling:
-            chunks = self._chunks()
+            # With no row to decode, no step waits behind this plan.
+            chunks = self._chunks(self._budget if rows else math.inf)
             self._prefills_in_a_row += 1
         return Plan(publish=tuple(publish), leave=tuple(leave), join=tuple(join), steps=steps, prefill=chunks)
 
@@ -621,7 +627,7 @@ class Scheduler:
                 answer = (state.num_published, stop)
         return Leave(state.request_id, answer, keep=end.completed, num_tokens=state.num_tokens)
 
-    def _chunks(self) -> tuple[Chunk, ...]:
+    def _chunks(self, budget: float) -> tuple[Chunk, ...]:
         """One chunk each for the oldest prefilling requests, within the budget."""
         chunks: list[Chunk] = []
         used = 0
@@ -635,7 +641,7 @@ class Scheduler:
             boundary = spec.block_size if self._recurrent else None
             end = next_chunk_end(start, len(spec.prompt), self._chunk, boundary)
             cost = chunk_cost(start, end, self._context_unit)
-            if chunks and (used + cost > self._budget or len(chunks) >= self._batch):
+            if chunks and (used + cost > budget or len(chunks) >= self._batch):
                 break
             used += cost
             first = state.status is Status.WAITING

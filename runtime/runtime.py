@@ -149,7 +149,8 @@ class RuntimeConfig:
             ``u`` the model's ``model_info.context_unit`` (attention over a
             long context counts), and the oldest request's chunk always
             fits: a decode step waits behind at most ``decode_wait`` such
-            plans. 512 by default; 1024 prefills waves of requests arriving
+            plans. A budget only while some request decodes: with none, a
+            plan takes ``prefill_batch`` requests' chunks at once. 512 by default; 1024 prefills waves of requests arriving
             together faster (5 requests of 32 new tokens over 2,048 cached a
             plan instead of 2) at some TTFT for requests arriving one by one
             (docs/benchmarks.md).
