@@ -586,63 +586,50 @@ def _decode_whole_prefixes(
     """The common decode step: every row one query, each row of a segment over
     its group's whole prefix (rows in no segment have only their suffix).
 
-    Each group's prefix attention is one matrix product for its rows, kept as
-    unnormalised softmax statistics (maximum, sum, weighted values); the
-    suffix's scores share each row's running maximum. Nothing is concatenated:
-    a step's transients are the groups' prefix scores and their exponentials
-    (not also a copy joined with the suffix's scores), and the ops per group
-    are few (this runs every layer of every step). Softmax arithmetic is in
-    float32 whatever the model's dtype.
+    Each group's prefix scores are one matrix product for its rows; a row's
+    softmax runs over its prefix scores and its suffix's, side by side (one
+    op: the scores are a query's, not the KV), and the weights split again
+    into one product with the prefix's values and one with the suffix's.
+    Nothing of the KV is copied. Fewer ops than merging two softmaxes
+    through their statistics: this runs every layer of every step (on the
+    CPU, 8 rows over 512 tokens: 0.68 ms a layer, as fused attention over a
+    copy, against 0.84 ms merged). The softmax accumulates in float32
+    whatever the model's dtype (``precise``).
     """
     import mlx.core as mx
 
     batch, heads, _, dim = queries.shape
     kv_heads = keys.shape[1]
-    dtype = queries.dtype
     q = (queries * scale).reshape(batch, kv_heads, heads // kv_heads, 1, dim)
-    own_scores = _f32(q @ keys[:, :, None].swapaxes(-1, -2))  # (batch, kv, rep, 1, S)
+    own_scores = q @ keys[:, :, None].swapaxes(-1, -2)  # (batch, kv, rep, 1, S)
     if mask is not None:
         mask = mask.reshape(mask.shape[0], 1, 1, *mask.shape[-2:]) if mask.ndim == 4 else mask
         own_scores = mx.where(mask, own_scores, -mx.inf) if mask.dtype == mx.bool_ else own_scores + mask
-    tops, totals, outs, order = [], [], [], []
+    outs, order = [], []
     for rows, prefix_keys, prefix_values, _ in segments:
-        q_rows = q if len(rows) == batch else q[mx.array(rows)]
-        scores = _f32(q_rows @ prefix_keys[:, :, None].swapaxes(-1, -2))  # (rows, kv, rep, 1, P)
-        top = scores.max(-1, keepdims=True)
-        weights = mx.exp(scores - top)
-        tops.append(top)
-        totals.append(weights.sum(-1, keepdims=True))
-        outs.append(_f32(weights.astype(dtype) @ prefix_values[:, :, None]))
+        whole = len(rows) == batch
+        index = None if whole else mx.array(rows)
+        q_rows, own, mine = (q, own_scores, values) if whole else (q[index], own_scores[index], values[index])
+        size = prefix_keys.shape[2]
+        scores = q_rows @ prefix_keys[:, :, None].swapaxes(-1, -2)  # (rows, kv, rep, 1, P)
+        weights = mx.softmax(mx.concatenate([scores, own.astype(scores.dtype)], axis=-1), axis=-1, precise=True)
+        outs.append(weights[..., :size] @ prefix_values[:, :, None] + weights[..., size:] @ mine[:, :, None])
         order.extend(rows)
     if len(order) < batch:
-        # Rows without a prefix: no mass there (a maximum of -inf weighs 0).
+        # Rows without a prefix attend to their suffix alone.
         seen = set(order)
         alone = [r for r in range(batch) if r not in seen]
-        shape = (len(alone), *q.shape[1:4], 1)
-        tops.append(mx.full(shape, -mx.inf, dtype=mx.float32))
-        totals.append(mx.zeros(shape, dtype=mx.float32))
-        outs.append(mx.zeros((*shape[:-1], values.shape[-1]), dtype=mx.float32))
+        index = mx.array(alone)
+        weights = mx.softmax(own_scores[index], axis=-1, precise=True)
+        outs.append(weights @ values[index][:, :, None])
         order.extend(alone)
-    prefix_top, prefix_total, prefix_out = (parts[0] if len(parts) == 1 else mx.concatenate(parts) for parts in (tops, totals, outs))
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs)
     if order != list(range(batch)):
         where = [0] * batch
         for position, row in enumerate(order):
             where[row] = position
-        back = mx.array(where)
-        prefix_top, prefix_total, prefix_out = prefix_top[back], prefix_total[back], prefix_out[back]
-    # Every row sees its own newest token, so the joint maximum is finite.
-    top = mx.maximum(prefix_top, own_scores.max(-1, keepdims=True))
-    prefix_share = mx.exp(prefix_top - top)
-    own_weights = mx.exp(own_scores - top)
-    total = prefix_total * prefix_share + own_weights.sum(-1, keepdims=True)
-    out = prefix_out * prefix_share + _f32(own_weights.astype(dtype) @ values[:, :, None])
-    return (out / total).astype(dtype).reshape(batch, heads, 1, -1)
-
-
-def _f32(array: Any) -> Any:
-    import mlx.core as mx
-
-    return array if array.dtype == mx.float32 else array.astype(mx.float32)
+        out = out[mx.array(where)]
+    return out.astype(queries.dtype).reshape(batch, heads, 1, -1)
 
 
 #: Tokens a suffix's buffer grows by (mlx-lm grows a ``KVCache`` by 256): a
