@@ -152,7 +152,8 @@ DEFAULT_PREFILL_CHUNK = 256
 #: The cost (:func:`~mlxkv.actors.scheduler.chunk_cost`: tokens, attention
 #: over a long context counted too) one prefill plan runs at most, over all
 #: its requests, while rows decode (the oldest request's chunk always fits;
-#: with nothing decoding only ``prefill_batch`` bounds a plan): what a decode
+#: with nothing decoding only ``prefill_batch`` bounds the chunks of requests
+#: that will decode): what a decode
 #: step can wait behind. 1024 admits 5 requests of 32 new tokens over a 2,048-token
 #: prefix a plan (512: 2), 0.97-1.07x ``batch_generate``'s tokens/s at 8 to 64
 #: requests arriving together against 0.90-0.96x (scripts/bench_memory.py),

@@ -32,7 +32,8 @@ their attention over long contexts counted too; the oldest always gets its
 chunk) -- a budget only while some row decodes: with none, no step waits
 behind the plan, and it takes ``prefill_batch`` requests' chunks whatever
 they cost (a wave arriving together prefills in one model call, as
-mlx-lm's ``BatchGenerator`` prefills its waiting prompts). While both have work, decode and prefill plans alternate -- except
+mlx-lm's ``BatchGenerator`` prefills its waiting prompts), up to the first
+request that will not decode (one token), whose chunk keeps the budget. While both have work, decode and prefill plans alternate -- except
 in a wave of arrivals: while more requests wait for their first token
 (queued or prefilling) than there are rows to decode, a prefill plan
 follows a prefill plan, up to ``decode_wait`` in a row. A decode step then
@@ -53,7 +54,6 @@ steps. Requests prefill in arrival order.
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Iterable
 from typing import Any, Literal, Optional
 
@@ -443,7 +443,8 @@ class Scheduler:
             prefill_budget: the cost (:func:`chunk_cost`) one prefill plan
                 runs at most while a row decodes (the oldest request's
                 chunk always fits; with no row decoding, only
-                ``prefill_batch`` bounds a plan).
+                ``prefill_batch`` bounds the chunks of requests that will
+                decode: see :meth:`_chunks`).
             prefill_batch: requests one prefill plan serves at most.
             decode_burst: request-steps a decode plan runs while nothing
                 else waits (``decode_burst // rows`` steps, at least one).
@@ -599,8 +600,7 @@ class Scheduler:
             steps = min(MAX_BURST_STEPS, max(1, self._burst // rows)) if idle else 1
             self._prefills_in_a_row = 0
         elif prefilling:
-            # With no row to decode, no step waits behind this plan.
-            chunks = self._chunks(self._budget if rows else math.inf)
+            chunks = self._chunks(wave=not rows)
             self._prefills_in_a_row += 1
         return Plan(publish=tuple(publish), leave=tuple(leave), join=tuple(join), steps=steps, prefill=chunks)
 
@@ -627,8 +627,16 @@ class Scheduler:
                 answer = (state.num_published, stop)
         return Leave(state.request_id, answer, keep=end.completed, num_tokens=state.num_tokens)
 
-    def _chunks(self, budget: float) -> tuple[Chunk, ...]:
-        """One chunk each for the oldest prefilling requests, within the budget."""
+    def _chunks(self, *, wave: bool) -> tuple[Chunk, ...]:
+        """One chunk each for the oldest prefilling requests, within the budget.
+
+        ``wave``: no row decodes, so no step waits behind this plan: the
+        leading requests' chunks run together whatever they cost (batched
+        chunks share the weights' reads, and the requests go on to decode
+        together, not filling the batch a row at a time). The wave ends at
+        a request that will not decode (one token: its first token is its
+        whole answer): its chunk and those after it fit the budget, as
+        batching it would only make it wait for the others'."""
         chunks: list[Chunk] = []
         used = 0
         for state in self._requests.values():
@@ -641,7 +649,8 @@ class Scheduler:
             boundary = spec.block_size if self._recurrent else None
             end = next_chunk_end(start, len(spec.prompt), self._chunk, boundary)
             cost = chunk_cost(start, end, self._context_unit)
-            if chunks and (used + cost > budget or len(chunks) >= self._batch):
+            wave = wave and spec.max_tokens > 1
+            if chunks and (len(chunks) >= self._batch or (used + cost > self._budget and not wave)):
                 break
             used += cost
             first = state.status is Status.WAITING

@@ -150,7 +150,8 @@ class RuntimeConfig:
             long context counts), and the oldest request's chunk always
             fits: a decode step waits behind at most ``decode_wait`` such
             plans. A budget only while some request decodes: with none, a
-            plan takes ``prefill_batch`` requests' chunks at once. 512 by default; 1024 prefills waves of requests arriving
+            plan takes ``prefill_batch`` requests' chunks at once (up to a
+            one-token request, whose chunk keeps it). 512 by default; 1024 prefills waves of requests arriving
             together faster (5 requests of 32 new tokens over 2,048 cached a
             plan instead of 2) at some TTFT for requests arriving one by one
             (docs/benchmarks.md).

@@ -318,6 +318,19 @@ class TestBatching:
         assert joined.join == ("a", "b", "c") and joined.steps and not joined.prefill
         assert [c.request_id for c in sim.step().prefill] == ["d"]
 
+    def test_a_one_token_request_keeps_the_budget_in_a_wave(self):
+        """A request that will not decode (one token) ends a wave: its chunk,
+        and those after it, fit the budget (its first token is its answer;
+        batching it with the others' chunks would only delay it)."""
+        sim = Sim(_scheduler(prefill_budget=25, prefill_batch=4))
+        for name, tokens in [("a", 5), ("b", 5), ("one", 1), ("c", 5)]:
+            sim.scheduler.add(_spec(name, prompt=10, max_tokens=tokens))
+        assert [c.request_id for c in sim.step().prefill] == ["a", "b"]  # 20 + 10 > 25 at "one"
+        alone = Sim(_scheduler(prefill_budget=25, prefill_batch=4))
+        for name in ("x", "y", "z"):
+            alone.scheduler.add(_spec(name, prompt=10, max_tokens=1))
+        assert [c.request_id for c in alone.step().prefill] == ["x", "y"]  # the budget, as while rows decode
+
     def test_a_chunk_after_a_long_context_takes_more_of_the_budget(self):
         """The budget counts cost (chunk_cost): the same 9 new tokens after 32
         cached ones cost 29.5 with a context unit of 16, after none 11.5: a
@@ -426,6 +439,11 @@ class TestFairness:
                 if decoding:  # with nothing decoding, no step waits: the budget does not bind
                     assert new <= max(budget, CHUNK + 1)
                     assert sum(costs) <= max(budget, costs[0]) + 1e-9
+                else:  # ... but for requests that will decode
+                    wave = 0
+                    while wave < len(plan.prefill) and sim.spec(plan.prefill[wave].request_id).max_tokens > 1:
+                        wave += 1
+                    assert wave == len(plan.prefill) or sum(costs) <= max(budget, costs[0]) + 1e-9
             if decoding:
                 since_decode = 0 if plan.steps else since_decode + bool(plan.prefill)
                 assert since_decode <= wait
