@@ -153,12 +153,13 @@ DEFAULT_PREFILL_CHUNK = 256
 #: over a long context counted too) one prefill plan runs at most, over all
 #: its requests, while rows decode (the oldest request's chunk always fits;
 #: with nothing decoding only ``prefill_batch`` bounds the chunks of requests
-#: that will decode): what a decode
-#: step can wait behind. 1024 admits 5 requests of 32 new tokens over a 2,048-token
-#: prefix a plan (512: 2), 0.97-1.07x ``batch_generate``'s tokens/s at 8 to 64
-#: requests arriving together against 0.90-0.96x (scripts/bench_memory.py),
-#: but the ``mlxkv run`` chat workload lost 5% of its tokens/s and its warm
-#: TTFT p50 rose from 57 to 67 ms with it: a throughput setting, not the default.
+#: that will decode): what a decode step can wait behind. 1024 admits 5
+#: requests of 32 new tokens over a 2,048-token prefix a plan (512: 2); before
+#: waves were exempt (while nothing decodes) it gave 0.97-1.07x
+#: ``batch_generate``'s tokens/s at 8 to 64 requests arriving together against
+#: 0.90-0.96x (scripts/bench_memory.py), but the ``mlxkv run`` chat workload
+#: lost 5% of its tokens/s and its warm TTFT p50 rose from 57 to 67 ms with
+#: it: a throughput setting, not the default.
 DEFAULT_PREFILL_BUDGET = 512
 
 #: Requests one prefill plan serves at most (mlx-lm's ``BatchGenerator``

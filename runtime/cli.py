@@ -271,8 +271,8 @@ def _scheduling_options(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_PREFILL_BUDGET,
         metavar="COST",
-        help=f"the most prefill work one model call runs, in tokens, a long context counting more ({DEFAULT_PREFILL_BUDGET};"
-        " larger prefills many requests arriving together faster, at some latency for the others)",
+        help=f"the most prefill work one model call runs while others decode, in tokens, a long context counting more"
+        f" ({DEFAULT_PREFILL_BUDGET}; larger prefills requests arriving meanwhile faster, at some latency for those decoding)",
     )
     parser.add_argument(
         "--decode-wait",

@@ -151,10 +151,10 @@ class RuntimeConfig:
             fits: a decode step waits behind at most ``decode_wait`` such
             plans. A budget only while some request decodes: with none, a
             plan takes ``prefill_batch`` requests' chunks at once (up to a
-            one-token request, whose chunk keeps it). 512 by default; 1024 prefills waves of requests arriving
-            together faster (5 requests of 32 new tokens over 2,048 cached a
-            plan instead of 2) at some TTFT for requests arriving one by one
-            (docs/benchmarks.md).
+            one-token request, whose chunk keeps it). 512 by default; 1024
+            prefills requests arriving while others decode faster (5
+            requests of 32 new tokens over 2,048 cached a plan instead of
+            2) at some TTFT for those decoding (docs/benchmarks.md).
         prefill_batch: the most requests whose chunks one prefill plan runs
             (in one model call where the model batches prefill).
         decode_wait: the most prefill plans a decode step waits behind.
