@@ -33,7 +33,8 @@ chunk) -- a budget only while some row decodes: with none, no step waits
 behind the plan, and it takes ``prefill_batch`` requests' chunks whatever
 they cost (a wave arriving together prefills in one model call, as
 mlx-lm's ``BatchGenerator`` prefills its waiting prompts), up to the first
-request that will not decode (one token), whose chunk keeps the budget. While both have work, decode and prefill plans alternate -- except
+request that will not decode (one token), whose chunk keeps the budget.
+While both have work, decode and prefill plans alternate -- except
 in a wave of arrivals: while more requests wait for their first token
 (queued or prefilling) than there are rows to decode, a prefill plan
 follows a prefill plan, up to ``decode_wait`` in a row. A decode step then
@@ -44,8 +45,8 @@ TGI pauses decoding while the waiting outnumber the running).
 
 Fairness bound: between two decode plans run at most ``decode_wait``
 prefill plans (one where as many rows decode as requests wait), each of
-cost at most ``max(prefill_budget, cost of one chunk)`` while rows decode -- so at most
-``max(prefill_budget, prefill_chunk + 1)`` new tokens (a chunk that reaches
+cost at most ``max(prefill_budget, cost of one chunk)`` while rows decode
+-- so at most ``max(prefill_budget, prefill_chunk + 1)`` new tokens (a chunk that reaches
 the prompt's last token takes it along); between two
 prefill plans at most one decode plan, of at most :data:`MAX_BURST_STEPS`
 steps. Requests prefill in arrival order.
