@@ -491,8 +491,8 @@ def cascade_attention(
     repeats = heads // kv_heads
     if batch == 1 and len(segments) == 1:
         return _one_row(queries, keys, values, mask, scale, segments[0])
-    if length == 1 and all(min(lengths) == prefix_keys.shape[2] for _, prefix_keys, _, lengths in segments):
-        return _decode_whole_prefixes(queries, keys, values, mask, scale, segments)
+    if length == 1:
+        return _decode_step(queries, keys, values, mask, scale, segments)
     q = (queries * scale).reshape(batch, kv_heads, repeats, length, dim)
     scores = q @ keys[:, :, None].swapaxes(-1, -2)  # (batch, kv_heads, repeats, L, S)
     if mask is not None:
@@ -580,13 +580,19 @@ def _one_row(
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
-def _decode_whole_prefixes(
+def _decode_step(
     queries: Any, keys: Any, values: Any, mask: Any, scale: float, segments: list[tuple[list[int], Any, Any, list[int]]]
 ) -> Any:
-    """The common decode step: every row one query, each row of a segment over
-    its group's whole prefix (rows in no segment have only their suffix).
+    """A decode step: every row one query, each row of a segment over its
+    group's leading ``lengths[i]`` positions (rows in no segment have only
+    their suffix).
 
-    Each group's prefix scores are one matrix product for its rows; a row's
+    A segment's rows are scored together against the longest part of its
+    prefix any of them sees, the positions a row does not see masked out
+    (a row that shares only a group's first blocks -- a turn-1 request
+    over a group built for a turn 2 -- stays on this path: taking the
+    general one instead cost the chat workload ~7% of its decode time).
+    Each segment's scores are one matrix product for its rows; a row's
     softmax runs over its prefix scores and its suffix's, side by side (one
     op: the scores are a query's, not the KV), and the weights split again
     into one product with the prefix's values and one with the suffix's.
@@ -606,12 +612,18 @@ def _decode_whole_prefixes(
         mask = mask.reshape(mask.shape[0], 1, 1, *mask.shape[-2:]) if mask.ndim == 4 else mask
         own_scores = mx.where(mask, own_scores, -mx.inf) if mask.dtype == mx.bool_ else own_scores + mask
     outs, order = [], []
-    for rows, prefix_keys, prefix_values, _ in segments:
+    for rows, prefix_keys, prefix_values, lengths in segments:
+        longest = max(lengths)
+        if longest < prefix_keys.shape[2]:
+            prefix_keys, prefix_values = prefix_keys[:, :, :longest], prefix_values[:, :, :longest]
         whole = len(rows) == batch
         index = None if whole else mx.array(rows)
         q_rows, own, mine = (q, own_scores, values) if whole else (q[index], own_scores[index], values[index])
         size = prefix_keys.shape[2]
         scores = q_rows @ prefix_keys[:, :, None].swapaxes(-1, -2)  # (rows, kv, rep, 1, P)
+        if min(lengths) < size:
+            visible = mx.arange(size)[None] < mx.array(lengths)[:, None]  # (rows, P)
+            scores = mx.where(visible[:, None, None, None, :], scores, -mx.inf)
         weights = mx.softmax(mx.concatenate([scores, own.astype(scores.dtype)], axis=-1), axis=-1, precise=True)
         outs.append(weights[..., :size] @ prefix_values[:, :, None] + weights[..., size:] @ mine[:, :, None])
         order.extend(rows)
