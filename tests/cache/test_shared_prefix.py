@@ -103,9 +103,16 @@ class TestCascadeAttention:
         np.testing.assert_allclose(np.array(out), np.array(expected), atol=TOL, rtol=0)
 
     @pytest.mark.parametrize("padded", [False, True])
-    def test_a_decode_step_of_one_group_equals_fused_attention(self, padded):
-        """The common step -- every row one query over one group's whole
-        prefix, rows left-padded in their suffix -- equals fused attention."""
+    @pytest.mark.parametrize(
+        "seen",
+        [[300] * 5, [256, 300, 64, 256, 128], [256] * 5],
+        ids=["whole-prefix", "mixed-lengths", "all-short-of-the-whole"],
+    )
+    def test_a_decode_step_of_one_group_equals_fused_attention(self, padded, seen):
+        """A decode step -- every row one query over one group's prefix (all of
+        it, or only its first blocks: rows seeing different lengths of it),
+        rows left-padded in their suffix or not -- equals fused attention over
+        each row's part of the prefix and its suffix."""
         rng = np.random.default_rng(7)
         batch, heads, kv_heads, dim, size, suffix = 5, 4, 2, 8, 300, 9
         q = mx.array(rng.standard_normal((batch, heads, 1, dim)), dtype=mx.float32)
@@ -115,30 +122,10 @@ class TestCascadeAttention:
         vp = mx.array(rng.standard_normal((1, kv_heads, size, dim)), dtype=mx.float32)
         pads = [0, 3, 1, 8, 0] if padded else [0] * batch
         mask = mx.array([[[[j >= pad for j in range(suffix)]]] for pad in pads]) if padded else None
-        out = cascade_attention(q, ks, vs, mask, dim**-0.5, [(list(range(batch)), kp, vp, [size] * batch)])
-        for b, pad in enumerate(pads):
-            expected = _fused(q[b : b + 1], [kp, ks[b : b + 1, :, pad:]], [vp, vs[b : b + 1, :, pad:]])
+        out = cascade_attention(q, ks, vs, mask, dim**-0.5, [(list(range(batch)), kp, vp, seen)])
+        for b, (pad, n) in enumerate(zip(pads, seen)):
+            expected = _fused(q[b : b + 1], [kp[:, :, :n], ks[b : b + 1, :, pad:]], [vp[:, :, :n], vs[b : b + 1, :, pad:]])
             np.testing.assert_allclose(np.array(out[b : b + 1]), np.array(expected), atol=TOL, rtol=0)
-
-    def test_a_decode_step_over_part_of_a_group_equals_fused_attention(self):
-        """Rows of one group that see different lengths of its prefix (one its
-        whole prefix, others its first blocks only), rows left-padded in their
-        suffix: the same as fused attention over each row's part + suffix."""
-        rng = np.random.default_rng(11)
-        batch, heads, kv_heads, dim, size, suffix = 5, 4, 2, 8, 300, 9
-        q = mx.array(rng.standard_normal((batch, heads, 1, dim)), dtype=mx.float32)
-        ks = mx.array(rng.standard_normal((batch, kv_heads, suffix, dim)), dtype=mx.float32)
-        vs = mx.array(rng.standard_normal((batch, kv_heads, suffix, dim)), dtype=mx.float32)
-        kp = mx.array(rng.standard_normal((1, kv_heads, size, dim)), dtype=mx.float32)
-        vp = mx.array(rng.standard_normal((1, kv_heads, size, dim)), dtype=mx.float32)
-        lengths, pads = [256, 300, 64, 256, 128], [0, 3, 1, 8, 0]
-        mask = mx.array([[[[j >= pad for j in range(suffix)]]] for pad in pads])
-        for seen in (lengths, [256] * batch):  # mixed lengths, and one length short of the whole
-            out = cascade_attention(q, ks, vs, mask, dim**-0.5, [(list(range(batch)), kp, vp, seen)])
-            for b, pad in enumerate(pads):
-                n = seen[b]
-                expected = _fused(q[b : b + 1], [kp[:, :, :n], ks[b : b + 1, :, pad:]], [vp[:, :, :n], vs[b : b + 1, :, pad:]])
-                np.testing.assert_allclose(np.array(out[b : b + 1]), np.array(expected), atol=TOL, rtol=0)
 
     @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
     def test_a_decode_step_of_several_groups_equals_fused_attention(self, dtype):
