@@ -139,9 +139,11 @@ DEFAULT_DECODE_BURST = 64
 #: wait for their first token than there are rows to decode (a wave of
 #: arrivals; otherwise decode and prefill plans alternate): each partial
 #: decode step during a wave is a model call the batch makes again once the
-#: wave has joined. 32 requests arriving together over a cached prefix on
-#: the built-in model make 40 decode calls instead of 47 with it, 32 with no
-#: bound (scripts/bench_memory.py).
+#: wave has joined; those prefill plans share this many plans' budgets
+#: (:data:`DEFAULT_PREFILL_BUDGET`), so the waiting prefill together. 32
+#: requests arriving together over a cached prefix on the built-in model
+#: make 40 decode calls instead of 47 with it, 32 with no bound, before the
+#: budgets were shared (scripts/bench_memory.py).
 DEFAULT_DECODE_WAIT = 8
 
 #: Tokens per prefill chunk of one request: 30-150 ms of the default model

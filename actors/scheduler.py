@@ -35,21 +35,27 @@ they cost (a wave arriving together prefills in one model call, as
 mlx-lm's ``BatchGenerator`` prefills its waiting prompts), up to the first
 request that will not decode (one token), whose chunk keeps the budget.
 While both have work, decode and prefill plans alternate -- except
-in a wave of arrivals: while more requests wait for their first token
-(queued or prefilling) than there are rows to decode, a prefill plan
-follows a prefill plan, up to ``decode_wait`` in a row. A decode step then
-would hold up more first tokens than it serves, and each partial step is a
-model call the batch makes again once the wave has joined (as mlx-lm's
+in a refill: while more requests wait for their first token (queued or
+prefilling) than there are rows to decode, a prefill plan follows a
+prefill plan, up to ``decode_wait`` in a row, and those plans share one
+budget of ``decode_wait * prefill_budget``: a plan takes of it what its
+chunks cost (up to ``prefill_batch`` requests), so the waiting prefill
+together, not a chunk a plan between partial decode steps, and the batch
+decodes once the budget is spent. A decode step then would hold up more
+first tokens than it serves, and each partial step is a model call the
+batch makes again once the refill has joined (as mlx-lm's
 ``BatchGenerator`` prefills every waiting prompt before it decodes, and
 TGI pauses decoding while the waiting outnumber the running).
 
 Fairness bound: between two decode plans run at most ``decode_wait``
-prefill plans (one where as many rows decode as requests wait), each of
-cost at most ``max(prefill_budget, cost of one chunk)`` while rows decode
--- so at most ``max(prefill_budget, prefill_chunk + 1)`` new tokens (a chunk that reaches
-the prompt's last token takes it along); between two
-prefill plans at most one decode plan, of at most :data:`MAX_BURST_STEPS`
-steps. Requests prefill in arrival order.
+prefill plans (one where as many rows decode as requests wait), of cost at
+most ``max(decode_wait * prefill_budget, the first one's oldest chunk's)``
+together while rows decode, and a plan where no more requests wait than
+decode at most ``max(prefill_budget, cost of its oldest chunk)`` -- so at
+most ``max(prefill_budget, prefill_chunk + 1)`` new tokens (a chunk that
+reaches the prompt's last token takes it along); between two prefill plans
+at most one decode plan, of at most :data:`MAX_BURST_STEPS` steps.
+Requests prefill in arrival order.
 """
 
 from __future__ import annotations
@@ -443,7 +449,8 @@ class Scheduler:
             prefill_chunk: tokens per prefill chunk of one request.
             prefill_budget: the cost (:func:`chunk_cost`) one prefill plan
                 runs at most while a row decodes (the oldest request's
-                chunk always fits; with no row decoding, only
+                chunk always fits; in a refill, the plans in a row share
+                ``decode_wait`` budgets; with no row decoding, only
                 ``prefill_batch`` bounds the chunks of requests that will
                 decode: see :meth:`_chunks`).
             prefill_batch: requests one prefill plan serves at most.
@@ -451,8 +458,9 @@ class Scheduler:
                 else waits (``decode_burst // rows`` steps, at least one).
             decode_wait: prefill plans a decode step waits behind at most
                 (more than one only while the requests waiting for their
-                first token outnumber the rows decoding); 1: decode and
-                prefill plans always alternate.
+                first token outnumber the rows decoding, sharing this many
+                plans' budgets); 1: decode and prefill plans always
+                alternate.
             recurrent: the model has recurrent layers: chunks also end at
                 every block end (where their state is snapshotted).
             context_unit: the context, in tokens, over which a token's
@@ -469,6 +477,8 @@ class Scheduler:
         self._requests: dict[str, RequestState] = {}
         #: prefill plans since the last decode plan
         self._prefills_in_a_row = 0
+        #: the cost of those plans run while rows decode (what they waited behind)
+        self._spent = 0.0
         self._counts = dict.fromkeys(attrs.fields_dict(SchedulerStatistics), 0)
 
     # -- requests ------------------------------------------------------------
@@ -594,15 +604,23 @@ class Scheduler:
         rows = decoding + len(join)
         steps = 0
         chunks: tuple[Chunk, ...] = ()
-        if rows and (not prefilling or self._decode_turn(rows, prefilling)):
+        if prefilling and not rows:
+            chunks, _ = self._chunks(wave=True, budget=self._budget, spent=0.0)
+        elif prefilling and not self._decode_turn(rows, prefilling):
+            # A refill (more wait than decode) shares one budget over the
+            # prefill plans in a row: decode_wait plans' worth.
+            refill = prefilling > rows
+            budget = self._decode_wait * self._budget if refill else self._budget
+            chunks, self._spent = self._chunks(wave=False, budget=budget, spent=self._spent)
+        if chunks:
+            self._prefills_in_a_row += 1
+        elif rows:
             # Blocks to publish may be awaited by requests that wait for a
             # prefix in flight: then the plan is short (one step).
             idle = not (prefilling or messages_waiting or publish)
             steps = min(MAX_BURST_STEPS, max(1, self._burst // rows)) if idle else 1
             self._prefills_in_a_row = 0
-        elif prefilling:
-            chunks = self._chunks(wave=not rows)
-            self._prefills_in_a_row += 1
+            self._spent = 0.0
         return Plan(publish=tuple(publish), leave=tuple(leave), join=tuple(join), steps=steps, prefill=chunks)
 
     def _decode_turn(self, rows: int, waiting: int) -> bool:
@@ -628,8 +646,11 @@ class Scheduler:
                 answer = (state.num_published, stop)
         return Leave(state.request_id, answer, keep=end.completed, num_tokens=state.num_tokens)
 
-    def _chunks(self, *, wave: bool) -> tuple[Chunk, ...]:
-        """One chunk each for the oldest prefilling requests, within the budget.
+    def _chunks(self, *, wave: bool, budget: float, spent: float) -> tuple[tuple[Chunk, ...], float]:
+        """One chunk each for the oldest prefilling requests, within ``budget``
+        of which ``spent`` is used already; the chunks and the budget used
+        then. The oldest request's chunk always fits unless some is spent
+        (then none may fit: the plan decodes instead).
 
         ``wave``: no row decodes, so no step waits behind this plan: the
         leading requests' chunks run together whatever they cost (batched
@@ -639,7 +660,7 @@ class Scheduler:
         whole answer): its chunk and those after it fit the budget, as
         batching it would only make it wait for the others'."""
         chunks: list[Chunk] = []
-        used = 0
+        used = spent
         for state in self._requests.values():
             if state.status not in (Status.WAITING, Status.PREFILLING):
                 continue
@@ -651,13 +672,15 @@ class Scheduler:
             end = next_chunk_end(start, len(spec.prompt), self._chunk, boundary)
             cost = chunk_cost(start, end, self._context_unit)
             wave = wave and spec.max_tokens > 1
-            if chunks and (len(chunks) >= self._batch or (used + cost > self._budget and not wave)):
+            if len(chunks) >= self._batch:
+                break
+            if (chunks or spent) and used + cost > budget and not wave:
                 break
             used += cost
             first = state.status is Status.WAITING
             published = state.num_published if state.publishing else _NOT_PUBLISHING
             chunks.append(Chunk(state.request_id, end, spec if first else None, published))
-        return tuple(chunks)
+        return tuple(chunks), used
 
     # -- results -----------------------------------------------------------------
 

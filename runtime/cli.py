@@ -279,8 +279,8 @@ def _scheduling_options(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_DECODE_WAIT,
         metavar="N",
-        help=f"the most prefill calls a decode step waits behind while more requests wait than decode"
-        f" ({DEFAULT_DECODE_WAIT}; 1: decode and prefill always alternate)",
+        help=f"the most prefill calls a decode step waits behind while more requests wait than decode,"
+        f" together of that many calls' budget ({DEFAULT_DECODE_WAIT}; 1: decode and prefill always alternate)",
     )
 
 

@@ -149,7 +149,9 @@ class RuntimeConfig:
             ``u`` the model's ``model_info.context_unit`` (attention over a
             long context counts), and the oldest request's chunk always
             fits: a decode step waits behind at most ``decode_wait`` such
-            plans. A budget only while some request decodes: with none, a
+            plans' worth (while more requests wait than decode, the plans
+            in a row share their budgets: the waiting prefill together).
+            A budget only while some request decodes: with none, a
             plan takes ``prefill_batch`` requests' chunks at once (up to a
             one-token request, whose chunk keeps it). 512 by default; 1024
             prefills requests arriving while others decode faster (5

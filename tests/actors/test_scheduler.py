@@ -318,6 +318,19 @@ class TestBatching:
         assert joined.join == ("a", "b", "c") and joined.steps and not joined.prefill
         assert [c.request_id for c in sim.step().prefill] == ["d"]
 
+    def test_a_refill_shares_the_budgets_of_the_plans_it_may_run_in_a_row(self):
+        """While more requests wait than decode, a decode step may wait behind
+        ``decode_wait`` prefill plans: their budgets are one, which a plan takes
+        as far as its chunks need (batched, not a chunk a plan while the batch
+        fills a row at a time); once it is spent the batch decodes."""
+        sim = _decoding(_scheduler(prefill_budget=11, prefill_batch=8, decode_wait=3))
+        for name in "abcde":
+            sim.scheduler.add(_spec(name, prompt=10))  # each chunk costs 10.1
+        assert [c.request_id for c in sim.step().prefill] == ["a", "b", "c"]  # 30.3 of 3 x 11
+        spent = sim.step()
+        assert spent.steps and not spent.prefill  # d would make it 40.4
+        assert [c.request_id for c in sim.step().prefill] == ["d"]  # 4 rows, 2 wait: one plan's budget
+
     def test_a_one_token_request_keeps_the_budget_in_a_wave(self):
         """A request that will not decode (one token) ends a wave: its chunk,
         and those after it, fit the budget (its first token is its answer;
@@ -406,16 +419,19 @@ class TestFairness:
         st.integers(1, 4),
     )
     def test_the_bound_holds_for_any_mix(self, requests, budget, batch, unit, wait):
-        """For any requests (prompt, max tokens, arrival plan), every prefill plan
-        while a row decodes costs at most max(budget, its oldest chunk's cost) and so runs at most
-        max(budget, chunk + 1) new tokens, at most ``batch`` requests, a decode
+        """For any requests (prompt, max tokens, arrival plan): every prefill plan
+        serves at most ``batch`` requests; while a row decodes, one where no more
+        requests wait than decode costs at most max(budget, its oldest chunk's
+        cost) and so runs at most max(budget, chunk + 1) new tokens; a decode
         step waits behind at most ``decode_wait`` prefill plans (a second in a
-        row only while more requests wait than decode), and every request
-        finishes with its tokens."""
+        row only while more requests wait than decode) of cost at most
+        max(decode_wait x budget, the first one's oldest chunk's) together; and
+        every request finishes with its tokens."""
         sim = Sim(_scheduler(prefill_budget=budget, prefill_batch=batch, context_unit=unit, decode_wait=wait))
         pending = sorted(((arrive, k, p, m) for k, (p, m, arrive) in enumerate(requests)), reverse=True)
         plans = 0
         since_decode = 0
+        waited = [0.0, 0]  # cost and new tokens a decode step waits behind, since the last
         while pending or sim.scheduler.has_work():
             while pending and pending[-1][0] <= plans:
                 _, k, p, m = pending.pop()
@@ -437,13 +453,22 @@ class TestFairness:
                 assert len(plan.prefill) <= batch
                 assert new <= len(plan.prefill) * (CHUNK + 1)
                 if decoding:  # with nothing decoding, no step waits: the budget does not bind
-                    assert new <= max(budget, CHUNK + 1)
-                    assert sum(costs) <= max(budget, costs[0]) + 1e-9
+                    if not since_decode:
+                        first = costs[0] if costs else 0.0
+                    waited[0] += sum(costs)
+                    waited[1] += new
+                    assert waited[0] <= max(wait * budget, first) + 1e-9
+                    assert waited[1] <= max(wait * budget, CHUNK + 1)
+                    if waiting <= rows:  # not a refill: one plan's budget
+                        assert new <= max(budget, CHUNK + 1)
+                        assert sum(costs) <= max(budget, costs[0]) + 1e-9
                 else:  # ... but for requests that will decode
                     wave = 0
                     while wave < len(plan.prefill) and sim.spec(plan.prefill[wave].request_id).max_tokens > 1:
                         wave += 1
                     assert wave == len(plan.prefill) or sum(costs) <= max(budget, costs[0]) + 1e-9
+            if plan.steps:
+                waited = [0.0, 0]
             if decoding:
                 since_decode = 0 if plan.steps else since_decode + bool(plan.prefill)
                 assert since_decode <= wait
