@@ -587,56 +587,75 @@ def _decode_step(
     group's leading ``lengths[i]`` positions (rows in no segment have only
     their suffix).
 
-    A segment's rows are scored together against the longest part of its
-    prefix any of them sees, the positions a row does not see masked out
-    (a row that shares only a group's first blocks -- a turn-1 request
-    over a group built for a turn 2 -- stays on this path: the general one
-    it took before made the chat workload's decode ~15% slower).
-    Each segment's scores are one matrix product for its rows; a row's
-    softmax runs over its prefix scores and its suffix's, side by side (one
-    op: the scores are a query's, not the KV), and the weights split again
-    into one product with the prefix's values and one with the suffix's.
-    Nothing of the KV is copied. Fewer ops than merging two softmaxes
-    through their statistics: this runs every layer of every step (on the
-    CPU, 8 rows over 512 tokens: 0.68 ms a layer, as fused attention over a
-    copy, against 0.84 ms merged). The softmax accumulates in float32
-    whatever the model's dtype (``precise``).
+    One softmax for the whole batch: each segment's rows are scored together
+    against the longest part of its prefix any of them sees (one matrix
+    product a segment); the positions a row does not see -- past its own
+    length, or past its segment's longest where another segment's is
+    longer -- are ``-inf``; the batch's prefix scores and suffix scores go
+    through one softmax side by side (the scores are a query's, not the KV;
+    a row that shares only a group's first blocks -- a turn-1 request over a
+    group built for a turn 2 -- stays on this path). The weights then split
+    into one product a segment with its prefix's values and one for the
+    batch with the suffixes'. Nothing of the KV is copied but the suffixes,
+    gathered into segment order when the batch's rows are not in it. Beyond
+    one segment, each costs a product, a slice and a gather of its queries,
+    not a softmax of its own: on the CPU a step's graph nodes are much of
+    its time (the built-in model's step over 4 groups of 2 rows: 419 nodes,
+    against 475 with a softmax a segment and 305 over per-row copies). The
+    softmax accumulates in float32 whatever the model's dtype (``precise``).
     """
     import mlx.core as mx
 
     batch, heads, _, dim = queries.shape
     kv_heads = keys.shape[1]
-    q = (queries * scale).reshape(batch, kv_heads, heads // kv_heads, 1, dim)
+    repeats = heads // kv_heads
+    q = (queries * scale).reshape(batch, kv_heads, repeats, 1, dim)
     own_scores = q @ keys[:, :, None].swapaxes(-1, -2)  # (batch, kv, rep, 1, S)
     if mask is not None:
         mask = mask.reshape(mask.shape[0], 1, 1, *mask.shape[-2:]) if mask.ndim == 4 else mask
         own_scores = mx.where(mask, own_scores, -mx.inf) if mask.dtype == mx.bool_ else own_scores + mask
-    outs, order = [], []
-    for rows, prefix_keys, prefix_values, lengths in segments:
+    order = [row for rows, _, _, _ in segments for row in rows]
+    grouped = set(order)
+    alone = [row for row in range(batch) if row not in grouped]
+    order += alone
+    permuted = order != list(range(batch))
+    if not segments:
+        weights = mx.softmax(own_scores, axis=-1, precise=True)
+        return (weights @ values[:, :, None]).astype(queries.dtype).reshape(batch, heads, 1, -1)
+    width = max(max(lengths) for _, _, _, lengths in segments)
+    parts = []
+    for rows, prefix_keys, _, lengths in segments:
         longest = max(lengths)
         if longest < prefix_keys.shape[2]:
-            prefix_keys, prefix_values = prefix_keys[:, :, :longest], prefix_values[:, :, :longest]
-        whole = len(rows) == batch
-        index = None if whole else mx.array(rows)
-        q_rows, own, mine = (q, own_scores, values) if whole else (q[index], own_scores[index], values[index])
-        size = prefix_keys.shape[2]
+            prefix_keys = prefix_keys[:, :, :longest]
+        q_rows = q if len(rows) == batch else q[mx.array(rows)]
         scores = q_rows @ prefix_keys[:, :, None].swapaxes(-1, -2)  # (rows, kv, rep, 1, P)
-        if min(lengths) < size:
-            visible = mx.arange(size)[None] < mx.array(lengths)[:, None]  # (rows, P)
+        if min(lengths) < longest:
+            visible = mx.arange(longest)[None] < mx.array(lengths)[:, None]  # (rows, P)
             scores = mx.where(visible[:, None, None, None, :], scores, -mx.inf)
-        weights = mx.softmax(mx.concatenate([scores, own.astype(scores.dtype)], axis=-1), axis=-1, precise=True)
-        outs.append(weights[..., :size] @ prefix_values[:, :, None] + weights[..., size:] @ mine[:, :, None])
-        order.extend(rows)
-    if len(order) < batch:
-        # Rows without a prefix attend to their suffix alone.
-        seen = set(order)
-        alone = [r for r in range(batch) if r not in seen]
-        index = mx.array(alone)
-        weights = mx.softmax(own_scores[index], axis=-1, precise=True)
-        outs.append(weights @ values[index][:, :, None])
-        order.extend(alone)
-    out = outs[0] if len(outs) == 1 else mx.concatenate(outs)
-    if order != list(range(batch)):
+        if longest < width:
+            scores = mx.pad(scores, [(0, 0)] * 4 + [(0, width - longest)], constant_values=-mx.inf)
+        parts.append(scores)
+    if alone:
+        parts.append(mx.full((len(alone), kv_heads, repeats, 1, width), -mx.inf, dtype=parts[0].dtype))
+    prefix_scores = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+    index = mx.array(order) if permuted else None
+    own = own_scores[index] if permuted else own_scores
+    weights = mx.softmax(mx.concatenate([prefix_scores, own.astype(prefix_scores.dtype)], axis=-1), axis=-1, precise=True)
+    mine = values[index] if permuted else values
+    out = weights[..., width:] @ mine[:, :, None]
+    prefix_outs, start = [], 0
+    for rows, _, prefix_values, lengths in segments:
+        longest = max(lengths)
+        if longest < prefix_values.shape[2]:
+            prefix_values = prefix_values[:, :, :longest]
+        part = weights if len(rows) == batch else weights[start : start + len(rows)]
+        prefix_outs.append(part[..., :longest] @ prefix_values[:, :, None])
+        start += len(rows)
+    if alone:
+        prefix_outs.append(mx.zeros((len(alone), *prefix_outs[0].shape[1:]), dtype=prefix_outs[0].dtype))
+    out = out + (prefix_outs[0] if len(prefix_outs) == 1 else mx.concatenate(prefix_outs))
+    if permuted:
         where = [0] * batch
         for position, row in enumerate(order):
             where[row] = position

@@ -130,9 +130,10 @@ class TestCascadeAttention:
     @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
     def test_a_decode_step_of_several_groups_equals_fused_attention(self, dtype):
         """The step of a batch over several groups -- rows interleaved, one row
-        in no group, rows left-padded -- equals fused attention over each row's
-        prefix + suffix (in half precision within its rounding: the softmax
-        arithmetic is float32 either way)."""
+        in no group, rows left-padded, groups of different lengths, one row
+        seeing only its group's first blocks -- equals fused attention over
+        each row's part of its prefix + suffix (in half precision within its
+        rounding: the softmax arithmetic is float32 either way)."""
         rng = np.random.default_rng(13)
         batch, heads, kv_heads, dim, suffix = 7, 4, 2, 8, 9
         owner = [0, 1, 0, -1, 2, 1, 0]
@@ -146,8 +147,9 @@ class TestCascadeAttention:
         q = normal((batch, heads, 1, dim))
         ks, vs = normal((batch, kv_heads, suffix, dim)), normal((batch, kv_heads, suffix, dim))
         prefixes = [(normal((1, kv_heads, n, dim)), normal((1, kv_heads, n, dim))) for n in sizes]
+        seen = [300, 45, 192, 0, 128, 45, 300]  # row 2 sees 192 of its group's 300
         segments = [
-            ([b for b in range(batch) if owner[b] == g], kp, vp, [kp.shape[2]] * owner.count(g))
+            ([b for b in range(batch) if owner[b] == g], kp, vp, [seen[b] for b in range(batch) if owner[b] == g])
             for g, (kp, vp) in enumerate(prefixes)
         ]
         mask = mx.array([[[[j >= pad for j in range(suffix)]]] for pad in pads])
@@ -157,8 +159,8 @@ class TestCascadeAttention:
         for b, pad in enumerate(pads):
             parts_k, parts_v = [], []
             if owner[b] >= 0:
-                parts_k.append(prefixes[owner[b]][0])
-                parts_v.append(prefixes[owner[b]][1])
+                parts_k.append(prefixes[owner[b]][0][:, :, : seen[b]])
+                parts_v.append(prefixes[owner[b]][1][:, :, : seen[b]])
             up = [a.astype(mx.float32) for a in (*parts_k, ks[b : b + 1, :, pad:])]
             vp_up = [a.astype(mx.float32) for a in (*parts_v, vs[b : b + 1, :, pad:])]
             expected = _fused(q[b : b + 1].astype(mx.float32), up, vp_up)
