@@ -37,13 +37,18 @@ Scheduling, batching and the fairness bound: :mod:`mlxkv.actors.scheduler`.
 What runs where, and how one request's failure stays its own:
 :mod:`mlxkv.actors.executor`.
 
-The last cache. When a request finishes, the runner keeps its cache (one
-request's KV, beside the block pool; plain KV layers only). The next request
-that shares its first tokens takes it, cut back to what it may use: within
-the kept cache's namespace (cache salt and images) every shared token but
-the prompt's last, in another namespace only the prefix it brings payloads
-for, and only when neither has images. Full blocks it gets that way beyond
-the blocks it holds are published. ``keep_last_cache=False`` turns it off.
+The kept caches. When a request finishes, the runner keeps its cache
+(beside the block pool; plain KV layers only), the most recent ones up to
+:data:`~mlxkv.actors.model_runner.MAX_KEPT_CACHES` and
+:data:`~mlxkv.actors.model_runner.KEPT_CACHE_BYTES`. A later request takes
+the one it shares most of its first tokens with, cut back to what it may
+use: within the kept cache's namespace (cache salt and images) every shared
+token but the prompt's last, in another namespace only the prefix it brings
+payloads for, and only when neither has images; it takes the cache itself
+if it continues all of it (a conversation's next turn), else a copy of what
+it uses (the cache stays for its continuation). Full blocks it gets that
+way beyond the blocks it holds are published. ``keep_last_cache=False``
+turns it off.
 
 Failures. A domain error (bad input) is answered as :class:`Failed` and
 changes nothing. Every step done for one request fails that request only
@@ -332,9 +337,10 @@ class ComputeActor(Actor):
                 nothing else waits, > 0 (see :data:`DEFAULT_DECODE_BURST`).
             decode_wait: the most prefill plans a decode step waits behind,
                 > 0 (see :data:`DEFAULT_DECODE_WAIT`; 1: they alternate).
-            keep_last_cache: keep the cache of the request that finished
-                last (one request's KV, outside the block pool) for the next
-                request that shares its first tokens.
+            keep_last_cache: keep the caches of the requests that finished
+                last (outside the block pool, bounded: see the module
+                docstring) for the later requests that share their first
+                tokens.
             shared_prefix: requests that begin with the same cached blocks
                 hold that prefix's KV once, where the model allows
                 (:attr:`ModelInfo.shared_prefix`).

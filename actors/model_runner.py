@@ -64,6 +64,16 @@ _BATCH_PREFILL = frozenset({"KVCache", "RotatingKVCache"})
 #: Cache classes that cut back exactly to any earlier length (``trim``).
 _TRIMMABLE = frozenset({"KVCache", "QuantizedKVCache"})
 
+#: Finished requests' caches the runner keeps at most (the most recent ones),
+#: each for the next request that continues it (a conversation's next turn),
+#: and the bytes of KV they may hold together beside the block pool (their
+#: own tokens, and the shared prefixes they alone keep alive); the most
+#: recent is kept whatever its size. Eight concurrent conversations need
+#: eight: with one, turn 2 of the chat workload over HTTP recomputed the
+#: tail of turn 1 that no full block holds in 15 of 16 conversations.
+MAX_KEPT_CACHES = 16
+KEPT_CACHE_BYTES = 64 << 20
+
 
 @attrs.frozen(kw_only=True)
 class ModelInfo:
@@ -298,22 +308,25 @@ class CacheRunner(abc.ABC):
     a fresh cache), :meth:`prefill`, :meth:`decode` and :meth:`preparer`.
 
     Owns: the model's cold cache layout, which rebuilt caches must match,
-    and the kept cache (:meth:`keep`).
+    and the kept caches (:meth:`keep`).
 
     Invariants:
-        - the kept cache's KV holds exactly its ``tokens`` (and its images,
-          if its namespace has any); nothing else refers to its arrays
-          (payloads are copies);
-        - a request uses of it only what it is entitled to: within the kept
+        - a kept cache's KV holds exactly its ``tokens`` (and its images,
+          if its namespace has any); nothing writes its arrays (payloads
+          are copies; a request given part of it gets arrays of its own);
+        - a request uses of one only what it is entitled to: within the kept
           cache's namespace (cache salt and images) every shared token, else
           only the prefix it brings payloads for, and only if neither has
-          images (then the tokens alone decide the KV).
+          images (then the tokens alone decide the KV);
+        - at most :data:`MAX_KEPT_CACHES` are kept, of at most
+          :data:`KEPT_CACHE_BYTES` together unless only one is.
     """
 
     _info: ModelInfo
     _layout: tuple[tuple[Any, ...], ...]
     _trimmable: bool = False
-    _kept: Optional[_KeptCache] = None
+    #: the kept caches, the most recent last
+    _kept: tuple[_KeptCache, ...] = ()
     #: whether :meth:`_forward` takes a batch of rows (a text model's does)
     _batches_prefill: bool = False
     #: the live shared prefixes (None: every request holds a copy)
@@ -438,7 +451,10 @@ class CacheRunner(abc.ABC):
     def keep(self, sequence: Sequence, cache: list[Any], num_tokens: int) -> None:
         """Only a cache of plain KV layers (which cut back exactly) is kept
         (over its shared prefix, if it has one: only its own tokens are
-        held beside the group); it replaces the one kept before."""
+        held beside the group). It replaces a kept cache it extends (its
+        conversation's earlier turn), and the oldest go while there are more
+        than :data:`MAX_KEPT_CACHES` or they hold more than
+        :data:`KEPT_CACHE_BYTES`."""
         if not self._trimmable:
             return
         import mlx.core as mx
@@ -449,12 +465,19 @@ class CacheRunner(abc.ABC):
         # Evaluated now: a row taken out of a batch is a lazy slice of the
         # batch's buffer, which it would keep alive for as long as it is kept.
         mx.eval([layer.state for layer in cache])
-        self._kept = _KeptCache(
+        entry = _KeptCache(
             cache=cache,
             tokens=tokens,
             namespace=sequence.namespace,
             text_only=self._text_only(sequence),
         )
+        kept = [
+            k for k in self._kept if not (k.namespace == entry.namespace and tokens[: len(k.tokens)] == k.tokens)
+        ]
+        kept.append(entry)
+        while len(kept) > 1 and (len(kept) > MAX_KEPT_CACHES or _kept_bytes(kept) > KEPT_CACHE_BYTES):
+            kept.pop(0)
+        self._kept = tuple(kept)
 
     def _text_only(self, sequence: Sequence) -> bool:
         """Whether the request's KV depends on its tokens alone (no images)."""
@@ -463,44 +486,52 @@ class CacheRunner(abc.ABC):
     def _take_kept(
         self, sequence: Sequence, prefix: tuple[BlockPayload, ...]
     ) -> tuple[Optional[list[Any]], int]:
-        """The kept cache cut back to what the request may use of it, and
-        that many tokens (it is no longer kept then); or ``(None, 0)`` when
-        it has nothing for the request beyond what ``prefix`` rebuilds.
+        """The kept cache the request may use most of, cut back to that, and
+        that many tokens; or ``(None, 0)`` when none has anything for it
+        beyond what ``prefix`` rebuilds. A request that continues a kept
+        cache's every token (its conversation's next turn) takes that cache
+        (it is no longer kept); one that uses only its first tokens gets
+        arrays of its own for them (a copy of its own tokens beside a shared
+        prefix), and the cache stays for its continuation.
 
-        Within the kept cache's namespace the request uses every token they
+        Within a kept cache's namespace the request uses every token they
         share but the prompt's last (which must run for its logits); in
         another namespace only its payloads' prefix, and only if both are
         text and the payloads line up from token 0 (they are what entitles
         it).
         """
-        kept = self._kept
-        if kept is None:
-            return None, 0
         floor = prefix[-1].end if prefix else 0
-        shared = _shared_length(kept.tokens, sequence.prompt, len(sequence.prompt) - 1)
-        if kept.namespace == sequence.namespace:
-            usable = shared
-        elif (
-            prefix
-            and kept.text_only
-            and self._text_only(sequence)
-            and kv_state.num_reconstructable_blocks(prefix) == len(prefix)
-        ):
-            usable = min(shared, floor)
-        else:
+        best, usable = None, 0
+        for entry in reversed(self._kept):  # the most recent first: it wins a tie
+            length = self._usable(entry, sequence, prefix, floor)
+            if length > usable:
+                best, usable = entry, length
+        if best is None or usable < floor:
             return None, 0
-        if usable <= 0 or usable < floor:
-            return None, 0
-        self._kept = None
-        cache = kept.cache
-        if isinstance(cache[0], SharedPrefixCache):
-            cache = [layer.cut(usable, sequence.block_size) for layer in cache]
+        if usable == len(best.tokens):
+            self._kept = tuple(k for k in self._kept if k is not best)
+            cache = best.cache
+            if isinstance(cache[0], SharedPrefixCache):
+                cache = [layer.cut(usable, sequence.block_size) for layer in cache]
         else:
-            for layer in cache:
-                layer.trim(layer.offset - usable)
+            cache = [_copy_of(layer, usable, sequence.block_size) for layer in best.cache]
         sequence.reused_last_cache = True
         sequence.num_shared = getattr(cache[0], "num_prefix", 0)
         return cache, usable
+
+    def _usable(self, entry: _KeptCache, sequence: Sequence, prefix: tuple[BlockPayload, ...], floor: int) -> int:
+        """How many of ``entry``'s tokens the request may use (see :meth:`_take_kept`)."""
+        shared = _shared_length(entry.tokens, sequence.prompt, len(sequence.prompt) - 1)
+        if entry.namespace == sequence.namespace:
+            return shared
+        if (
+            prefix
+            and entry.text_only
+            and self._text_only(sequence)
+            and kv_state.num_reconstructable_blocks(prefix) == len(prefix)
+        ):
+            return min(shared, floor)
+        return 0
 
     def _rebuild(self, sequence: Sequence, prefix: tuple[BlockPayload, ...], num_new: int) -> list[Any]:
         if self._groups is not None:
@@ -727,6 +758,37 @@ class _KeptCache:
     namespace: Any
     #: whether its KV depends on its tokens alone (no images)
     text_only: bool
+
+
+def _kept_bytes(kept: Seq[_KeptCache]) -> int:
+    """The bytes ``kept`` hold: their own arrays, and each shared prefix they refer to once."""
+    groups = {id(layer.group): layer.group for k in kept for layer in k.cache[:1] if getattr(layer, "group", None)}
+    own = sum(layer.nbytes for k in kept for layer in k.cache)
+    return own + sum(group.nbytes for group in groups.values())
+
+
+def _copy_of(layer: Any, num_tokens: int, block_size: int) -> Any:
+    """A cache layer of ``layer``'s first ``num_tokens`` tokens whose arrays
+    are new ones (slices), so that writing it leaves ``layer`` as it was."""
+    if isinstance(layer, SharedPrefixCache):
+        if num_tokens < layer.num_prefix:
+            return layer.cut(num_tokens, block_size)  # a new suffix from the group's arrays
+        return SharedPrefixCache(
+            layer.group, layer.layer, layer.num_prefix, _copy_of(layer.suffix, num_tokens - layer.num_prefix, block_size)
+        )
+    copy = type(layer).__new__(type(layer))
+    copy.__dict__.update(layer.__dict__)
+
+    def cut(arrays: Any) -> Any:
+        if arrays is None:
+            return None
+        if isinstance(arrays, (tuple, list)):
+            return type(arrays)(a[..., :num_tokens, :] for a in arrays)
+        return arrays[..., :num_tokens, :]
+
+    copy.keys, copy.values = cut(layer.keys), cut(layer.values)
+    copy.offset = num_tokens
+    return copy
 
 
 def _shared_length(kept: tuple[int, ...], prompt: Seq[int], limit: int) -> int:

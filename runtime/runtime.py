@@ -179,9 +179,11 @@ class RuntimeConfig:
             memory than float32; requests then decode one at a time (mlx-lm
             cannot batch quantized caches) and hold their own prefix copies.
             None (the default) keeps the model's precision.
-        keep_last_cache: the compute actor keeps the KV of the generation
-            that finished last (one request's, beside the block pool) and
-            hands it to the next one that shares its first tokens, which
+        keep_last_cache: the compute actor keeps the KV of the generations
+            that finished last (up to 16, of at most 64 MiB together unless
+            only one, beside the block pool) and hands each to a later one
+            that shares its first tokens (the one it shares most with; a
+            copy of what it uses unless it continues all of it), which
             then computes only the rest: all shared tokens within one cache
             salt and set of images, only its cached blocks' tokens across
             salts (on by default).

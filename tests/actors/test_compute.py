@@ -313,7 +313,7 @@ class TestGeneration:
 
 
 class TestLastCache:
-    """The cache of the request that finished last, cut back for the next one
+    """The caches of the requests that finished last, cut back for the next one
     that brings its prefix (instead of rebuilding that prefix from blocks)."""
 
     async def test_the_next_turn_takes_the_last_cache_and_equals_a_rebuild(self, running, tiny_llama):
@@ -396,21 +396,74 @@ class TestLastCache:
         assert stats.num_last_cache_reuses == 1
         _assert_same(again, first)
 
-    async def test_only_a_request_with_its_tokens_takes_it(self, running, tiny_llama):
-        """A request with other tokens rebuilds; the latest finished request is the one kept."""
-        prompt = _prompt(4 * BLOCK + 3)
+    async def test_each_request_takes_the_kept_cache_that_shares_most_of_it(self, running, tiny_llama):
+        """Several finished requests' caches are kept: each later request takes
+        the one that shares most of its tokens (not only the last one), and a
+        request with other tokens rebuilds."""
+        prompt, other = _prompt(4 * BLOCK + 3), _prompt(4 * BLOCK + 3, salt=9)
         async with _serving(running, _actor(tiny_llama)) as compute:
             first = await _run(compute, "a", prompt, max_tokens=2)
-            other = _prompt(4 * BLOCK + 3, salt=9)
-            other_blocks = (await _run(compute, "o", other, max_tokens=1)).published
-            # "o" finished last: its cache is kept now, not "a"'s.
-            await _run(compute, "b", prompt, prefix=first.published[:2], max_tokens=2)
-            assert (await compute.statistics()).num_last_cache_reuses == 0
-            await _run(compute, "b2", prompt, prefix=first.published[:3], max_tokens=2)
-            await _run(compute, "c", other, prefix=other_blocks[:2], max_tokens=2)
+            other_first = await _run(compute, "o", other, max_tokens=2)
+            # "o" finished last; "a"'s cache is kept too.
+            again = await _run(compute, "b", prompt, prefix=first.published[:2], max_tokens=2)
+            other_again = await _run(compute, "c", other, prefix=other_first.published[:2], max_tokens=2)
+            assert (await compute.statistics()).num_last_cache_reuses == 2
+            stranger = await _run(compute, "s", _prompt(4 * BLOCK + 3, salt=5), max_tokens=2)
             stats = await compute.statistics()
-        # "b2" took "b"'s cache; "c" found "b2"'s (other tokens) and rebuilt.
-        assert stats.num_last_cache_reuses == 1
+        assert stats.num_last_cache_reuses == 2 and stranger.prefilled.num_cached == 0
+        assert again.prefilled.num_cached == other_again.prefilled.num_cached == len(prompt) - 1
+        _assert_same(again, first)
+        _assert_same(other_again, other_first)
+
+    @pytest.mark.parametrize("shared_prefix", [True, False])
+    @pytest.mark.parametrize("blocks", [3, 0], ids=["with-blocks", "no-blocks"])
+    async def test_a_request_that_uses_part_of_a_kept_cache_leaves_it_to_its_continuation(
+        self, running, tiny_llama, shared_prefix, blocks
+    ):
+        """A request sharing only a kept cache's first tokens (another
+        conversation over the same system prompt) computes on arrays of its
+        own: the kept cache stays, and its own next turn then takes all of it
+        and equals a rebuild -- whether the request brings blocks (then over a
+        shared prefix it copies its own tokens anyway) or not (then it writes
+        after the kept cache's tokens). (With one cache kept and handed over,
+        the first request took it and turn 2 recomputed what no block holds.)"""
+        system = _prompt(3 * BLOCK + 7)
+        first_prompt = system + _prompt(20, salt=1)
+        results = {}
+        for keep in (True, False):
+            actor = _actor(tiny_llama, keep_last_cache=keep, shared_prefix=shared_prefix)
+            async with _serving(running, actor) as compute:
+                first = await _run(compute, "t1", first_prompt, max_tokens=12, stop_tokens=frozenset())
+                neighbour = await _run(
+                    compute, "n1", system + _prompt(20, salt=2), prefix=first.published[:blocks], max_tokens=12
+                )
+                second_prompt = first_prompt + first.tokens + _prompt(10, salt=3)
+                second = await _run(compute, "t2", second_prompt, prefix=first.published[:4], max_tokens=8)
+                results[keep] = (neighbour, second, await compute.statistics())
+        (neighbour, second, stats), (cold_neighbour, cold_second, _) = results[True], results[False]
+        assert stats.num_last_cache_reuses == 2
+        assert neighbour.prefilled.num_cached == len(system)
+        assert second.prefilled.num_cached == len(first_prompt) + 12  # turn 1's prompt and answer
+        _assert_same(neighbour, cold_neighbour)
+        _assert_same(second, cold_second)
+
+    @pytest.mark.parametrize("bound", ["count", "bytes"])
+    async def test_the_kept_caches_are_bounded(self, running, tiny_llama, monkeypatch, bound):
+        """At most MAX_KEPT_CACHES, of at most KEPT_CACHE_BYTES together, are
+        kept, the most recent (and always the last one): beyond, the oldest go."""
+        from mlxkv.actors import model_runner
+
+        monkeypatch.setattr(model_runner, "MAX_KEPT_CACHES" if bound == "count" else "KEPT_CACHE_BYTES", 2 if bound == "count" else 1)
+        prompts = [_prompt(3 * BLOCK + 3, salt=k) for k in range(3)]
+        async with _serving(running, _actor(tiny_llama)) as compute:
+            firsts = [await _run(compute, f"p{k}", p, max_tokens=2) for k, p in enumerate(prompts)]
+            # Newest first, so that taking one does not make room for an older one.
+            agains = [
+                await _run(compute, f"q{k}", prompts[k], prefix=firsts[k].published[:1], max_tokens=2)
+                for k in (2, 1, 0)
+            ]
+        took = [run.prefilled.num_cached == len(prompts[k]) - 1 for run, k in zip(agains, (2, 1, 0))]
+        assert took == ([True, True, False] if bound == "count" else [True, False, False])
 
     @pytest.mark.parametrize("model_name", ["sliding_llama", "hybrid_model"])
     async def test_caches_that_cannot_be_cut_back_are_not_kept(self, request, running, model_name):

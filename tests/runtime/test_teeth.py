@@ -74,8 +74,8 @@ def _break_kept_cache(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def broken(self: Any, sequence: Any, cache: list[Any], num_tokens: int) -> None:
         honest(self, sequence, cache, num_tokens)
-        if self._kept is not None:
-            _scramble_tail(self._kept.cache)
+        if self._kept:
+            _scramble_tail(self._kept[-1].cache)
 
     monkeypatch.setattr(model_runner.CacheRunner, "keep", broken)
 
