@@ -490,9 +490,10 @@ class CacheRunner(abc.ABC):
         that many tokens; or ``(None, 0)`` when none has anything for it
         beyond what ``prefix`` rebuilds. A request that continues a kept
         cache's every token (its conversation's next turn) takes that cache
-        (it is no longer kept); one that uses only its first tokens gets
-        arrays of its own for them (a copy of its own tokens beside a shared
-        prefix), and the cache stays for its continuation.
+        (it is no longer kept); one that uses only its first tokens, more of
+        them than its blocks hold, gets arrays of its own for them (a copy of
+        its own tokens beside a shared prefix), and the cache stays for its
+        continuation.
 
         Within a kept cache's namespace the request uses every token they
         share but the prompt's last (which must run for its logits); in
@@ -506,15 +507,19 @@ class CacheRunner(abc.ABC):
             length = self._usable(entry, sequence, prefix, floor)
             if length > usable:
                 best, usable = entry, length
-        if best is None or usable < floor:
+        whole = best is not None and usable == len(best.tokens)
+        # A copy of no more than the blocks give would only stand in for them
+        # (and over a shared prefix, with no room to grow in).
+        if best is None or usable < floor or (usable == floor and not whole):
             return None, 0
-        if usable == len(best.tokens):
+        if whole:
             self._kept = tuple(k for k in self._kept if k is not best)
             cache = best.cache
             if isinstance(cache[0], SharedPrefixCache):
                 cache = [layer.cut(usable, sequence.block_size) for layer in cache]
         else:
-            cache = [_copy_of(layer, usable, sequence.block_size) for layer in best.cache]
+            room = _room(sequence, usable)
+            cache = [_copy_of(layer, usable, sequence.block_size, room) for layer in best.cache]
         sequence.reused_last_cache = True
         sequence.num_shared = getattr(cache[0], "num_prefix", 0)
         return cache, usable
@@ -767,24 +772,28 @@ def _kept_bytes(kept: Seq[_KeptCache]) -> int:
     return own + sum(group.nbytes for group in groups.values())
 
 
-def _copy_of(layer: Any, num_tokens: int, block_size: int) -> Any:
-    """A cache layer of ``layer``'s first ``num_tokens`` tokens whose arrays
-    are new ones (slices), so that writing it leaves ``layer`` as it was."""
+def _copy_of(layer: Any, num_tokens: int, block_size: int, room: int) -> Any:
+    """A cache layer of ``layer``'s first ``num_tokens`` tokens, with room
+    for ``room`` more where it is plain KV, whose arrays are new ones, so
+    that writing it leaves ``layer`` as it was."""
+    import mlx.core as mx
+
     if isinstance(layer, SharedPrefixCache):
         if num_tokens < layer.num_prefix:
             return layer.cut(num_tokens, block_size)  # a new suffix from the group's arrays
-        return SharedPrefixCache(
-            layer.group, layer.layer, layer.num_prefix, _copy_of(layer.suffix, num_tokens - layer.num_prefix, block_size)
-        )
+        (suffix,) = suffix_of([layer.suffix], 0, num_tokens - layer.num_prefix, room)
+        return SharedPrefixCache(layer.group if layer.num_prefix else None, layer.layer, layer.num_prefix, suffix)
     copy = type(layer).__new__(type(layer))
     copy.__dict__.update(layer.__dict__)
 
     def cut(arrays: Any) -> Any:
         if arrays is None:
             return None
-        if isinstance(arrays, (tuple, list)):
+        if isinstance(arrays, (tuple, list)):  # quantized: no room, it grows as it needs
             return type(arrays)(a[..., :num_tokens, :] for a in arrays)
-        return arrays[..., :num_tokens, :]
+        b, h, _, d = arrays.shape
+        spare = -(-(num_tokens + room) // layer.step) * layer.step - num_tokens
+        return mx.concatenate([arrays[..., :num_tokens, :], mx.zeros((b, h, spare, d), dtype=arrays.dtype)], axis=2)
 
     copy.keys, copy.values = cut(layer.keys), cut(layer.values)
     copy.offset = num_tokens

@@ -347,10 +347,11 @@ class TestLastCache:
             )
             same = await _run(compute, "c", prompt, max_tokens=4, namespace=("tenant-b", None))
             stats = await compute.statistics()
+        # "b" may use no more of "a"'s cache than its blocks give: it rebuilds them.
         assert other.prefilled.num_cached == 2 * BLOCK
         # "c" brings no blocks, but "b" (its namespace) left the whole prompt but its last token.
         assert same.prefilled.num_cached == len(prompt) - 1
-        assert stats.num_last_cache_reuses == 2
+        assert stats.num_last_cache_reuses == 1
         _assert_same(other, first)
         _assert_same(same, first)
 
