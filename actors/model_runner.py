@@ -67,7 +67,8 @@ _TRIMMABLE = frozenset({"KVCache", "QuantizedKVCache"})
 #: Finished requests' caches the runner keeps at most (the most recent ones),
 #: each for the next request that continues it (a conversation's next turn),
 #: and the bytes of KV they may hold together beside the block pool (their
-#: own tokens, and the shared prefixes they alone keep alive); the most
+#: own tokens, and each shared prefix they refer to, counted once even where
+#: live requests hold it too: an upper bound); the most
 #: recent is kept whatever its size. Eight concurrent conversations need
 #: eight: with one, turn 2 of the chat workload over HTTP recomputed the
 #: tail of turn 1 that no full block holds in 15 of 16 conversations.
@@ -776,26 +777,17 @@ def _copy_of(layer: Any, num_tokens: int, block_size: int, room: int) -> Any:
     """A cache layer of ``layer``'s first ``num_tokens`` tokens, with room
     for ``room`` more where it is plain KV, whose arrays are new ones, so
     that writing it leaves ``layer`` as it was."""
-    import mlx.core as mx
-
     if isinstance(layer, SharedPrefixCache):
         if num_tokens < layer.num_prefix:
             return layer.cut(num_tokens, block_size)  # a new suffix from the group's arrays
         (suffix,) = suffix_of([layer.suffix], 0, num_tokens - layer.num_prefix, room)
         return SharedPrefixCache(layer.group if layer.num_prefix else None, layer.layer, layer.num_prefix, suffix)
+    if type(layer).__name__ == "KVCache":
+        return suffix_of([layer], 0, num_tokens, room)[0]
+    # Quantized: slices of its arrays (new ones); it grows as it needs.
     copy = type(layer).__new__(type(layer))
     copy.__dict__.update(layer.__dict__)
-
-    def cut(arrays: Any) -> Any:
-        if arrays is None:
-            return None
-        if isinstance(arrays, (tuple, list)):  # quantized: no room, it grows as it needs
-            return type(arrays)(a[..., :num_tokens, :] for a in arrays)
-        b, h, _, d = arrays.shape
-        spare = -(-(num_tokens + room) // layer.step) * layer.step - num_tokens
-        return mx.concatenate([arrays[..., :num_tokens, :], mx.zeros((b, h, spare, d), dtype=arrays.dtype)], axis=2)
-
-    copy.keys, copy.values = cut(layer.keys), cut(layer.values)
+    copy.keys, copy.values = (tuple(a[..., :num_tokens, :] for a in arrays) for arrays in (layer.keys, layer.values))
     copy.offset = num_tokens
     return copy
 

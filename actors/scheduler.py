@@ -606,6 +606,7 @@ class Scheduler:
         chunks: tuple[Chunk, ...] = ()
         if prefilling and not rows:
             chunks, _ = self._chunks(wave=True, budget=self._budget, spent=0.0)
+            self._spent = 0.0  # no row waits behind it, nor behind what ran before
         elif prefilling and not self._decode_turn(rows, prefilling):
             # A refill (more wait than decode) shares one budget over the
             # prefill plans in a row: decode_wait plans' worth.

@@ -614,14 +614,14 @@ def _decode_step(
     if mask is not None:
         mask = mask.reshape(mask.shape[0], 1, 1, *mask.shape[-2:]) if mask.ndim == 4 else mask
         own_scores = mx.where(mask, own_scores, -mx.inf) if mask.dtype == mx.bool_ else own_scores + mask
+    if not segments:
+        weights = mx.softmax(own_scores, axis=-1, precise=True)
+        return (weights @ values[:, :, None]).astype(queries.dtype).reshape(batch, heads, 1, -1)
     order = [row for rows, _, _, _ in segments for row in rows]
     grouped = set(order)
     alone = [row for row in range(batch) if row not in grouped]
     order += alone
     permuted = order != list(range(batch))
-    if not segments:
-        weights = mx.softmax(own_scores, axis=-1, precise=True)
-        return (weights @ values[:, :, None]).astype(queries.dtype).reshape(batch, heads, 1, -1)
     width = max(max(lengths) for _, _, _, lengths in segments)
     parts = []
     for rows, prefix_keys, _, lengths in segments:

@@ -331,6 +331,20 @@ class TestBatching:
         assert spent.steps and not spent.prefill  # d would make it 40.4
         assert [c.request_id for c in sim.step().prefill] == ["d"]  # 4 rows, 2 wait: one plan's budget
 
+    def test_a_refill_after_a_wave_has_the_whole_shared_budget(self):
+        """The rows a refill's plans ran beside are gone (cancelled) by the time
+        a wave prefills: the next refill does not count what they waited behind."""
+        sim = _decoding(_scheduler(prefill_budget=11, prefill_batch=8, decode_wait=3))
+        for name in "abcde":
+            sim.scheduler.add(_spec(name, prompt=10))
+        assert [c.request_id for c in sim.step().prefill] == ["a", "b", "c"]  # 30.3 of 33 spent
+        for name in ("decoder", "a", "b", "c"):
+            sim.scheduler.cancel(name)
+        assert [c.request_id for c in sim.step().prefill] == ["d", "e"]  # a wave: nothing decodes
+        for name in "fghij":
+            sim.scheduler.add(_spec(name, prompt=10))
+        assert [c.request_id for c in sim.step().prefill] == ["f", "g", "h"]  # 2 rows, 5 wait: all 33 again
+
     def test_a_one_token_request_keeps_the_budget_in_a_wave(self):
         """A request that will not decode (one token) ends a wave: its chunk,
         and those after it, fit the budget (its first token is its answer;

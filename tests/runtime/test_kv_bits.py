@@ -46,6 +46,25 @@ class TestKVBits:
             await assert_matches_cold(rt, prompt, warm, "cold")
             await assert_clean(rt)
 
+    async def test_a_quantized_kept_cache_used_in_part_stays_exact_for_its_continuation(self, model_dir):
+        """Another conversation over the same system prompt computes on a copy
+        of a kept quantized cache's first tokens; the conversation's own next
+        turn then takes all of that cache and equals its cold run."""
+        path = str(ensure_model(HEADS_OF_32, model_dir))
+        async with CacheRuntime(model=path, block_size=BS, kv_bits=8) as rt:
+            system = _tokens(3 * BS + 7, salt=1)
+            first_prompt = system + _tokens(20, salt=2)
+            answer, _ = await run(rt, first_prompt, max_tokens=12)
+            neighbour = system + _tokens(20, salt=3)
+            near = await run(rt, neighbour, max_tokens=12)
+            assert near[1].cached_tokens == len(system)  # past its 3 blocks: from the kept cache
+            second = first_prompt + answer + _tokens(10, salt=4)
+            warm = await run(rt, second, max_tokens=8)
+            assert warm[1].cached_tokens == len(first_prompt) + len(answer)
+            await assert_matches_cold(rt, second, warm, "cold")
+            await assert_matches_cold(rt, neighbour, near, "cold-near")
+            await assert_clean(rt)
+
     async def test_heads_mlx_cannot_quantize_are_refused(self, model_dir):
         """Heads of 16 (no group size divides them): the runtime does not start,
         and says why."""
