@@ -320,6 +320,7 @@ class ComputeActor(Actor):
         keep_last_cache: bool = True,
         shared_prefix: bool = True,
         kv_bits: Optional[int] = None,
+        transpose_weights: Optional[bool] = None,
         loader: Optional[Callable[..., ModelRunner]] = None,
         source: Optional[str] = None,
         **options: Any,
@@ -347,9 +348,14 @@ class ComputeActor(Actor):
             kv_bits: quantize the KV cache of attention layers to this many
                 bits (4 or 8: mlx-lm's ``QuantizedKVCache``) in live caches
                 and blocks alike; None keeps the model's precision.
+            transpose_weights: hold the model's linear weights transposed
+                (:mod:`~mlxkv.actors.weight_layout`: the same outputs,
+                faster on the CPU); None: where MLX runs on the CPU for a
+                model the actor loads (:meth:`loading`), not for one handed
+                in (:meth:`with_model`).
             loader: called on the MLX thread with keywords ``prefill_chunk``,
-                ``shared_prefix`` and ``kv_bits`` to make the runner,
-                instead of ``runner``.
+                ``shared_prefix``, ``kv_bits`` and ``transpose_weights`` to
+                make the runner, instead of ``runner``.
             source: what the loader loads, for error messages.
             **options: the :class:`Actor` options.
 
@@ -369,6 +375,8 @@ class ComputeActor(Actor):
         for name, flag in (("keep_last_cache", keep_last_cache), ("shared_prefix", shared_prefix)):
             if not isinstance(flag, bool):
                 raise InvalidInput(name, flag, "must be a bool")
+        if transpose_weights is not None and not isinstance(transpose_weights, bool):
+            raise InvalidInput("transpose_weights", transpose_weights, "must be a bool or None")
         if kv_bits is not None and (isinstance(kv_bits, bool) or kv_bits not in KV_BITS):
             raise InvalidInput("kv_bits", kv_bits, f"must be one of {sorted(KV_BITS)} or None")
         if (runner is None) == (loader is None):
@@ -383,7 +391,12 @@ class ComputeActor(Actor):
         self._burst = decode_burst
         self._decode_wait = decode_wait
         self._keep_last_cache = keep_last_cache
-        self._runner_options = {"prefill_chunk": prefill_chunk, "shared_prefix": shared_prefix, "kv_bits": kv_bits}
+        self._runner_options = {
+            "prefill_chunk": prefill_chunk,
+            "shared_prefix": shared_prefix,
+            "kv_bits": kv_bits,
+            "transpose_weights": transpose_weights,
+        }
         self._thread = MLXThread(name="mlxkv-compute", log=self._log)
         self._info: Optional[ModelInfo] = None if runner is None else runner.info
         self._scheduler: Optional[Scheduler] = None

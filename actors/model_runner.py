@@ -26,6 +26,7 @@ from typing import Any, Optional, Protocol
 import attrs
 
 from mlxkv.actors.sequence import Sequence
+from mlxkv.actors.weight_layout import transpose_linear_weights, wanted
 from mlxkv.cache import kv_state
 from mlxkv.cache.errors import InvalidInput
 from mlxkv.cache.kv_state import BlockPayload
@@ -904,12 +905,18 @@ class TextRunner(CacheRunner):
         prefill_chunk: int,
         shared_prefix: bool = True,
         kv_bits: Optional[int] = None,
+        transpose_weights: Optional[bool] = None,
     ) -> None:
         """Describe ``model``: runs one token through a fresh cache (on the MLX thread).
 
         Args:
             shared_prefix: hold a prefix that requests share once, where the
                 model allows (:attr:`ModelInfo.shared_prefix` says).
+            transpose_weights: hold the model's linear weights transposed
+                (in place: :mod:`mlxkv.actors.weight_layout`; the same
+                outputs, faster on the CPU). A model handed in is the
+                caller's: None leaves it as it is (:meth:`load` decides
+                for the models it loads).
             kv_bits: quantize its plain attention layers' KV to this many
                 bits (``QuantizedKVCache``, in groups of the largest of 128,
                 64 or 32 that divides the head size), or None. mlx-lm
@@ -920,6 +927,8 @@ class TextRunner(CacheRunner):
             ValueError: ``kv_bits`` on a model whose head size no group
                 size divides.
         """
+        if transpose_weights:
+            transpose_linear_weights(model)
         self._model = model
         self._tokenizer = tokenizer
         self._kv_bits = kv_bits
@@ -938,13 +947,14 @@ class TextRunner(CacheRunner):
         )
 
     @classmethod
-    def load(cls, path: str, **options: Any) -> TextRunner:
+    def load(cls, path: str, *, transpose_weights: Optional[bool] = None, **options: Any) -> TextRunner:
         """Load an mlx-lm model directory (or repo id) with ``mlx_lm.load``
-        (``options``: the constructor's)."""
+        (``options``: the constructor's; ``transpose_weights`` None: where
+        MLX runs on the CPU)."""
         from mlx_lm import load
 
         model, tokenizer = load(str(path))
-        return cls(model, tokenizer, **options)
+        return cls(model, tokenizer, transpose_weights=wanted(transpose_weights), **options)
 
     def preparer(self) -> TextPreparer:
         return TextPreparer(self._tokenizer)

@@ -41,6 +41,7 @@ from mlxkv.actors.model_runner import (
     encode_text,
 )
 from mlxkv.actors.sequence import Sequence
+from mlxkv.actors.weight_layout import transpose_linear_weights, wanted
 from mlxkv.cache.errors import InvalidInput, counted, plural
 
 __all__ = ["EncodedImages", "VisionInputs", "VisionPreparer", "VisionRunner"]
@@ -260,8 +261,16 @@ class VisionRunner(CacheRunner):
     Owns: the model (vision tower and language model) and its processor.
     """
 
-    def __init__(self, model: Any, processor: Any, *, prefill_chunk: int) -> None:
+    def __init__(
+        self, model: Any, processor: Any, *, prefill_chunk: int, transpose_weights: Optional[bool] = None
+    ) -> None:
         """Describe ``model`` (on the MLX thread).
+
+        Args:
+            transpose_weights: hold the linear weights of the vision tower
+                and the language model transposed (in place:
+                :mod:`mlxkv.actors.weight_layout`); None leaves a model
+                handed in as it is (:meth:`load` decides for its own).
 
         Raises:
             ValueError: the model is not of the Qwen2-VL family (no
@@ -279,6 +288,8 @@ class VisionRunner(CacheRunner):
                 f"vision-language model type {getattr(model.config, 'model_type', '?')!r} is not"
                 " supported: mlxkv runs Qwen2-VL-style models (mrope positions)"
             )
+        if transpose_weights:
+            transpose_linear_weights(model)
         self._model = model
         self._language = language
         self._processor = processor
@@ -300,7 +311,13 @@ class VisionRunner(CacheRunner):
 
     @classmethod
     def load(
-        cls, path: str, *, prefill_chunk: int, shared_prefix: bool = False, kv_bits: Optional[int] = None
+        cls,
+        path: str,
+        *,
+        prefill_chunk: int,
+        shared_prefix: bool = False,
+        kv_bits: Optional[int] = None,
+        transpose_weights: Optional[bool] = None,
     ) -> VisionRunner:
         """Load a vision-language model directory with ``mlx_vlm.load``
         (requests hold their own copy of a prefix: ``shared_prefix`` is not
@@ -318,7 +335,7 @@ class VisionRunner(CacheRunner):
                 "this is a vision-language model: install the vlm extra (pip install 'mlxkv[vlm]')"
             ) from error
         model, processor = load(str(path))
-        return cls(model, processor, prefill_chunk=prefill_chunk)
+        return cls(model, processor, prefill_chunk=prefill_chunk, transpose_weights=wanted(transpose_weights))
 
     def preparer(self) -> VisionPreparer:
         return VisionPreparer(self._processor, self._tokenizer, self._config.image_token_id)

@@ -90,6 +90,8 @@ class WorkloadConfig:
             (``RuntimeConfig.prefill_budget``).
         decode_wait: the most prefill plans a decode step waits behind
             (``RuntimeConfig.decode_wait``).
+        transpose_weights: hold the model's linear weights transposed
+            (``RuntimeConfig.transpose_weights``; None: on the CPU).
         seed: seeds the texts (decoding is greedy).
         trace: emit the runtime's structured events.
         shared_prefix: requests over the same cached blocks hold one copy of
@@ -116,6 +118,7 @@ class WorkloadConfig:
     kv_tiers: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     prefill_budget: int = attrs.field(default=DEFAULT_PREFILL_BUDGET, validator=_at_least(1))
     decode_wait: int = attrs.field(default=DEFAULT_DECODE_WAIT, validator=_at_least(1))
+    transpose_weights: Optional[bool] = None
     images: int = attrs.field(default=0, validator=_at_least(0))
     seed: int = 0
     trace: bool = False
@@ -355,6 +358,7 @@ def runtime_config(config: WorkloadConfig) -> RuntimeConfig:
         kv_tiers=config.kv_tiers,
         prefill_budget=config.prefill_budget,
         decode_wait=config.decode_wait,
+        transpose_weights=config.transpose_weights,
         trace=config.trace,
         shared_prefix=config.shared_prefix,
         freeze_gc=config.freeze_gc,

@@ -29,13 +29,18 @@ over. Ratios are medians of the per-round ratios (each round's methods ran
 back to back, so a slow patch of the machine affects both sides of a ratio).
 Greedy tokens are compared across the methods (they must agree).
 
+With ``--plain`` a fifth, ``mlxkv-plain``, runs ``mlxkv``'s workload on a
+second runtime with ``transpose_weights=False``: the model's own weight
+layout, as mlx-lm runs it (what mlxkv gains without its CPU weight layout).
+
     .venv/bin/python scripts/bench_batch.py [--rounds 5] [--prefix-tokens 512]
-        [--settings 1x128,8x48,32x48] [--json FILE]
+        [--settings 1x128,8x48,32x48] [--plain] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import random
@@ -226,12 +231,21 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     mlx_lm = MlxLm(path, prefix)
     baseline = Baseline(args.baseline_python, path, prefix) if args.baseline_python else None
     results: dict[str, Any] = {}
-    async with CacheRuntime(model=path, block_size=64) as rt:
-        async with rt.generate(prefix + [33], max_tokens=1) as warm:  # stores the prefix
-            async for _ in warm:
-                pass
+    async with contextlib.AsyncExitStack() as stack:
+        rt = await stack.enter_async_context(CacheRuntime(model=path, block_size=64))
+        runtimes = {"mlxkv": rt}
+        if args.plain:
+            runtimes["mlxkv-plain"] = await stack.enter_async_context(
+                CacheRuntime(model=path, block_size=64, transpose_weights=False)
+            )
+        for runtime in runtimes.values():
+            async with runtime.generate(prefix + [33], max_tokens=1) as warm:  # stores the prefix
+                async for _ in warm:
+                    pass
         for n, tokens in args.settings:
             samples: dict[str, list[dict[str, Any]]] = {"batch_generate": [], "stream_generate": [], "mlxkv": []}
+            if args.plain:
+                samples["mlxkv-plain"] = []
             if baseline is not None:
                 samples["baseline"] = []
             for round_ in range(args.rounds):
@@ -240,8 +254,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 order = list(samples)[shift:] + list(samples)[:shift]
                 outs = {}
                 for method in order:
-                    if method == "mlxkv":
-                        outs[method] = await _mlxkv(rt, prefix, owns, tokens)
+                    if method in runtimes:
+                        outs[method] = await _mlxkv(runtimes[method], prefix, owns, tokens)
                     elif method == "batch_generate":
                         outs[method] = mlx_lm.batch(owns, tokens)
                     elif method == "baseline":
@@ -305,6 +319,11 @@ def _settings(text: str) -> list[tuple[int, int]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="rounds per setting (5)")
+    parser.add_argument(
+        "--plain",
+        action="store_true",
+        help="also mlxkv-plain: a second runtime with transpose_weights=False (the model's own weight layout)",
+    )
     parser.add_argument("--model", help="an mlx-lm model directory (default: the built-in model)")
     parser.add_argument("--json", help="also write the results as JSON to FILE")
     parser.add_argument(

@@ -14,6 +14,9 @@ Servers, each a fresh process per round, on the same model (the built-in
 one, or ``--model``):
 
 - ``mlxkv``: ``mlxkv serve`` (this checkout);
+- ``mlxkv-plain``: the same with ``--transpose-weights off`` (the model's
+  own weight layout, as the other servers run it: what mlxkv gains without
+  its CPU weight layout);
 - ``mlx-lm``: ``python -m mlx_lm.server`` (mlx-lm from this environment);
 - ``vllm-mlx`` and ``vllm-mlx-paged``: vllm-mlx 0.6.0's
   ``python -m vllm_mlx.cli serve MODEL --continuous-batching
@@ -51,7 +54,7 @@ order; the table shows the medians over rounds, then mlxkv's paired ratios
 against each server (the median over rounds of each round's own ratio,
 steadier than a ratio of medians on a machine whose load drifts).
 
-    .venv/bin/python scripts/bench_serve.py [--rounds 3] [--servers mlxkv,mlx-lm,vllm-mlx,vllm-mlx-paged]
+    .venv/bin/python scripts/bench_serve.py [--rounds 3] [--servers mlxkv,mlxkv-plain,mlx-lm,vllm-mlx,vllm-mlx-paged]
                                             [--model DIR] [--warmup 1] [--json FILE] [--logs DIR]
 """
 
@@ -79,9 +82,10 @@ import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_VLLM_PYTHON = REPO / ".bench" / "vllm-serve" / "bin" / "python"
-SERVERS = ("mlxkv", "mlx-lm", "vllm-mlx", "vllm-mlx-paged")
+SERVERS = ("mlxkv", "mlxkv-plain", "mlx-lm", "vllm-mlx", "vllm-mlx-paged")
 LABELS = {
     "mlxkv": "mlxkv serve",
+    "mlxkv-plain": "mlxkv --transpose-weights off",
     "mlx-lm": "mlx_lm.server",
     "vllm-mlx": "vllm-mlx",
     "vllm-mlx-paged": "vllm-mlx --use-paged-cache",
@@ -97,8 +101,10 @@ def command(
     server: str, model: str, port: int, vllm_python: Path, mlxkv_args: str = ""
 ) -> list[str]:
     """The command line that starts ``server`` on ``port``."""
-    if server == "mlxkv":
+    if server in ("mlxkv", "mlxkv-plain"):
         base = [sys.executable, "-m", "mlxkv.cli", "serve", "--model", model, "--port", str(port)]
+        if server == "mlxkv-plain":
+            base += ["--transpose-weights", "off"]
         return base + shlex.split(mlxkv_args)
     if server == "mlx-lm":
         return [sys.executable, "-m", "mlx_lm.server", "--model", model, "--port", str(port)]

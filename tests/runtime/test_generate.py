@@ -678,3 +678,31 @@ class TestConfiguration:
         assert (by_count.num_entries, by_count.num_evictions) == (2, 1)
         assert by_bytes.num_entries == 1 and by_bytes.num_bytes <= 5000
 
+
+    @pytest.mark.parametrize("model_name", ["llama", "hybrid"])
+    async def test_transposed_weights_generate_the_same(self, model_name, model_dir):
+        """A runtime that holds the weights transposed (the CPU default) and
+        one that keeps the model's layout generate the same tokens from the
+        same prompt logits, bit for bit, a shared prefix and a batch included."""
+        spec = {"llama": TINY_LLAMA, "hybrid": TINY_HYBRID}[model_name]
+        path = str(ensure_model(spec, model_dir))
+        system = _tokens(3 * BS + 5, salt=9)
+        prompts = [system + _tokens(7 + i, salt=i) for i in range(3)]
+        answers = {}
+        for transpose in (False, True):
+            async with CacheRuntime(model=path, block_size=BS, transpose_weights=transpose) as rt:
+                results: list[Any] = [None] * len(prompts)
+
+                async def one(i: int) -> None:
+                    results[i] = await run(rt, prompts[i], max_tokens=6)
+
+                await one(0)  # the prefix is cached, then the others share it
+                async with anyio.create_task_group() as tg:
+                    for i in (1, 2):
+                        tg.start_soon(one, i)
+                assert all(report.cached_tokens >= 3 * BS for _, report in results[1:])
+                answers[transpose] = [(tokens, np.array(report.prompt_logits)) for tokens, report in results]
+                await assert_clean(rt)
+        for (tokens, logits), (want_tokens, want_logits) in zip(answers[True], answers[False]):
+            assert tokens == want_tokens
+            assert np.array_equal(logits, want_logits)

@@ -74,9 +74,10 @@ class TestWorkloadRuntime:
         config = WorkloadConfig(
             model="unused", block_size=16, max_blocks=64, kv_bits=8, kv_tiers=["file:///tmp/x"],
             prefill_budget=1024, decode_wait=3, trace=True, shared_prefix=False, freeze_gc=False,
+            transpose_weights=False,
         )  # fmt: skip
         runtime = runtime_config(config)
-        for name in ("block_size", "max_blocks", "kv_bits", "kv_tiers", "prefill_budget", "decode_wait", "trace", "shared_prefix", "freeze_gc"):
+        for name in ("block_size", "max_blocks", "kv_bits", "kv_tiers", "prefill_budget", "decode_wait", "trace", "shared_prefix", "freeze_gc", "transpose_weights"):
             assert getattr(runtime, name) == getattr(config, name), name
         assert runtime.model == "unused"
 

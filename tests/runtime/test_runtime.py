@@ -52,7 +52,8 @@ class TestRuntimeConfig:
 
     @pytest.mark.parametrize(
         "overrides",
-        [{"block_size": 0}, {"max_blocks": 0}, {"mailbox_size": 1.5}, {"trace": 1}, {"keep_last_cache": 1}, {"nope": 1}],
+        [{"block_size": 0}, {"max_blocks": 0}, {"mailbox_size": 1.5}, {"trace": 1}, {"keep_last_cache": 1}, {"transpose_weights": "on"},
+         {"nope": 1}],
     )
     def test_bad_values_are_invalid_input(self, overrides):
         """A bad or unknown field is InvalidInput naming it."""

@@ -1,0 +1,128 @@
+"""Linear weights held transposed: the same outputs bit for bit, nothing held twice."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm import load
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxkv.actors.model_runner import TextRunner
+from mlxkv.actors.weight_layout import transpose_linear_weights, transposed_linear, wanted
+from mlxkv.default_model import TINY_HYBRID, TINY_LLAMA, TINY_SLIDING_LLAMA, ensure_model
+
+
+def _load(spec, model_dir):
+    return load(str(ensure_model(spec, model_dir)))
+
+
+def _logits(model, prompt, steps):
+    """Logits of a prefill of ``prompt`` and of ``steps`` greedy decode steps after it."""
+    cache = make_prompt_cache(model)
+    out = [model(mx.array([prompt]), cache=cache)]
+    for _ in range(steps):
+        token = mx.argmax(out[-1][:, -1:], axis=-1)
+        out.append(model(token, cache=cache))
+    mx.eval(out)
+    return out
+
+
+def _nbytes(model):
+    return sum(a.nbytes for _, a in tree_flatten(model.parameters()))
+
+
+class _Net(nn.Module):
+    def __init__(self, bias):
+        super().__init__()
+        self.first = nn.Linear(24, 40, bias=bias)
+        self.layers = [nn.Linear(40, 40, bias=bias), nn.Sequential(nn.Linear(40, 8, bias=bias))]
+        self.table = {"head": nn.Linear(8, 5, bias=bias)}
+
+    def __call__(self, x):
+        x = self.layers[1](self.layers[0](self.first(x)))
+        return self.table["head"](x)
+
+
+class _MyLinear(nn.Linear):
+    pass
+
+
+class TestTransposeLinearWeights:
+    @pytest.mark.parametrize("spec", [TINY_LLAMA, TINY_SLIDING_LLAMA, TINY_HYBRID], ids=lambda s: s.name)
+    def test_a_model_computes_the_same_logits_bit_for_bit(self, spec, model_dir):
+        """Every linear layer of an mlx-lm model is replaced, and its prefill
+        and decode logits equal the untouched model's exactly; its
+        parameters take the same bytes."""
+        plain, _ = _load(spec, model_dir)
+        model, _ = _load(spec, model_dir)
+        prompt = [3 + (i * 7) % 200 for i in range(150)]
+        expected = _logits(plain, prompt, 4)
+        before = _nbytes(model)
+        linears = sum(type(m) is nn.Linear for _, m in model.named_modules())
+        assert transpose_linear_weights(model) == linears > 0
+        assert not any(type(m) is nn.Linear for _, m in model.named_modules())
+        assert _nbytes(model) == before
+        for got, want in zip(_logits(model, prompt, 4), expected):
+            assert mx.array_equal(got, want).item()
+        assert transpose_linear_weights(model) == 0
+
+    @pytest.mark.parametrize("bias", [False, True])
+    def test_nested_layers_biases_and_the_weight_view(self, bias):
+        """Layers in lists, dicts and nested modules are replaced; with a bias
+        the output is still bit-identical; ``weight`` reads the ``(out, in)``
+        view of the same values."""
+        net = _Net(bias)
+        mx.eval(net.parameters())
+        weights = {name: mx.array(m.weight) for name, m in net.named_modules() if type(m) is nn.Linear}
+        x = mx.random.normal((3, 17, 24), key=mx.random.key(1))
+        expected = net(x)
+        mx.eval(expected)
+        assert transpose_linear_weights(net) == 4
+        assert mx.array_equal(net(x), expected).item()
+        for name, module in net.named_modules():
+            if name in weights:
+                assert isinstance(module, transposed_linear())
+                assert module.weight_t.shape == weights[name].shape[::-1]
+                assert mx.array_equal(module.weight, weights[name]).item()
+                assert ("bias" in module) is bias
+
+    def test_quantized_and_subclassed_layers_are_left_alone(self):
+        """A quantized layer and a subclass of ``nn.Linear`` (which may
+        compute something else) keep their own class."""
+        net = nn.Sequential(_MyLinear(64, 64), nn.QuantizedLinear(64, 64, bits=8), nn.Linear(64, 64))
+        mx.eval(net.parameters())
+        assert transpose_linear_weights(net) == 1
+        kinds = [type(layer) for layer in net.layers]
+        assert kinds[:2] == [_MyLinear, nn.QuantizedLinear]
+        assert kinds[2] is transposed_linear()
+
+
+class TestWanted:
+    def test_a_choice_is_kept_and_none_means_the_cpu(self):
+        """True and False are taken as given; None transposes exactly where
+        MLX's default device is the CPU (these tests run on it)."""
+        assert wanted(True) is True
+        assert wanted(False) is False
+        assert wanted(None) is (mx.default_device().type == mx.DeviceType.cpu)
+
+
+class TestRunner:
+    @pytest.mark.parametrize("choice", [None, False, True])
+    def test_a_model_handed_in_changes_only_when_told(self, choice, model_dir):
+        """A runner over a model it was handed transposes it only when told
+        True: the model is the caller's (None leaves it as loaded)."""
+        model, tokenizer = _load(TINY_LLAMA, model_dir)
+        TextRunner(model, tokenizer, prefill_chunk=64, transpose_weights=choice)
+        kinds = {type(m) for _, m in model.named_modules()}
+        assert (transposed_linear() in kinds) is bool(choice)
+        assert (nn.Linear in kinds) is not bool(choice)
+
+    @pytest.mark.parametrize("choice", [None, False, True])
+    def test_a_model_it_loads_follows_the_device_by_default(self, choice, model_dir):
+        """``TextRunner.load`` decides for the model it loads: None
+        transposes where MLX runs on the CPU."""
+        runner = TextRunner.load(str(ensure_model(TINY_LLAMA, model_dir)), prefill_chunk=64, transpose_weights=choice)
+        kinds = {type(m) for _, m in runner._model.named_modules()}
+        assert (transposed_linear() in kinds) is wanted(choice)
