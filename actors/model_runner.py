@@ -118,6 +118,8 @@ class ModelInfo:
         kv_layout: the layer kinds, dtypes and shapes of every stored
             block (what a KV tier's namespace commits to), or None if a
             block of this model could not be cut.
+        transposed_layers: linear layers held transposed
+            (:mod:`mlxkv.actors.weight_layout`; 0: the model's own layout).
     """
 
     vocab_size: Optional[int]
@@ -134,6 +136,7 @@ class ModelInfo:
     context_unit: int = 512
     state_bytes: int = 0
     kv_layout: Optional[KVLayout] = None
+    transposed_layers: int = 0
 
     def block_bytes(self, block_size: int) -> int:
         """Bytes one stored block of ``block_size`` tokens takes, snapshot included."""
@@ -927,8 +930,7 @@ class TextRunner(CacheRunner):
             ValueError: ``kv_bits`` on a model whose head size no group
                 size divides.
         """
-        if transpose_weights:
-            transpose_linear_weights(model)
+        transposed = transpose_linear_weights(model) if transpose_weights else 0
         self._model = model
         self._tokenizer = tokenizer
         self._kv_bits = kv_bits
@@ -943,6 +945,7 @@ class TextRunner(CacheRunner):
             prefill_chunk=prefill_chunk,
             max_context=max_context if isinstance(max_context, int) and max_context > 0 else None,
             context_unit=context_unit(args),
+            transposed_layers=transposed,
             **fields,
         )
 

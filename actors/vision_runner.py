@@ -288,8 +288,7 @@ class VisionRunner(CacheRunner):
                 f"vision-language model type {getattr(model.config, 'model_type', '?')!r} is not"
                 " supported: mlxkv runs Qwen2-VL-style models (mrope positions)"
             )
-        if transpose_weights:
-            transpose_linear_weights(model)
+        transposed = transpose_linear_weights(model) if transpose_weights else 0
         self._model = model
         self._language = language
         self._processor = processor
@@ -306,6 +305,7 @@ class VisionRunner(CacheRunner):
             takes_images=True,
             max_context=max_context if isinstance(max_context, int) and max_context > 0 else None,
             context_unit=context_unit(args),
+            transposed_layers=transposed,
             **fields,
         )
 

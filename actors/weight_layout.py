@@ -80,7 +80,9 @@ def transposed_linear() -> Any:
 def transpose_linear_weights(model: Any) -> int:
     """Replace every plain float ``nn.Linear`` in ``model`` by a
     :func:`transposed_linear` over the same weight, evaluated (on the MLX
-    thread that runs the model).
+    thread that runs the model). The model's parameters take the same
+    bytes afterwards; at most one layer's weight is held twice meanwhile,
+    and the originals' buffers go back (MLX's buffer cache is cleared).
 
     Returns:
         The number of layers replaced (0 where there are none, or on a
@@ -109,4 +111,6 @@ def transpose_linear_weights(model: Any) -> int:
     # One layer at a time: the original weight is freed as its copy lands.
     for layer in made.values():
         mx.eval(layer.parameters())
+    if made:
+        mx.clear_cache()  # the originals' buffers, not kept for reuse
     return len(made)

@@ -64,6 +64,7 @@ class TestTransposeLinearWeights:
         assert transpose_linear_weights(model) == linears > 0
         assert not any(type(m) is nn.Linear for _, m in model.named_modules())
         assert _nbytes(model) == before
+        assert mx.get_cache_memory() == 0  # the originals' buffers were given back
         for got, want in zip(_logits(model, prompt, 4), expected):
             assert mx.array_equal(got, want).item()
         assert transpose_linear_weights(model) == 0
@@ -126,3 +127,5 @@ class TestRunner:
         runner = TextRunner.load(str(ensure_model(TINY_LLAMA, model_dir)), prefill_chunk=64, transpose_weights=choice)
         kinds = {type(m) for _, m in runner._model.named_modules()}
         assert (transposed_linear() in kinds) is wanted(choice)
+        # 2 layers x (4 attention + 3 MLP projections) + the output layer
+        assert runner.info.transposed_layers == (15 if wanted(choice) else 0)

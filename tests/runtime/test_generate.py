@@ -21,7 +21,7 @@ from mlxkv import CacheRuntime, DuplicateRequest, InvalidInput, ModelLoadError, 
 from mlxkv.default_model import TINY_HYBRID, TINY_LLAMA, TINY_SLIDING_LLAMA, ensure_model
 from mlxkv.generation import GeneratedToken, GenerationReport, Status
 
-from parity import BS, assert_clean, assert_matches_cold, holds_nothing, run
+from parity import ATOL, BS, assert_clean, assert_matches_cold, holds_nothing, run
 
 SPECS = {"llama": TINY_LLAMA, "sliding": TINY_SLIDING_LLAMA, "hybrid": TINY_HYBRID}
 
@@ -682,27 +682,34 @@ class TestConfiguration:
     @pytest.mark.parametrize("model_name", ["llama", "hybrid"])
     async def test_transposed_weights_generate_the_same(self, model_name, model_dir):
         """A runtime that holds the weights transposed (the CPU default) and
-        one that keeps the model's layout generate the same tokens from the
-        same prompt logits, bit for bit, a shared prefix and a batch included."""
+        one that keeps the model's layout generate the same tokens: from the
+        same prompt logits bit for bit one request at a time (over a shared
+        prefix), and within float noise for two in flight (which of them
+        prefill together moves with timing)."""
         spec = {"llama": TINY_LLAMA, "hybrid": TINY_HYBRID}[model_name]
         path = str(ensure_model(spec, model_dir))
         system = _tokens(3 * BS + 5, salt=9)
-        prompts = [system + _tokens(7 + i, salt=i) for i in range(3)]
+        prompts = [system + _tokens(7 + i, salt=i) for i in range(4)]
         answers = {}
         for transpose in (False, True):
             async with CacheRuntime(model=path, block_size=BS, transpose_weights=transpose) as rt:
+                assert rt.model_info is not None and (rt.model_info.transposed_layers > 0) is transpose
                 results: list[Any] = [None] * len(prompts)
 
                 async def one(i: int) -> None:
                     results[i] = await run(rt, prompts[i], max_tokens=6)
 
                 await one(0)  # the prefix is cached, then the others share it
+                await one(1)
                 async with anyio.create_task_group() as tg:
-                    for i in (1, 2):
+                    for i in (2, 3):
                         tg.start_soon(one, i)
                 assert all(report.cached_tokens >= 3 * BS for _, report in results[1:])
                 answers[transpose] = [(tokens, np.array(report.prompt_logits)) for tokens, report in results]
                 await assert_clean(rt)
-        for (tokens, logits), (want_tokens, want_logits) in zip(answers[True], answers[False]):
+        for i, ((tokens, logits), (want_tokens, want_logits)) in enumerate(zip(answers[True], answers[False])):
             assert tokens == want_tokens
-            assert np.array_equal(logits, want_logits)
+            if i < 2:
+                assert np.array_equal(logits, want_logits)
+            else:
+                np.testing.assert_allclose(logits, want_logits, atol=ATOL, rtol=0)
