@@ -3,7 +3,7 @@
 mlx's ``nn.Linear`` holds its weight as ``(out, in)`` and computes
 ``x @ weight.T``: a product with a transposed operand. On the CPU, the
 Linux wheel (``mlx[cpu]``) multiplies through the reference BLAS it bundles,
-whose ``sgemm`` runs that product 1.6-2.5x slower than the same product over
+whose ``sgemm`` runs that product 1.4-2.2x slower than the same product over
 a contiguous ``(in, out)`` matrix (512 x 96 x 192: 8.1 against 4.9 ms; a
 batch of 8 rows: 0.18 against 0.13 ms). Holding each weight transposed
 once (:func:`transposed_linear`) makes every layer the fast product: the

@@ -202,7 +202,7 @@ class RuntimeConfig:
         transpose_weights: hold the model's linear weights transposed, in
             place, as it loads (:mod:`mlxkv.actors.weight_layout`): the same
             outputs bit for bit, and on the CPU, where the ``mlx[cpu]``
-            wheel's reference BLAS multiplies by a transposed weight 1.6-2.5x
+            wheel's reference BLAS multiplies by a transposed weight 1.4-2.2x
             slower, a faster model call (a 512-token prefill of the
             built-in model in 0.72x the time, a decode step of 8 rows in
             0.85x). None (the default): where MLX's default device is the
