@@ -417,8 +417,12 @@ class ComputeActor(Actor):
             tokenizer: its ``TokenizerWrapper``.
             **kwargs: passed to the constructor.
         """
+        def make(*, transpose_weights: Optional[bool], **options: Any) -> ModelRunner:
+            # The model is the caller's: changed only when asked for by name.
+            return TextRunner(model, tokenizer, transpose_weights=transpose_weights is True, **options)
+
         return cls(
-            loader=lambda **options: TextRunner(model, tokenizer, **options),
+            loader=make,
             source=type(model).__module__,
             **kwargs,
         )

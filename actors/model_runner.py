@@ -908,7 +908,7 @@ class TextRunner(CacheRunner):
         prefill_chunk: int,
         shared_prefix: bool = True,
         kv_bits: Optional[int] = None,
-        transpose_weights: Optional[bool] = None,
+        transpose_weights: bool = False,
     ) -> None:
         """Describe ``model``: runs one token through a fresh cache (on the MLX thread).
 
@@ -917,9 +917,9 @@ class TextRunner(CacheRunner):
                 model allows (:attr:`ModelInfo.shared_prefix` says).
             transpose_weights: hold the model's linear weights transposed
                 (in place: :mod:`mlxkv.actors.weight_layout`; the same
-                outputs, faster on the CPU). A model handed in is the
-                caller's: None leaves it as it is (:meth:`load` decides
-                for the models it loads).
+                outputs, faster on the CPU). Off by default: a model handed
+                in is the caller's (:meth:`load` decides for the models it
+                loads).
             kv_bits: quantize its plain attention layers' KV to this many
                 bits (``QuantizedKVCache``, in groups of the largest of 128,
                 64 or 32 that divides the head size), or None. mlx-lm

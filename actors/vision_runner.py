@@ -262,15 +262,16 @@ class VisionRunner(CacheRunner):
     """
 
     def __init__(
-        self, model: Any, processor: Any, *, prefill_chunk: int, transpose_weights: Optional[bool] = None
+        self, model: Any, processor: Any, *, prefill_chunk: int, transpose_weights: bool = False
     ) -> None:
         """Describe ``model`` (on the MLX thread).
 
         Args:
             transpose_weights: hold the linear weights of the vision tower
                 and the language model transposed (in place:
-                :mod:`mlxkv.actors.weight_layout`); None leaves a model
-                handed in as it is (:meth:`load` decides for its own).
+                :mod:`mlxkv.actors.weight_layout`); off by default: a
+                model handed in is the caller's (:meth:`load` decides for
+                its own).
 
         Raises:
             ValueError: the model is not of the Qwen2-VL family (no

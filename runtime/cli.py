@@ -286,17 +286,25 @@ def _scheduling_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-#: ``--transpose-weights`` to ``RuntimeConfig.transpose_weights``.
-WEIGHT_LAYOUTS = {"auto": None, "on": True, "off": False}
+_WEIGHT_LAYOUTS = {"auto": None, "on": True, "off": False}
+
+
+def _weight_layout(text: str) -> Optional[bool]:
+    """``--transpose-weights``'s word as ``RuntimeConfig.transpose_weights``."""
+    try:
+        return _WEIGHT_LAYOUTS[text]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose from auto, on, off") from None
 
 
 def _weight_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--transpose-weights",
-        choices=tuple(WEIGHT_LAYOUTS),
-        default="auto",
+        type=_weight_layout,
+        default=None,
+        metavar="{auto,on,off}",
         help="hold the model's linear weights transposed: the same outputs, faster on the CPU"
-        " (auto: where MLX runs on the CPU)",
+        " (auto, the default: where MLX runs on the CPU)",
     )
 
 
@@ -340,7 +348,7 @@ def _run(args: argparse.Namespace) -> int:
         kv_tiers=tuple(args.kv_tier),
         prefill_budget=args.prefill_budget,
         decode_wait=args.decode_wait,
-        transpose_weights=WEIGHT_LAYOUTS[args.transpose_weights],
+        transpose_weights=args.transpose_weights,
         images=args.images,
         seed=args.seed,
         trace=args.trace is not None,

@@ -108,7 +108,6 @@ def serve_command(args: argparse.Namespace) -> int:
             f"needs the server extra: pip install 'mlxkv[server]' ({missing} is not installed)",
             _USAGE,
         )
-    from mlxkv.cli import WEIGHT_LAYOUTS
     from mlxkv.default_model import DEFAULT_MODEL, ensure_model
     from mlxkv.runtime import RuntimeConfig
     from mlxkv.server.app import ServerConfig, listen
@@ -125,7 +124,7 @@ def serve_command(args: argparse.Namespace) -> int:
             prefill_chunk=args.prefill_chunk,
             prefill_budget=args.prefill_budget,
             decode_wait=args.decode_wait,
-            transpose_weights=WEIGHT_LAYOUTS[args.transpose_weights],
+            transpose_weights=args.transpose_weights,
             trace=args.trace is not None,
         )
         server_config = ServerConfig(

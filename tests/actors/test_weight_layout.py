@@ -9,6 +9,7 @@ from mlx.utils import tree_flatten
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlxkv.actors.compute import ComputeActor, ComputeHandle
 from mlxkv.actors.model_runner import TextRunner
 from mlxkv.actors.weight_layout import transpose_linear_weights, transposed_linear, wanted
 from mlxkv.default_model import TINY_HYBRID, TINY_LLAMA, TINY_SLIDING_LLAMA, ensure_model
@@ -110,15 +111,27 @@ class TestWanted:
 
 
 class TestRunner:
-    @pytest.mark.parametrize("choice", [None, False, True])
+    @pytest.mark.parametrize("choice", [False, True])
     def test_a_model_handed_in_changes_only_when_told(self, choice, model_dir):
         """A runner over a model it was handed transposes it only when told
-        True: the model is the caller's (None leaves it as loaded)."""
+        True: the model is the caller's."""
         model, tokenizer = _load(TINY_LLAMA, model_dir)
-        TextRunner(model, tokenizer, prefill_chunk=64, transpose_weights=choice)
+        runner = TextRunner(model, tokenizer, prefill_chunk=64, transpose_weights=choice)
         kinds = {type(m) for _, m in model.named_modules()}
-        assert (transposed_linear() in kinds) is bool(choice)
-        assert (nn.Linear in kinds) is not bool(choice)
+        assert (transposed_linear() in kinds) is choice
+        assert (nn.Linear in kinds) is not choice
+        assert (runner.info.transposed_layers > 0) is choice
+
+    @pytest.mark.parametrize("choice", [None, False, True])
+    async def test_the_actor_changes_a_model_handed_in_only_when_told(self, choice, model_dir, running):
+        """``ComputeActor.with_model`` leaves the caller's model as it is
+        unless given True; None (auto) is for the models it loads."""
+        model, tokenizer = _load(TINY_LLAMA, model_dir)
+        actor = ComputeActor.with_model(model, tokenizer, transpose_weights=choice)
+        async with running(actor) as ref:
+            info = await ComputeHandle(ref).describe()
+        assert (info.transposed_layers > 0) is (choice is True)
+        assert (transposed_linear() in {type(m) for _, m in model.named_modules()}) is (choice is True)
 
     @pytest.mark.parametrize("choice", [None, False, True])
     def test_a_model_it_loads_follows_the_device_by_default(self, choice, model_dir):

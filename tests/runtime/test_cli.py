@@ -60,6 +60,7 @@ class TestBadInput:
             ((), "the following arguments are required: command"),
             (("run", "--requests", "abc"), "argument --requests: invalid int value: 'abc'"),
             (("run", "--bogus"), "unrecognized arguments: --bogus"),
+            (("serve", "--transpose-weights", "yes"), "argument --transpose-weights: 'yes': choose from auto, on, off"),
             (("run", "--requests", "0"), "invalid requests=0: must be an int >= 1"),
             (("run", "--kv-memory", "lots"), "invalid kv_memory='lots'"),
             (("run", "--model", "/no/such/dir"), "no such directory"),
