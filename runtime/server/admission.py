@@ -89,9 +89,11 @@ class Admission:
         Raises:
             Overloaded: no slot is free and the queue is full (raised at once).
         """
+        # The checkpoint comes first: from taking a slot to the ``try`` that
+        # gives it back, nothing may await (a cancellation there would leak it).
+        await anyio.lowlevel.checkpoint()
         if self._num_running < self._max_running:
             self._num_running += 1
-            await anyio.lowlevel.checkpoint()
         elif len(self._queue) >= self._max_waiting:
             self._num_refused += 1
             raise Overloaded

@@ -89,6 +89,19 @@ class TestAdmission:
         stats = admission.statistics()
         assert (stats.num_running, stats.num_waiting, stats.num_admitted) == (0, 0, 2)
 
+    async def test_cancelled_on_entry_holds_no_slot(self):
+        """A request cancelled as it asks for a free slot (its client closed the
+        connection at once) takes none: the count stays at zero."""
+        admission = Admission(max_running=1, max_waiting=0)
+        for _ in range(3):
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                async with admission.slot():
+                    pytest.fail("entered a cancelled scope")
+            assert admission.statistics().num_running == 0
+        async with admission.slot():  # the one slot is still there
+            assert admission.statistics().num_running == 1
+
     def test_bounds_are_checked(self):
         """At least one slot; a queue of zero means refuse whenever every slot is taken."""
         with pytest.raises(ValueError):
