@@ -79,45 +79,77 @@ class Sampling:
     def make_sampler(self) -> Optional[Sampler]:
         """This request's sampler, or None when greedy (batches take one argmax).
 
-        Built once per request; each call is one draw. Runs on the MLX thread.
+        Built once per request; each call is one draw, on the MLX thread. A
+        ``top_k`` at or past the width of the logits keeps every token, as
+        ``top_k=0`` does. A draw that raises leaves MLX's generator as it was
+        before the draw (see :class:`_Draw`).
         """
         if self.greedy:
             return None
-        from mlx_lm.sample_utils import make_sampler
-
-        base = make_sampler(
-            temp=self.temperature, top_p=self.top_p, min_p=self.min_p, top_k=self.top_k
-        )
-        if self.seed is None:
-            return base
-        return _SeededSampler(base, self.seed)
+        return _Draw(self)
 
 
 #: Argmax sampling, the default.
 GREEDY = Sampling()
 
 
-class _SeededSampler:
-    """A sampler whose ``n``-th call draws from the generator seeded with ``(seed, n)``."""
+class _Draw:
+    """One request's draws: mlx-lm's sampler, built for the width of the first
+    logits it is given, guarded so that a failing draw cannot break the
+    generator that every unseeded request draws from.
 
-    __slots__ = ("_base", "_seed", "_draws")
+    mlx-lm's samplers are compiled with MLX's global random state as an input
+    and an output: one that raises while it is traced leaves a placeholder
+    where the state's key was, and every later draw in the process fails
+    until something reseeds. So the key is kept (a reference: nothing is
+    evaluated on the way through) and, if the draw raises, set back.
 
-    def __init__(self, base: Sampler, seed: int) -> None:
-        self._base = base
-        self._seed = seed
+    A seeded request's ``n``-th draw uses the generator seeded with
+    ``(seed, n)``, reseeded from the OS right after.
+    """
+
+    __slots__ = ("_sampling", "_base", "_draws")
+
+    def __init__(self, sampling: Sampling) -> None:
+        self._sampling = sampling
+        self._base: Optional[Sampler] = None
         self._draws = 0
 
     def __call__(self, logprobs: Any) -> Any:
         import mlx.core as mx
 
-        mx.random.seed(_mix_seed(self._seed, self._draws))
-        self._draws += 1
+        if self._base is None:
+            self._base = self._build(logprobs.shape[-1])
+        before = mx.random.state[0]
+        seed = self._sampling.seed
+        if seed is not None:
+            mx.random.seed(_mix_seed(seed, self._draws))
+            self._draws += 1
         try:
-            return self._base(logprobs)
-        finally:
+            token = self._base(logprobs)
+        except BaseException:
+            _restore_key(before)
+            raise
+        if seed is not None:
             # The draw above split its key from the seeded state eagerly;
             # leave no predictable generator behind for unseeded requests.
             mx.random.seed(secrets.randbits(64))
+        return token
+
+    def _build(self, width: int) -> Sampler:
+        from mlx_lm.sample_utils import make_sampler
+
+        s = self._sampling
+        top_k = s.top_k if s.top_k < width else 0
+        return make_sampler(temp=s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=top_k)
+
+
+def _restore_key(key: Any) -> None:
+    """Make ``key`` (a ``uint32`` pair) MLX's random state again."""
+    import mlx.core as mx
+
+    high, low = (int(word) for word in key.tolist())
+    mx.random.seed((high << 32) | low)
 
 
 def _mix_seed(seed: int, draw: int) -> int:

@@ -651,6 +651,16 @@ class TestSampling:
         assert narrowed[0] == greedy[0]
         assert free[0] != greedy[0]
 
+    @pytest.mark.parametrize("top_k", [259, 260, 10**9])
+    async def test_top_k_past_the_vocabulary_keeps_every_token(self, llama, top_k):
+        """A top_k at or past the logits' width filters nothing: the same tokens as no top_k."""
+        prompt = _tokens(80, salt=5)
+        async with CacheRuntime(model=llama, block_size=BS) as rt:
+            wide = await run(rt, prompt, max_tokens=12, temperature=1.5, seed=9, top_k=top_k)
+            free = await run(rt, prompt, max_tokens=12, temperature=1.5, seed=9)
+            await assert_clean(rt)
+        assert wide[0] == free[0]
+
 
 class TestConfiguration:
     async def test_model_info_through_the_runtime(self, llama):
