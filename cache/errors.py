@@ -12,6 +12,7 @@ should be impossible), not a request that was refused, so it is an
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any
 
 __all__ = [
@@ -122,7 +123,23 @@ class InvariantViolation(AssertionError):
 
 
 def _abbrev(value: Any, limit: int = 60) -> str:
-    # One line: a multi-line repr (a 2-D array's) is joined, so a message
-    # stays one line wherever it is printed.
-    text = " ".join(line.strip() for line in repr(value).splitlines())
+    # Bounded work whatever the value: a 50 MB string or a list nested a
+    # thousand deep is cut before it is written out, not after. One line: a
+    # multi-line repr (a 2-D array's) is joined, so a message stays one line
+    # wherever it is printed.
+    if type(value) in (str, bytes, bytearray) and len(value) > limit:
+        value = value[:limit]
+    text = " ".join(line.strip() for line in _SHORT_REPR.repr(value).splitlines())
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _short_repr() -> reprlib.Repr:
+    short = reprlib.Repr()
+    short.maxlevel = 4
+    short.maxtuple = short.maxlist = short.maxarray = short.maxset = short.maxfrozenset = 16
+    short.maxdict = short.maxdeque = 8
+    short.maxstring = short.maxother = short.maxlong = 80
+    return short
+
+
+_SHORT_REPR = _short_repr()
