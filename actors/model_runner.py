@@ -26,6 +26,7 @@ from typing import Any, Optional, Protocol
 import attrs
 
 from mlxkv.actors.sequence import Sequence
+from mlxkv.actors.token_bound import max_chars_per_token
 from mlxkv.actors.weight_layout import transpose_linear_weights, wanted
 from mlxkv.cache import kv_state
 from mlxkv.cache.errors import InvalidInput
@@ -205,6 +206,13 @@ class PromptPreparer(Protocol):
     def encode(self, text: str) -> tuple[int, ...]:
         """The tokenizer's ids for ``text`` as written: an image placeholder
         stays one pad token (for building prompts; :meth:`prepare` widens it)."""
+        ...
+
+    @property
+    def max_chars_per_token(self) -> Optional[int]:
+        """The most characters of text one token can stand for, or None if the
+        tokenizer may drop text (:func:`~mlxkv.actors.token_bound.max_chars_per_token`):
+        a text longer than this times a context cannot fit it."""
         ...
 
     def new_detokenizer(self) -> Any:
@@ -873,6 +881,7 @@ class TextPreparer:
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
+        self.max_chars_per_token = max_chars_per_token(tokenizer)
 
     def prepare(self, prompt: str | Seq[int], images: Seq[Any] = (), encoded: Any = None) -> PreparedPrompt:
         if images or encoded is not None:

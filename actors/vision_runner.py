@@ -41,6 +41,7 @@ from mlxkv.actors.model_runner import (
     encode_text,
 )
 from mlxkv.actors.sequence import Sequence
+from mlxkv.actors.token_bound import max_chars_per_token
 from mlxkv.actors.weight_layout import transpose_linear_weights, wanted
 from mlxkv.cache.errors import InvalidInput, counted, plural
 
@@ -108,6 +109,7 @@ class VisionPreparer:
     def __init__(self, processor: Any, tokenizer: Any, image_token_id: int) -> None:
         self._processor = processor
         self._tokenizer = tokenizer
+        self.max_chars_per_token = max_chars_per_token(tokenizer)
         self._pad = image_token_id
         self._merge = int(getattr(processor.image_processor, "merge_size", 1)) ** 2
         vocab = processor.tokenizer
