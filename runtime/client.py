@@ -43,7 +43,7 @@ from mlxkv.cache.errors import OutOfBlocks, UnknownRequest
 from mlxkv.cache.pool import PoolStatistics
 from mlxkv.cache.tiers.tier_stack import TierStack
 from mlxkv.cache.token_ids import TokenIds
-from mlxkv.images import KeyedImages, PixelMemo, key_images
+from mlxkv.images import ImageBudget, KeyedImages, PixelMemo, key_images
 
 __all__ = ["CacheClient", "FetchResult", "StoreResult"]
 
@@ -125,6 +125,7 @@ class CacheClient:
         images: ImageCacheHandle,
         block_size: int,
         tiers: Optional[TierStack] = None,
+        image_budget: Optional[ImageBudget] = None,
     ) -> None:
         self._allocator = allocator
         self._index = index
@@ -133,15 +134,19 @@ class CacheClient:
         self.block_size = block_size
         #: Pixel keys of the encoded images read, for every entry point.
         self.pixel_memo = PixelMemo()
+        #: What the images of a request the model sees may cost.
+        self.image_budget = image_budget
 
     async def key_images(self, images: Any, *, for_model: bool) -> Optional[KeyedImages]:
         """Key ``images`` the one way every entry point keys them
         (:func:`mlxkv.images.key_images`, with this runtime's memo).
 
         Raises:
-            InvalidInput: not a list of images, or an image that cannot be used.
+            InvalidInput: not a list of images, an image that cannot be used,
+                or (``for_model``) images past the runtime's image budget.
         """
-        return await key_images(images, self.pixel_memo, for_model=for_model)
+        budget = self.image_budget if for_model else None
+        return await key_images(images, self.pixel_memo, for_model=for_model, budget=budget)
 
     async def fetch(
         self,

@@ -92,7 +92,7 @@ from mlxkv.cache.errors import InvalidInput, counted
 from mlxkv.cache.token_ids import TokenIds, check_token_ids
 from mlxkv.client import CacheClient, FetchResult
 from mlxkv.gate import Gate
-from mlxkv.images import KeyedImages, describe
+from mlxkv.images import KeyedImages, describe, freed_pictures
 from mlxkv.storer import RequestStorer
 
 __all__ = [
@@ -545,6 +545,8 @@ class _Run:
         context, request = self._context, self.request
         preparer = context.preparer
         if not request.images:
+            if isinstance(request.prompt, str):  # tokenizing text can take seconds: off the loop
+                return await anyio.to_thread.run_sync(preparer.prepare, request.prompt), None
             return preparer.prepare(request.prompt), None
         keyed = await context.client.key_images(request.images, for_model=True)
         assert keyed is not None, "a checked request has a non-empty list of images"
@@ -665,7 +667,10 @@ class _Run:
 def _prepare_with_pixels(preparer: PromptPreparer, prompt: Any, images: KeyedImages) -> PreparedPrompt:
     """Runs on a worker thread: the images' pictures (decoding those keyed from
     memory) through the processor, then freed here."""
-    return preparer.prepare(prompt, images.take_pictures())
+    try:
+        return preparer.prepare(prompt, images.take_pictures())
+    finally:
+        freed_pictures(images.num_pixels)
 
 
 def _check_context(prompt: Any, num_prompt: int, max_tokens: int, info: ModelInfo) -> None:

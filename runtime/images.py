@@ -60,13 +60,16 @@ import attrs
 
 from mlxkv.cache.errors import InvalidInput, Shown, plural
 from mlxkv.cache.mllm import combine_image_keys, data_url_bytes, image_digest, image_key
+from mlxkv.freed_memory import TRIM_AFTER_BYTES, return_freed_memory
 
 __all__ = [
     "INLINE_BYTES",
     "MAX_PIXELS",
+    "ImageBudget",
     "KeyedImages",
     "PixelMemo",
     "describe",
+    "freed_pictures",
     "key_images",
 ]
 
@@ -81,6 +84,39 @@ MEMO_ENTRIES = 4096
 _MAX_ASPECT = 200
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 _ACCEPTED = "must be a path, data URL, image bytes, PIL image or uint8 array"
+
+
+@attrs.frozen(kw_only=True)
+class ImageBudget:
+    """What one request's images may cost, checked before any picture is decoded
+    (decoded, a picture takes 3 bytes a pixel, and more while it is converted).
+
+    Attributes:
+        max_images: the most images of one request.
+        max_pixels: the most pixels of one request's pictures together.
+    """
+
+    max_images: int = 16
+    max_pixels: int = MAX_PIXELS
+
+    def check_count(self, count: int) -> None:
+        """Raises: InvalidInput: more than ``max_images`` images."""
+        if count > self.max_images:
+            raise InvalidInput(
+                "images",
+                Shown(f"<{plural(count, 'image')}>"),
+                f"a request takes at most {self.max_images} (max_request_images)",
+            )
+
+    def check_pixels(self, sizes: Sequence[Optional[tuple[int, int]]]) -> None:
+        """Raises: InvalidInput: the pictures have more than ``max_pixels`` pixels together."""
+        total = sum(width * height for width, height in filter(None, sizes))
+        if total > self.max_pixels:
+            raise InvalidInput(
+                "images",
+                Shown(f"<{plural(len(sizes), 'image')} of {total} pixels>"),
+                f"a request's images take at most {self.max_pixels} pixels together (max_request_pixels)",
+            )
 
 
 @attrs.frozen
@@ -189,11 +225,31 @@ class KeyedImages:
         return out
 
     def release(self) -> None:
-        """Free what is held (on the calling thread: a worker's, for large pictures)."""
+        """Free what is held (on the calling thread: a worker's, for large
+        pictures), and hand memory that large pictures took back to the system."""
+        decoded = self.num_decoded_pixels
         self._held[:] = [None] * len(self._held)
+        if decoded:
+            freed_pictures(decoded)
+
+    @property
+    def num_decoded_pixels(self) -> int:
+        """Pixels of the pictures held decoded."""
+        return sum(
+            size[0] * size[1]
+            for size, item in zip(self.sizes, self._held)
+            if size is not None and item is not None and not isinstance(item, bytes)
+        )
+
+    @property
+    def num_pixels(self) -> int:
+        """Pixels of every picture, decoded or not."""
+        return sum(width * height for width, height in filter(None, self.sizes))
 
 
-async def key_images(images: Any, memo: PixelMemo, *, for_model: bool) -> Optional[KeyedImages]:
+async def key_images(
+    images: Any, memo: PixelMemo, *, for_model: bool, budget: Optional[ImageBudget] = None
+) -> Optional[KeyedImages]:
     """Read, check and key ``images`` (see the module docstring).
 
     Args:
@@ -204,6 +260,9 @@ async def key_images(images: Any, memo: PixelMemo, *, for_model: bool) -> Option
             is kept (:meth:`KeyedImages.take_pictures`). False for the
             low-level calls: a source that is not a picture is keyed as it
             is, and nothing is kept.
+        budget: what the images may cost together (the count checked before
+            anything is read, the pixels before anything is decoded); None:
+            no bound but each picture's :data:`MAX_PIXELS`.
 
     Returns:
         The keyed images, or None for None or no images.
@@ -221,6 +280,8 @@ async def key_images(images: Any, memo: PixelMemo, *, for_model: bool) -> Option
         raise InvalidInput("images", describe(images), "must be a list of images (put one image in a list)")
     if not images:
         return None
+    if budget is not None:
+        budget.check_count(len(images))
     pending = [_classify(image, f"images[{i}]", for_model) for i, image in enumerate(images)]
     # 1. Encoded images are read and hashed, other sources fingerprinted.
     if sum(p.read_cost for p in pending) > INLINE_BYTES:
@@ -244,7 +305,10 @@ async def key_images(images: Any, memo: PixelMemo, *, for_model: bool) -> Option
         if p.form == "encoded":
             p.opened = _open_header(Image, p, for_model)
         if p.key is None:
-            _check_size(p.name, p.opened.size if p.opened is not None else p.size, for_model)
+            p.size = p.opened.size if p.opened is not None else p.size
+            _check_size(p.name, p.size, for_model)
+    if budget is not None:
+        budget.check_pixels([p.size for p in pending])
     # 3. Pictures not remembered are decoded, converted and hashed.
     if any(p.key is None for p in pending):
         await anyio.to_thread.run_sync(_decode_all, Image, pending, for_model)
@@ -441,10 +505,25 @@ def _check_size(name: str, size: tuple[int, int], for_model: bool) -> None:
         raise InvalidInput(name, Shown(f"<{width}x{height} image>"), f"is more elongated than {_MAX_ASPECT}:1")
 
 
+def freed_pictures(num_pixels: int) -> None:
+    """Pictures of ``num_pixels`` in all were just freed (on this worker thread):
+    if that was a lot, hand the memory back to the system (:mod:`mlxkv.freed_memory`)."""
+    if num_pixels * 3 >= TRIM_AFTER_BYTES:
+        return_freed_memory()
+
+
 def _decode_all(Image: Any, pending: list[_Pending], keep: bool) -> None:
     """On a worker thread: decode, convert and key every picture not keyed yet,
     keeping the RGB pictures if ``keep``, else freeing them here (without
     pillow, at the low level: key each as its source)."""
+    try:
+        _decode_each(Image, pending, keep)
+    finally:
+        if not keep:
+            freed_pictures(sum(p.size[0] * p.size[1] for p in pending if p.decoded and p.size))
+
+
+def _decode_each(Image: Any, pending: list[_Pending], keep: bool) -> None:
     for p in pending:
         if p.key is not None:
             continue

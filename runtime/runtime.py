@@ -20,6 +20,7 @@ from functools import partial
 from typing import Any, Optional
 
 import anyio
+import anyio.to_thread
 import attrs
 from anyio.abc import TaskGroup, TaskStatus
 
@@ -57,6 +58,7 @@ from mlxkv.generation import (
     GenerationStatistics,
 )
 from mlxkv.heap_freeze import HEAP_FREEZE
+from mlxkv.images import MAX_PIXELS, ImageBudget
 from mlxkv.units import format_bytes, format_count, parse_bytes
 
 if sys.version_info < (3, 11):  # pragma: no cover
@@ -207,6 +209,11 @@ class RuntimeConfig:
             built-in model in 0.72x the time, a decode step of 8 rows in
             0.85x). None (the default): where MLX's default device is the
             CPU; True or False to choose.
+        max_request_images: the most images one generation request may have.
+        max_request_pixels: the most pixels one generation request's images
+            may have together (checked from their headers, before any is
+            decoded: a decoded picture takes 3 bytes a pixel); each image
+            also has at most :data:`mlxkv.images.MAX_PIXELS`.
         freeze_gc: once started, move every object alive then (the model
             and its libraries) out of the cyclic garbage collector's scans
             (``gc.freeze()``), so that a full collection stalls the requests
@@ -239,6 +246,8 @@ class RuntimeConfig:
     keep_last_cache: bool = attrs.field(default=True, validator=_is_bool)
     kv_tiers: tuple[str, ...] = attrs.field(default=(), converter=_tier_urls)
     transpose_weights: Optional[bool] = attrs.field(default=None, validator=_is_optional_bool)
+    max_request_images: int = attrs.field(default=16, validator=_int_at_least(1))
+    max_request_pixels: int = attrs.field(default=MAX_PIXELS, validator=_int_at_least(1))
     freeze_gc: bool = attrs.field(default=True, validator=_is_bool)
 
     @kv_bits.validator
@@ -534,6 +543,9 @@ class CacheRuntime:
             images=self._images,
             block_size=config.block_size,
             tiers=self._tiers,
+            image_budget=ImageBudget(
+                max_images=config.max_request_images, max_pixels=config.max_request_pixels
+            ),
         )
         if self._compute is not None:
             assert self._model_info is not None and self._preparer is not None, "a model was loaded"
@@ -1034,6 +1046,9 @@ class CacheRuntime:
         for Qwen2-VL, stays one pad token, which ``generate`` widens to the
         image's tokens: a token-id prompt can place its images).
 
+        Tokenizes on a worker thread: a long text takes seconds (about a
+        second a megabyte), which the event loop never waits for.
+
         Raises:
             InvalidInput: the runtime has no model, or ``text`` is not a str.
             RuntimeClosed: the runtime is not running.
@@ -1043,7 +1058,7 @@ class CacheRuntime:
                 raise InvalidInput("model", None, "the runtime has no model: pass model=PATH")
             if not isinstance(text, str):
                 raise InvalidInput("text", text, "must be a str")
-            return self._preparer.encode(text)
+            return await anyio.to_thread.run_sync(self._preparer.encode, text)
 
     @property
     def model_info(self) -> Optional[ModelInfo]:
