@@ -39,6 +39,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import socket
 import time
 import uuid
@@ -46,20 +47,24 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Optional, Union
 
 import anyio
+import anyio.to_thread
 import attrs
 import sniffio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from mlxkv.actors.event_log import EventLog
-from mlxkv.errors import CacheError, InvalidInput, RuntimeClosed
+from mlxkv.cache.errors import Shown
+from mlxkv.errors import CacheError, ComputeFailed, InvalidInput, RuntimeClosed
+from mlxkv.freed_memory import TRIM_AFTER_BYTES, return_freed_memory
 from mlxkv.generation import Generation, GenerationReport
 from mlxkv.runtime import CacheRuntime
 from mlxkv.server.admission import Admission, Overloaded
+from mlxkv.server.body import RequestBody
 from mlxkv.server.chat import ChatTemplate, ConversationMemory, Turn
 from mlxkv.server.errors import ApiError
 from mlxkv.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -91,6 +96,11 @@ def _not_negative(instance: Any, attribute: attrs.Attribute, value: Any) -> None
         raise InvalidInput(attribute.name, value, "must be an int >= 0")
 
 
+def _seconds(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise InvalidInput(attribute.name, value, "must be a number of seconds > 0")
+
+
 def _keys(value: Any) -> tuple[str, ...]:
     keys = tuple(value)
     if not all(isinstance(key, str) and key for key in keys):
@@ -112,7 +122,15 @@ class ServerConfig:
         max_tokens: a chat request's ``max_tokens`` when it names none (also
             bounded by the model's context); completions default to 16, as
             OpenAI's do.
-        max_body_bytes: the largest request body taken (images included).
+        max_body_bytes: the largest request body taken (images included);
+            bodies are read only once a request is admitted, so at most
+            ``max_concurrent`` of them are held at once.
+        body_timeout: seconds an admitted request's body may take to arrive
+            whole; past them, 408 and the connection is closed.
+        public_metrics: with ``api_keys``, answer ``/metrics`` without a key
+            (for a scraper that sends none); off, it needs one. ``/health``
+            answers anyone, with its admission state only (its counts and the
+            model's name need a key, or no keys at all).
     """
 
     model_name: str
@@ -121,6 +139,8 @@ class ServerConfig:
     max_queue: int = attrs.field(default=128, validator=_not_negative)
     max_tokens: int = attrs.field(default=512, validator=_positive)
     max_body_bytes: int = attrs.field(default=64 << 20, validator=_positive)
+    body_timeout: float = attrs.field(default=30.0, validator=_seconds)
+    public_metrics: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
 
 async def load_chat_template(model: str) -> Optional[ChatTemplate]:
@@ -152,6 +172,11 @@ class OpenAIServer:
         self._info = runtime.model_info
         self._tenants = tuple((key.encode(), _tenant_salt(key)) for key in config.api_keys)
         self._names = {config.model_name, runtime.config.model}
+        per_token = runtime.preparer.max_chars_per_token if runtime.preparer is not None else None
+        context = self._info.max_context
+        #: The longest prompt text that can fit the model's context (its
+        #: tokenizer's sound bound), or None where no characters bound is sound.
+        self.max_prompt_chars = None if per_token is None or context is None else context * per_token
         #: The cancel scopes of the generation requests being answered.
         self._answering: set[anyio.CancelScope] = set()
         #: Set by :meth:`drain`: generation requests are refused from then on.
@@ -192,26 +217,41 @@ class OpenAIServer:
         return await self._generation(request, "chat")
 
     async def _health(self, request: Request) -> Response:
+        """Liveness (503 once the server cannot serve at all) and the admission
+        state: ``ok`` (a slot is free), ``busy`` (a request would wait for one)
+        or ``full`` (a request would be refused with 503 now)."""
         if self.runtime.closed or self.draining:
             detail = (
                 "the server is shutting down" if self.draining else "the runtime is not running"
             )
             return JSONResponse({"status": "unavailable", "detail": detail}, 503)
         admission = self.admission.statistics()
-        return JSONResponse(
-            {
-                "status": "ok",
-                "model": self.config.model_name,
-                "running": admission.num_running,
-                "waiting": admission.num_waiting,
-            }
-        )
+        if admission.num_running < admission.max_running:
+            status = "ok"
+        elif admission.num_waiting < admission.max_waiting:
+            status = "busy"
+        else:
+            status = "full"
+        body: dict[str, Any] = {"status": status}
+        if self._authorized(request):
+            body.update(
+                model=self.config.model_name,
+                running=admission.num_running,
+                waiting=admission.num_waiting,
+                max_running=admission.max_running,
+                max_waiting=admission.max_waiting,
+            )
+        return JSONResponse(body)
 
     async def _metrics(self, request: Request) -> Response:
         try:
+            if not self.config.public_metrics:
+                self._tenant(request)
             stats = await self.runtime.stats()
         except RuntimeClosed as error:
             return _error_response(ApiError.from_error(error))
+        except ApiError as error:
+            return _error_response(error)
         body = self.metrics.render(stats, self.admission.statistics(), self.memory.statistics())
         return Response(body, media_type=CONTENT_TYPE)
 
@@ -227,38 +267,40 @@ class OpenAIServer:
     # -- generation requests ---------------------------------------------------
 
     async def _generation(self, request: Request, endpoint: str) -> Response:
+        """Refuse at once what the headers refuse (shutting down, no key); the
+        rest is answered by :class:`_Answering`, body and all."""
         arrived = time.perf_counter()
         try:
             if self.draining:
                 raise _shutting_down()
             salt = self._tenant(request)
-            try:
-                body = parse_json(await self._body(request))
-            except ClientDisconnect:
-                self.metrics.requests.labels(endpoint, "disconnected").inc()
-                return Response(status_code=400)  # to no one
-            parsed: Union[ChatRequest, CompletionRequest]
-            if endpoint == "chat":
-                parsed = parse_chat(body, takes_images=self._info.takes_images)
-                if self.chat is None:
-                    raise InvalidInput(
-                        "messages",
-                        len(parsed.messages),
-                        "this model has no chat template: use /v1/completions",
-                    )
-            else:
-                parsed = parse_completion(body)
-            self._check_model(parsed.options.model)
-        except InvalidInput as error:
-            api = ApiError.from_error(error)
-        except ApiError as error:
-            api = error
+            RequestBody.refuse_declared(request.headers, self.config.max_body_bytes)
+        except ApiError as api:
+            self.metrics.requests.labels(endpoint, _outcome(api)).inc()
+            return _error_response(api)
+        return _Answering(self, endpoint, salt, arrived)
+
+    def parse(self, endpoint: str, raw: Union[bytes, bytearray]) -> Union[ChatRequest, CompletionRequest]:
+        """A request body, checked (any thread: it reads only the server's settings).
+
+        Raises:
+            InvalidInput: a bad body (400).
+            ApiError: an unknown model (404).
+        """
+        body = parse_json(raw)
+        parsed: Union[ChatRequest, CompletionRequest]
+        if endpoint == "chat":
+            parsed = parse_chat(body, takes_images=self._info.takes_images)
+            if self.chat is None:
+                raise InvalidInput(
+                    "messages",
+                    len(parsed.messages),
+                    "this model has no chat template: use /v1/completions",
+                )
         else:
-            return _Answering(
-                self, endpoint, parsed, _salt(salt, parsed.options.cache_salt), arrived
-            )
-        self.metrics.requests.labels(endpoint, _outcome(api)).inc()
-        return _error_response(api)
+            parsed = parse_completion(body)
+        self._check_model(parsed.options.model)
+        return parsed
 
     async def drain(self, timeout: float) -> None:
         """Refuse new generation requests (503), give those being answered
@@ -280,21 +322,13 @@ class OpenAIServer:
         while self._answering:
             await anyio.sleep(0.01)
 
-    async def _body(self, request: Request) -> bytes:
-        """The request body, refused (413) past ``max_body_bytes`` before it is all read."""
-        limit = self.config.max_body_bytes
-        too_large = ApiError(413, f"the request body is over {limit} bytes", code="body_too_large")
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise too_large
-        chunks, size = [], 0
-        async with contextlib.aclosing(request.stream()) as stream:
-            async for chunk in stream:
-                size += len(chunk)
-                if size > limit:
-                    raise too_large
-                chunks.append(chunk)
-        return b"".join(chunks)
+    def _authorized(self, request: Request) -> bool:
+        """Whether the request may see the server's details (no keys, or one of them)."""
+        try:
+            self._tenant(request)
+        except ApiError:
+            return False
+        return True
 
     def _tenant(self, request: Request) -> Optional[str]:
         """The request's tenant salt (None without API keys).
@@ -354,6 +388,16 @@ def _outcome(error: ApiError) -> str:
     if error.status == 503:
         return "unavailable"
     return "invalid" if error.status < 500 else "failed"
+
+
+#: Bodies up to this size are parsed on the event loop (faster than the hop to a thread).
+_INLINE_BODY = 256 << 10
+async def _off_the_loop(size: int, function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)``, on a worker thread when ``size`` (bytes it works
+    through) is past :data:`_INLINE_BODY`."""
+    if size <= _INLINE_BODY:
+        return function(*args)
+    return await anyio.to_thread.run_sync(function, *args)
 
 
 _SSE_HEADERS = [
@@ -424,23 +468,25 @@ class _Answer:
 
 
 class _Answering(Response):
-    """A generation request's response: admission, prompt, generation and sending,
-    under a watch on the connection (see the module docstring)."""
+    """A generation request's response: admission, body, prompt, generation and
+    sending (see the module docstring).
+
+    One task reads the connection throughout (:class:`RequestBody`): the body
+    as admission allows (whole within ``body_timeout`` of admission), then
+    nothing until the client leaves, which cancels the request wherever it
+    is, queued or generating.
+    """
 
     def __init__(
-        self,
-        server: OpenAIServer,
-        endpoint: str,
-        parsed: Union[ChatRequest, CompletionRequest],
-        salt: Optional[str],
-        arrived: float,
+        self, server: OpenAIServer, endpoint: str, salt: Optional[str], arrived: float
     ) -> None:
         self._server = server
         self._endpoint = endpoint
-        self._parsed = parsed
-        self._options: Options = parsed.options
-        self._salt = salt
+        self._body = RequestBody(server.config.max_body_bytes)
+        self._tenant_salt = salt
+        self._salt = salt  # until the body's own cache_salt is read
         self._arrived = arrived
+        self._options = Options()  # until the body is parsed
         self._id = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
         self._created = int(time.time())
         self._disconnected = False
@@ -458,7 +504,7 @@ class _Answering(Response):
         try:
             async with anyio.create_task_group() as tg:
                 answering.add(tg.cancel_scope)
-                tg.start_soon(self._watch, receive, tg.cancel_scope)
+                tg.start_soon(self._body.pump, receive, functools.partial(self._left, tg.cancel_scope))
                 await self._answer(sending)
                 tg.cancel_scope.cancel()
             if not self._sent and not self._disconnected:  # cancelled by drain()
@@ -467,20 +513,29 @@ class _Answering(Response):
             answering.discard(tg.cancel_scope)
             outcome = "disconnected" if self._disconnected else self._outcome
             self._server.metrics.requests.labels(self._endpoint, outcome).inc()
+            if self._body.peak_bytes >= TRIM_AFTER_BYTES:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(return_freed_memory)
 
-    async def _watch(self, receive: Receive, scope: anyio.CancelScope) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
+    def _left(self, scope: anyio.CancelScope) -> None:
+        """The client closed the connection."""
         if not self._sent:  # else the server only says the exchange is over
             self._disconnected = True
             scope.cancel()
 
     async def _answer(self, send: Send) -> None:
         """Answer the request, setting its outcome before the last send."""
-        server, options = self._server, self._options
+        server = self._server
         try:
             async with server.admission.slot():
-                prompt = await self._prompt()
+                body = await self._body.wait(server.config.body_timeout)
+                if body is None:
+                    return  # the client left (and the request is being cancelled)
+                parsed = await _off_the_loop(len(body), server.parse, self._endpoint, body)
+                del body
+                self._options = options = parsed.options
+                self._salt = _salt(self._tenant_salt, options.cache_salt)
+                prompt = await self._prompt(parsed)
                 generation = server.runtime.generate(
                     prompt.tokens,
                     max_tokens=self._max_tokens(prompt),
@@ -506,61 +561,95 @@ class _Answering(Response):
             error = ApiError.overloaded(admission.num_running, admission.num_waiting)
         except ApiError as api:
             error = api
+        except InvalidInput as invalid:
+            error = ApiError.from_error(self._in_request_terms(invalid))
+        except ComputeFailed as failure:
+            _LOG.error("server.compute_failed", request_id=self._id, error=repr(failure.cause))
+            error = ApiError.from_error(failure)
         except CacheError as failure:
             error = ApiError.from_error(failure)
         except Exception as bug:  # never a bare 500 page: log it, answer OpenAI-shaped
             _LOG.error("server.request_failed", request_id=self._id, error=repr(bug))
-            error = ApiError(
-                500, f"internal error: {type(bug).__name__}: {bug}", type="server_error"
-            )
+            error = ApiError(500, f"internal error while answering request {self._id}", type="server_error")
         await self._fail(send, error)
 
-    async def _fail(self, send: Send, error: ApiError) -> None:
-        """Answer with ``error``: its status, or a last event once streaming."""
-        self._outcome = _outcome(error)
-        if self._headers_sent:  # the stream ends with the error
-            await _send_event(send, error.body())
-            await _send_body(send, b"", more=False)
-        else:
-            await _send_json(send, error.status, error.body(), error.headers)
+    def _in_request_terms(self, error: InvalidInput) -> InvalidInput:
+        """A chat prompt's fault is its messages' (the runtime says ``prompt``)."""
+        if self._endpoint == "chat" and error.argument in ("prompt", "images"):
+            return InvalidInput("messages", error.value, error.reason)
+        return error
 
-    async def _prompt(self) -> _Prompt:
+    async def _fail(self, send: Send, error: ApiError) -> None:
+        """Answer with ``error``: its status, or a last event once streaming.
+
+        A refusal sent while the client is still sending its body may find
+        the connection closing under it (Hypercorn on trio closes it from its
+        reading task as the response ends); the answer has gone out by then,
+        and there is nothing more to tell that client.
+        """
+        self._outcome = _outcome(error)
+        try:
+            if self._headers_sent:  # the stream ends with the error
+                await _send_event(send, error.body())
+                await _send_body(send, b"", more=False)
+            else:
+                await _send_json(send, error.status, error.body(), error.headers)
+        except Exception as gone:
+            if self._body.whole:
+                raise
+            _LOG.debug("server.refusal_cut_short", request_id=self._id, error=repr(gone))
+
+    async def _prompt(self, parsed: Union[ChatRequest, CompletionRequest]) -> _Prompt:
+        """The prompt's tokens (and images, and chat text): tokenized on a worker
+        thread, after a text that cannot fit the context is refused untokenized."""
         server = self._server
-        parsed = self._parsed
         if isinstance(parsed, CompletionRequest):
             prompt = parsed.prompt
-            tokens = prompt if isinstance(prompt, tuple) else await server.runtime.tokenize(prompt)
-            return _Prompt(tokens=tokens)
+            if isinstance(prompt, tuple):
+                return _Prompt(tokens=prompt)
+            self._check_length("prompt", prompt)
+            return _Prompt(tokens=await server.runtime.tokenize(prompt))
         chat = server.chat
         assert chat is not None, "a chat request is refused without a template"
-        # On the loop, as the runtime tokenizes: a few milliseconds at most.
-        text = chat.render(parsed.messages)
+        text = await anyio.to_thread.run_sync(chat.render, parsed.messages)
+        self._check_length("messages", text)
         turn = server.memory.continued(self._salt, parsed.messages, text)
         if turn is None:
-            tokens = chat.encode(text)
+            tokens = await anyio.to_thread.run_sync(chat.encode, text)
         else:
             rest = text[len(turn.text) :]
-            tokens = turn.tokens + (chat.encode(rest) if rest else ())
+            tokens = turn.tokens + ((await anyio.to_thread.run_sync(chat.encode, rest)) if rest else ())
         return _Prompt(tokens=tokens, images=parsed.images, text=text)
 
+    def _check_length(self, field: str, text: str) -> None:
+        """Refuse a text too long to fit the model's context, by its characters alone."""
+        limit = self._server.max_prompt_chars
+        if limit is not None and len(text) > limit:
+            context = self._server._info.max_context
+            raise InvalidInput(
+                field,
+                Shown(f"<{len(text)} characters>"),
+                f"cannot fit the model's context of {context} tokens"
+                f" (this tokenizer needs more than {context} tokens for over {limit} characters)",
+            )
+
     def _max_tokens(self, prompt: _Prompt) -> int:
+        """The request's ``max_tokens``, or its endpoint's default; refuses a
+        prompt that leaves no room for it in the model's context."""
+        context = self._server.runtime.model_info.max_context  # type: ignore[union-attr]
+        field = "messages" if self._endpoint == "chat" else "prompt"
+        if context is not None and len(prompt.tokens) >= context:
+            raise InvalidInput(
+                field,
+                Shown(f"<{len(prompt.tokens)} tokens>"),
+                f"its {len(prompt.tokens)} tokens fill the model's context of {context}",
+            )
         if self._options.max_tokens is not None:
             return self._options.max_tokens  # the runtime refuses it past the context
         if self._endpoint == "completions":
             return _COMPLETION_MAX_TOKENS
-        context = self._server.runtime.model_info.max_context  # type: ignore[union-attr]
-        room = (
-            self._server.config.max_tokens
-            if context is None
-            else min(self._server.config.max_tokens, context - len(prompt.tokens))
-        )
-        if room < 1:
-            raise InvalidInput(
-                "messages",
-                len(prompt.tokens),
-                f"the prompt's {len(prompt.tokens)} tokens fill the model's context of {context}",
-            )
-        return room
+        limit = self._server.config.max_tokens
+        return limit if context is None else min(limit, context - len(prompt.tokens))
 
     def _first_token(self) -> None:
         self._server.metrics.time_to_first_token.observe(time.perf_counter() - self._arrived)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import signal
 import socket
 import sys
@@ -24,6 +25,7 @@ from typing import Any, Optional
 import anyio
 
 from mlxkv.errors import CacheError, InvalidInput
+from mlxkv.units import parse_bytes
 
 __all__ = ["DESCRIPTION", "HELP", "add_serve_options", "serve_command"]
 
@@ -51,7 +53,7 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--served-model-name",
         metavar="NAME",
-        help="the model's id in the API (default: --model as given)",
+        help="the model's id in the API (default: --model's directory name, or its Hub id as given)",
     )
     parser.add_argument(
         "--host",
@@ -92,6 +94,38 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
         help="require 'Authorization: Bearer KEY'; repeat for several tenants, each its own cache namespace",
     )
     parser.add_argument(
+        "--public-metrics",
+        action="store_true",
+        help="with --api-key, answer /metrics without a key too (for a scraper that sends none)",
+    )
+    parser.add_argument(
+        "--max-body",
+        default="64MiB",
+        metavar="SIZE",
+        help="the largest request body taken, images included (64MiB)",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="how long an admitted request's body may take to arrive; then 408 (30)",
+    )
+    parser.add_argument(
+        "--max-request-images",
+        type=int,
+        default=16,
+        metavar="N",
+        help="the most images one request may have (16)",
+    )
+    parser.add_argument(
+        "--max-request-pixels",
+        type=int,
+        default=8192 * 8192,
+        metavar="N",
+        help="the most pixels one request's images may have together, checked before decoding (67108864)",
+    )
+    parser.add_argument(
         "--graceful-timeout",
         type=float,
         default=3.0,
@@ -125,14 +159,19 @@ def serve_command(args: argparse.Namespace) -> int:
             prefill_budget=args.prefill_budget,
             decode_wait=args.decode_wait,
             transpose_weights=args.transpose_weights,
+            max_request_images=args.max_request_images,
+            max_request_pixels=args.max_request_pixels,
             trace=args.trace is not None,
         )
         server_config = ServerConfig(
-            model_name=args.served_model_name or args.model or DEFAULT_MODEL.name,
+            model_name=args.served_model_name or _model_name(args.model) or DEFAULT_MODEL.name,
             api_keys=args.api_key,
             max_concurrent=args.max_concurrent,
             max_queue=args.max_queue,
             max_tokens=args.max_tokens,
+            max_body_bytes=parse_bytes(args.max_body, argument="--max-body"),
+            body_timeout=args.body_timeout,
+            public_metrics=args.public_metrics,
         )
     except InvalidInput as error:
         return _say(str(error), _USAGE)
@@ -164,6 +203,15 @@ def serve_command(args: argparse.Namespace) -> int:
     if signum == signal.SIGTERM:
         return _say("terminated", 128 + signal.SIGTERM)
     return _say("interrupted", 128 + signal.SIGINT)
+
+
+def _model_name(model: Optional[str]) -> Optional[str]:
+    """The API's default id for ``--model``: a local directory's name (its path
+    stays off the wire), or a Hub id as given."""
+    if model is None:
+        return None
+    path = os.path.normpath(os.path.expanduser(model))
+    return os.path.basename(path) if os.path.isdir(path) else model
 
 
 def _missing_stack() -> Optional[str]:

@@ -11,14 +11,19 @@ field, a prompt past the context
 (:class:`~mlxkv.InvalidInput`)
 no or a wrong API key                  401     ``invalid_request_error`` /
                                                ``invalid_api_key``
+a body still arriving after            408     ``invalid_request_error`` /
+``body_timeout`` seconds                       ``body_timeout``
+a body over ``max_body_bytes``         413     ``invalid_request_error`` /
+                                               ``body_too_large``
 an unknown model or path               404     ``invalid_request_error`` /
                                                ``model_not_found``,
                                                ``not_found``
 at the admission limit                 503     ``server_error`` / ``overloaded``
 the runtime is not running             503     ``server_error`` /
 (:class:`~mlxkv.RuntimeClosed`)                ``runtime_closed``
-a computation failed                   500     ``server_error``
-(:class:`~mlxkv.ComputeFailed`)
+a computation failed                   500     ``server_error`` /
+(:class:`~mlxkv.ComputeFailed`: the            ``compute_failed``
+cause is logged, not sent)
 =====================================  ======  ===============================
 """
 
@@ -80,7 +85,13 @@ class ApiError(Exception):
         if isinstance(error, RuntimeClosed):
             return cls(503, str(error), type="server_error", code="runtime_closed")
         if isinstance(error, ComputeFailed):
-            return cls(500, str(error), type="server_error", code="compute_failed")
+            # What raised stays in the server's log: MLX's messages name its internals.
+            return cls(
+                500,
+                f"the computation of request {error.request_id} failed",
+                type="server_error",
+                code="compute_failed",
+            )
         return cls(500, f"{type(error).__name__}: {error}", type="server_error")
 
     @classmethod

@@ -13,7 +13,9 @@ servers in one process never mix their figures). Two kinds:
   (their ratio is the decode batch size), the admission slots and queue, the
   chat turns continued exactly, and with ``--kv-tier`` each tier's blocks by
   event (written, loaded, missed, dropped, corrupt, evicted), whether it
-  answers, the write queue's drops and the tier timeouts.
+  answers, the write queue's drops and the tier timeouts. A tier is labelled
+  by its kind (``file``, ``redis``, ``file-2`` for a second one), never by
+  its path or address.
 
 Outcomes: ``stop`` and ``length`` (finished, as ``finish_reason``),
 ``disconnected`` (the client left; its generation was cancelled),
@@ -22,7 +24,8 @@ Outcomes: ``stop`` and ``length`` (finished, as ``finish_reason``),
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import collections
+from collections.abc import Iterable, Iterator
 from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -198,10 +201,10 @@ def _tier_metrics(tiers: TierStackStatistics) -> Iterator[Metric]:
         "mlxkv_kv_tier_available", "Whether the tier's storage answered its last call (1) or not (0).",
         labels=["tier"],
     )
-    for tier in tiers.tiers:
+    for tier, label in zip(tiers.tiers, tier_labels(tier.name for tier in tiers.tiers)):
         for event, value in tier.counts():
-            blocks.add_metric([tier.name, event], value)
-        available.add_metric([tier.name], 1.0 if tier.available else 0.0)
+            blocks.add_metric([label, event], value)
+        available.add_metric([label], 1.0 if tier.available else 0.0)
     yield blocks
     yield available
     yield _counter(
@@ -215,6 +218,18 @@ def _tier_metrics(tiers: TierStackStatistics) -> Iterator[Metric]:
         "Time prefix lookups in the KV tiers took: probing, reading, verifying and decoding blocks.",
         tiers.lookup_seconds,
     )
+
+
+def tier_labels(names: Iterable[str]) -> list[str]:
+    """Each tier's label: its kind (``file``, ``redis``), numbered from the second
+    of a kind on (``file-2``); never its path or address, which a scrape
+    would otherwise show to whoever may read /metrics."""
+    labels, seen = [], collections.Counter[str]()
+    for name in names:
+        kind = name.partition("://")[0] if "://" in name else "tier"
+        seen[kind] += 1
+        labels.append(kind if seen[kind] == 1 else f"{kind}-{seen[kind]}")
+    return labels
 
 
 def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:

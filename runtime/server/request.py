@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from typing import Any, Optional, Union
 
 import attrs
 
+from mlxkv.cache.errors import Shown
 from mlxkv.errors import InvalidInput
 
 __all__ = [
@@ -120,19 +122,73 @@ class ChatRequest:
     options: Options
 
 
-def parse_json(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object.
+def parse_json(raw: Union[bytes, bytearray]) -> dict[str, Any]:
+    """The body as a JSON object, every string of it valid Unicode.
+
+    The body must be UTF-8 (RFC 8259; no other encoding is guessed), nested
+    at most :data:`MAX_DEPTH` deep, with no lone surrogate (``"\\ud800"``,
+    which no UTF-8 text can hold) in a string or a field name. An integer of
+    more than :data:`MAX_INT_DIGITS` digits is read as a float (infinite), so
+    the field that holds one is refused by name as not an integer.
 
     Raises:
-        InvalidInput: not UTF-8 JSON, or not an object.
+        InvalidInput: not UTF-8, not JSON, not an object, too deep, or a
+            string with a lone surrogate (naming where).
     """
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as error:
-        raise InvalidInput("body", raw[:40], f"is not JSON: {error}") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise InvalidInput(
+            "body", Shown(f"<{len(raw)} bytes>"), f"is not UTF-8 (byte {error.start} is not)"
+        ) from None
+    try:
+        body = json.loads(text, parse_int=_json_int)
+    except RecursionError:
+        raise InvalidInput("body", Shown(f"<{len(raw)} bytes>"), f"is nested more than {MAX_DEPTH} deep") from None
+    except ValueError as error:
+        where = f"line {error.lineno} column {error.colno}" if isinstance(error, json.JSONDecodeError) else "it"
+        raise InvalidInput("body", Shown(f"<{len(raw)} bytes>"), f"is not JSON (at {where})") from None
     if not isinstance(body, dict):
         raise InvalidInput("body", body, "must be a JSON object")
+    _check_strings(body, "body", 0)
     return body
+
+
+#: How deep a request body may nest (an OpenAI body nests 6 deep at most).
+MAX_DEPTH = 32
+#: The most digits an integer may have (a 64-bit seed has 20).
+MAX_INT_DIGITS = 40
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _json_int(digits: str) -> Union[int, float]:
+    return int(digits) if len(digits) <= MAX_INT_DIGITS else float("inf")
+
+
+def _check_strings(value: Any, where: str, depth: int) -> None:
+    """Refuse a value nested past :data:`MAX_DEPTH`, or holding a lone surrogate."""
+    if depth > MAX_DEPTH:
+        field = re.split(r"[.\[]", where, maxsplit=1)[0]
+        raise InvalidInput(_printable(field), Shown("<...>"), f"is nested more than {MAX_DEPTH} deep")
+    if isinstance(value, str):
+        if _SURROGATE.search(value):
+            raise InvalidInput(where, Shown("<text>"), "holds a lone surrogate: not valid Unicode")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            path = f"{where}.{key}" if where != "body" else key
+            if _SURROGATE.search(key):
+                raise InvalidInput(
+                    _printable(path), Shown("<field name>"), "holds a lone surrogate: not valid Unicode"
+                )
+            _check_strings(item, path, depth + 1)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_strings(item, f"{where}[{index}]", depth + 1)
+
+
+def _printable(text: str) -> str:
+    """``text`` with lone surrogates written as escapes (``\\ud800``)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def parse_completion(body: Mapping[str, Any]) -> CompletionRequest:
@@ -312,7 +368,7 @@ def _messages(value: Any, takes_images: bool) -> tuple[tuple[ChatMessage, ...], 
         if not isinstance(message, dict):
             raise InvalidInput(where, message, "must be an object with a role and a content")
         role = message.get("role")
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:
             raise InvalidInput(
                 f"{where}.role", role, f"must be one of {', '.join(_ROLES)} (no tools)"
             )
