@@ -46,7 +46,7 @@ def start(model_dir: Path, *args: str) -> tuple[subprocess.Popen[str], str]:
     assert process.stderr is not None
     line = process.stderr.readline()
     match = re.fullmatch(
-        r"mlxkv serve: (http://127\.0\.0\.1:\d+)/v1 serves mlxkv-default-llama \(Ctrl-C stops it\)\n",
+        r"mlxkv serve: (http://127\.0\.0\.1:\d+)/v1 serves [\w.-]+ \(Ctrl-C stops it\)\n",
         line,
     )
     if match is None:
@@ -100,6 +100,34 @@ class TestServeCommand:
         assert json.loads(events[-2])["usage"]["prompt_tokens"] == 5
         assert "mlxkv_prefix_cache_queries_total 2.0" in outputs[2]
         assert (status, err) == (130, ["mlxkv serve: interrupted"])
+
+    def test_a_local_model_is_named_by_its_directory_and_keys_guard_details(self, model_dir: Path):
+        """``--model DIR``: the API's id is the directory's name (its path is in no
+        answer), a request may still name the path; with ``--api-key``, /health
+        without the key is its state only, and ``--public-metrics`` opens /metrics."""
+        import httpx
+
+        path = str(ensure_model(DEFAULT_MODEL, model_dir))
+        process, url = start(model_dir, "--model", path, "--api-key", "k", "--public-metrics")
+        try:
+            keyed = {"Authorization": "Bearer k"}
+            models = httpx.get(url + "/v1/models", headers=keyed, timeout=30).json()
+            health = httpx.get(url + "/health", timeout=30)
+            keyed_health = httpx.get(url + "/health", headers=keyed, timeout=30)
+            reply = httpx.post(
+                url + "/v1/completions", headers=keyed, timeout=60,
+                json={"model": path, "prompt": "hi", "max_tokens": 1},
+            )  # fmt: skip
+            metrics = httpx.get(url + "/metrics", timeout=30)
+        finally:
+            status, _ = stop(process)
+        assert models["data"][0]["id"] == os.path.basename(path)
+        assert health.json() == {"status": "ok"}
+        assert keyed_health.json()["model"] == os.path.basename(path)
+        assert reply.status_code == 200 and metrics.status_code == 200
+        for text in (json.dumps(models), health.text, keyed_health.text, reply.text, metrics.text):
+            assert path not in text
+        assert status == 130
 
     def test_sigterm_drains_a_running_stream(self, model_dir: Path):
         """SIGTERM while a stream runs: the stream gets the grace period, then a last
@@ -176,6 +204,12 @@ class TestServeErrors:
             (("--decode-wait", "0"), "decode_wait"),
             (("--prefill-budget", "-1"), "prefill_budget"),
             (("--model", "/nonexistent/model"), "/nonexistent/model"),
+            (("--max-body", "0"), "--max-body"),
+            (("--max-body", "lots"), "--max-body"),
+            (("--body-timeout", "0"), "body_timeout"),
+            (("--body-timeout", "inf"), "body_timeout"),
+            (("--max-request-images", "0"), "max_request_images"),
+            (("--max-request-pixels", "0"), "max_request_pixels"),
         ],
     )
     def test_bad_options_are_one_line(self, model_dir: Path, args: tuple[str, ...], needle: str):
