@@ -35,6 +35,7 @@ import anyio
 import attrs
 
 from mlxkv.cache.errors import CacheError, InvalidInput
+from mlxkv.cache.tiers.tier_url import redact_url
 from mlxkv.server.cli import DESCRIPTION as SERVE_DESCRIPTION
 from mlxkv.server.cli import HELP as SERVE_HELP
 from mlxkv.server.cli import add_serve_options, serve_command
@@ -186,6 +187,9 @@ def _stress(args: argparse.Namespace) -> int:
     config = StressConfig(**fields)
     _check_json_target(args.json)
     report = anyio.run(run_stress, config, backend=config.backend)
+    # The report shows the tiers' URLs: never their passwords.
+    shown = tuple(redact_url(url) for url in config.kv_tiers)
+    report = attrs.evolve(report, config=attrs.evolve(report.config, kv_tiers=shown))
     if args.json != "-":
         print(report.format())
     _write_json(args.json, attrs.asdict(report, recurse=True))

@@ -41,7 +41,7 @@ from mlxkv.actors.model_source import check_model_source
 from mlxkv.actors.prefix_index import PrefixIndexActor, PrefixIndexHandle, PrefixIndexStatistics, RequestId
 from mlxkv.actors.sampling import Sampling
 from mlxkv.cache.block_hash import ChainKeys
-from mlxkv.cache.errors import InvalidInput, UnknownRequest
+from mlxkv.cache.errors import InvalidInput, Shown, UnknownRequest
 from mlxkv.cache.pool import PoolStatistics
 from mlxkv.cache.tiers.kv_events import KVEventSubscription
 from mlxkv.cache.tiers.namespace import Namespace, namespace_for_model
@@ -116,6 +116,13 @@ def _tier_urls(value: Any) -> tuple[str, ...]:
     for url in urls:
         parse_tier_url(url)
     return urls
+
+
+def _shown_tier_urls(urls: tuple[str, ...]) -> str:
+    """``kv_tiers`` as a repr may show it: passwords redacted."""
+    from mlxkv.cache.tiers.tier_url import redact_url
+
+    return repr(tuple(redact_url(url) for url in urls))
 
 
 def _byte_budget(value: Any) -> Optional[int]:
@@ -244,7 +251,7 @@ class RuntimeConfig:
     shared_prefix: bool = attrs.field(default=True, validator=_is_bool)
     kv_bits: Optional[int] = attrs.field(default=None)
     keep_last_cache: bool = attrs.field(default=True, validator=_is_bool)
-    kv_tiers: tuple[str, ...] = attrs.field(default=(), converter=_tier_urls)
+    kv_tiers: tuple[str, ...] = attrs.field(default=(), converter=_tier_urls, repr=_shown_tier_urls)
     transpose_weights: Optional[bool] = attrs.field(default=None, validator=_is_optional_bool)
     max_request_images: int = attrs.field(default=16, validator=_int_at_least(1))
     max_request_pixels: int = attrs.field(default=MAX_PIXELS, validator=_int_at_least(1))
@@ -259,7 +266,7 @@ class RuntimeConfig:
         if self.kv_memory is not None and self.model is None:
             raise InvalidInput("kv_memory", self.kv_memory, "sizes the pool from a model: pass model=PATH")
         if self.kv_tiers and self.model is None:
-            raise InvalidInput("kv_tiers", self.kv_tiers, "store a model's KV: pass model=PATH")
+            raise InvalidInput("kv_tiers", Shown(_shown_tier_urls(self.kv_tiers)), "store a model's KV: pass model=PATH")
 
 
 

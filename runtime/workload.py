@@ -33,6 +33,7 @@ import attrs
 from mlxkv.actors.compute import DEFAULT_DECODE_WAIT, DEFAULT_PREFILL_BUDGET
 from mlxkv.cache.errors import InvalidInput
 from mlxkv.cache.tiers.tier import TierStatistics
+from mlxkv.cache.tiers.tier_url import redact_url
 from mlxkv.generation import GenerationReport
 from mlxkv.progress import Progress
 from mlxkv.runtime import CacheRuntime, RuntimeConfig
@@ -172,7 +173,7 @@ class WorkloadReport:
             holds (each one a ``generation.prompt_exceeds_pool`` event).
         cold_fallbacks: requests whose cached prefix could not be rebuilt,
             so their whole prompt was computed (``prefill.cold_fallback``).
-        kv_tiers: the tiers' URLs (empty without tiers).
+        kv_tiers: the tiers' URLs, passwords redacted (empty without tiers).
         tiers: each tier's counters at the end (written, loaded, missed,
             dropped, corrupt, evicted), in lookup order.
         tier_blocks_loaded: blocks the prompts continued from the tiers
@@ -526,7 +527,7 @@ async def run_workload(
         blocks_not_stored=generation.num_blocks_not_stored,
         prompts_over_pool=generation.num_prompts_over_pool,
         cold_fallbacks=generation.num_cold_fallbacks,
-        kv_tiers=config.kv_tiers,
+        kv_tiers=tuple(redact_url(url) for url in config.kv_tiers),
         tier_blocks_loaded=0 if stats.tiers is None else stats.tiers.num_blocks_found,
         tier_blocks_written=0 if stats.tiers is None else stats.tiers.num_blocks_written,
         tiers=() if stats.tiers is None else stats.tiers.tiers,

@@ -11,10 +11,17 @@
 Anything else (another scheme, a relative path, a host on a ``file`` URL,
 an unknown or malformed option) raises :class:`~mlxkv.cache.errors.InvalidInput`
 naming the URL and what is wrong with it.
+
+A URL is shown only through :func:`redact_url`, which replaces its password
+with ``***``: in errors, in tier names (which name no credentials at all) and
+in reports. The user information of a ``redis://`` URL runs to its last
+``@``, so a password holding ``/``, ``?``, ``#`` or ``@`` unescaped is still
+the password, not a host or a path that an error would echo.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, TypeVar, Union
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -32,7 +39,10 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-__all__ = ["DiskTierSpec", "RedisTierSpec", "TierSpec", "open_tier", "parse_tier_url"]
+__all__ = ["DiskTierSpec", "RedisTierSpec", "TierSpec", "open_tier", "parse_tier_url", "redact_url"]
+
+#: A URL's scheme and what separates it from the rest (``//``, when there).
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*):(//)?")
 
 
 @attrs.frozen
@@ -60,47 +70,87 @@ class RedisTierSpec:
 TierSpec = Union[DiskTierSpec, RedisTierSpec]
 
 
+def redact_url(url: str) -> str:
+    """``url`` as it may be shown: its password replaced by ``***``.
+
+    The user name stays (``redis://user:***@host:6379/0``,
+    ``redis://:***@host``); a URL without a password is returned as it is.
+    Any string is taken, valid URL or not, so that an error about a
+    malformed URL can show it too.
+    """
+    head, userinfo, rest = _split_userinfo(url)
+    if userinfo is None or ":" not in userinfo:
+        return url
+    return f"{head}{userinfo.partition(':')[0]}:***@{rest}"
+
+
+def _split_userinfo(url: str) -> tuple[str, Optional[str], str]:
+    """``(scheme with its ':' or '://', user information or None, the rest)``.
+
+    A ``file`` URL's user information ends its authority (before the first
+    ``/``); any other URL's runs to its last ``@`` (nothing after a Redis
+    URL's user information holds one).
+    """
+    match = _SCHEME.match(url)
+    if match is None:
+        return "", None, url
+    head, tail = url[: match.end()], url[match.end() :]
+    if match.group(1).lower() == "file":
+        at = tail.split("/", 1)[0].rfind("@")
+    else:
+        at = tail.rfind("@")
+    if at < 0:
+        return head, None, tail
+    return head, tail[:at], tail[at + 1 :]
+
+
 def parse_tier_url(url: str) -> TierSpec:
     """The tier ``url`` names (see the module docstring).
 
     Raises:
-        InvalidInput: ``url`` names no tier, or has a malformed part.
+        InvalidInput: ``url`` names no tier, or has a malformed part (the
+            error shows the URL with its password redacted).
     """
     if not isinstance(url, str):
         raise InvalidInput("tier", url, "must be a URL string")
+    shown = redact_url(url)
+    head, userinfo, rest = _split_userinfo(url)
+    # Parsed without its user information: no error below can echo a piece of a password.
+    bare = head + rest if userinfo is not None else url
     try:
-        parts = urlsplit(url)
+        parts = urlsplit(bare)
         port = parts.port
     except ValueError as exc:
-        raise InvalidInput("tier", url, f"is not a valid URL: {exc}") from exc
-    options = _options(url, parts.query)
+        raise InvalidInput("tier", shown, f"is not a valid URL: {exc}") from None
+    options = _options(shown, parts.query)
     if parts.scheme == "file":
-        if parts.netloc not in ("", "localhost"):
-            raise InvalidInput("tier", url, "a file URL names a local directory (file:///path)")
+        if userinfo is not None or parts.netloc not in ("", "localhost"):
+            raise InvalidInput("tier", shown, "a file URL names a local directory (file:///path)")
         path = unquote(parts.path)
         if path and not path.startswith("/"):
-            raise InvalidInput("tier", url, "the directory must be an absolute path (file:///path)")
-        max_bytes = _take(url, options, "max_bytes", _positive_int, DEFAULT_MAX_BYTES)
-        _no_more(url, options)
+            raise InvalidInput("tier", shown, "the directory must be an absolute path (file:///path)")
+        max_bytes = _take(shown, options, "max_bytes", _positive_int, DEFAULT_MAX_BYTES)
+        _no_more(shown, options)
         return DiskTierSpec(directory=Path(path) if path else default_kv_dir(), max_bytes=max_bytes)
-    if parts.scheme in ("redis", "rediss"):
+    if parts.scheme in ("redis", "rediss") and head.endswith("//"):
         database = parts.path.lstrip("/")
         if database and not database.isdigit():
-            raise InvalidInput("tier", url, f"the database must be a number, not {database!r}")
-        ttl = _take(url, options, "ttl", _positive_seconds, None)
-        timeout = _take(url, options, "timeout", _positive_seconds, DEFAULT_TIMEOUT)
-        _no_more(url, options)
+            raise InvalidInput("tier", shown, f"the database must be a number, not {database!r}")
+        ttl = _take(shown, options, "ttl", _positive_seconds, None)
+        timeout = _take(shown, options, "timeout", _positive_seconds, DEFAULT_TIMEOUT)
+        _no_more(shown, options)
+        user, colon, password = (userinfo or "").partition(":")
         return RedisTierSpec(
             host=parts.hostname or "localhost",
             port=port if port is not None else 6379,
             db=int(database) if database else 0,
-            username=unquote(parts.username) if parts.username else None,
-            password=unquote(parts.password) if parts.password is not None else None,
+            username=unquote(user) if user else None,
+            password=unquote(password) if colon else None,
             tls=parts.scheme == "rediss",
             ttl=ttl,
             timeout=timeout,
         )
-    raise InvalidInput("tier", url, "must be a file:///path or redis://host:port/db URL")
+    raise InvalidInput("tier", shown, "must be a file:///path or redis://host:port/db URL")
 
 
 def open_tier(spec: Union[str, TierSpec], namespace: Namespace) -> Tier:

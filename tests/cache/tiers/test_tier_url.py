@@ -18,6 +18,7 @@ from mlxkv.cache.tiers import (
     default_kv_dir,
     open_tier,
     parse_tier_url,
+    redact_url,
 )
 
 
@@ -65,6 +66,72 @@ class TestParseTierUrl:
         with pytest.raises(InvalidInput, match=reason.replace("?", r"\?")) as raised:
             parse_tier_url(url)
         assert raised.value.argument == "tier" and raised.value.value == url
+
+
+class TestRedaction:
+    """A tier URL's password never reaches text: errors, names, reports."""
+
+    @pytest.mark.parametrize(
+        ("url", "shown"),
+        [
+            ("redis://user:pass@host", "redis://user:***@host"),
+            ("redis://:pass@host:6379/0", "redis://:***@host:6379/0"),
+            ("rediss://user:pass@host:6380/1?ttl=5", "rediss://user:***@host:6380/1?ttl=5"),
+            ("redis://user:pass@[::1]:6379/0", "redis://user:***@[::1]:6379/0"),
+            ("redis://u:p%40ss@h", "redis://u:***@h"),
+            ("redis://u:p@s/s?w#rd@host/0", "redis://u:***@host/0"),
+            ("REDIS://u:pass@host", "REDIS://u:***@host"),
+            ("redis:u:pass@host", "redis:u:***@host"),
+            ("ftp://u:pass@host/x", "ftp://u:***@host/x"),
+            ("file://u:pass@/kv", "file://u:***@/kv"),
+            ("redis://user@host", "redis://user@host"),
+            ("redis://host:6379/0", "redis://host:6379/0"),
+            ("redis://[::1]:6379", "redis://[::1]:6379"),
+            ("file:///var/k@v:1", "file:///var/k@v:1"),
+            ("not a url", "not a url"),
+        ],
+    )
+    def test_the_password_is_replaced_and_the_rest_kept(self, url, shown):
+        """Every form of URL shows with its password as ``***`` (the user name
+        kept), and a URL without one as it is."""
+        assert redact_url(url) == shown
+
+    @pytest.mark.parametrize(
+        "url",
+        [
+            "redis://u:s3cret@h/db1",
+            "redis://u:s3cret@h?colour=blue",
+            "redis://u:s3cret@h?ttl=-1",
+            "redis://u:s3cret@h:port",
+            "redis://u:s3cret@[::1/0",
+            "redis:u:s3cret@h",
+            "ftp://u:s3cret@h/x",
+            "file://u:s3cret@/kv",
+            "file://u:s3cret@localhost/kv",
+        ],
+    )
+    def test_errors_never_show_the_password(self, url):
+        """A malformed URL's error names it, with its password redacted."""
+        with pytest.raises(InvalidInput) as raised:
+            parse_tier_url(url)
+        assert "s3cret" not in str(raised.value) and "s3cret" not in repr(raised.value.args)
+        assert raised.value.value == redact_url(url)
+
+    def test_a_password_with_reserved_characters_is_the_password(self):
+        """A password holding ``/``, ``?``, ``#`` or ``@`` unescaped runs to the
+        last ``@``: it is the password, not a host, a path or an option."""
+        spec = parse_tier_url("redis://u:p/s?w#r@d@h:7000/2")
+        assert spec == RedisTierSpec(host="h", port=7000, db=2, username="u", password="p/s?w#r@d")
+        assert "p/s" not in repr(spec)
+
+    def test_tier_names_carry_no_credentials(self):
+        """A Redis tier's name (its statistics' name, a metric label) is its
+        server and database only; an IPv6 host is bracketed."""
+        pytest.importorskip("coredis")
+        namespace = namespace_of(kv_blocks(1)[0])
+        assert open_tier("redis://alice:s3cret@[::1]:7000/3", namespace).name == "redis://[::1]:7000/3"
+        tier = open_tier("rediss://:s3cret@cache?ttl=9", namespace)
+        assert tier.name == "rediss://cache:6379/0" and tier.statistics().name == tier.name
 
 
 class TestOpenTier:
