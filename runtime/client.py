@@ -380,7 +380,7 @@ class CacheClient:
         the leading ``missing`` blocks some tier holds enter the pool as
         cached blocks (those that fit) and the request holds them."""
         assert self._tiers is not None
-        payloads = await self._tiers.lookup_chain(missing)
+        payloads = await self._tiers.lookup_chain(missing, first_block=start)
         if not payloads:
             return ()
         stored = await self._allocator.store_blocks(

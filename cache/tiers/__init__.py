@@ -36,6 +36,7 @@ from mlxkv.cache.tiers.block_format import (
     decode_payload,
     decode_payloads,
     encode_block,
+    max_value_size,
 )
 from mlxkv.cache.tiers.cache_dir import default_fingerprint_memo, default_kv_dir
 from mlxkv.cache.tiers.disk_tier import DiskTier
@@ -67,6 +68,7 @@ from mlxkv.cache.tiers.tier_url import (
     TierSpec,
     open_tier,
     parse_tier_url,
+    redact_url,
 )
 
 __all__ = [
@@ -102,11 +104,13 @@ __all__ = [
     "default_fingerprint_memo",
     "default_kv_dir",
     "encode_block",
+    "max_value_size",
     "model_fingerprint",
     "namespace_for_model",
     "namespace_from_fields",
     "open_tier",
     "parse_tier_url",
+    "redact_url",
     "storage_key",
     "storage_keys",
 ]

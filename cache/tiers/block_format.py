@@ -17,7 +17,8 @@ knowing it).
 :func:`check_value` verifies everything a value claims before any array is
 built: its size, magic, version and checksum, that its header parses and
 names the expected namespace and key, that its layout is the namespace's,
-that it is one full block, and that every array's dtype, shape and bytes
+that it is one full block (at the position it was read for, when the reader
+knows it), and that every array's dtype, shape and bytes
 agree with the layout and with the value's length (a header that differs
 from one verified before only in its key and ``start`` is compared byte for
 byte instead of parsed again: the same verdict; 128 values of the built-in
@@ -66,6 +67,7 @@ __all__ = [
     "decode_payload",
     "decode_payloads",
     "encode_block",
+    "max_value_size",
 ]
 
 #: Version of the value layout above. A value of another version is corrupt
@@ -191,17 +193,7 @@ def encode_block(payload: BlockPayload, *, key: StorageKey, namespace: Namespace
         records.append(tuple(layer_records))
     records_tuple = tuple(records)
     _check_arrays(namespace.layout, payload.num_tokens, records_tuple, _refuse)
-    header = json.dumps(
-        {
-            "namespace": namespace.digest.hex(),
-            "key": bytes(key).hex(),
-            "start": payload.start,
-            "num_tokens": payload.num_tokens,
-            "layout": namespace.layout.to_json(),
-            "arrays": [_records_to_json(group) for group in records_tuple],
-        },
-        separators=(",", ":"),
-    ).encode()
+    header = _header(namespace, key, payload.start, payload.num_tokens, records_tuple)
     base = _PREFIX.size + len(header)
     out = bytearray(base + offset + _CHECKSUM_SIZE)
     _PREFIX.pack_into(out, 0, _MAGIC, FORMAT_VERSION, len(header))
@@ -216,7 +208,9 @@ def encode_block(payload: BlockPayload, *, key: StorageKey, namespace: Namespace
     return bytes(out)
 
 
-def check_value(data: Buffer, *, key: StorageKey, namespace: Namespace) -> CheckedValue:
+def check_value(
+    data: Buffer, *, key: StorageKey, namespace: Namespace, start: Optional[int] = None
+) -> CheckedValue:
     """Verify a stored value against the key it was read under and its namespace.
 
     Pure Python and zlib (no MLX), so tiers run it in their reading
@@ -226,6 +220,10 @@ def check_value(data: Buffer, *, key: StorageKey, namespace: Namespace) -> Check
         data: the value as read.
         key: the storage key it was read under.
         namespace: the namespace it must belong to.
+        start: the position (token index) its block must begin at, when the
+            reader knows it; a value for another position is corrupt (its
+            key and checksum may well verify: whoever wrote it changed its
+            ``start``).
 
     Returns:
         The verified value, ready for :func:`decode_payload`.
@@ -252,20 +250,78 @@ def check_value(data: Buffer, *, key: StorageKey, namespace: Namespace) -> Check
     fields = _known_header(header_bytes, key, namespace)
     if fields is None:
         fields = _parse_header(header_bytes, key, namespace)
-    start, num_tokens, layout, arrays, end = fields
-    _check_block_extent(start, num_tokens, namespace, _corrupt)
+    found_start, num_tokens, layout, arrays, end = fields
+    _check_block_extent(found_start, num_tokens, namespace, _corrupt)
+    if start is not None and found_start != start:
+        _corrupt(f"a block of position {found_start} stored where position {start} was read")
     region = size - _PREFIX.size - header_size - _CHECKSUM_SIZE
     if end != region:
         _corrupt(f"arrays take {end} bytes, the value holds {region}")
     return CheckedValue(
         key=key,
-        start=start,
+        start=found_start,
         num_tokens=num_tokens,
         layout=layout,
         arrays=arrays,
         data=data,
         arrays_offset=_PREFIX.size + header_size,
     )
+
+
+#: A ``start`` beyond any real block's, for :func:`max_value_size`'s header.
+_LARGEST_START = 2**64
+
+
+@functools.lru_cache(maxsize=16)
+def max_value_size(namespace: Namespace) -> int:
+    """The most bytes a value of ``namespace`` can take (a block starting below 2**64).
+
+    Every value of a namespace has the same arrays but for a recurrent
+    layer's snapshot, which a block may leave out, and the same header but
+    for its key and ``start``: this is the size of a value holding every
+    array, with the longest ``start``. A tier reads no more than this of
+    anything stored under a key: a longer value is corrupt unread.
+    """
+    size = namespace.block_size
+    records: list[tuple[Optional[ArrayRecord], ...]] = []
+    offset = 0
+    for spec, signature in zip(namespace.layout.layers, namespace.layout.signature):
+        group: list[Optional[ArrayRecord]] = []
+        for entry in signature:
+            if entry is None:
+                group.append(None)
+                continue
+            if isinstance(spec, ArraysLayer):
+                shape = tuple(entry[1])
+            else:
+                shape = (*entry[1], size, *entry[2])
+            nbytes = math.prod(shape) * _ITEM_SIZES.get(entry[0], 0)
+            group.append(ArrayRecord(entry[0], shape, offset, nbytes))
+            offset += nbytes
+        records.append(tuple(group))
+    header = _header(namespace, _PLACEHOLDER_KEY, _LARGEST_START, size, tuple(records))
+    return _PREFIX.size + len(header) + offset + _CHECKSUM_SIZE
+
+
+def _header(
+    namespace: Namespace,
+    key: StorageKey,
+    start: int,
+    num_tokens: int,
+    records: tuple[Optional[tuple[Optional[ArrayRecord], ...]], ...],
+) -> bytes:
+    """A value's header as :func:`encode_block` writes it."""
+    return json.dumps(
+        {
+            "namespace": namespace.digest.hex(),
+            "key": bytes(key).hex(),
+            "start": start,
+            "num_tokens": num_tokens,
+            "layout": namespace.layout.to_json(),
+            "arrays": [_records_to_json(group) for group in records],
+        },
+        separators=(",", ":"),
+    ).encode()
 
 
 #: What :func:`_parse_header` returns: ``start``, ``num_tokens``, the

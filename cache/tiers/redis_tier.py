@@ -26,9 +26,16 @@ an error and never a slow caller:
   replica, an ACL error) drops that write or misses that read: one warning
   until a call succeeds again, and no back-off (the server answers quickly).
 
-Values read are verified (:func:`~mlxkv.cache.tiers.block_format.check_value`)
-in a worker thread; a corrupt one is counted, deleted from the server and
-answered as a miss.
+Reads transfer no more than a value can take: each key is read with
+``GETRANGE key 0 N`` (``N`` = :func:`~mlxkv.cache.tiers.block_format.max_value_size`),
+then its ``TYPE``, all the keys of a call in one pipeline, so a value one byte
+longer than any block is known to be corrupt without the rest of it crossing
+the network. (Not in a ``MULTI``: a server out of memory refuses every
+command queued in one, and a full server must still serve reads.) Values read
+are verified (:func:`~mlxkv.cache.tiers.block_format.check_value`) in a worker
+thread. A corrupt one (too long, not verifying, or not a string at all: a
+list at a block's key) is counted, deleted from the server and answered as a
+miss.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import anyio
 
 from mlxkv.cache.errors import InvalidInput
-from mlxkv.cache.tiers.block_format import CheckedValue, check_value
+from mlxkv.cache.tiers.block_format import CheckedValue, check_value, max_value_size
 from mlxkv.cache.tiers.errors import CorruptValue, MissingExtra
 from mlxkv.cache.tiers.storage_key import KEY_SIZE, StorageKey
 from mlxkv.cache.tiers.tier import TierCounters, TierRemoval, TierStatistics
@@ -129,7 +136,9 @@ class RedisTier:
         - no call reaches the server while the health refuses it, and every
           call that does is bounded by ``timeout``;
         - a value is returned only if it verified against its key and the
-          namespace.
+          namespace (and its position, when the caller gives it);
+        - no read transfers more than ``max_value_size(namespace) + 1``
+          bytes of a value.
     """
 
     def __init__(
@@ -169,6 +178,7 @@ class RedisTier:
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise InvalidInput("timeout", timeout, "must be a positive number of seconds")
         self._namespace = namespace
+        self._max_value = max_value_size(namespace)
         self._host, self._port, self._db = host, port, db
         self._username, self._password, self._tls = username, password, tls
         self._ttl_ms = None if ttl is None else max(1, int(ttl * 1000))
@@ -182,9 +192,11 @@ class RedisTier:
 
     @property
     def name(self) -> str:
-        """``redis://host:port/db`` (``rediss://`` with TLS), without credentials or options."""
+        """``redis://host:port/db`` (``rediss://`` with TLS; an IPv6 host in
+        brackets), without credentials or options."""
         scheme = "rediss" if self._tls else "redis"
-        return f"{scheme}://{self._host}:{self._port}/{self._db}"
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"{scheme}://{host}:{self._port}/{self._db}"
 
     @property
     def ttl(self) -> Optional[float]:
@@ -241,34 +253,68 @@ class RedisTier:
         self._counters.num_missed += found.count(False)
         return found
 
-    async def get_many(self, keys: Sequence[StorageKey]) -> list[Optional[CheckedValue]]:
-        """Each key's verified value, or None: one ``MGET``, verified in a worker thread."""
+    async def get_many(
+        self, keys: Sequence[StorageKey], *, starts: Optional[Sequence[int]] = None
+    ) -> list[Optional[CheckedValue]]:
+        """Each key's verified value, or None: a bounded ``GETRANGE`` and a
+        ``TYPE`` per key in one pipeline, verified in a worker thread.
+
+        Args:
+            keys: the keys to read.
+            starts: the position (token index) each key's block must begin
+                at, when the caller knows it.
+        """
         if not keys:
             return []
         names = [_redis_key(key) for key in keys]
-        raw = await self._ask(lambda: self._client.mget(names))
+        wrong_type = self._coredis.exceptions.WrongTypeError
+        limit = self._max_value
+
+        async def read() -> list[tuple[Optional[str], Optional[bytes]]]:
+            async with self._client.pipeline(transaction=False, raise_on_error=False) as pipeline:
+                replies = [(pipeline.getrange(name, 0, limit), pipeline.type(name)) for name in names]
+            got: list[tuple[Optional[str], Optional[bytes]]] = []
+            for data, kind in replies:
+                try:
+                    value: Optional[bytes] = await data
+                except wrong_type:  # not a string: the TYPE reply says what it is
+                    value = None
+                got.append((_text(await kind), value))
+            return got
+
+        raw = await self._ask(read)
         if raw is _UNANSWERED:
             self._counters.num_missed += len(keys)
             return [None] * len(keys)
         checked = await anyio.to_thread.run_sync(
-            partial(_check_many, list(raw), list(keys), self._namespace), abandon_on_cancel=True
+            partial(
+                _check_many,
+                list(raw),
+                list(keys),
+                self._namespace,
+                None if starts is None else list(starts),
+                limit,
+            ),
+            abandon_on_cancel=True,
         )
         values: list[Optional[CheckedValue]] = []
         corrupt: list[StorageKey] = []
         for key, (value, reason) in zip(keys, checked):
-            if value is not None:
-                self._counters.num_loaded += 1
-            elif reason is None:
+            if value is None and reason is None:
                 self._counters.num_missed += 1
-            else:
+            elif value is None:
                 corrupt.append(key)
                 self._log_corrupt(key, reason)
             values.append(value)
         if corrupt:
-            await self._ask(lambda: self._client.delete([_redis_key(key) for key in corrupt]))
+            deleted = await self._ask(lambda: self._client.delete([_redis_key(key) for key in corrupt]))
             for key in corrupt:
-                self._counters.removed(key, "corrupt")
+                self._counters.found_corrupt(key, removed=deleted is not _UNANSWERED)
         return values
+
+    def count_loaded(self, num_values: int) -> None:
+        """Count ``num_values`` values this tier returned that a lookup used."""
+        self._counters.num_loaded += num_values
 
     async def get(self, key: StorageKey) -> Optional[CheckedValue]:
         """One key's verified value, or None."""
@@ -371,17 +417,40 @@ def _redis_key(key: StorageKey) -> bytes:
     return KEY_PREFIX + key.hex().encode()
 
 
+def _text(reply: Any) -> Optional[str]:
+    """A ``TYPE`` reply as text: ``"string"``, ``"list"``..., None for no key."""
+    if isinstance(reply, bytes):
+        reply = reply.decode(errors="replace")
+    return None if reply in (None, "none") else str(reply)
+
+
 def _check_many(
-    raw: list[Optional[bytes]], keys: list[StorageKey], namespace: Namespace
+    raw: list[tuple[Optional[str], Optional[bytes]]],
+    keys: list[StorageKey],
+    namespace: Namespace,
+    starts: Optional[list[int]],
+    limit: int,
 ) -> list[tuple[Optional[CheckedValue], Optional[str]]]:
-    """(value, None) verified, (None, None) absent, (None, reason) corrupt. Runs in a worker thread."""
+    """(value, None) verified, (None, None) absent, (None, reason) corrupt.
+
+    ``raw`` holds each key's ``TYPE`` (read just after its value) and the
+    first ``limit + 1`` bytes of its value (None: not a string). An empty
+    read is a missing key unless the key is there (an empty string, or one
+    written in between: counted corrupt, at worst a value deleted that the
+    next write puts back). Runs in a worker thread.
+    """
     results: list[tuple[Optional[CheckedValue], Optional[str]]] = []
-    for data, key in zip(raw, keys):
+    for i, ((kind, data), key) in enumerate(zip(raw, keys)):
         if data is None:
+            results.append((None, f"not a string value (a Redis {kind or 'value of another type'})"))
+        elif not data and kind is None:
             results.append((None, None))
-            continue
-        try:
-            results.append((check_value(data, key=key, namespace=namespace), None))
-        except CorruptValue as exc:
-            results.append((None, exc.reason))
+        elif len(data) > limit:
+            results.append((None, f"over {limit} bytes, more than any value of its namespace"))
+        else:
+            try:
+                start = None if starts is None else starts[i]
+                results.append((check_value(data, key=key, namespace=namespace, start=start), None))
+            except CorruptValue as exc:
+                results.append((None, exc.reason))
     return results

@@ -6,8 +6,15 @@ hold connections or scan a directory) and, once entered:
 
 - answers :meth:`Tier.contains_many` and :meth:`Tier.get_many` in key order,
   a miss being ``False`` / ``None``. A value is returned only if it verified
-  (:func:`~mlxkv.cache.tiers.block_format.check_value`); one that did not is
-  counted corrupt, deleted and answered as a miss;
+  (:func:`~mlxkv.cache.tiers.block_format.check_value`, at the position it
+  was asked for when the caller knows it); one that did not is counted
+  corrupt, deleted (unless it is not the tier's to delete: a planted file
+  that is not a regular file) and answered as a miss. No more than
+  :func:`~mlxkv.cache.tiers.block_format.max_value_size` bytes of anything
+  stored under a key are read;
+- counts as loaded only what its user says it used
+  (:meth:`Tier.count_loaded`): a value read past where a chain stopped is
+  not a block loaded;
 - stores with :meth:`Tier.put`, which answers whether the tier now holds
   the value;
 - never raises for what its storage does (a missing file, a server that is
@@ -51,13 +58,16 @@ class TierStatistics:
     """A tier's counters at one moment.
 
     Attributes:
-        name: the tier's name (its URL without options).
+        name: the tier's name (its URL without options or credentials).
         num_written: puts after which the tier held the value.
-        num_loaded: values returned by gets (verified).
+        num_loaded: values a lookup used (:meth:`Tier.count_loaded`; a
+            value read but not used is not counted).
         num_missed: keys a probe or a get did not find, or could not ask for.
         num_dropped: puts that stored nothing (too big, storage failing,
             server down or full).
-        num_corrupt: values that did not verify; each was deleted.
+        num_corrupt: values that did not verify (or were not values: a
+            planted FIFO, link or directory, a Redis list); each was deleted
+            unless it was not the tier's to delete.
         num_evicted: values removed to stay within a byte budget.
         num_bytes: bytes the tier holds as far as it knows, or None when it
             cannot tell (a shared server).
@@ -121,6 +131,13 @@ class TierCounters:
             self.num_corrupt += 1
         self._removals.append(TierRemoval(key, reason))
 
+    def found_corrupt(self, key: StorageKey, *, removed: bool) -> None:
+        """Count a corrupt value; queue its removal if it was deleted."""
+        if removed:
+            self.removed(key, "corrupt")
+        else:
+            self.num_corrupt += 1
+
     def take_removals(self) -> list[TierRemoval]:
         """The removals queued since the last call, oldest first."""
         taken = list(self._removals)
@@ -147,7 +164,8 @@ class Tier(Protocol):
 
     @property
     def name(self) -> str:
-        """The tier's URL without options: ``file:///...``, ``redis://host:port/db``."""
+        """The tier's URL without options or credentials: ``file:///...``,
+        ``redis://host:port/db`` (it is shown in reports and metric labels)."""
         ...
 
     async def __aenter__(self) -> Tier: ...
@@ -163,8 +181,22 @@ class Tier(Protocol):
         """Whether each key is stored (cheap: no value is read or verified)."""
         ...
 
-    async def get_many(self, keys: Sequence[StorageKey]) -> list[Optional[CheckedValue]]:
-        """Each key's verified value, or None."""
+    async def get_many(
+        self, keys: Sequence[StorageKey], *, starts: Optional[Sequence[int]] = None
+    ) -> list[Optional[CheckedValue]]:
+        """Each key's verified value, or None.
+
+        Args:
+            keys: the keys to read.
+            starts: the position (token index) each key's block must begin
+                at, when the caller knows it; a value for another position
+                is corrupt.
+        """
+        ...
+
+    def count_loaded(self, num_values: int) -> None:
+        """Count ``num_values`` of the values this tier returned as loaded:
+        its user (a lookup) used them."""
         ...
 
     async def get(self, key: StorageKey) -> Optional[CheckedValue]:

@@ -11,6 +11,9 @@ The pool is tier 0; a :class:`TierStack` is everything after it:
   A block that vanished or failed to verify between the probe and the read
   is asked of the later tiers; if none has it, the run ends there. A single
   tier is not probed: it is read chunk by chunk until a block is missing.
+  Every value must be the block of its position in the chain (a value
+  stored for another position is corrupt), and a tier counts as loaded only
+  the blocks the lookup returned, not those read past where the run ended.
 - :meth:`TierStack.offer` hands a newly computed block to the writer. It
   never waits and never raises: the block goes into a bounded queue, or is
   dropped (and counted) when the queue is full. The writer task encodes
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Iterable, Sequence
 from contextlib import AsyncExitStack
 from functools import partial
@@ -83,7 +87,8 @@ class TierStackStatistics:
             or came while the stack was not running.
         num_pending: queued blocks not yet written to every tier.
         num_lookups: chain lookups.
-        num_blocks_found: blocks the lookups returned.
+        num_blocks_found: blocks the lookups returned (the sum of the
+            tiers' ``num_loaded``).
         lookup_seconds: time the lookups took in all: probing, reading,
             verifying and decoding (what a prefix from the tiers adds to its
             request's time to first token).
@@ -138,7 +143,9 @@ class TierStack:
     Invariants:
         - :meth:`offer` never waits and never raises;
         - ``num_offered == num_queued + num_queue_dropped + num_refused``;
-        - ``num_pending`` is queued blocks not yet handled by the writer.
+        - ``num_pending`` is queued blocks not yet handled by the writer;
+        - the tiers' ``num_loaded`` add up to ``num_blocks_found``: a tier
+          counts as loaded the blocks a lookup returned from it, no others.
     """
 
     def __init__(
@@ -298,30 +305,45 @@ class TierStack:
             await self._idle.wait()
         await anyio.lowlevel.checkpoint()
 
-    async def lookup_chain(self, chain: Sequence[bytes]) -> list[BlockPayload]:
+    async def lookup_chain(
+        self, chain: Sequence[bytes], *, first_block: Optional[int] = None
+    ) -> list[BlockPayload]:
         """The payloads of ``chain``'s leading blocks that some tier holds.
 
         Args:
             chain: chain hashes of consecutive blocks, in order (the part of
                 a prompt's chain the pool did not have).
+            first_block: the index of ``chain[0]``'s block in its sequence
+                (the blocks before it are the pool's), when the caller knows
+                it: each value must then be the block of its own position.
+                Without it, the chain's first value says where the chain
+                begins and every later value must follow it (a first value
+                stored for another position is then taken at its word, and
+                the one after it refused).
 
         Returns:
             Payloads of ``chain[0]``, ``chain[1]``, ... up to the first block
             that no tier holds (or that vanished or did not verify when it
-            was read); empty if the first one is missing. Never raises for a
-            tier's failure: that is a miss.
+            was read, its position included); empty if the first one is
+            missing. Never raises for a tier's failure: that is a miss.
+
+        Raises:
+            InvalidInput: ``first_block`` is not an int >= 0.
         """
+        if first_block is not None and (type(first_block) is not int or first_block < 0):
+            raise InvalidInput("first_block", first_block, "must be an int >= 0 or None")
         self._num_lookups += 1
         if not chain or not self._tiers:
             return []
         started = time.perf_counter()
         try:
-            return await self._lookup(chain)
+            return await self._lookup(chain, first_block)
         finally:
             self._lookup_seconds += time.perf_counter() - started
 
-    async def _lookup(self, chain: Sequence[bytes]) -> list[BlockPayload]:
+    async def _lookup(self, chain: Sequence[bytes], first_block: Optional[int]) -> list[BlockPayload]:
         keys = storage_keys(self._namespace, chain)
+        size = self._namespace.block_size
         # One tier is read without a probe: its first missing value ends the run.
         probed = len(self._tiers) > 1
         owner: list[Optional[int]] = [None] * len(keys) if probed else [0] * len(keys)
@@ -336,11 +358,18 @@ class TierStack:
         run = next((i for i, t in enumerate(owner) if t is None), len(owner))
         holder = [t for t in owner[:run] if t is not None]  # the first tier holding each
         payloads: list[Optional[BlockPayload]] = [None] * run
+        served: list[int] = [0] * run  # the tier each payload came from
+        # Where each block must start (tokens); unknown until a first value says.
+        starts: Optional[list[int]] = None
+        if first_block is not None:
+            starts = [(first_block + i) * size for i in range(run)]
 
-        async def read(tier: Tier, positions: list[int]) -> bool:
-            """Read and decode ``positions`` from ``tier``; whether the read
-            answered in time (a value it lacks is left None)."""
-            got = await self._bounded(tier, tier.get_many([keys[i] for i in positions]), None)
+        async def read(index: int, positions: list[int]) -> bool:
+            """Read and decode ``positions`` from tier ``index``; whether the
+            read answered in time (a value it lacks is left None)."""
+            tier = self._tiers[index]
+            expected = None if starts is None else [starts[i] for i in positions]
+            got = await self._bounded(tier, tier.get_many([keys[i] for i in positions], starts=expected), None)
             if got is None:
                 return False
             found = [(i, value) for i, value in zip(positions, got) if value is not None]
@@ -348,9 +377,10 @@ class TierStack:
                 decoded = await self._run_mlx(partial(decode_payloads, [value for _, value in found]))
                 for (i, _), payload in zip(found, decoded):
                     payloads[i] = payload
+                    served[i] = index
             return True
 
-        async def fetch(index: int, tier: Tier) -> None:
+        async def fetch(index: int) -> None:
             # In chunks, in chain order, each bounded by the timeout on its
             # own (a long chain of large blocks is not one call that must
             # finish within it) and decoded before the next is read, so a
@@ -358,26 +388,44 @@ class TierStack:
             # times out ends the run there: no later chunk is asked for.
             # (Reading the next chunk while one decodes was slower: the
             # reading and decoding threads take turns on the GIL.)
-            positions = [i for i in range(run) if holder[i] == index]
+            positions = [i for i in range(run) if holder[i] == index and payloads[i] is None]
             for begin in range(0, len(positions), GET_CHUNK):
                 chunk = positions[begin : begin + GET_CHUNK]
-                if not await read(tier, chunk):
+                if not await read(index, chunk):
                     return
                 if not probed and any(payloads[i] is None for i in chunk):
                     return  # the run ends in this chunk: nothing after it is read
 
+        async def retry() -> None:
+            # A value that vanished or did not verify since the probe may still
+            # be in a later tier: ask those, in order, before the run ends there.
+            for index in range(len(self._tiers)):
+                again = [i for i in range(run) if payloads[i] is None and holder[i] < index]
+                if again:
+                    await read(index, again)
+
         if run:
             async with anyio.create_task_group() as task_group:
-                for index, tier in enumerate(self._tiers):
-                    task_group.start_soon(fetch, index, tier)
-        # A value that vanished or did not verify since the probe may still
-        # be in a later tier: ask those, in order, before the run ends there.
-        for index, tier in enumerate(self._tiers):
-            retry = [i for i in range(run) if payloads[i] is None and holder[i] < index]
-            if retry:
-                await read(tier, retry)
+                for index in range(len(self._tiers)):
+                    task_group.start_soon(fetch, index)
+        await retry()
+        first = payloads[0] if run else None
+        if starts is None and first is not None:
+            # Where the chain begins is what its first value says; every
+            # later value must follow it. The first that does not is read
+            # again for its position, so its tier counts it corrupt (and
+            # deletes it); a later tier may still hold the right one.
+            starts = [first.start + i * size for i in range(run)]
+            misplaced = [i for i, p in enumerate(payloads) if p is not None and p.start != starts[i]]
+            for i in misplaced:
+                payloads[i] = None
+            if misplaced:
+                await read(served[misplaced[0]], misplaced[:1])
+                await retry()
         run = next((i for i, p in enumerate(payloads) if p is None), run)
         found = [p for p in payloads[:run] if p is not None]
+        for index, count in Counter(served[:run]).items():
+            self._tiers[index].count_loaded(count)
         self._num_blocks_found += len(found)
         self._publish_removals()
         return found

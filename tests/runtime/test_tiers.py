@@ -341,9 +341,12 @@ class TestRedis:
         self, llama, tmp_path, redis_server
     ):
         prompt = _prompt(45)
-        await _store(llama, prompt, _disk(tmp_path), _redis(redis_server))
+        # Not tmp_path itself: the server keeps its directory there, and a
+        # disk tier takes only a directory of its own.
+        directory = tmp_path / "kv"
+        await _store(llama, prompt, _disk(directory), _redis(redis_server))
         assert len(redis_server.command("KEYS", "*")) == _full_blocks(prompt)
-        async with _runtime(llama, _disk(tmp_path), _redis(redis_server)) as rt:
+        async with _runtime(llama, _disk(directory), _redis(redis_server)) as rt:
             warm = await run(rt, prompt)
             disk, redis = (await rt.stats()).tiers.tiers
             assert warm[1].cached_tokens == _full_blocks(prompt) * BS

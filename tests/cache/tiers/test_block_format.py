@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tier_blocks import assert_same_payload, kv_blocks, mixed_blocks, namespace_of
+from tier_blocks import assert_same_payload, forge_start, kv_blocks, mixed_blocks, namespace_of
 
 from mlxkv.cache.errors import InvalidInput
 from mlxkv.cache.kv_state import (
@@ -31,6 +31,7 @@ from mlxkv.cache.tiers import (
     decode_block,
     decode_payload,
     encode_block,
+    max_value_size,
     storage_key,
 )
 
@@ -221,6 +222,40 @@ class TestDetection:
         for value in (b"", b"hello", b"x" * 100):
             with pytest.raises(CorruptValue):
                 check_value(value, key=key, namespace=namespace)
+
+
+class TestPosition:
+    def test_a_value_for_another_position_is_corrupt_where_the_position_is_known(self):
+        """A value whose ``start`` was changed and its checksum recomputed verifies
+        on its own, but not for the position it was read for."""
+        blocks = kv_blocks(2)
+        namespace = namespace_of(blocks[0])
+        key = storage_key(namespace, b"second")
+        value = encode_block(blocks[1], key=key, namespace=namespace)
+        assert check_value(value, key=key, namespace=namespace, start=4).start == 4
+        forged = forge_start(value, 8)
+        assert check_value(forged, key=key, namespace=namespace).start == 8  # a forgery, not a corruption
+        with pytest.raises(CorruptValue, match="position 8 stored where position 4 was read"):
+            check_value(forged, key=key, namespace=namespace, start=4)
+
+
+class TestMaxValueSize:
+    @PROPERTY
+    @given(payload=payloads())
+    def test_no_value_is_larger(self, payload):
+        """Any block of any layout, at any position, encodes to at most the bound."""
+        namespace = namespace_of(payload)
+        value = encode_block(payload, key=storage_key(namespace, b"chain"), namespace=namespace)
+        assert len(value) <= max_value_size(namespace)
+
+    @pytest.mark.parametrize("make", [kv_blocks, mixed_blocks], ids=["plain", "mixed"])
+    def test_the_bound_is_exact(self, make):
+        """A block holding every array (a recurrent snapshot too) at the
+        largest position takes exactly the bound: a tier refuses nothing real."""
+        block = make(2)[-1]
+        namespace = namespace_of(block)
+        value = encode_block(attrs.evolve(block, start=2**64), key=storage_key(namespace, b"c"), namespace=namespace)
+        assert len(value) == max_value_size(namespace)
 
 
 class TestEncodeRefuses:

@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+from pathlib import Path
 
 import anyio
 import mlx.core as mx
 import pytest
-from tier_blocks import assert_same_payload, chain_of, kv_blocks, namespace_of
+from tier_blocks import assert_same_payload, chain_of, kv_blocks, namespace_of, peak_rss_script
 
-from mlxkv.cache.tiers import RedisTier, TierHealth, decode_payload, encode_block, storage_key
+from mlxkv.cache.tiers import (
+    RedisTier,
+    TierHealth,
+    decode_payload,
+    encode_block,
+    max_value_size,
+    storage_key,
+)
 from mlxkv.cache.tiers.redis_tier import KEY_PREFIX
 
 LOGGER = "mlxkv.cache.tiers.redis_tier"
@@ -72,8 +82,10 @@ class TestRedisTier:
             for value, block in zip(got, blocks):
                 assert_same_payload(decode_payload(value), block)
             assert await tier.contains_many([keys[0], storage_key(namespace, b"other")]) == [True, False]
+            assert tier.statistics().num_loaded == 0  # read, not yet used
+            tier.count_loaded(2)
             stats = tier.statistics()
-        assert (stats.num_written, stats.num_loaded, stats.num_missed) == (3, 3, 1)
+        assert (stats.num_written, stats.num_loaded, stats.num_missed) == (3, 2, 1)
         assert stats.available and stats.name == f"redis://127.0.0.1:{redis_server.port}/0"
         assert sorted(redis_server.command("KEYS", "*")) == sorted(_redis_key(k) for k in keys)
         assert redis_server.command("PTTL", _redis_key(keys[0])) == ":-1"
@@ -202,3 +214,91 @@ class TestRedisTier:
         async with make_tier(namespace) as writer, make_tier(namespace) as reader:
             await writer.put(keys[2], values[2])
             assert_same_payload(decode_payload(await reader.get(keys[2])), blocks[2])
+
+
+def _net_output_bytes(server) -> int:
+    """Bytes the server has sent to its clients so far."""
+    info = server.command("INFO", "stats").decode()
+    return int(next(line for line in info.splitlines() if line.startswith("total_net_output_bytes:")).split(":")[1])
+
+
+class TestUntrustedValues:
+    """Whatever is stored under a block's key is read no further than a value
+    can be, and what is not a value is counted corrupt and deleted."""
+
+    async def test_a_64_mib_value_is_not_transferred(self, make_tier, redis_server, namespace, keys):
+        """64 MiB of garbage under a block's key is refused after reading one
+        byte more than the largest value: the server sends a few KB, not 64 MiB;
+        the key is counted corrupt and deleted."""
+        redis_server.command("SETRANGE", _redis_key(keys[0]), 64 * 2**20 - 1, "x")
+        async with make_tier(namespace) as tier:
+            assert await tier.contains_many([keys[0]]) == [True]
+            before = _net_output_bytes(redis_server)
+            assert await tier.get(keys[0]) is None
+            sent = _net_output_bytes(redis_server) - before
+            stats = tier.statistics()
+        assert sent < max_value_size(namespace) + 4096
+        assert (stats.num_corrupt, stats.num_missed) == (1, 0)
+        assert redis_server.command("EXISTS", _redis_key(keys[0])) == ":0"
+
+    @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the peak RSS from /proc")
+    def test_a_64_mib_value_does_not_grow_the_process(self, redis_server, namespace, keys):
+        """In a fresh process, refusing a 64 MiB value raises the peak RSS by less
+        than 16 MiB (reading it whole took over 64 MiB)."""
+        redis_server.command("SETRANGE", _redis_key(keys[0]), 64 * 2**20 - 1, "x")
+        script = peak_rss_script(_PEAK_RSS_MAIN, port=redis_server.port)
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        growth_kib, missed, corrupt = done.stdout.split()
+        assert (missed, corrupt) == ("True", "1")
+        assert int(growth_kib) < 16 * 1024
+
+    @pytest.mark.parametrize(
+        "plant",
+        [
+            pytest.param(("RPUSH", "a", "b"), id="list"),
+            pytest.param(("HSET", "field", "value"), id="hash"),
+            pytest.param(("SET", ""), id="empty-string"),
+        ],
+    )
+    async def test_what_is_not_a_value_is_corrupt_and_deleted(
+        self, make_tier, redis_server, namespace, keys, values, plant
+    ):
+        """A list, a hash or an empty string at a block's key is counted corrupt
+        (not a miss) and deleted, like a string that does not verify; the keys
+        around it still read."""
+        command, *arguments = plant
+        redis_server.command(command, _redis_key(keys[1]), *arguments)
+        async with make_tier(namespace) as tier:
+            await tier.put(keys[0], values[0])
+            await tier.put(keys[2], values[2])
+            got = await tier.get_many(keys)
+            stats = tier.statistics()
+            assert [r.reason for r in tier.take_removals()] == ["corrupt"]
+        assert [value is not None for value in got] == [True, False, True]
+        assert (stats.num_corrupt, stats.num_missed) == (1, 0)
+        assert redis_server.command("EXISTS", _redis_key(keys[1])) == ":0"
+
+    async def test_a_value_of_another_position_is_corrupt(self, make_tier, redis_server, namespace, keys, values):
+        """Read for the position it must hold, a block's value of another
+        position (its key and checksum fine) is counted corrupt and deleted."""
+        async with make_tier(namespace) as tier:
+            await tier.put(keys[1], values[1])  # block 1: start 4
+            assert await tier.get_many([keys[1]], starts=[8]) == [None]
+            assert tier.statistics().num_corrupt == 1
+        assert redis_server.command("EXISTS", _redis_key(keys[1])) == ":0"
+
+
+_PEAK_RSS_MAIN = """
+from mlxkv.cache.tiers import RedisTier, storage_key
+
+async def main():
+    namespace = namespace_of(kv_blocks(3)[0])
+    key = storage_key(namespace, chain_of(1)[0])
+    async with RedisTier(namespace, host="127.0.0.1", port={port}, timeout=5.0) as tier:
+        await tier.get(storage_key(namespace, b"connect first"))
+        before = peak_kib()
+        value = await tier.get(key)
+        after = peak_kib()
+        print(after - before, value is None, tier.statistics().num_corrupt)
+"""

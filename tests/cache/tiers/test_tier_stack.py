@@ -9,8 +9,9 @@ import threading
 import anyio
 import mlx.core as mx
 import pytest
-from tier_blocks import assert_same_payload, chain_of, kv_blocks, namespace_of
+from tier_blocks import assert_same_payload, chain_of, forge_start, kv_blocks, namespace_of
 
+from mlxkv.cache.errors import InvalidInput
 from mlxkv.cache.tiers import (
     BlockRemoved,
     BlockStored,
@@ -48,9 +49,12 @@ class SlowTier:
         await anyio.sleep(self.get_delay)
         return await self.inner.contains_many(keys)
 
-    async def get_many(self, keys):
+    async def get_many(self, keys, *, starts=None):
         await anyio.sleep(self.get_delay)
-        return await self.inner.get_many(keys)
+        return await self.inner.get_many(keys, starts=starts)
+
+    def count_loaded(self, num_values):
+        self.inner.count_loaded(num_values)
 
     async def get(self, key):
         (value,) = await self.get_many([key])
@@ -237,9 +241,9 @@ class TestLookupChain:
         steps = []
         inner_get_many = reading.get_many
 
-        async def get_many(keys):
+        async def get_many(keys, *, starts=None):
             steps.append(("read", len(keys)))
-            return await inner_get_many(keys)
+            return await inner_get_many(keys, starts=starts)
 
         async def run_mlx(function):
             steps.append(("decode", len(function.args[0])))
@@ -265,9 +269,9 @@ class TestLookupChain:
         async def contains_many(keys):
             calls.append(("probe", len(keys)))
 
-        async def get_many(keys):
+        async def get_many(keys, *, starts=None):
             calls.append(("read", len(keys)))
-            return await inner_get_many(keys)
+            return await inner_get_many(keys, starts=starts)
 
         reading.contains_many = contains_many
         reading.get_many = get_many
@@ -277,6 +281,84 @@ class TestLookupChain:
         assert calls == [("read", 2), ("read", 2)]
         assert [p.start for p in found] == [0, 4, 8]
         assert stats.num_blocks_found == 3 and stats.tiers[0].num_missed == 1
+
+
+class TestPositions:
+    """A value must be the block of its position in the chain, and a tier counts
+    as loaded only the blocks a lookup returned."""
+
+    @staticmethod
+    def _forge(tmp_path, namespace, chain_hash, start):
+        path = tmp_path / "kv" / storage_key(namespace, chain_hash).hex()
+        path.write_bytes(forge_start(path.read_bytes(), start))
+        return path
+
+    @pytest.mark.parametrize("first_block", [0, None], ids=["position-given", "position-from-first-value"])
+    async def test_a_forged_start_is_corrupt_and_ends_the_run(
+        self, tmp_path, disk, namespace, blocks, chain, first_block
+    ):
+        """Block 2's value with its start changed and its checksum recomputed is
+        counted corrupt and deleted; the lookup returns blocks 0-1, and loaded
+        counts those two, not the six values that verified."""
+        async with TierStack([disk(namespace)], namespace) as stack:
+            _offer_all(stack, chain, blocks)
+        forged = self._forge(tmp_path, namespace, chain[2], 16)
+        async with TierStack([disk(namespace)], namespace) as stack:
+            found = await stack.lookup_chain(chain, first_block=first_block)
+            stats = stack.statistics()
+        assert [p.start for p in found] == [0, 4]
+        (tier,) = stats.tiers
+        assert (tier.num_loaded, tier.num_corrupt, stats.num_blocks_found) == (2, 1, 2)
+        assert not forged.exists()
+
+    async def test_a_forged_first_block_is_caught_at_its_position(self, tmp_path, disk, namespace, blocks, chain):
+        """Given where the chain begins, a forged first block is corrupt: nothing
+        is loaded; a chain that begins after it still loads."""
+        async with TierStack([disk(namespace)], namespace) as stack:
+            _offer_all(stack, chain, blocks)
+        self._forge(tmp_path, namespace, chain[0], 4)
+        async with TierStack([disk(namespace)], namespace) as stack:
+            assert await stack.lookup_chain(chain, first_block=0) == []
+            assert [p.start for p in await stack.lookup_chain(chain[1:], first_block=1)] == [4, 8, 12, 16, 20]
+            (tier,) = stack.statistics().tiers
+        assert (tier.num_loaded, tier.num_corrupt) == (5, 1)
+
+    @pytest.mark.parametrize("first_block", [0, None], ids=["position-given", "position-from-first-value"])
+    async def test_a_forged_copy_falls_back_to_the_next_tier(
+        self, tmp_path, disk, redis, namespace, blocks, chain, first_block
+    ):
+        """A block forged on disk is read from Redis instead; each tier counts as
+        loaded the blocks it served, which add up to the lookup's."""
+        async with TierStack([disk(namespace), redis(namespace)], namespace) as stack:
+            _offer_all(stack, chain, blocks)
+        self._forge(tmp_path, namespace, chain[1], 8)
+        async with TierStack([disk(namespace), redis(namespace)], namespace) as stack:
+            found = await stack.lookup_chain(chain, first_block=first_block)
+            stats = stack.statistics()
+        for payload, block in zip(found, blocks):
+            assert_same_payload(payload, block)
+        on_disk, in_redis = stats.tiers
+        assert (on_disk.num_loaded, on_disk.num_corrupt, in_redis.num_loaded) == (5, 1, 1)
+        assert stats.num_blocks_found == 6
+
+    async def test_values_read_past_the_end_are_not_loaded(self, disk, namespace, blocks, chain):
+        """A lone tier read a chunk at a time reads blocks 4 and 5 with the chunk
+        in which block 3 is missing; the run ends at 3 and they are not loaded."""
+        tier = disk(namespace)
+        async with TierStack([tier], namespace) as stack:
+            for i in (0, 1, 2, 4, 5):
+                await _put(tier, namespace, chain[i], blocks[i])
+            found = await stack.lookup_chain(chain, first_block=0)
+            stats = stack.statistics()
+        assert len(found) == 3
+        assert (stats.tiers[0].num_loaded, stats.tiers[0].num_missed, stats.num_blocks_found) == (3, 1, 3)
+
+    async def test_the_position_must_be_a_block_index(self, disk, namespace, chain):
+        """``first_block`` is an int >= 0 or None."""
+        async with TierStack([disk(namespace)], namespace) as stack:
+            for bad in (-1, 1.0, "0"):
+                with pytest.raises(InvalidInput, match="first_block"):
+                    await stack.lookup_chain(chain, first_block=bad)
 
 
 class TestLifecycle:
@@ -417,10 +499,10 @@ class TestFaults:
         reads = []
         inner_get_many = stalling.get_many
 
-        async def get_many(keys):
+        async def get_many(keys, *, starts=None):
             reads.append(len(keys))
             stalling.get_delay = 10.0 if len(reads) == 2 else 0.0
-            return await inner_get_many(keys)
+            return await inner_get_many(keys, starts=starts)
 
         stalling.get_many = get_many
         async with TierStack([stalling], namespace, timeout=0.5) as stack:

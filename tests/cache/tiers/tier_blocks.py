@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from typing import Any, Optional
 
 import mlx.core as mx
@@ -96,3 +97,41 @@ def assert_same_payload(actual: BlockPayload, expected: BlockPayload) -> None:
                 continue
             assert a.dtype == b.dtype and a.shape == b.shape
             assert array_bytes(a) == array_bytes(b)
+
+
+def forge_start(value: bytes, start: int) -> bytes:
+    """``value`` claiming another ``start``, its checksum recomputed: what a
+    writer with access to a tier can store, which the checksum cannot catch."""
+    import json
+    import struct
+    import zlib
+
+    _, version, size = struct.unpack_from("<6sHI", value, 0)
+    header = json.loads(value[12 : 12 + size])
+    header["start"] = start
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    body = struct.pack("<6sHI", b"MLXKVB", version, len(encoded)) + encoded + value[12 + size : -4]
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+_PEAK_RSS_PRELUDE = """
+import os, sys, anyio
+
+def peak_kib():
+    # This process image's own peak RSS (getrusage's ru_maxrss starts
+    # from the parent's peak: Linux keeps it across fork and exec).
+    with open("/proc/self/status") as status:
+        return int(next(line for line in status if line.startswith("VmHWM:")).split()[1])
+sys.path.insert(0, {tests!r})
+from tier_blocks import chain_of, kv_blocks, namespace_of
+"""
+
+
+def peak_rss_script(main: str, **fields: Any) -> str:
+    """A script for a fresh process: ``peak_kib()`` (its own peak resident set,
+    in KiB) and this module at hand, then ``main`` (an ``async def main()``,
+    formatted with ``fields``) run under anyio."""
+    from pathlib import Path
+
+    prelude = _PEAK_RSS_PRELUDE.format(tests=str(Path(__file__).parent))
+    return prelude + textwrap.dedent(main).format(**fields) + "\nanyio.run(main)\n"
