@@ -19,10 +19,13 @@ server-sent events, with a usage chunk on ``stream_options.include_usage``;
 came from the cache.
 
 A generation request's life (:class:`_Answering`): it waits for an admission
-slot (503 at once if the queue is full too), prepares its prompt (the chat
-template, or the runtime's tokenizer), and generates; all of it under a watch on the
-connection: a client that leaves cancels the request wherever it is, and the
-runtime's generation releases everything it held. A streamed answer's
+slot (503 at once if the queue is full too), reads its body (only then: a
+queued request holds at most its first 64 KiB; 408 past ``body_timeout``,
+413 past ``max_body_bytes``), prepares its prompt (refused untokenized if its
+text cannot fit the context; the chat template and the tokenizer run on a
+worker thread), and generates; all of it under a watch on the connection: a
+client that leaves cancels the request wherever it is, and the runtime's
+generation releases everything it held. A streamed answer's
 headers go out with its first text, so an error before then still gets its
 status; after it, an error is a last ``data: {"error": ...}`` event.
 
@@ -392,6 +395,8 @@ def _outcome(error: ApiError) -> str:
 
 #: Bodies up to this size are parsed on the event loop (faster than the hop to a thread).
 _INLINE_BODY = 256 << 10
+
+
 async def _off_the_loop(size: int, function: Callable[..., Any], *args: Any) -> Any:
     """``function(*args)``, on a worker thread when ``size`` (bytes it works
     through) is past :data:`_INLINE_BODY`."""

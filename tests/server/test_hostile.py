@@ -493,3 +493,38 @@ class TestImages:
             gc.collect()
             assert rss() - before < 64 * MiB
             await still_serving(s)
+
+
+class TestTiers:
+    """Items 8 and 13 through the server: what is planted in a disk tier's
+    directory costs counted misses, never a hung request or a wrong answer."""
+
+    async def test_fifos_planted_under_every_block_name(self, serve, tmp_path):
+        """A second server over a disk tier whose every block file was replaced by
+        a FIFO answers the same prompt with the same greedy text, promptly, with
+        nothing reused; /metrics counts the planted files corrupt; and it keeps
+        serving."""
+        directory = tmp_path / "kv"
+        prompt = "The same long prompt, written once and read back. " * 8
+        async with serve(kv_tiers=(f"file://{directory}",)) as s:
+            first = await s.client.completions.create(model="tiny", prompt=prompt, max_tokens=8, **GREEDY)
+            await s.runtime.flush_tiers()
+        blocks = [path for path in directory.iterdir() if len(path.name) == 64]
+        assert blocks
+        for path in blocks:
+            path.unlink()
+            os.mkfifo(path)
+        with anyio.fail_after(60):
+            async with serve(kv_tiers=(f"file://{directory}",)) as s:
+                again = await s.client.completions.create(model="tiny", prompt=prompt, max_tokens=8, **GREEDY)
+                async with httpx.AsyncClient(base_url=s.url) as http:
+                    metrics = (await http.get("/metrics")).text
+                await still_serving(s)
+        assert again.choices[0].text == first.choices[0].text
+        assert again.usage.prompt_tokens_details.cached_tokens == 0
+        corrupt = next(
+            float(line.rpartition(" ")[2])
+            for line in metrics.splitlines()
+            if line.startswith('mlxkv_kv_tier_blocks_total{event="corrupt",tier="file"}')
+        )
+        assert corrupt >= 1

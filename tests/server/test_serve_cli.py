@@ -221,6 +221,24 @@ class TestServeErrors:
             lines
         )
 
+    def test_a_tier_url_password_is_never_printed(self, model_dir: Path):
+        """A malformed Redis URL with a password: one line showing it redacted."""
+        done = run_cli(model_dir, "--kv-tier", "redis://alice:s3cret-pw@cache/db1")
+        assert done.returncode == 2
+        (line,) = done.stderr.splitlines()
+        assert "s3cret-pw" not in done.stderr + done.stdout and "redis://alice:***@cache/db1" in line
+
+    def test_a_directory_of_other_files_is_refused_untouched(self, model_dir: Path, tmp_path: Path):
+        """``--kv-tier file://DIR`` over someone else's files: one line naming the
+        directory, exit 2, and the files are all still there."""
+        (tmp_path / "report.tmp").write_text("quarterly figures")
+        (tmp_path / ("ab" * 32)).write_text("not a block")
+        done = run_cli(model_dir, "--kv-tier", f"file://{tmp_path}")
+        assert done.returncode == 2
+        (line,) = done.stderr.splitlines()
+        assert str(tmp_path) in line and "empty or new directory" in line
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["report.tmp", "ab" * 32])
+
     def test_address_in_use(self, model_dir: Path):
         """A port another socket holds: one line saying so, exit 2."""
         with socket.socket() as taken:
