@@ -28,6 +28,8 @@ import attrs
 from mlxkv.cache.tiers import cache_dir
 
 __all__ = [
+    "BENCH_LLAMA_722M",
+    "BUILT_IN_MODELS",
     "BYTE_VOCAB",
     "DEFAULT_MODEL",
     "MATRIX_SCALE",
@@ -39,6 +41,7 @@ __all__ = [
     "default_cache_dir",
     "ensure_model",
     "ensure_written",
+    "model_path",
     "shape_weights",
     "spec_digest",
     "write_byte_tokenizer",
@@ -64,6 +67,8 @@ class ModelSpec:
     ``model_type`` and ``vocab_size`` (the vocabulary is always the byte-level
     tokenizer's). ``weight_scales`` shapes the random weights (see
     :func:`shape_weights`). ``seed`` makes the weights deterministic.
+    ``dtype`` is the weights' type on disk (an ``mlx.core`` dtype's name):
+    drawn in float32, then cast.
     """
 
     name: str
@@ -73,6 +78,7 @@ class ModelSpec:
         factory=dict, converter=lambda c: dict(sorted(c.items()))
     )
     seed: int = 0
+    dtype: str = attrs.field(default="float32", validator=attrs.validators.in_(("float32", "bfloat16", "float16")))
 
     @property
     def vocab_size(self) -> int:
@@ -88,14 +94,15 @@ class ModelSpec:
         }
 
     def digest(self) -> str:
-        return spec_digest(
-            {
-                "config": self.full_config(),
-                "weight_scales": self.weight_scales,
-                "seed": self.seed,
-                "format": 1,
-            }
-        )
+        payload = {
+            "config": self.full_config(),
+            "weight_scales": self.weight_scales,
+            "seed": self.seed,
+            "format": 1,
+        }
+        if self.dtype != "float32":  # float32 specs keep the names they always had
+            payload["dtype"] = self.dtype
+        return spec_digest(payload)
 
 
 def spec_digest(payload: Mapping[str, Any]) -> str:
@@ -233,6 +240,41 @@ DEFAULT_MODEL = ModelSpec(
 )
 
 
+#: The model of the GPU measurements (docs/benchmarks.md; issue 31): a Llama
+#: of 722M parameters in bfloat16 -- hidden 2048, 16 layers, intermediate
+#: 5632, 32 query and 8 KV heads of 64 -- written like the others (random
+#: weights, the byte-level tokenizer). About 1.4 GB on disk; writing it takes
+#: a few GB of memory and tens of seconds. Not for the CPU's tests.
+BENCH_LLAMA_722M = ModelSpec(
+    name="bench-llama-722m-bf16",
+    model_type="llama",
+    config=_llama(
+        hidden_size=2048,
+        num_hidden_layers=16,
+        intermediate_size=5632,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+    ),
+    weight_scales=UNTIED_SHARP,
+    dtype="bfloat16",
+)
+
+#: The built-in models by name: what ``--model NAME`` names in the scripts.
+BUILT_IN_MODELS = {
+    spec.name: spec for spec in (DEFAULT_MODEL, TINY_LLAMA, TINY_SLIDING_LLAMA, TINY_HYBRID, BENCH_LLAMA_722M)
+}
+
+
+def model_path(model: Optional[str], cache_dir: Path | None = None) -> str:
+    """The model directory a ``--model`` value names: the built-in model for
+    None, a built-in model's directory (written if missing) for one of
+    :data:`BUILT_IN_MODELS`' names, else the value itself (a path or Hub id)."""
+    if model is None:
+        return str(ensure_model(DEFAULT_MODEL, cache_dir))
+    spec = BUILT_IN_MODELS.get(model)
+    return model if spec is None else str(ensure_model(spec, cache_dir))
+
+
 def default_cache_dir() -> Path:
     """Where models are written: ``$MLXKV_CACHE_DIR``, else
     ``$XDG_CACHE_HOME/mlxkv``, else ``~/.cache/mlxkv`` (the one rule, in
@@ -310,6 +352,11 @@ def write_model(spec: ModelSpec, directory: Path) -> None:
     mx.random.seed(spec.seed)
     model = model_class(args_class.from_dict(config))
     weights = shape_weights(dict(tree_flatten(model.parameters())), spec.weight_scales)
+    del model
+    if spec.dtype != "float32":
+        dtype = getattr(mx, spec.dtype)
+        weights = {name: value.astype(dtype) for name, value in weights.items()}
+        config["torch_dtype"] = spec.dtype
     mx.eval(weights)
     mx.save_safetensors(str(directory / "model.safetensors"), weights)
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))

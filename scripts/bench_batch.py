@@ -224,9 +224,9 @@ async def _mlxkv(rt: Any, prefix: list[int], owns: list[list[int]], tokens: int)
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     from mlxkv import CacheRuntime
-    from mlxkv.default_model import ensure_model
+    from mlxkv.default_model import model_path
 
-    path = args.model or str(ensure_model())
+    path = model_path(args.model)
     prefix = _prefix(args.prefix_tokens)
     mlx_lm = MlxLm(path, prefix)
     baseline = Baseline(args.baseline_python, path, prefix) if args.baseline_python else None
@@ -324,7 +324,11 @@ def main() -> None:
         action="store_true",
         help="also mlxkv-plain: a second runtime with transpose_weights=False (the model's own weight layout)",
     )
-    parser.add_argument("--model", help="an mlx-lm model directory (default: the built-in model)")
+    parser.add_argument(
+        "--model",
+        help="an mlx-lm model directory, or a built-in model's name (bench-llama-722m-bf16: the"
+        " GPU measurements' model; default: the built-in model)",
+    )
     parser.add_argument("--json", help="also write the results as JSON to FILE")
     parser.add_argument(
         "--baseline-python", help="python of another environment whose mlxkv runs as 'baseline'"

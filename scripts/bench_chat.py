@@ -35,10 +35,10 @@ METHODS = {"shared": True, "copies": False}
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every round of both methods; the per-round figures and their medians."""
-    from mlxkv.default_model import ensure_model
+    from mlxkv.default_model import model_path
     from mlxkv.workload import WorkloadConfig, run_workload
 
-    model = args.model or str(ensure_model())
+    model = model_path(args.model)
     runs: list[dict[str, Any]] = []
     for round_ in range(args.rounds):
         order = list(METHODS) if round_ % 2 == 0 else list(METHODS)[::-1]
@@ -115,7 +115,11 @@ def table(summary: dict[str, Any], rounds: int) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="rounds, each running both methods (5)")
-    parser.add_argument("--model", help="an mlx-lm model directory (default: the built-in model)")
+    parser.add_argument(
+        "--model",
+        help="an mlx-lm model directory, or a built-in model's name (bench-llama-722m-bf16: the"
+        " GPU measurements' model; default: the built-in model)",
+    )
     parser.add_argument("--requests", type=int, default=32, help="requests per run (32)")
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight (8)")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per answer (32)")

@@ -193,9 +193,9 @@ async def _mlxkv(rt: Any, prefixes: list[list[int]], owns: list[list[int]]) -> d
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    from mlxkv.default_model import ensure_model
+    from mlxkv.default_model import model_path
 
-    path = args.model or str(ensure_model())
+    path = model_path(args.model)
     prefixes = _prefixes(args.groups)
     mlx_lm = MlxLm(path, prefixes)
     table: dict[int, dict[str, list[dict[str, Any]]]] = {}
@@ -234,7 +234,11 @@ def main() -> None:
     parser.add_argument("--sizes", default="8,16,32,64", help="concurrent requests (8,16,32,64)")
     parser.add_argument("--groups", type=int, default=1, help="different prefixes the requests share (1)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per size (3)")
-    parser.add_argument("--model", help="an mlx-lm model directory (default: the built-in model)")
+    parser.add_argument(
+        "--model",
+        help="an mlx-lm model directory, or a built-in model's name (bench-llama-722m-bf16: the"
+        " GPU measurements' model; default: the built-in model)",
+    )
     parser.add_argument(
         "--also",
         action="append",

@@ -394,7 +394,11 @@ def main() -> int:
     parser.add_argument(
         "--servers", default=",".join(SERVERS), help=f"comma-separated, of {', '.join(SERVERS)}"
     )
-    parser.add_argument("--model", help="an mlx-lm model directory (default: the built-in model)")
+    parser.add_argument(
+        "--model",
+        help="an mlx-lm model directory, or a built-in model's name (bench-llama-722m-bf16: the"
+        " GPU measurements' model; default: the built-in model)",
+    )
     parser.add_argument(
         "--vllm-python",
         type=Path,
@@ -434,12 +438,9 @@ def main() -> int:
             file=sys.stderr,
         )
         servers = [s for s in servers if not s.startswith("vllm-mlx")]
-    if args.model:
-        model = args.model
-    else:
-        from mlxkv.default_model import ensure_model
+    from mlxkv.default_model import model_path
 
-        model = str(ensure_model())
+    model = model_path(args.model)
     logs = args.logs or Path(tempfile.mkdtemp(prefix="bench-serve-"))
     logs.mkdir(parents=True, exist_ok=True)
     passes = [

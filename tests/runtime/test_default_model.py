@@ -53,3 +53,35 @@ class TestLoadedModels:
         a = model(x, cache=make_prompt_cache(model))
         b = model(x, cache=make_prompt_cache(model))
         assert mx.array_equal(a, b).item()
+
+
+class TestSpecs:
+    def test_weights_in_another_dtype(self, tmp_path):
+        """A spec's ``dtype`` is the weights' type on disk, as mlx_lm.load gives them
+        back; it names another directory than the float32 spec's, which keeps its name."""
+        import attrs
+        from mlx_lm import load
+
+        from mlxkv.default_model import DEFAULT_MODEL
+
+        half = attrs.evolve(TINY_LLAMA, dtype="bfloat16")
+        assert half.digest() != TINY_LLAMA.digest()
+        assert DEFAULT_MODEL.digest() == "41f477a228a5"  # float32 names did not move
+        model, _ = load(str(ensure_model(half, tmp_path)))
+        assert model.layers[0].self_attn.q_proj.weight.dtype == mx.bfloat16
+        logits = model(mx.array([[1, 2, 3]]))
+        assert logits.dtype == mx.bfloat16 and mx.isfinite(logits.astype(mx.float32)).all()
+
+    def test_a_built_in_model_by_name(self, tmp_path):
+        """``model_path`` writes a built-in model named by its spec's name, takes
+        None for the default one and leaves any other value as it is."""
+        from mlxkv.default_model import BENCH_LLAMA_722M, BUILT_IN_MODELS, DEFAULT_MODEL, model_path
+
+        assert model_path("tiny-llama", tmp_path) == str(ensure_model(TINY_LLAMA, tmp_path))
+        assert model_path(None, tmp_path) == str(ensure_model(DEFAULT_MODEL, tmp_path))
+        assert model_path("/some/dir", tmp_path) == "/some/dir"
+        assert BUILT_IN_MODELS[BENCH_LLAMA_722M.name] is BENCH_LLAMA_722M
+        config = BENCH_LLAMA_722M.full_config()
+        per_layer = 2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 5632
+        assert (config["hidden_size"], config["num_hidden_layers"], BENCH_LLAMA_722M.dtype) == (2048, 16, "bfloat16")
+        assert 720e6 < 16 * per_layer < 725e6
