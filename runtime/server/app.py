@@ -515,12 +515,12 @@ class _Answering(Response):
             if not self._sent and not self._disconnected:  # cancelled by drain()
                 await self._fail(sending, _shutting_down())
         finally:
-            answering.discard(tg.cancel_scope)
             outcome = "disconnected" if self._disconnected else self._outcome
             self._server.metrics.requests.labels(self._endpoint, outcome).inc()
             if self._body.peak_bytes >= TRIM_AFTER_BYTES:
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(return_freed_memory)
+            answering.discard(tg.cancel_scope)
 
     def _left(self, scope: anyio.CancelScope) -> None:
         """The client closed the connection."""
