@@ -95,6 +95,7 @@ from mlxkv.actors.executor import Executor
 from mlxkv.actors.mlx_thread import MLXThread, MLXThreadStatistics, MLXThreadStopped
 from mlxkv.actors.model_runner import KV_BITS, ModelInfo, ModelRunner, PromptPreparer, TextRunner
 from mlxkv.actors.model_source import ModelLoadError, ModelSource
+from mlxkv.actors.prefix_attention import PrefixAttention
 from mlxkv.actors.request import RequestSpec
 from mlxkv.actors.sampling import Sampling
 from mlxkv.actors.scheduler import MAX_BURST_STEPS, Output, Plan, Result, Scheduler, SchedulerStatistics
@@ -291,6 +292,17 @@ class _Streams:
             self.to_cache.close()
 
 
+def _prefix_attention(value: Any) -> Optional[PrefixAttention]:
+    """``prefix_attention`` checked: None, or one of :class:`PrefixAttention`'s values."""
+    if value is None or isinstance(value, PrefixAttention):
+        return value
+    try:
+        return PrefixAttention(value)
+    except ValueError:
+        names = ", ".join(way.value for way in PrefixAttention)
+        raise InvalidInput("prefix_attention", value, f"must be one of {names}, or None") from None
+
+
 class ComputeActor(Actor):
     """Mailbox -> scheduler -> executor (on the MLX thread) -> events.
 
@@ -319,6 +331,7 @@ class ComputeActor(Actor):
         decode_wait: int = DEFAULT_DECODE_WAIT,
         keep_last_cache: bool = True,
         shared_prefix: bool = True,
+        prefix_attention: Optional[str] = None,
         kv_bits: Optional[int] = None,
         transpose_weights: Optional[bool] = None,
         loader: Optional[Callable[..., ModelRunner]] = None,
@@ -345,6 +358,10 @@ class ComputeActor(Actor):
             shared_prefix: requests that begin with the same cached blocks
                 hold that prefix's KV once, where the model allows
                 (:attr:`ModelInfo.shared_prefix`).
+            prefix_attention: how attention reads a shared prefix
+                (``cascade``, ``gathered`` or ``stacked``:
+                :class:`~mlxkv.actors.prefix_attention.PrefixAttention`);
+                None: the device's way.
             kv_bits: quantize the KV cache of attention layers to this many
                 bits (4 or 8: mlx-lm's ``QuantizedKVCache``) in live caches
                 and blocks alike; None keeps the model's precision.
@@ -354,8 +371,8 @@ class ComputeActor(Actor):
                 model the actor loads (:meth:`loading`), not for one handed
                 in (:meth:`with_model`).
             loader: called on the MLX thread with keywords ``prefill_chunk``,
-                ``shared_prefix``, ``kv_bits`` and ``transpose_weights`` to
-                make the runner, instead of ``runner``.
+                ``shared_prefix``, ``prefix_attention``, ``kv_bits`` and
+                ``transpose_weights`` to make the runner, instead of ``runner``.
             source: what the loader loads, for error messages.
             **options: the :class:`Actor` options.
 
@@ -377,6 +394,7 @@ class ComputeActor(Actor):
                 raise InvalidInput(name, flag, "must be a bool")
         if transpose_weights is not None and not isinstance(transpose_weights, bool):
             raise InvalidInput("transpose_weights", transpose_weights, "must be a bool or None")
+        way = _prefix_attention(prefix_attention)
         if kv_bits is not None and (isinstance(kv_bits, bool) or kv_bits not in KV_BITS):
             raise InvalidInput("kv_bits", kv_bits, f"must be one of {sorted(KV_BITS)} or None")
         if (runner is None) == (loader is None):
@@ -394,6 +412,7 @@ class ComputeActor(Actor):
         self._runner_options = {
             "prefill_chunk": prefill_chunk,
             "shared_prefix": shared_prefix,
+            "prefix_attention": way,
             "kv_bits": kv_bits,
             "transpose_weights": transpose_weights,
         }

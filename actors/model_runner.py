@@ -32,10 +32,11 @@ from mlxkv.cache import kv_state
 from mlxkv.cache.errors import InvalidInput
 from mlxkv.cache.kv_state import BlockPayload
 from mlxkv.cache.tiers.kv_layout import KVLayout
+from mlxkv.actors import attention_hook
+from mlxkv.actors.prefix_attention import PrefixAttention
 from mlxkv.cache.shared_prefix import (
     PrefixGroups,
     SharedPrefixCache,
-    install,
     suffix_cache,
     suffix_layer,
     suffix_of,
@@ -99,6 +100,10 @@ class ModelInfo:
             a text model whose layers are all plain KV and whose attention
             routes through the shared-prefix dispatcher); else each request
             holds a copy.
+        prefix_attention: how attention reads a shared prefix
+            (:class:`~mlxkv.actors.prefix_attention.PrefixAttention`'s value:
+            ``cascade``, ``gathered`` or ``stacked``; chosen per device
+            unless given), or None without shared prefixes.
         batch_prefill: whether requests' prefill chunks run together in
             one model call (right-padded, as mlx-lm's ``BatchGenerator``
             prefills): plain and sliding-window KV layers of a text model;
@@ -131,6 +136,7 @@ class ModelInfo:
     batchable: bool = True
     batch_prefill: bool = False
     shared_prefix: bool = False
+    prefix_attention: Optional[str] = None
     takes_images: bool = False
     max_context: Optional[int] = None
     kv_bytes_per_token: int = 0
@@ -916,14 +922,18 @@ class TextRunner(CacheRunner):
         *,
         prefill_chunk: int,
         shared_prefix: bool = True,
+        prefix_attention: Optional[PrefixAttention] = None,
         kv_bits: Optional[int] = None,
         transpose_weights: bool = False,
     ) -> None:
-        """Describe ``model``: runs one token through a fresh cache (on the MLX thread).
+        """Describe ``model``: runs one token through a fresh cache (on the MLX
+        thread, which is also where its attention's way is set).
 
         Args:
             shared_prefix: hold a prefix that requests share once, where the
                 model allows (:attr:`ModelInfo.shared_prefix` says).
+            prefix_attention: how attention reads a shared prefix; None: the
+                device's way (:meth:`PrefixAttention.for_device`).
             transpose_weights: hold the model's linear weights transposed
                 (in place: :mod:`mlxkv.actors.weight_layout`; the same
                 outputs, faster on the CPU). Off by default: a model handed
@@ -944,7 +954,13 @@ class TextRunner(CacheRunner):
         self._tokenizer = tokenizer
         self._kv_bits = kv_bits
         self._kv_group = self._group_size() if kv_bits else 0
-        fields, self._layout = self._measure(shared_prefix=shared_prefix and not kv_bits and install(model))
+        fields, self._layout = self._measure(
+            shared_prefix=shared_prefix and not kv_bits and attention_hook.install(model)
+        )
+        if fields["shared_prefix"]:
+            way = prefix_attention or PrefixAttention.for_device()
+            attention_hook.use(way)
+            fields["prefix_attention"] = way.value
         args = getattr(model, "args", None)
         eos = getattr(tokenizer, "eos_token_ids", None) or ()
         max_context = getattr(args, "max_position_embeddings", None)

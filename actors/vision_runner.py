@@ -319,12 +319,13 @@ class VisionRunner(CacheRunner):
         *,
         prefill_chunk: int,
         shared_prefix: bool = False,
+        prefix_attention: Any = None,
         kv_bits: Optional[int] = None,
         transpose_weights: Optional[bool] = None,
     ) -> VisionRunner:
         """Load a vision-language model directory with ``mlx_vlm.load``
-        (requests hold their own copy of a prefix: ``shared_prefix`` is not
-        served here).
+        (requests hold their own copy of a prefix: ``shared_prefix`` and
+        ``prefix_attention`` are not served here).
 
         Raises:
             ValueError: ``kv_bits`` (not served for vision-language models).

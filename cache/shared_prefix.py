@@ -12,41 +12,27 @@ The cache a full-attention layer of such a request gets is a
 like mlx-lm's ``KVCache``/``BatchKVCache`` with one difference:
 ``update_and_fetch`` stores and returns only the request's own tokens (its
 *suffix*), while ``offset`` counts the prefix too, so rotary positions stay
-absolute; ``make_mask`` covers the suffix. The prefix is attended by
-:func:`cascade_attention`: each group's queries against its prefix in one
-matrix product, merged exactly with every row's attention over its own
-suffix through the softmax statistics (log-sum-exp: the cascade / Hydragen
-idea). Joining, leaving and merging batches copy only suffixes.
-
-The hook is explicit and narrow: :func:`install` routes the name
-``scaled_dot_product_attention`` of the modules that define a model's
-attention layers (mlx-lm's and mlx-vlm's model modules import it from their
-``base``) through a dispatcher that runs the cascade for these cache classes
-and calls the original for every other cache, so other models of those
-modules in the process are unchanged. A model whose attention does not go
-through that name is not served (``install`` says so) and keeps
-per-request copies.
-
-Exactness: on float32 the cascade equals fused attention over the
-concatenated KV within ~4e-7 (``tests/cache/test_shared_prefix.py``).
+absolute; ``make_mask`` covers the suffix. The prefix is attended by the
+shared-prefix attention the hook routes these classes to
+(:mod:`mlxkv.actors.prefix_attention`, :mod:`mlxkv.actors.attention_hook`):
+this module holds the caches, nothing of attention. Joining, leaving and
+merging batches copy only suffixes.
 """
 
 from __future__ import annotations
 
-import sys
 import weakref
 from collections.abc import Sequence
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from mlxkv.cache.kv_state import BlockPayload, KVLayer
 
 __all__ = [
+    "SUFFIX_STEP",
     "BatchSharedPrefixCache",
     "PrefixGroup",
     "PrefixGroups",
     "SharedPrefixCache",
-    "cascade_attention",
-    "install",
     "suffix_cache",
     "suffix_layer",
     "suffix_of",
@@ -288,11 +274,12 @@ class SharedPrefixCache(_OverSuffix):
     @property
     def last_layer(self) -> bool:
         """Whether this is the model's last attention layer (see
-        :func:`cascade_attention`'s ``evaluate_slices``)."""
+        :func:`~mlxkv.actors.prefix_attention.cascade_attention`'s ``evaluate_slices``)."""
         return self.group is not None and self.layer == len(self.group.keys) - 1
 
     def segments(self) -> list[tuple[list[int], Any, Any, list[int]]]:
-        """The prefix this cache attends to besides its suffix (see :func:`cascade_attention`)."""
+        """The prefix this cache attends to besides its suffix (see
+        :func:`~mlxkv.actors.prefix_attention.cascade_attention`)."""
         if self.group is None or self.num_prefix == 0:
             return []
         keys, values = self.group.keys[self.layer], self.group.values[self.layer]
@@ -393,7 +380,7 @@ class BatchSharedPrefixCache(_OverSuffix):
     @property
     def last_layer(self) -> bool:
         """Whether this is the model's last attention layer (see
-        :func:`cascade_attention`'s ``evaluate_slices``)."""
+        :func:`~mlxkv.actors.prefix_attention.cascade_attention`'s ``evaluate_slices``)."""
         # Every group holds the same layers (one model's): the first says.
         group = next((group for group, _ in self.rows if group is not None), None)
         return group is not None and self.layer == len(group.keys) - 1
@@ -449,302 +436,9 @@ class BatchSharedPrefixCache(_OverSuffix):
         return SharedPrefixCache(group, self.layer, n, self.suffix.extract(idx))
 
 
-def cascade_attention(
-    queries: Any,
-    keys: Any,
-    values: Any,
-    mask: Any,
-    scale: float,
-    segments: list[tuple[list[int], Any, Any, list[int]]],
-    *,
-    evaluate_slices: bool = True,
-) -> Any:
-    """Attention over shared prefixes and each row's own suffix, merged exactly.
-
-    Args:
-        queries: ``(batch, heads, L, head_dim)``, positions already rotated.
-        keys, values: the rows' suffixes ``(batch, kv_heads, S, head_dim)``.
-        mask: the suffix's mask: None, ``"causal"`` (the last ``L`` of the
-            ``S`` positions are the queries'), or a boolean or additive array
-            broadcastable to ``(batch, 1, L, S)``.
-        scale: the softmax scale.
-        segments: ``(rows, keys, values, lengths)``: rows that attend to a
-            prefix ``(1, kv_heads, P, head_dim)``, each to its first
-            ``lengths[i]`` positions.
-        evaluate_slices: evaluate the scores of many queries against a long
-            prefix a slice at a time, so the transients stay near
-            :data:`SCORE_ELEMENTS` floats. False leaves the slices to MLX:
-            for a model's last layer, whose output over a prefill's body
-            nobody evaluates (only the body's keys and values enter the
-            cache: the prompt's last token runs in a call of its own), so
-            forcing the slices would compute attention that is never read
-            -- half the attention of a batched prefill on a two-layer model.
-
-    Returns:
-        ``(batch, heads, L, head_dim)``, as fused attention over each row's
-        prefix followed by its suffix.
-    """
-    import mlx.core as mx
-
-    batch, heads, length, dim = queries.shape
-    kv_heads = keys.shape[1]
-    repeats = heads // kv_heads
-    if batch == 1 and len(segments) == 1:
-        return _one_row(queries, keys, values, mask, scale, segments[0])
-    if length == 1:
-        return _decode_step(queries, keys, values, mask, scale, segments)
-    q = (queries * scale).reshape(batch, kv_heads, repeats, length, dim)
-    scores = q @ keys[:, :, None].swapaxes(-1, -2)  # (batch, kv_heads, repeats, L, S)
-    if mask is not None:
-        if isinstance(mask, str):
-            total = keys.shape[2]
-            allowed = mx.arange(total - length, total)[:, None] >= mx.arange(total)[None]
-            scores = mx.where(allowed, scores, -mx.inf)
-        else:
-            mask = mask.reshape(mask.shape[0], 1, 1, *mask.shape[-2:]) if mask.ndim == 4 else mask
-            scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
-    # Every row sees at least its own newest token: no row is all masked.
-    output, lse = _softmax_out(scores, values[:, :, None])
-    for rows, prefix_keys, prefix_values, lengths in segments:
-        whole = len(rows) == batch
-        index = None if whole else mx.array(rows)
-        q_rows = q if whole else q[index]
-        count, size = len(rows), prefix_keys.shape[2]
-        flat = q_rows.transpose(1, 0, 2, 3, 4).reshape(kv_heads, count * repeats * length, dim)
-        keep = None
-        if any(n < size for n in lengths):
-            keep = mx.arange(size)[None] < mx.array(lengths)[:, None]  # (rows, P)
-            keep = mx.broadcast_to(keep[:, None, None, :], (count, repeats, length, size))
-            keep = keep.reshape(1, count * repeats * length, size)
-        # The scores of many queries against a long prefix are computed a
-        # slice of the prefix at a time (merged as they go), so a prefill's
-        # transient memory stays near SCORE_ELEMENTS floats (a decode step's
-        # queries are few: one slice).
-        step = max(256, SCORE_ELEMENTS // max(1, kv_heads * count * repeats * length))
-        prefix_out = prefix_lse = None
-        for begin in range(0, size, step):
-            stop = min(size, begin + step)
-            part = flat @ prefix_keys[0][:, begin:stop].swapaxes(-1, -2)  # (kv_heads, rows*repeats*L, step)
-            if keep is not None:
-                part = mx.where(keep[..., begin:stop], part, -mx.inf)
-            out, lse_part = _softmax_out(part, prefix_values[0][:, begin:stop], masked=keep is not None)
-            if prefix_out is None:
-                prefix_out, prefix_lse = out, lse_part
-            else:
-                joint = mx.logaddexp(prefix_lse, lse_part)
-                prefix_out = prefix_out * mx.exp(prefix_lse - joint) + out * mx.exp(lse_part - joint)
-                prefix_lse = joint
-            if step < size and evaluate_slices:
-                # Evaluated slice by slice: left to itself, MLX computes every
-                # slice's scores before merging any, and the transient is the
-                # whole score matrix again.
-                mx.eval(prefix_out, prefix_lse)
-        prefix_out = prefix_out.reshape(kv_heads, count, repeats, length, -1).transpose(1, 0, 2, 3, 4)
-        prefix_lse = prefix_lse.reshape(kv_heads, count, repeats, length, 1).transpose(1, 0, 2, 3, 4)
-        mine_out = output if whole else output[index]
-        mine_lse = lse if whole else lse[index]
-        # Each side weighted by its share of the softmax mass (a row is in one
-        # segment, so the merged log-sum-exp is not needed again).
-        share = mx.sigmoid(mine_lse - prefix_lse)
-        merged = prefix_out + share * (mine_out - prefix_out)
-        if whole:
-            output = merged
-        else:
-            output[index] = merged
-    return output.reshape(batch, heads, length, -1)
-
-
-def _one_row(
-    queries: Any, keys: Any, values: Any, mask: Any, scale: float, segment: tuple[list[int], Any, Any, list[int]]
-) -> Any:
-    """A lone row over its shared prefix (a prefill chunk, or a decode step of a
-    request decoding alone): fused attention over the prefix and the suffix side
-    by side. The concatenation is a transient of one layer's prefix for one row
-    (freed once this layer's attention ran); the row still holds only its
-    suffix, and with nothing to share the fused kernel is faster than the
-    cascade's separate scores (a decode step of one request over 512 tokens:
-    ~5-8% of the step)."""
-    import mlx.core as mx
-
-    _, prefix_keys, prefix_values, lengths = segment
-    size = lengths[0]
-    length, total = queries.shape[2], size + keys.shape[2]
-    keys = mx.concatenate([prefix_keys[:, :, :size], keys], axis=2)
-    values = mx.concatenate([prefix_values[:, :, :size], values], axis=2)
-    if isinstance(mask, str):
-        # The queries are the last `length` of all positions, prefix first.
-        mask = mx.arange(total - length, total)[:, None] >= mx.arange(total)[None]
-    elif mask is not None:
-        seen = mx.ones if mask.dtype == mx.bool_ else mx.zeros
-        mask = mx.concatenate([seen((*mask.shape[:-1], size), dtype=mask.dtype), mask], axis=-1)
-    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
-
-
-def _decode_step(
-    queries: Any, keys: Any, values: Any, mask: Any, scale: float, segments: list[tuple[list[int], Any, Any, list[int]]]
-) -> Any:
-    """A decode step: every row one query, each row of a segment over its
-    group's leading ``lengths[i]`` positions (rows in no segment have only
-    their suffix).
-
-    One softmax for the whole batch: each segment's rows are scored together
-    against the longest part of its prefix any of them sees (one matrix
-    product a segment); the positions a row does not see -- past its own
-    length, or past its segment's longest where another segment's is
-    longer -- are ``-inf``; the batch's prefix scores and suffix scores go
-    through one softmax side by side (the scores are a query's, not the KV;
-    a row that shares only a group's first blocks -- a turn-1 request over a
-    group built for a turn 2 -- stays on this path). The weights then split
-    into one product a segment with its prefix's values and one for the
-    batch with the suffixes'. Nothing of the KV is copied but the suffixes,
-    gathered into segment order when the batch's rows are not in it. Beyond
-    one segment, each costs a product, a slice and a gather of its queries,
-    not a softmax of its own: on the CPU a step's graph nodes are much of
-    its time (the built-in model's step over 4 groups of 2 rows: 419 nodes,
-    against 475 with a softmax a segment and 305 over per-row copies). The
-    softmax accumulates in float32 whatever the model's dtype (``precise``).
-    """
-    import mlx.core as mx
-
-    batch, heads, _, dim = queries.shape
-    kv_heads = keys.shape[1]
-    repeats = heads // kv_heads
-    q = (queries * scale).reshape(batch, kv_heads, repeats, 1, dim)
-    own_scores = q @ keys[:, :, None].swapaxes(-1, -2)  # (batch, kv, rep, 1, S)
-    if mask is not None:
-        mask = mask.reshape(mask.shape[0], 1, 1, *mask.shape[-2:]) if mask.ndim == 4 else mask
-        own_scores = mx.where(mask, own_scores, -mx.inf) if mask.dtype == mx.bool_ else own_scores + mask
-    if not segments:
-        weights = mx.softmax(own_scores, axis=-1, precise=True)
-        return (weights @ values[:, :, None]).astype(queries.dtype).reshape(batch, heads, 1, -1)
-    order = [row for rows, _, _, _ in segments for row in rows]
-    grouped = set(order)
-    alone = [row for row in range(batch) if row not in grouped]
-    order += alone
-    permuted = order != list(range(batch))
-    width = max(max(lengths) for _, _, _, lengths in segments)
-    parts = []
-    for rows, prefix_keys, _, lengths in segments:
-        longest = max(lengths)
-        if longest < prefix_keys.shape[2]:
-            prefix_keys = prefix_keys[:, :, :longest]
-        q_rows = q if len(rows) == batch else q[mx.array(rows)]
-        scores = q_rows @ prefix_keys[:, :, None].swapaxes(-1, -2)  # (rows, kv, rep, 1, P)
-        if min(lengths) < longest:
-            visible = mx.arange(longest)[None] < mx.array(lengths)[:, None]  # (rows, P)
-            scores = mx.where(visible[:, None, None, None, :], scores, -mx.inf)
-        if longest < width:
-            scores = mx.pad(scores, [(0, 0)] * 4 + [(0, width - longest)], constant_values=-mx.inf)
-        parts.append(scores)
-    if alone:
-        parts.append(mx.full((len(alone), kv_heads, repeats, 1, width), -mx.inf, dtype=parts[0].dtype))
-    prefix_scores = parts[0] if len(parts) == 1 else mx.concatenate(parts)
-    index = mx.array(order) if permuted else None
-    own = own_scores[index] if permuted else own_scores
-    weights = mx.softmax(mx.concatenate([prefix_scores, own.astype(prefix_scores.dtype)], axis=-1), axis=-1, precise=True)
-    mine = values[index] if permuted else values
-    out = weights[..., width:] @ mine[:, :, None]
-    prefix_outs, start = [], 0
-    for rows, _, prefix_values, lengths in segments:
-        longest = max(lengths)
-        if longest < prefix_values.shape[2]:
-            prefix_values = prefix_values[:, :, :longest]
-        part = weights if len(rows) == batch else weights[start : start + len(rows)]
-        prefix_outs.append(part[..., :longest] @ prefix_values[:, :, None])
-        start += len(rows)
-    if alone:
-        prefix_outs.append(mx.zeros((len(alone), *prefix_outs[0].shape[1:]), dtype=prefix_outs[0].dtype))
-    out = out + (prefix_outs[0] if len(prefix_outs) == 1 else mx.concatenate(prefix_outs))
-    if permuted:
-        where = [0] * batch
-        for position, row in enumerate(order):
-            where[row] = position
-        out = out[mx.array(where)]
-    return out.astype(queries.dtype).reshape(batch, heads, 1, -1)
-
-
 #: Tokens a suffix's buffer grows by (mlx-lm grows a ``KVCache`` by 256): a
 #: request's own tokens are few, and every row of a batch is padded to the
 #: longest, so room beyond them is memory a shared prefix would not save. A
 #: growth copies only the suffixes. 64 held 13.0 MiB at 64 requests of 64
 #: own tokens over a 2,048-token prefix, 16 holds 11.7 (scripts/bench_memory.py).
 SUFFIX_STEP = 16
-
-#: The most prefix scores one slice of :func:`cascade_attention` computes at once.
-SCORE_ELEMENTS = 1 << 18
-
-
-def _softmax_out(scores: Any, values: Any, *, masked: bool = False) -> tuple[Any, Any]:
-    """Softmax-weighted ``values`` and the log-sum-exp of ``scores`` (last axis).
-
-    ``masked``: some query may see none of these positions (all ``-inf``); it
-    then contributes nothing: output 0 and log-sum-exp ``-inf`` (not 0/0).
-    One exponential pass over the scores (a log-sum-exp first would be a
-    second: on this CPU ``exp`` is most of a softmax's time); the weighted
-    values are normalised after the product, where they are few.
-    """
-    import mlx.core as mx
-
-    top = scores.max(-1, keepdims=True)
-    if masked:
-        top = mx.where(mx.isinf(top), 0.0, top)
-    weights = mx.exp(scores - top)
-    total = weights.sum(-1, keepdims=True)
-    out = (weights @ values) / (mx.maximum(total, 1e-30) if masked else total)
-    return out, top + mx.log(total)
-
-
-#: module name -> the original ``scaled_dot_product_attention`` of every
-#: module :func:`install` routed
-_ROUTED: dict[str, Callable[..., Any]] = {}
-
-
-def install(model: Any) -> bool:
-    """Route ``model``'s attention through the shared-prefix dispatcher.
-
-    The attention layers are the submodules with ``q_proj``, ``k_proj`` and
-    ``v_proj``; each must come from a module that calls a module-level
-    ``scaled_dot_product_attention`` (as mlx-lm's and mlx-vlm's models
-    do), which is replaced, once per module, by a dispatcher that runs
-    :func:`cascade_attention` for :class:`SharedPrefixCache` and
-    :class:`BatchSharedPrefixCache` and the original for anything else.
-
-    Returns:
-        Whether every attention layer is routed (else nothing is changed,
-        and the model keeps per-request copies).
-    """
-    modules = set()
-    for _, layer in model.named_modules():
-        if all(hasattr(layer, name) for name in ("q_proj", "k_proj", "v_proj")):
-            module = sys.modules.get(type(layer).__module__)
-            if module is None or not callable(getattr(module, "scaled_dot_product_attention", None)):
-                return False
-            modules.add(module)
-    if not modules:
-        return False
-    for module in modules:
-        if module.__name__ not in _ROUTED:
-            original = module.scaled_dot_product_attention
-            _ROUTED[module.__name__] = original
-            module.scaled_dot_product_attention = _dispatcher(original)
-    return True
-
-
-def _dispatcher(original: Callable[..., Any]) -> Callable[..., Any]:
-    def scaled_dot_product_attention(
-        queries: Any, keys: Any, values: Any, cache: Any, scale: float, mask: Any, sinks: Any = None
-    ) -> Any:
-        if not isinstance(cache, (SharedPrefixCache, BatchSharedPrefixCache)):
-            if sinks is None:
-                return original(queries, keys, values, cache, scale=scale, mask=mask)
-            return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
-        assert sinks is None, "a shared prefix does not serve attention sinks"
-        segments = cache.segments()
-        if not segments:
-            import mlx.core as mx
-
-            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
-        return cascade_attention(queries, keys, values, mask, scale, segments, evaluate_slices=not cache.last_layer)
-
-    scaled_dot_product_attention.__wrapped__ = original  # type: ignore[attr-defined]
-    return scaled_dot_product_attention

@@ -84,6 +84,14 @@ def _int_at_least(minimum: int) -> Any:
     return check
 
 
+def _optional_one_of(*names: str) -> Any:
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value is not None and value not in names:
+            raise InvalidInput(attribute.name, value, f"must be one of {', '.join(names)}, or None")
+
+    return check
+
+
 def _is_bool(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value.__class__ is not bool:
         raise InvalidInput(attribute.name, value, "must be a bool")
@@ -187,6 +195,14 @@ class RuntimeConfig:
             model allows (``model_info.shared_prefix``: a text model whose
             layers are all plain KV); off, each request holds a copy (only
             to measure what it saves).
+        prefix_attention: how attention reads a shared prefix: ``"cascade"``
+            (scores against the prefix merged through softmax statistics;
+            the CPU's way), ``"gathered"`` (fused attention over each row's
+            prefix part copied beside its suffix for the call; a GPU's way)
+            or ``"stacked"`` (fused attention, the rows' queries as one
+            sequence over the prefix and every suffix); None (the default):
+            the device's way (:mod:`mlxkv.actors.prefix_attention`). All are
+            exact; ``model_info.prefix_attention`` says which serves.
         kv_bits: quantize the model's attention KV to 4 or 8 bits (mlx-lm's
             ``QuantizedKVCache``) in live caches and in the block pool, so
             each block takes about 3.8x (8 bits) or 6.4x (4 bits) less
@@ -249,6 +265,7 @@ class RuntimeConfig:
     decode_wait: int = attrs.field(default=DEFAULT_DECODE_WAIT, validator=_int_at_least(1))
     share_in_flight: bool = attrs.field(default=True, validator=_is_bool)
     shared_prefix: bool = attrs.field(default=True, validator=_is_bool)
+    prefix_attention: Optional[str] = attrs.field(default=None, validator=_optional_one_of("cascade", "gathered", "stacked"))
     kv_bits: Optional[int] = attrs.field(default=None)
     keep_last_cache: bool = attrs.field(default=True, validator=_is_bool)
     kv_tiers: tuple[str, ...] = attrs.field(default=(), converter=_tier_urls, repr=_shown_tier_urls)
@@ -513,6 +530,7 @@ class CacheRuntime:
                     decode_wait=config.decode_wait,
                     keep_last_cache=config.keep_last_cache,
                     shared_prefix=config.shared_prefix,
+                    prefix_attention=config.prefix_attention,
                     kv_bits=config.kv_bits,
                     transpose_weights=config.transpose_weights,
                     **options,

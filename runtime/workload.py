@@ -173,6 +173,9 @@ class WorkloadReport:
             holds (each one a ``generation.prompt_exceeds_pool`` event).
         cold_fallbacks: requests whose cached prefix could not be rebuilt,
             so their whole prompt was computed (``prefill.cold_fallback``).
+        compute: where the model ran and how it read shared prefixes: MLX's
+            device, and ``model_info.prefix_attention`` (``-`` without
+            shared prefixes).
         kv_tiers: the tiers' URLs, passwords redacted (empty without tiers).
         tiers: each tier's counters at the end (written, loaded, missed,
             dropped, corrupt, evicted), in lookup order.
@@ -221,6 +224,7 @@ class WorkloadReport:
     cold_fallbacks: int
     wall_seconds: float
     interrupted: bool = False
+    compute: str = ""
     kv_tiers: tuple[str, ...] = ()
     tier_blocks_loaded: int = 0
     tier_blocks_written: int = 0
@@ -234,6 +238,7 @@ class WorkloadReport:
 
         return [
             ("model", self.model),
+            *([("compute", self.compute)] if self.compute else []),
             ("requests", f"{self.requests} ({self.cold_requests} cold, {self.warm_requests} warm)"),
             ("prompt tokens", f"{self.prompt_tokens}"),
             ("tokens reused", f"{self.reused_tokens} ({self.reused_percent:.1f}%)"),
@@ -289,6 +294,18 @@ class WorkloadReport:
         rows = self.rows()
         width = max(len(name) for name, _ in rows)
         return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _device() -> str:
+    """MLX's default device as a person names it: ``cpu``, ``gpu (Metal)``, ``gpu (CUDA)``."""
+    import mlx.core as mx
+
+    if mx.default_device().type == mx.DeviceType.cpu:
+        return "cpu"
+    if mx.metal.is_available():
+        return "gpu (Metal)"
+    cuda = getattr(mx, "cuda", None)
+    return "gpu (CUDA)" if cuda is not None and cuda.is_available() else "gpu"
 
 
 def _check_fits(config: WorkloadConfig, max_context: Optional[int]) -> None:
@@ -492,8 +509,11 @@ async def run_workload(
     )
     block_bytes = memory.block_bytes
     rates = [r.decode_tokens_per_second for r in reports if r.generated_tokens > 1]
+    info = rt.model_info
+    assert info is not None, "a workload runs on a model"
     return WorkloadReport(
         model=config.model,
+        compute=f"{_device()}, shared-prefix attention {info.prefix_attention or '-'}",
         requests=len(reports),
         cold_requests=len(cold),
         warm_requests=len(warm),

@@ -13,6 +13,7 @@ import anyio
 import pytest
 
 from mlxkv import CacheRuntime
+from mlxkv.actors.prefix_attention import PrefixAttention
 from mlxkv.default_model import TINY_HYBRID, TINY_LLAMA, TINY_SLIDING_LLAMA, ensure_model
 
 from parity import BS, assert_clean, assert_matches_cold, run
@@ -38,13 +39,24 @@ async def _together(rt: CacheRuntime, prompts: list[list[int]]) -> list[Any]:
 
 
 class TestSharedPrefix:
-    async def test_concurrent_requests_over_two_prefixes_are_exact(self, model_dir):
+    @pytest.mark.parametrize("way", [None, "cascade", "gathered", "stacked"])
+    async def test_concurrent_requests_over_two_prefixes_are_exact(self, model_dir, way, monkeypatch):
         """Six requests over two cached prefixes (three each), with tails of
         different lengths, decode together over one copy of each prefix and
-        give their cold tokens and logits."""
+        give their cold tokens and logits, whichever way attention reads the
+        prefixes (None: the device's), and that way is the one that ran."""
+        import mlxkv.actors.prefix_attention as module
+
+        ran: list[str] = []
+        for name in ("cascade", "gathered", "stacked"):
+            real = getattr(module, f"{name}_attention")
+            monkeypatch.setattr(
+                module, f"{name}_attention", lambda *a, _n=name, _f=real, **k: ran.append(_n) or _f(*a, **k)
+            )
         path = str(ensure_model(TINY_LLAMA, model_dir))
-        async with CacheRuntime(model=path, block_size=BS, keep_last_cache=False) as rt:
+        async with CacheRuntime(model=path, block_size=BS, keep_last_cache=False, prefix_attention=way) as rt:
             assert rt.model_info.shared_prefix
+            assert rt.model_info.prefix_attention == (way or PrefixAttention.for_device().value)
             for prefix in PREFIXES:
                 await run(rt, prefix + [7], max_tokens=1)  # caches the prefix's blocks
             prompts = [PREFIXES[i % 2] + _tokens(5 + 3 * i, salt=i) for i in range(6)]
@@ -57,6 +69,7 @@ class TestSharedPrefix:
         assert stats.compute is not None
         assert stats.compute.num_shared_prefix_tokens == 6 * len(PREFIXES[0])
         assert stats.compute.mean_batch_size > 1
+        assert ran and set(ran) == {way or PrefixAttention.for_device().value}
 
     async def test_the_same_tokens_with_and_without_sharing(self, model_dir):
         """Held once or copied per request, a warm request gives the same tokens."""

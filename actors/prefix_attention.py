@@ -1,0 +1,480 @@
+"""Attention over shared prefixes: each row of a batch attends to its part of
+a prefix held once (a :class:`~mlxkv.cache.shared_prefix.PrefixGroup`'s buffer)
+and to its own suffix, exactly as fused attention over that row's prefix part
+followed by its suffix would.
+
+Three ways, all with the signature ``(queries, keys, values, mask, scale,
+segments) -> output`` (see :func:`cascade_attention` for the arguments):
+
+- :func:`cascade_attention` -- each group's queries against its prefix in one
+  matrix product, merged with every row's suffix attention through the
+  softmax statistics (log-sum-exp: the cascade / Hydragen idea). The prefix
+  is read once, the scores are materialised in float32; about twenty MLX
+  operations a layer. Best on a CPU, where a call's arithmetic is its cost.
+- :func:`gathered_attention` -- each row's prefix part copied beside its
+  suffix for this call only (one transient of the rows' prefixes a layer,
+  freed with the layer's attention) and one fused
+  ``mx.fast.scaled_dot_product_attention`` over them, a row a batch entry
+  with its mask: the same kernel mlx-lm's batched decoding runs.
+- :func:`stacked_attention` -- every row's queries laid end to end as one
+  query sequence over ``[each group's prefix; every row's suffix]``, with a
+  mask that lets a row see its part of its prefix and its own suffix only:
+  one fused call, each prefix read once, one short transient.
+
+On a GPU a call's kernels, not its bytes, dominate at these sizes (issue 31:
+fused attention over per-row copies beat the cascade 2.7-3.1x a decode step
+and 22-24x a prefill chunk on an H200), so which one serves is chosen per
+device (:class:`PrefixAttention`, :func:`attention_for`); the figures behind
+each choice are in docs/benchmarks.md (``scripts/bench_attention.py``).
+
+Nothing here evaluates inside a model call except the cascade's slices of a
+long prefix (``evaluate_slices``: on the CPU they bound a prefill's score
+transient; the fused ways have none to bound).
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
+
+__all__ = [
+    "SCORE_ELEMENTS",
+    "PrefixAttention",
+    "Segment",
+    "attention_for",
+    "cascade_attention",
+    "gathered_attention",
+    "stacked_attention",
+]
+
+#: ``(rows, prefix keys, prefix values, lengths)``: the batch rows that attend
+#: to one prefix ``(1, kv_heads, P, head_dim)``, each to its first ``lengths[i]`` positions.
+Segment = tuple[list[int], Any, Any, list[int]]
+
+
+class PrefixAttention(enum.Enum):
+    """Which way a runner attends over shared prefixes (see the module docstring)."""
+
+    CASCADE = "cascade"
+    GATHERED = "gathered"
+    STACKED = "stacked"
+
+    @classmethod
+    def for_device(cls, device: Optional[Any] = None) -> PrefixAttention:
+        """The way for ``device`` (default: MLX's default device): the cascade on
+        the CPU, fused attention over gathered copies on a GPU."""
+        import mlx.core as mx
+
+        device = device if device is not None else mx.default_device()
+        return cls.CASCADE if device.type == mx.DeviceType.cpu else cls.GATHERED
+
+
+def attention_for(way: PrefixAttention) -> Callable[..., Any]:
+    """The function of ``way``."""
+    return {
+        PrefixAttention.CASCADE: cascade_attention,
+        PrefixAttention.GATHERED: gathered_attention,
+        PrefixAttention.STACKED: stacked_attention,
+    }[way]
+
+
+def cascade_attention(
+    queries: Any,
+    keys: Any,
+    values: Any,
+    mask: Any,
+    scale: float,
+    segments: list[tuple[list[int], Any, Any, list[int]]],
+    *,
+    evaluate_slices: bool = True,
+) -> Any:
+    """Attention over shared prefixes and each row's own suffix, merged exactly.
+
+    Args:
+        queries: ``(batch, heads, L, head_dim)``, positions already rotated.
+        keys, values: the rows' suffixes ``(batch, kv_heads, S, head_dim)``.
+        mask: the suffix's mask: None, ``"causal"`` (the last ``L`` of the
+            ``S`` positions are the queries'), or a boolean or additive array
+            broadcastable to ``(batch, 1, L, S)``.
+        scale: the softmax scale.
+        segments: ``(rows, keys, values, lengths)``: rows that attend to a
+            prefix ``(1, kv_heads, P, head_dim)``, each to its first
+            ``lengths[i]`` positions.
+        evaluate_slices: evaluate the scores of many queries against a long
+            prefix a slice at a time, so the transients stay near
+            :data:`SCORE_ELEMENTS` floats. False leaves the slices to MLX:
+            for a model's last layer, whose output over a prefill's body
+            nobody evaluates (only the body's keys and values enter the
+            cache: the prompt's last token runs in a call of its own), so
+            forcing the slices would compute attention that is never read
+            -- half the attention of a batched prefill on a two-layer model.
+
+    Returns:
+        ``(batch, heads, L, head_dim)``, as fused attention over each row's
+        prefix followed by its suffix.
+    """
+    import mlx.core as mx
+
+    batch, heads, length, dim = queries.shape
+    kv_heads = keys.shape[1]
+    repeats = heads // kv_heads
+    if batch == 1 and len(segments) == 1:
+        return _one_row(queries, keys, values, mask, scale, segments[0])
+    if length == 1:
+        return _decode_step(queries, keys, values, mask, scale, segments)
+    q = (queries * scale).reshape(batch, kv_heads, repeats, length, dim)
+    scores = q @ keys[:, :, None].swapaxes(-1, -2)  # (batch, kv_heads, repeats, L, S)
+    if mask is not None:
+        if isinstance(mask, str):
+            total = keys.shape[2]
+            allowed = mx.arange(total - length, total)[:, None] >= mx.arange(total)[None]
+            scores = mx.where(allowed, scores, -mx.inf)
+        else:
+            mask = mask.reshape(mask.shape[0], 1, 1, *mask.shape[-2:]) if mask.ndim == 4 else mask
+            scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
+    # Every row sees at least its own newest token: no row is all masked.
+    output, lse = _softmax_out(scores, values[:, :, None])
+    for rows, prefix_keys, prefix_values, lengths in segments:
+        whole = len(rows) == batch
+        index = None if whole else mx.array(rows)
+        q_rows = q if whole else q[index]
+        count, size = len(rows), prefix_keys.shape[2]
+        flat = q_rows.transpose(1, 0, 2, 3, 4).reshape(kv_heads, count * repeats * length, dim)
+        keep = None
+        if any(n < size for n in lengths):
+            keep = mx.arange(size)[None] < mx.array(lengths)[:, None]  # (rows, P)
+            keep = mx.broadcast_to(keep[:, None, None, :], (count, repeats, length, size))
+            keep = keep.reshape(1, count * repeats * length, size)
+        # The scores of many queries against a long prefix are computed a
+        # slice of the prefix at a time (merged as they go), so a prefill's
+        # transient memory stays near SCORE_ELEMENTS floats (a decode step's
+        # queries are few: one slice).
+        step = max(256, SCORE_ELEMENTS // max(1, kv_heads * count * repeats * length))
+        prefix_out = prefix_lse = None
+        for begin in range(0, size, step):
+            stop = min(size, begin + step)
+            part = flat @ prefix_keys[0][:, begin:stop].swapaxes(-1, -2)  # (kv_heads, rows*repeats*L, step)
+            if keep is not None:
+                part = mx.where(keep[..., begin:stop], part, -mx.inf)
+            out, lse_part = _softmax_out(part, prefix_values[0][:, begin:stop], masked=keep is not None)
+            if prefix_out is None:
+                prefix_out, prefix_lse = out, lse_part
+            else:
+                joint = mx.logaddexp(prefix_lse, lse_part)
+                prefix_out = prefix_out * mx.exp(prefix_lse - joint) + out * mx.exp(lse_part - joint)
+                prefix_lse = joint
+            if step < size and evaluate_slices:
+                # Evaluated slice by slice: left to itself, MLX computes every
+                # slice's scores before merging any, and the transient is the
+                # whole score matrix again.
+                mx.eval(prefix_out, prefix_lse)
+        prefix_out = prefix_out.reshape(kv_heads, count, repeats, length, -1).transpose(1, 0, 2, 3, 4)
+        prefix_lse = prefix_lse.reshape(kv_heads, count, repeats, length, 1).transpose(1, 0, 2, 3, 4)
+        mine_out = output if whole else output[index]
+        mine_lse = lse if whole else lse[index]
+        # Each side weighted by its share of the softmax mass (a row is in one
+        # segment, so the merged log-sum-exp is not needed again).
+        share = mx.sigmoid(mine_lse - prefix_lse)
+        merged = prefix_out + share * (mine_out - prefix_out)
+        if whole:
+            output = merged
+        else:
+            output[index] = merged
+    return output.reshape(batch, heads, length, -1)
+
+
+def _one_row(
+    queries: Any, keys: Any, values: Any, mask: Any, scale: float, segment: tuple[list[int], Any, Any, list[int]]
+) -> Any:
+    """A lone row over its shared prefix (a prefill chunk, or a decode step of a
+    request decoding alone): fused attention over the prefix and the suffix side
+    by side. The concatenation is a transient of one layer's prefix for one row
+    (freed once this layer's attention ran); the row still holds only its
+    suffix, and with nothing to share the fused kernel is faster than the
+    cascade's separate scores (a decode step of one request over 512 tokens:
+    ~5-8% of the step)."""
+    import mlx.core as mx
+
+    _, prefix_keys, prefix_values, lengths = segment
+    size = lengths[0]
+    length, total = queries.shape[2], size + keys.shape[2]
+    keys = mx.concatenate([prefix_keys[:, :, :size], keys], axis=2)
+    values = mx.concatenate([prefix_values[:, :, :size], values], axis=2)
+    if isinstance(mask, str):
+        # The queries are the last `length` of all positions, prefix first.
+        mask = mx.arange(total - length, total)[:, None] >= mx.arange(total)[None]
+    elif mask is not None:
+        seen = mx.ones if mask.dtype == mx.bool_ else mx.zeros
+        mask = mx.concatenate([seen((*mask.shape[:-1], size), dtype=mask.dtype), mask], axis=-1)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+def _decode_step(
+    queries: Any, keys: Any, values: Any, mask: Any, scale: float, segments: list[tuple[list[int], Any, Any, list[int]]]
+) -> Any:
+    """A decode step: every row one query, each row of a segment over its
+    group's leading ``lengths[i]`` positions (rows in no segment have only
+    their suffix).
+
+    One softmax for the whole batch: each segment's rows are scored together
+    against the longest part of its prefix any of them sees (one matrix
+    product a segment); the positions a row does not see -- past its own
+    length, or past its segment's longest where another segment's is
+    longer -- are ``-inf``; the batch's prefix scores and suffix scores go
+    through one softmax side by side (the scores are a query's, not the KV;
+    a row that shares only a group's first blocks -- a turn-1 request over a
+    group built for a turn 2 -- stays on this path). The weights then split
+    into one product a segment with its prefix's values and one for the
+    batch with the suffixes'. Nothing of the KV is copied but the suffixes,
+    gathered into segment order when the batch's rows are not in it. Beyond
+    one segment, each costs a product, a slice and a gather of its queries,
+    not a softmax of its own: on the CPU a step's graph nodes are much of
+    its time (the built-in model's step over 4 groups of 2 rows: 419 nodes,
+    against 475 with a softmax a segment and 305 over per-row copies). The
+    softmax accumulates in float32 whatever the model's dtype (``precise``).
+    """
+    import mlx.core as mx
+
+    batch, heads, _, dim = queries.shape
+    kv_heads = keys.shape[1]
+    repeats = heads // kv_heads
+    q = (queries * scale).reshape(batch, kv_heads, repeats, 1, dim)
+    own_scores = q @ keys[:, :, None].swapaxes(-1, -2)  # (batch, kv, rep, 1, S)
+    if mask is not None:
+        mask = mask.reshape(mask.shape[0], 1, 1, *mask.shape[-2:]) if mask.ndim == 4 else mask
+        own_scores = mx.where(mask, own_scores, -mx.inf) if mask.dtype == mx.bool_ else own_scores + mask
+    if not segments:
+        weights = mx.softmax(own_scores, axis=-1, precise=True)
+        return (weights @ values[:, :, None]).astype(queries.dtype).reshape(batch, heads, 1, -1)
+    order = [row for rows, _, _, _ in segments for row in rows]
+    grouped = set(order)
+    alone = [row for row in range(batch) if row not in grouped]
+    order += alone
+    permuted = order != list(range(batch))
+    width = max(max(lengths) for _, _, _, lengths in segments)
+    parts = []
+    for rows, prefix_keys, _, lengths in segments:
+        longest = max(lengths)
+        if longest < prefix_keys.shape[2]:
+            prefix_keys = prefix_keys[:, :, :longest]
+        q_rows = q if len(rows) == batch else q[mx.array(rows)]
+        scores = q_rows @ prefix_keys[:, :, None].swapaxes(-1, -2)  # (rows, kv, rep, 1, P)
+        if min(lengths) < longest:
+            visible = mx.arange(longest)[None] < mx.array(lengths)[:, None]  # (rows, P)
+            scores = mx.where(visible[:, None, None, None, :], scores, -mx.inf)
+        if longest < width:
+            scores = mx.pad(scores, [(0, 0)] * 4 + [(0, width - longest)], constant_values=-mx.inf)
+        parts.append(scores)
+    if alone:
+        parts.append(mx.full((len(alone), kv_heads, repeats, 1, width), -mx.inf, dtype=parts[0].dtype))
+    prefix_scores = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+    index = mx.array(order) if permuted else None
+    own = own_scores[index] if permuted else own_scores
+    weights = mx.softmax(mx.concatenate([prefix_scores, own.astype(prefix_scores.dtype)], axis=-1), axis=-1, precise=True)
+    mine = values[index] if permuted else values
+    out = weights[..., width:] @ mine[:, :, None]
+    prefix_outs, start = [], 0
+    for rows, _, prefix_values, lengths in segments:
+        longest = max(lengths)
+        if longest < prefix_values.shape[2]:
+            prefix_values = prefix_values[:, :, :longest]
+        part = weights if len(rows) == batch else weights[start : start + len(rows)]
+        prefix_outs.append(part[..., :longest] @ prefix_values[:, :, None])
+        start += len(rows)
+    if alone:
+        prefix_outs.append(mx.zeros((len(alone), *prefix_outs[0].shape[1:]), dtype=prefix_outs[0].dtype))
+    out = out + (prefix_outs[0] if len(prefix_outs) == 1 else mx.concatenate(prefix_outs))
+    if permuted:
+        where = [0] * batch
+        for position, row in enumerate(order):
+            where[row] = position
+        out = out[mx.array(where)]
+    return out.astype(queries.dtype).reshape(batch, heads, 1, -1)
+
+
+#: The most prefix scores one slice of :func:`cascade_attention` computes at once.
+SCORE_ELEMENTS = 1 << 18
+
+
+def _softmax_out(scores: Any, values: Any, *, masked: bool = False) -> tuple[Any, Any]:
+    """Softmax-weighted ``values`` and the log-sum-exp of ``scores`` (last axis).
+
+    ``masked``: some query may see none of these positions (all ``-inf``); it
+    then contributes nothing: output 0 and log-sum-exp ``-inf`` (not 0/0).
+    One exponential pass over the scores (a log-sum-exp first would be a
+    second: on this CPU ``exp`` is most of a softmax's time); the weighted
+    values are normalised after the product, where they are few.
+    """
+    import mlx.core as mx
+
+    top = scores.max(-1, keepdims=True)
+    if masked:
+        top = mx.where(mx.isinf(top), 0.0, top)
+    weights = mx.exp(scores - top)
+    total = weights.sum(-1, keepdims=True)
+    out = (weights @ values) / (mx.maximum(total, 1e-30) if masked else total)
+    return out, top + mx.log(total)
+
+
+def gathered_attention(
+    queries: Any, keys: Any, values: Any, mask: Any, scale: float, segments: Sequence[Segment], **_: Any
+) -> Any:
+    """Fused attention over each row's prefix part and its suffix, side by side.
+
+    The rows' prefix parts are gathered for this call into one
+    ``(batch, kv_heads, W, head_dim)`` transient (``W``: the longest part any
+    row sees; a row sees its own part, the rest is masked), put before the
+    suffixes, and one fused call runs over all of it: a batch entry a row.
+    The prefix stays held once; the transient is freed with the layer's
+    attention. Arguments and result as :func:`cascade_attention`'s.
+    """
+    import mlx.core as mx
+
+    if _additive(mask) or not segments:
+        return cascade_attention(queries, keys, values, mask, scale, segments)
+    batch, _, length, _ = queries.shape
+    kv_heads, dim, dtype = keys.shape[1], keys.shape[3], keys.dtype
+    width = max(max(lengths) for _, _, _, lengths in segments)
+    seen = [0] * batch
+    parts_k, parts_v, order = [], [], []
+    for rows, prefix_keys, prefix_values, lengths in segments:
+        part_k, part_v = _leading(prefix_keys, width), _leading(prefix_values, width)
+        parts_k.append(mx.broadcast_to(part_k, (len(rows), kv_heads, width, dim)))
+        parts_v.append(mx.broadcast_to(part_v, (len(rows), kv_heads, width, part_v.shape[3])))
+        order += rows
+        for row, n in zip(rows, lengths):
+            seen[row] = n
+    alone = [row for row in range(batch) if row not in set(order)]
+    if alone:
+        parts_k.append(mx.zeros((len(alone), kv_heads, width, dim), dtype=dtype))
+        parts_v.append(mx.zeros((len(alone), kv_heads, width, values.shape[3]), dtype=values.dtype))
+        order += alone
+    prefix_k = parts_k[0] if len(parts_k) == 1 else mx.concatenate(parts_k)
+    prefix_v = parts_v[0] if len(parts_v) == 1 else mx.concatenate(parts_v)
+    if order != list(range(batch)):
+        where = mx.array(_inverse(order))
+        prefix_k, prefix_v = prefix_k[where], prefix_v[where]
+    suffix = keys.shape[2]
+
+    def build() -> Any:
+        visible = mx.arange(width)[None] < mx.array(seen)[:, None]  # (batch, W)
+        own = _suffix_mask(mask, batch, length, suffix)  # (batch, 1, L, S)
+        return mx.concatenate([mx.broadcast_to(visible[:, None, None, :], (batch, 1, length, width)), own], axis=-1)
+
+    full = _per_step(("gathered", batch, length, suffix, width, tuple(seen)), mask, build)
+    return mx.fast.scaled_dot_product_attention(
+        queries,
+        mx.concatenate([prefix_k, keys], axis=2),
+        mx.concatenate([prefix_v, values], axis=2),
+        scale=scale,
+        mask=full,
+    )
+
+
+def stacked_attention(
+    queries: Any, keys: Any, values: Any, mask: Any, scale: float, segments: Sequence[Segment], **_: Any
+) -> Any:
+    """Every row's queries as one sequence over ``[each group's prefix; every
+    row's suffix]``, masked so that a row sees its part of its group's prefix
+    and its own suffix: one fused call, each prefix read once.
+
+    The transient is one copy of the prefixes' visible parts and the
+    suffixes laid end to end; the mask is ``(batch * L, prefixes + batch * S)``
+    booleans. Arguments and result as :func:`cascade_attention`'s.
+    """
+    import mlx.core as mx
+
+    if _additive(mask) or not segments:
+        return cascade_attention(queries, keys, values, mask, scale, segments)
+    batch, heads, length, dim = queries.shape
+    kv_heads, suffix = keys.shape[1], keys.shape[2]
+    low, high = [0] * batch, [0] * batch  # each row's visible span of the prefixes
+    parts_k, parts_v, start = [], [], 0
+    for rows, prefix_keys, prefix_values, lengths in segments:
+        longest = max(lengths)
+        parts_k.append(_leading(prefix_keys, longest))
+        parts_v.append(_leading(prefix_values, longest))
+        for row, n in zip(rows, lengths):
+            low[row], high[row] = start, start + n
+        start += longest
+    total = start
+    parts_k.append(keys.transpose(1, 0, 2, 3).reshape(1, kv_heads, batch * suffix, dim))
+    parts_v.append(values.transpose(1, 0, 2, 3).reshape(1, kv_heads, batch * suffix, values.shape[3]))
+
+    def build() -> Any:
+        columns = mx.arange(total)[None]
+        seen = (columns >= mx.array(low)[:, None]) & (columns < mx.array(high)[:, None])  # (batch, P)
+        own = _suffix_mask(mask, batch, length, suffix)[:, 0]  # (batch, L, S)
+        rows = mx.arange(batch)
+        same_row = (rows[:, None] == rows[None])[:, None, :, None]  # (batch, 1, batch, 1)
+        block = (same_row & own[:, :, None, :]).reshape(batch * length, batch * suffix)
+        prefix = mx.broadcast_to(seen[:, None, :], (batch, length, total)).reshape(batch * length, total)
+        return mx.concatenate([prefix, block], axis=-1)[None, None]
+
+    full = _per_step(("stacked", batch, length, suffix, tuple(low), tuple(high)), mask, build)
+    stacked = queries.transpose(1, 0, 2, 3).reshape(1, heads, batch * length, dim)
+    out = mx.fast.scaled_dot_product_attention(
+        stacked, mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2), scale=scale, mask=full
+    )
+    return out.reshape(heads, batch, length, -1).transpose(1, 0, 2, 3)
+
+
+#: The last mask each thread built, for the next layers of the same step.
+_LAST_MASK = threading.local()
+
+
+def _per_step(key: tuple[Any, ...], mask: Any, build: Callable[[], Any]) -> Any:
+    """``build()``, or what it gave for the same ``key`` and the same ``mask``
+    object: a step's layers share one mask (the model makes it once a step),
+    so every layer after the first reuses the full mask instead of adding its
+    operations again."""
+    last = getattr(_LAST_MASK, "entry", None)
+    if last is not None and last[0] == key and last[1] is mask:
+        return last[2]
+    full = build()
+    _LAST_MASK.entry = (key, mask, full)
+    return full
+
+
+def _additive(mask: Any) -> bool:
+    """Whether ``mask`` is an additive array (the fused ways take boolean masks;
+    shared-prefix caches give those or none)."""
+    import mlx.core as mx
+
+    return mask is not None and not isinstance(mask, str) and mask.dtype != mx.bool_
+
+
+def _leading(array: Any, width: int) -> Any:
+    """``array``'s first ``width`` positions (axis 2), zero-padded if it has fewer."""
+    import mlx.core as mx
+
+    size = array.shape[2]
+    if size == width:
+        return array
+    if size > width:
+        return array[:, :, :width]
+    b, h, _, d = array.shape
+    return mx.concatenate([array, mx.zeros((b, h, width - size, d), dtype=array.dtype)], axis=2)
+
+
+def _suffix_mask(mask: Any, batch: int, length: int, suffix: int) -> Any:
+    """The suffix's boolean mask as ``(batch, 1, L, S)``: all visible for None,
+    the last ``L`` of ``S`` positions' causal mask for ``"causal"``."""
+    import mlx.core as mx
+
+    if mask is None:
+        return mx.ones((batch, 1, length, suffix), dtype=mx.bool_)
+    if isinstance(mask, str):
+        causal = mx.arange(suffix - length, suffix)[:, None] >= mx.arange(suffix)[None]
+        return mx.broadcast_to(causal[None, None], (batch, 1, length, suffix))
+    mask = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
+    return mx.broadcast_to(mask, (batch, 1, length, suffix))
+
+
+def _inverse(order: Sequence[int]) -> list[int]:
+    where = [0] * len(order)
+    for position, row in enumerate(order):
+        where[row] = position
+    return where

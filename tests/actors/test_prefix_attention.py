@@ -1,0 +1,255 @@
+"""Attention over shared prefixes: every way (cascade, gathered, stacked) equals
+fused attention over each row's prefix part followed by its suffix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mlxkv.actors.prefix_attention import (
+    PrefixAttention,
+    attention_for,
+    cascade_attention,
+    gathered_attention,
+    stacked_attention,
+)
+
+TOL = 2e-6
+
+
+@pytest.fixture(params=[way.value for way in PrefixAttention])
+def attend(request: pytest.FixtureRequest) -> Any:
+    """Each way's function."""
+    return attention_for(PrefixAttention(request.param))
+
+
+def _fused(q: Any, parts_k: list[Any], parts_v: list[Any], mask: Any = None) -> Any:
+    return mx.fast.scaled_dot_product_attention(
+        q, mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2), scale=q.shape[-1] ** -0.5, mask=mask
+    )
+
+
+class TestEveryWay:
+    """Each way of attending over shared prefixes equals fused attention over
+    each row's prefix part followed by its suffix."""
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(
+        st.integers(1, 5),  # batch
+        st.sampled_from([(2, 2), (4, 2), (4, 1)]),  # heads, kv heads
+        st.integers(1, 6),  # query length
+        st.integers(0, 2),  # groups
+        st.data(),
+    )
+    def test_equals_fused_attention_over_the_concatenation(self, attend, batch, heads, length, num_groups, data):
+        """Rows in any prefix groups, each seeing any leading part of its
+        group's prefix, decoding or prefilling (causal over the suffix):
+        the cascade equals fused attention over each row's prefix + suffix."""
+        heads, kv_heads = heads
+        seed = data.draw(st.integers(0, 2**16))
+        rng = np.random.default_rng(seed)
+        dim, suffix = 8, length + data.draw(st.integers(0, 5))
+        q = mx.array(rng.standard_normal((batch, heads, length, dim)), dtype=mx.float32)
+        ks = mx.array(rng.standard_normal((batch, kv_heads, suffix, dim)), dtype=mx.float32)
+        vs = mx.array(rng.standard_normal((batch, kv_heads, suffix, dim)), dtype=mx.float32)
+        owner = [data.draw(st.integers(-1, num_groups - 1)) for _ in range(batch)]
+        segments = []
+        prefixes = []
+        for g in range(num_groups):
+            size = data.draw(st.integers(1, 600))
+            kp = mx.array(rng.standard_normal((1, kv_heads, size, dim)), dtype=mx.float32)
+            vp = mx.array(rng.standard_normal((1, kv_heads, size, dim)), dtype=mx.float32)
+            rows = [b for b in range(batch) if owner[b] == g]
+            lengths = [data.draw(st.integers(1, size)) for _ in rows]
+            prefixes.append((kp, vp, dict(zip(rows, lengths))))
+            if rows:
+                segments.append((rows, kp, vp, lengths))
+        mask = "causal" if length > 1 else None
+        out = attend(q, ks, vs, mask, dim**-0.5, segments)
+        for b in range(batch):
+            parts_k, parts_v = [], []
+            if owner[b] >= 0:
+                kp, vp, lengths = prefixes[owner[b]]
+                parts_k.append(kp[:, :, : lengths[b]])
+                parts_v.append(vp[:, :, : lengths[b]])
+            full_mask = None
+            if length > 1:
+                seen = sum(p.shape[2] for p in parts_k) + suffix
+                full_mask = mx.arange(seen - length, seen)[:, None] >= mx.arange(seen)[None]
+            expected = _fused(q[b : b + 1], [*parts_k, ks[b : b + 1]], [*parts_v, vs[b : b + 1]], full_mask)
+            np.testing.assert_allclose(np.array(out[b : b + 1]), np.array(expected), atol=TOL, rtol=0)
+
+    @pytest.mark.parametrize("mask_kind", ["causal", "bool", "additive"])
+    def test_one_rows_prefill_over_part_of_its_prefix_equals_fused_attention(self, attend, mask_kind):
+        """A lone row's prefill chunk (the fused path over prefix + suffix), with
+        the model's mask as a string, a boolean or an additive array."""
+        rng = np.random.default_rng(11)
+        heads, kv_heads, dim, size, seen, length, suffix = 4, 2, 8, 200, 150, 5, 7
+        q = mx.array(rng.standard_normal((1, heads, length, dim)), dtype=mx.float32)
+        ks = mx.array(rng.standard_normal((1, kv_heads, suffix, dim)), dtype=mx.float32)
+        vs = mx.array(rng.standard_normal((1, kv_heads, suffix, dim)), dtype=mx.float32)
+        kp = mx.array(rng.standard_normal((1, kv_heads, size, dim)), dtype=mx.float32)
+        vp = mx.array(rng.standard_normal((1, kv_heads, size, dim)), dtype=mx.float32)
+        causal = mx.arange(suffix - length, suffix)[:, None] >= mx.arange(suffix)[None]
+        mask = {
+            "causal": "causal",
+            "bool": causal[None, None],
+            "additive": mx.where(causal, 0.0, -mx.inf)[None, None],
+        }[mask_kind]
+        out = attend(q, ks, vs, mask, dim**-0.5, [([0], kp, vp, [seen])])
+        total = seen + suffix
+        full = mx.arange(total - length, total)[:, None] >= mx.arange(total)[None]
+        expected = _fused(q, [kp[:, :, :seen], ks], [vp[:, :, :seen], vs], full)
+        np.testing.assert_allclose(np.array(out), np.array(expected), atol=TOL, rtol=0)
+
+    @pytest.mark.parametrize("padded", [False, True])
+    @pytest.mark.parametrize(
+        "seen",
+        [[300] * 5, [256, 300, 64, 256, 128], [256] * 5],
+        ids=["whole-prefix", "mixed-lengths", "all-short-of-the-whole"],
+    )
+    def test_a_decode_step_of_one_group_equals_fused_attention(self, attend, padded, seen):
+        """A decode step -- every row one query over one group's prefix (all of
+        it, or only its first blocks: rows seeing different lengths of it),
+        rows left-padded in their suffix or not -- equals fused attention over
+        each row's part of the prefix and its suffix."""
+        rng = np.random.default_rng(7)
+        batch, heads, kv_heads, dim, size, suffix = 5, 4, 2, 8, 300, 9
+        q = mx.array(rng.standard_normal((batch, heads, 1, dim)), dtype=mx.float32)
+        ks = mx.array(rng.standard_normal((batch, kv_heads, suffix, dim)), dtype=mx.float32)
+        vs = mx.array(rng.standard_normal((batch, kv_heads, suffix, dim)), dtype=mx.float32)
+        kp = mx.array(rng.standard_normal((1, kv_heads, size, dim)), dtype=mx.float32)
+        vp = mx.array(rng.standard_normal((1, kv_heads, size, dim)), dtype=mx.float32)
+        pads = [0, 3, 1, 8, 0] if padded else [0] * batch
+        mask = mx.array([[[[j >= pad for j in range(suffix)]]] for pad in pads]) if padded else None
+        out = attend(q, ks, vs, mask, dim**-0.5, [(list(range(batch)), kp, vp, seen)])
+        for b, (pad, n) in enumerate(zip(pads, seen)):
+            expected = _fused(q[b : b + 1], [kp[:, :, :n], ks[b : b + 1, :, pad:]], [vp[:, :, :n], vs[b : b + 1, :, pad:]])
+            np.testing.assert_allclose(np.array(out[b : b + 1]), np.array(expected), atol=TOL, rtol=0)
+
+    @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+    def test_a_decode_step_of_several_groups_equals_fused_attention(self, attend, dtype):
+        """The step of a batch over several groups -- rows interleaved, one row
+        in no group, rows left-padded, groups of different lengths, one row
+        seeing only its group's first blocks -- equals fused attention over
+        each row's part of its prefix + suffix (in half precision within its
+        rounding: the softmax arithmetic is float32 either way)."""
+        rng = np.random.default_rng(13)
+        batch, heads, kv_heads, dim, suffix = 7, 4, 2, 8, 9
+        owner = [0, 1, 0, -1, 2, 1, 0]
+        sizes = [300, 45, 128]
+        pads = [0, 3, 1, 8, 0, 2, 5]
+        as_dtype = getattr(mx, dtype)
+
+        def normal(shape):
+            return mx.array(rng.standard_normal(shape), dtype=mx.float32).astype(as_dtype)
+
+        q = normal((batch, heads, 1, dim))
+        ks, vs = normal((batch, kv_heads, suffix, dim)), normal((batch, kv_heads, suffix, dim))
+        prefixes = [(normal((1, kv_heads, n, dim)), normal((1, kv_heads, n, dim))) for n in sizes]
+        seen = [300, 45, 192, 0, 128, 45, 300]  # row 2 sees 192 of its group's 300
+        segments = [
+            ([b for b in range(batch) if owner[b] == g], kp, vp, [seen[b] for b in range(batch) if owner[b] == g])
+            for g, (kp, vp) in enumerate(prefixes)
+        ]
+        mask = mx.array([[[[j >= pad for j in range(suffix)]]] for pad in pads])
+        out = attend(q, ks, vs, mask, dim**-0.5, segments)
+        assert out.dtype == as_dtype
+        tolerance = TOL if dtype == "float32" else 2e-2
+        for b, pad in enumerate(pads):
+            parts_k, parts_v = [], []
+            if owner[b] >= 0:
+                parts_k.append(prefixes[owner[b]][0][:, :, : seen[b]])
+                parts_v.append(prefixes[owner[b]][1][:, :, : seen[b]])
+            up = [a.astype(mx.float32) for a in (*parts_k, ks[b : b + 1, :, pad:])]
+            vp_up = [a.astype(mx.float32) for a in (*parts_v, vs[b : b + 1, :, pad:])]
+            expected = _fused(q[b : b + 1].astype(mx.float32), up, vp_up)
+            np.testing.assert_allclose(
+                np.array(out[b : b + 1].astype(mx.float32)), np.array(expected), atol=tolerance, rtol=0
+            )
+
+
+class TestCascade:
+    """What only the cascade does: score a long prefix a slice at a time."""
+
+    def test_a_long_prefix_in_slices_equals_one_slice(self, monkeypatch):
+        """Many queries against a long prefix are scored a slice at a time:
+        the same result as one slice."""
+        import mlxkv.actors.prefix_attention as module
+
+        rng = np.random.default_rng(3)
+        q = mx.array(rng.standard_normal((4, 4, 16, 8)), dtype=mx.float32)
+        ks = mx.array(rng.standard_normal((4, 2, 16, 8)), dtype=mx.float32)
+        kp = mx.array(rng.standard_normal((1, 2, 3000, 8)), dtype=mx.float32)
+        segments = [([0, 1, 2, 3], kp, kp * 0.5, [3000, 2000, 1000, 10])]
+        whole = cascade_attention(q, ks, ks, "causal", 0.3, segments)
+        monkeypatch.setattr(module, "SCORE_ELEMENTS", 1 << 10)
+        sliced = cascade_attention(q, ks, ks, "causal", 0.3, segments)
+        np.testing.assert_allclose(np.array(sliced), np.array(whole), atol=TOL, rtol=0)
+
+    def test_lazy_slices_give_the_same_attention(self, monkeypatch):
+        """Left to MLX (nothing evaluated inside), the slices of a long prefix
+        merge to the same result as slices evaluated one by one."""
+        import mlxkv.actors.prefix_attention as module
+
+        rng = np.random.default_rng(5)
+        q = mx.array(rng.standard_normal((3, 4, 16, 8)), dtype=mx.float32)
+        ks = mx.array(rng.standard_normal((3, 2, 16, 8)), dtype=mx.float32)
+        kp = mx.array(rng.standard_normal((1, 2, 3000, 8)), dtype=mx.float32)
+        segments = [([0, 1, 2], kp, kp * 0.5, [3000, 1500, 20])]
+        monkeypatch.setattr(module, "SCORE_ELEMENTS", 1 << 10)
+        evaluated: list[int] = []
+        real_eval = mx.eval
+
+        def counting(*arrays: Any) -> None:
+            evaluated.append(len(arrays))
+            real_eval(*arrays)
+
+        monkeypatch.setattr(mx, "eval", counting)
+        forced = cascade_attention(q, ks, ks, "causal", 0.3, segments)
+        assert evaluated, "the slices are evaluated one by one by default"
+        evaluated.clear()
+        lazy = cascade_attention(q, ks, ks, "causal", 0.3, segments, evaluate_slices=False)
+        assert not evaluated, "lazy slices are left to MLX"
+        monkeypatch.setattr(mx, "eval", real_eval)
+        np.testing.assert_allclose(np.array(lazy), np.array(forced), atol=TOL, rtol=0)
+
+
+class TestFusedWays:
+    """What only the fused ways do: build a step's mask once for all its layers."""
+
+    @pytest.mark.parametrize("attend", [gathered_attention, stacked_attention], ids=["gathered", "stacked"])
+    def test_a_steps_mask_is_built_once_for_every_layer(self, attend, monkeypatch):
+        """Layers of one step pass the same mask object: only the first builds
+        the full mask (the others add none of its operations); another mask
+        object, or other rows' lengths, build it again."""
+        rng = np.random.default_rng(2)
+        q = mx.array(rng.standard_normal((3, 4, 1, 8)), dtype=mx.float32)
+        ks = mx.array(rng.standard_normal((3, 2, 5, 8)), dtype=mx.float32)
+        kp = mx.array(rng.standard_normal((1, 2, 40, 8)), dtype=mx.float32)
+        mask = mx.array([[[[True] * 5]], [[[False, True, True, True, True]]], [[[True] * 5]]])
+        built: list[int] = []
+        real = mx.arange
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            built.append(1)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(mx, "arange", counting)
+        segments = [([0, 1, 2], kp, kp, [40, 30, 40])]
+        first = attend(q, ks, ks, mask, 0.3, segments)
+        once = len(built)
+        for _ in range(3):  # the step's other layers
+            again = attend(q, ks, ks, mask, 0.3, segments)
+        assert once > 0 and len(built) == once
+        attend(q, ks, ks, mx.array(np.array(mask)), 0.3, segments)
+        assert len(built) == 2 * once
+        attend(q, ks, ks, mask, 0.3, [([0, 1, 2], kp, kp, [40, 20, 40])])
+        assert len(built) == 3 * once
+        monkeypatch.setattr(mx, "arange", real)
+        np.testing.assert_array_equal(np.array(first), np.array(again))
