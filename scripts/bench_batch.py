@@ -29,7 +29,9 @@ over. Ratios are medians of the per-round ratios (each round's methods ran
 back to back, so a slow patch of the machine affects both sides of a ratio).
 Greedy tokens are compared across the methods (they must agree).
 
-With ``--plain`` a fifth, ``mlxkv-plain``, runs ``mlxkv``'s workload on a
+With ``--also KEY=VALUE`` another ``mlxkv`` runtime with those options runs
+too (``--also prefix_attention=stacked``: another way of attending over the
+shared prefix). With ``--plain`` a fifth, ``mlxkv-plain``, runs ``mlxkv``'s workload on a
 second runtime with ``transpose_weights=False``: the model's own weight
 layout, as mlx-lm runs it (what mlxkv gains without its CPU weight layout).
 
@@ -52,6 +54,9 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_memory import _runtime_options  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 PREFIX, OWN = 512, 32  # the default shared prefix's tokens; each request's own
@@ -238,14 +243,17 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             runtimes["mlxkv-plain"] = await stack.enter_async_context(
                 CacheRuntime(model=path, block_size=64, transpose_weights=False)
             )
+        for extra in args.also:
+            runtimes[f"mlxkv, {extra}"] = await stack.enter_async_context(
+                CacheRuntime(model=path, block_size=64, **_runtime_options(extra))
+            )
         for runtime in runtimes.values():
             async with runtime.generate(prefix + [33], max_tokens=1) as warm:  # stores the prefix
                 async for _ in warm:
                     pass
         for n, tokens in args.settings:
-            samples: dict[str, list[dict[str, Any]]] = {"batch_generate": [], "stream_generate": [], "mlxkv": []}
-            if args.plain:
-                samples["mlxkv-plain"] = []
+            samples: dict[str, list[dict[str, Any]]] = {"batch_generate": [], "stream_generate": []}
+            samples.update({name: [] for name in runtimes})
             if baseline is not None:
                 samples["baseline"] = []
             for round_ in range(args.rounds):
@@ -330,6 +338,13 @@ def main() -> None:
         " GPU measurements' model; default: the built-in model)",
     )
     parser.add_argument("--json", help="also write the results as JSON to FILE")
+    parser.add_argument(
+        "--also",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE,...",
+        help="also a runtime with these options, e.g. prefix_attention=stacked (repeatable)",
+    )
     parser.add_argument(
         "--baseline-python", help="python of another environment whose mlxkv runs as 'baseline'"
     )

@@ -12,7 +12,8 @@ alternating:
 - ``mlxkv, copies``: the same with ``shared_prefix=False``: each request
   rebuilds its own copy of the prefix, as before shared prefixes;
 - ``mlxkv, KEY=VALUE`` (with ``--also KEY=VALUE,...``): ``mlxkv`` with
-  other runtime options, e.g. ``decode_wait=1`` (the scheduling before a
+  other runtime options, e.g. ``prefix_attention=stacked`` (another way of
+  attending over the shared prefix), ``decode_wait=1`` (the scheduling before a
   wave of arrivals was prefilled first) or ``prefill_budget=1024`` (five
   requests over 2,048 tokens a prefill plan instead of two);
 - ``batch_generate``: mlx-lm's ``BatchGenerator`` given a copy of the
@@ -76,12 +77,13 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def _runtime_options(text: str) -> dict[str, int]:
-    """``"a=1,b=2"`` as ``{"a": 1, "b": 2}``."""
-    options = {}
+def _runtime_options(text: str) -> dict[str, Any]:
+    """``"a=1,b=x"`` as ``{"a": 1, "b": "x"}`` (integers as ints, the rest as strings)."""
+    options: dict[str, Any] = {}
     for item in text.split(","):
         key, _, value = item.partition("=")
-        options[key.strip()] = int(value)
+        value = value.strip()
+        options[key.strip()] = int(value) if value.lstrip("-").isdigit() else value
     return options
 
 

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The GPU check (issue 31) as one prepared run, for a machine where MLX runs on a GPU.
+#
+# On the lent GPU machine, from the checkout's root, after ../shared/gpu/prepare here
+# (see DEVELOPERS' "Tools"): the first call copies .gpu/part_aa to /root/stage/; then
+#     bash .gpu/install.sh && bash scripts/gpu_check.sh attention batch memory chat
+#     bash scripts/gpu_check.sh serve tests          (a later call, if device time is left)
+# Steps, in the order given (default: all of them):
+#   attention  scripts/bench_attention.py: one call of each shared-prefix attention way
+#   batch      scripts/bench_batch.py --prefix-tokens 2048 at 1, 8 and 32 requests, each way
+#   memory     scripts/bench_memory.py --sizes 8,32 (peak memory against the floor), each way
+#   chat       scripts/bench_chat.py: shared prefixes against copies
+#   serve      scripts/bench_serve.py --servers mlxkv,mlx-lm
+#   tests      the suite with pytest -n 12
+# on the 722M bfloat16 Llama of the issue (written first: --model bench-llama-722m-bf16).
+# Each step's output goes to $OUT/STEP.txt (and .json), its status and seconds to
+# $OUT/log.txt, and its last lines to standard output, so a step cut off by its
+# timeout still leaves what it printed. GPU_CHECK_MODEL and GPU_CHECK_QUICK=1 make
+# a small dry run of it anywhere (the tests run one on the CPU).
+set -u
+out=${OUT:-/tmp/gpu-check}
+mkdir -p "$out"
+export MLXKV_CACHE_DIR=${MLXKV_CACHE_DIR:-/tmp/mlxkv-cache} HF_HUB_OFFLINE=1
+model=${GPU_CHECK_MODEL:-bench-llama-722m-bf16}
+python=${PYTHON:-python3}
+quick=${GPU_CHECK_QUICK:-0}
+steps=${*:-attention batch memory chat serve tests}
+
+run() {
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name: $*" >> "$out/log.txt"
+  local start status
+  start=$(date +%s)
+  timeout "$limit" "$@" > "$out/$name.txt" 2>&1
+  status=$?
+  echo "== $name: status $status in $(($(date +%s) - start)) s" | tee -a "$out/log.txt"
+  tail -n 30 "$out/$name.txt"
+}
+
+"$python" -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device())' | tee "$out/device.txt"
+run model 300 "$python" -c "from mlxkv.default_model import model_path; print(model_path('$model'))"
+if [ "$quick" = 1 ]; then
+  settings=(--prefix-tokens 128 --settings 2x4 --rounds 1)
+  sizes=(--sizes 2 --rounds 1)
+  attention=(--quick --repeats 2 --warmup 1 --dtype float32 --heads 4 --kv-heads 2)
+else
+  settings=(--prefix-tokens 2048 --settings 1x64,8x48,32x48 --rounds 2)
+  sizes=(--sizes 8,32 --rounds 2)
+  attention=()
+fi
+ways=(--also prefix_attention=stacked --also prefix_attention=cascade)
+for step in $steps; do
+  case $step in
+    attention) run attention 180 "$python" scripts/bench_attention.py "${attention[@]}" --json "$out/attention.json" ;;
+    batch) run batch 300 "$python" scripts/bench_batch.py --model "$model" "${settings[@]}" "${ways[@]}" --json "$out/batch.json" ;;
+    memory) run memory 240 "$python" scripts/bench_memory.py --model "$model" "${sizes[@]}" "${ways[@]}" --json "$out/memory.json" ;;
+    chat) run chat 180 "$python" scripts/bench_chat.py --model "$model" --rounds 2 --json "$out/chat.json" ;;
+    serve) run serve 300 "$python" scripts/bench_serve.py --servers mlxkv,mlx-lm --model "$model" --rounds 1 --json "$out/serve.json" --logs "$out/serve-logs" ;;
+    tests) run tests 420 "$python" -m pytest -n 12 -p no:benchmark -q --timeout 120 -p no:cacheprovider ;;
+    *) echo "unknown step $step" >&2 ;;
+  esac
+done

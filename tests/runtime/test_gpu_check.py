@@ -1,0 +1,40 @@
+"""``scripts/gpu_check.sh`` and ``scripts/bench_attention.py`` run: a dry run of the GPU check on this machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from mlxkv.default_model import TINY_LLAMA, ensure_model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_quick_dry_run_measures_every_way(model_dir: Path, tmp_path: Path):
+    """The check's attention and batch steps on the tiny model: each step ends
+    with status 0, every way of each shape is timed and counted, and each
+    agrees with fused attention over copies (exactly where it is fused itself)."""
+    ensure_model(TINY_LLAMA, model_dir)
+    env = {
+        **os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "MLXKV_CACHE_DIR": str(model_dir),
+        "GPU_CHECK_MODEL": TINY_LLAMA.name, "GPU_CHECK_QUICK": "1",
+    }  # fmt: skip
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "attention", "batch"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    log = (tmp_path / "log.txt").read_text()
+    for step in ("model", "attention", "batch"):
+        assert f"== {step}: status 0 in" in log, log
+    results = json.loads((tmp_path / "attention.json").read_text())["results"]
+    ways = {r["way"] for r in results}
+    assert ways == {"copies", "cascade", "cascade-lazy", "gathered", "stacked"}
+    assert len(results) == 4 * len(ways)
+    for r in results:
+        assert r["ms"] > 0 and r["ops"] > 0 and r["max_diff"] < 1e-5, r
+    batch = json.loads((tmp_path / "batch.json").read_text())
+    assert {"mlxkv", "mlxkv, prefix_attention=stacked", "mlxkv, prefix_attention=cascade"} <= set(batch["2x4"])
