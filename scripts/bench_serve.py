@@ -280,13 +280,18 @@ def one_run(
         # Every server takes the model's path as its name.
         return anyio.run(run_workload, url, model, passes, args)
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process)
         log.close()
+
+
+def stop(process: subprocess.Popen) -> None:
+    """Ctrl-C the server, and kill it if it has not exited 20 s later."""
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def wait_ready(url: str, process: subprocess.Popen, timeout: float) -> None:

@@ -35,7 +35,6 @@ import contextlib
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -48,7 +47,7 @@ import anyio
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import free_port, wait_ready  # noqa: E402
+from bench_serve import free_port, stop, wait_ready  # noqa: E402
 
 KEY = "stress-key"
 MiB = 1 << 20
@@ -298,12 +297,7 @@ def main() -> int:
         report = anyio.run(stress, url, process.pid, args)
         report["alive"] = process.poll() is None
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process)
     report["server_log"] = log.name
     print(f"well-formed requests served  {sum(report['served'].values())} {report['served']}")
     print(f"well-formed requests failed  {len(report['failures'])} {report['failures'][:5]}")

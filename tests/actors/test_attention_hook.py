@@ -12,15 +12,9 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlxkv.actors import attention_hook
 from mlxkv.actors.attention_hook import install
 from mlxkv.actors.prefix_attention import PrefixAttention
-from mlxkv.cache import kv_state
 from mlxkv.cache.shared_prefix import PrefixGroup, SharedPrefixCache, suffix_cache
 
-
-def _payloads(model: Any, tokens: list[int], block: int) -> tuple[Any, ...]:
-    cache = make_prompt_cache(model)
-    model(mx.array(tokens)[None], cache=cache)
-    mx.eval([c.state for c in cache])
-    return tuple(kv_state.slice_blocks(cache, block, range(len(tokens) // block), num_tokens=len(tokens)))
+from model_blocks import block_payloads
 
 
 class TestInstall:
@@ -47,7 +41,7 @@ class TestInstall:
 
         model, _ = tiny_llama
         assert install(model)
-        group = PrefixGroup.build(_payloads(model, list(range(64)), 16))
+        group = PrefixGroup.build(block_payloads(model, list(range(64)), 16))
         layers = len(group.keys)
         assert layers > 1
         caches = [SharedPrefixCache(group, i, 64, suffix) for i, suffix in enumerate(suffix_cache((), 8, layers))]
@@ -77,7 +71,7 @@ class TestInstall:
         attention_hook.use(way)
         assert attention_hook.way_in_use() is way
         prompt = list(range(3, 67))
-        group = PrefixGroup.build(_payloads(model, prompt, 16))
+        group = PrefixGroup.build(block_payloads(model, prompt, 16))
         layers = len(group.keys)
         seen = [64, 64, 16]
         rows = []

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
 
 import mlx.core as mx
 import numpy as np
-import pytest
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache
 
-from mlxkv.cache import kv_state
 from mlxkv.cache.shared_prefix import (
     BatchSharedPrefixCache,
     PrefixGroup,
@@ -18,11 +15,7 @@ from mlxkv.cache.shared_prefix import (
     suffix_cache,
 )
 
-def _payloads(model: Any, tokens: list[int], block: int) -> tuple[Any, ...]:
-    cache = make_prompt_cache(model)
-    model(mx.array(tokens)[None], cache=cache)
-    mx.eval([c.state for c in cache])
-    return tuple(kv_state.slice_blocks(cache, block, range(len(tokens) // block), num_tokens=len(tokens)))
+from model_blocks import block_payloads
 
 
 class TestCaches:
@@ -31,13 +24,13 @@ class TestCaches:
         that group (as many blocks as match); other payloads make a new one;
         a group lives only while something refers to it."""
         model, _ = tiny_llama
-        payloads = _payloads(model, list(range(64)), 16)
+        payloads = block_payloads(model, list(range(64)), 16)
         groups = PrefixGroups()
         first, shared = groups.take(payloads)
         assert shared == 4 and len(groups) == 1 and first.num_tokens == 64
         again, shared = groups.take(payloads[:2])
         assert again is first and shared == 2
-        other, shared = groups.take(_payloads(model, list(range(100, 132)), 16))
+        other, shared = groups.take(block_payloads(model, list(range(100, 132)), 16))
         assert other is not first and shared == 2 and len(groups) == 2
         del first, again, other
         import gc
@@ -49,7 +42,7 @@ class TestCaches:
         """Over a shared prefix, a request's own cache is its suffix: its
         offset counts the prefix, update_and_fetch returns the suffix only."""
         model, _ = tiny_llama
-        payloads = _payloads(model, list(range(64)), 16)
+        payloads = block_payloads(model, list(range(64)), 16)
         group = PrefixGroup.build(payloads)
         (suffix, *_rest) = suffix_cache((), 8, 2)
         cache = SharedPrefixCache(group, 0, 48, suffix)
@@ -68,7 +61,7 @@ class TestCaches:
         from mlxkv.cache.shared_prefix import SUFFIX_STEP
 
         model, _ = tiny_llama
-        group = PrefixGroup.build(_payloads(model, list(range(64)), 16))
+        group = PrefixGroup.build(block_payloads(model, list(range(64)), 16))
         (suffix, *_rest) = suffix_cache((), 8, 2)
         own = mx.ones((1, 2, 5, 16)) * 3
         suffix.update_and_fetch(own, own)
@@ -85,7 +78,7 @@ class TestCaches:
         """A batch of requests over prefixes keeps each row's group and prefix
         length; filtering, extending and extracting move suffixes only."""
         model, _ = tiny_llama
-        group = PrefixGroup.build(_payloads(model, list(range(64)), 16))
+        group = PrefixGroup.build(block_payloads(model, list(range(64)), 16))
         caches = []
         for n, own in ((64, 3), (32, 5), (0, 7)):
             suffix = KVCache()
@@ -108,7 +101,7 @@ class TestCaches:
         """``reserve`` grows the rows' suffixes only when the next tokens would
         not fit, keeps what they hold, and the step then writes in place."""
         model, _ = tiny_llama
-        group = PrefixGroup.build(_payloads(model, list(range(64)), 16))
+        group = PrefixGroup.build(block_payloads(model, list(range(64)), 16))
         caches = []
         for own in (3, 5):
             suffix = KVCache()
@@ -130,7 +123,7 @@ class TestCaches:
         """Cut back into its prefix, a cache keeps the whole blocks as its
         prefix and copies the partial block's tokens into its suffix."""
         model, _ = tiny_llama
-        group = PrefixGroup.build(_payloads(model, list(range(64)), 16))
+        group = PrefixGroup.build(block_payloads(model, list(range(64)), 16))
         cache = SharedPrefixCache(group, 1, 64, KVCache())
         cut = cache.cut(40, 16)
         assert (cut.num_prefix, cut.suffix.offset, cut.offset) == (32, 8, 40)
