@@ -14,6 +14,7 @@ from mlxkv.actors.attention_hook import install
 from mlxkv.actors.prefix_attention import PrefixAttention
 from mlxkv.cache.shared_prefix import PrefixGroup, SharedPrefixCache, suffix_cache
 
+from device_arithmetic import LOGITS_ATOL
 from model_blocks import block_payloads
 
 
@@ -87,7 +88,7 @@ class TestInstall:
             first = model(chunk[r : r + 1], cache=plain)[:, -1]
             second = model(mx.array([[5 + r]]), cache=plain)[:, -1]
             for got, want in zip(shared, (first, second)):
-                assert mx.allclose(got[r : r + 1], want, atol=1e-4, rtol=0).item(), (way, r)
+                assert mx.allclose(got[r : r + 1], want, atol=LOGITS_ATOL, rtol=0).item(), (way, r)
         attention_hook.use(PrefixAttention.for_device())
 
     def test_the_way_is_the_threads_own(self):

@@ -44,7 +44,9 @@ from mlxkv.actors.sampling import Sampling
 from mlxkv.cache import kv_state
 from mlxkv.cache.errors import InvalidInput
 
-ATOL = 1e-4
+from device_arithmetic import LOGITS_ATOL
+
+ATOL = LOGITS_ATOL
 BLOCK = 32
 MODELS = ["tiny_llama", "sliding_llama", "hybrid_model"]
 POISON = 255  # prompts stay below 250; a model wrapper fails on this token

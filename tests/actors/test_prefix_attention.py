@@ -19,7 +19,9 @@ from mlxkv.actors.prefix_attention import (
     stacked_attention,
 )
 
-TOL = 2e-6
+from device_arithmetic import ATTENTION_ATOL
+
+TOL = ATTENTION_ATOL
 
 
 @pytest.fixture(params=[way.value for way in PrefixAttention])

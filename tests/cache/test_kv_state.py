@@ -37,10 +37,12 @@ from mlxkv.cache.kv_state import (
 )
 from mlxkv.default_model import ModelSpec, ensure_model
 
+from device_arithmetic import LOGITS_ATOL
+
 PROMPT = [(i * 37 + 11) % 256 for i in range(200)]
 BLOCK = 32
 #: fp32 tolerance for logits computed through a different (but exact) path.
-ATOL = 1e-4
+ATOL = LOGITS_ATOL
 
 #: A Llama whose head dim (32) mlx can quantize; the session models have 16.
 QUANTIZABLE_LLAMA = ModelSpec(

@@ -14,6 +14,8 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlxkv.cache.errors import InvalidInput, InvariantViolation
 from mlxkv.cache.prefix import CacheEntry, PrefixCacheManager, PrefixCacheStats
 
+from device_arithmetic import LOGITS_ATOL
+
 
 class _Layer:
     """A stand-in cache layer: remembers which sequence it was stored for."""
@@ -404,7 +406,7 @@ class TestWithTinyLlama:
         assert remaining == full[len(prefix):]
         warm_logits, warm_ids = _greedy(model, cache, remaining)
         assert warm_ids == cold_ids
-        assert mx.allclose(warm_logits, cold_logits, atol=1e-4).item()
+        assert mx.allclose(warm_logits, cold_logits, atol=LOGITS_ATOL).item()
 
     def test_trimmed_longer_cache_matches_cold(self, tiny_llama):
         """A longer cache trimmed to the query continues exactly like a cold run."""
@@ -423,7 +425,7 @@ class TestWithTinyLlama:
         warm_logits, warm_ids = _greedy(model, trimmed, other)
         cold_logits, cold_ids = _greedy(model, make_prompt_cache(model), prefix + other)
         assert warm_ids == cold_ids
-        assert mx.allclose(warm_logits, cold_logits, atol=1e-4).item()
+        assert mx.allclose(warm_logits, cold_logits, atol=LOGITS_ATOL).item()
 
         # Decoding into the trimmed copy overwrote shared positions; the entry
         # must still hold the original suffix.
@@ -433,7 +435,7 @@ class TestWithTinyLlama:
         warm_logits, warm_ids = _greedy(model, exact, probe)
         cold_logits, cold_ids = _greedy(model, make_prompt_cache(model), stored + probe)
         assert warm_ids == cold_ids
-        assert mx.allclose(warm_logits, cold_logits, atol=1e-4).item()
+        assert mx.allclose(warm_logits, cold_logits, atol=LOGITS_ATOL).item()
 
 
 class TestCheckInvariants:

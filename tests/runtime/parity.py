@@ -17,7 +17,9 @@ import numpy as np
 from mlxkv import CacheRuntime
 from mlxkv.generation import GeneratedToken, GenerationReport
 
-ATOL = 1e-4
+from device_arithmetic import LOGITS_ATOL
+
+ATOL = LOGITS_ATOL
 BS = 16
 
 
