@@ -302,7 +302,9 @@ class DecodeBatch:
         ]
         grown = [a for layer in self._cache if isinstance(layer, BatchSharedPrefixCache) for a in layer.reserve(1)]
         if grown:
-            mx.eval(grown)
+            # Queued ahead of the step (the old buffers go as soon as the
+            # copies are made), without waiting for the step in flight.
+            mx.async_eval(grown)
         logits = self._runner.decode(inputs, self._cache, self.rows, positions)
         if any(sequence.sampler is not None or sequence.keep_logits for sequence in self.rows):
             logits = logits - mx.logsumexp(logits, axis=-1, keepdims=True)

@@ -401,7 +401,7 @@ class BatchSharedPrefixCache(_OverSuffix):
 
     def reserve(self, num_tokens: int) -> list[Any]:
         """Grow the suffix now if the next ``num_tokens`` would not fit; the
-        grown arrays, to evaluate before the step (none: it had room).
+        grown arrays, to start evaluating before the step (none: it had room).
 
         Grown inside the step (as ``update_and_fetch`` would), the old and the
         new buffer are both held through the step's attention transients.

@@ -107,3 +107,30 @@ class TestLoneRow:
         cache = a.cache
         batch.join([a])
         assert batch._cache is cache
+
+
+class TestNoWaits:
+    def test_decode_steps_over_a_shared_prefix_never_wait_for_the_device(self, runner, tiny_llama, monkeypatch):
+        """Three rows over one group decode 40 steps (their suffixes grow twice
+        on the way): no step calls ``mx.eval`` (a growth is queued with
+        ``async_eval``, not waited for), and the tokens are the cold runs'."""
+        model, _ = tiny_llama
+        payloads = prefix_payloads(model)
+        prompts = [PREFIX + own(n, salt=n) for n in (3, 7, 12)]
+        batch = DecodeBatch(runner)
+        rows = [started(runner, f"r{i}", prompt, payloads) for i, prompt in enumerate(prompts)]
+        batch.join(rows)
+        assert isinstance(batch._cache[0], BatchSharedPrefixCache)
+        waits: list[int] = []
+        real = mx.eval
+
+        def counting(*arrays):
+            waits.append(1)
+            return real(*arrays)
+
+        monkeypatch.setattr(mx, "eval", counting)
+        decode(batch, 40)
+        monkeypatch.setattr(mx, "eval", real)
+        assert waits == []
+        for row, prompt in zip(rows, prompts):
+            assert row.generated[:40] == cold_tokens(runner, prompt, 40)
