@@ -20,6 +20,7 @@ one.
 from __future__ import annotations
 
 import abc
+import functools
 from collections.abc import Sequence as Seq
 from typing import Any, Optional, Protocol
 
@@ -887,7 +888,12 @@ class TextPreparer:
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
-        self.max_chars_per_token = max_chars_per_token(tokenizer)
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> Optional[int]:
+        # Read off the tokenizer's description once, when first asked (the
+        # server asks as it starts; a runtime alone never does).
+        return max_chars_per_token(self._tokenizer)
 
     def prepare(self, prompt: str | Seq[int], images: Seq[Any] = (), encoded: Any = None) -> PreparedPrompt:
         if images or encoded is not None:

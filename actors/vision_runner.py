@@ -27,6 +27,7 @@ the same logits as mlx-vlm's own one-shot path (max abs difference 0).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence as Seq
 from typing import Any, Optional
 
@@ -109,7 +110,6 @@ class VisionPreparer:
     def __init__(self, processor: Any, tokenizer: Any, image_token_id: int) -> None:
         self._processor = processor
         self._tokenizer = tokenizer
-        self.max_chars_per_token = max_chars_per_token(tokenizer)
         self._pad = image_token_id
         self._merge = int(getattr(processor.image_processor, "merge_size", 1)) ** 2
         vocab = processor.tokenizer
@@ -117,6 +117,10 @@ class VisionPreparer:
             vocab.convert_tokens_to_ids("<|vision_start|>"),
             vocab.convert_tokens_to_ids("<|vision_end|>"),
         )
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> Optional[int]:
+        return max_chars_per_token(self._tokenizer)
 
     def prepare(
         self, prompt: str | Seq[int], images: Seq[Any] = (), encoded: Optional[EncodedImages] = None
