@@ -46,6 +46,7 @@ __all__ = [
     "attention_for",
     "cascade_attention",
     "gathered_attention",
+    "mixed_attention",
     "stacked_attention",
 ]
 
@@ -60,15 +61,18 @@ class PrefixAttention(enum.Enum):
     CASCADE = "cascade"
     GATHERED = "gathered"
     STACKED = "stacked"
+    #: decode steps by the cascade, prefill chunks gathered
+    MIXED = "mixed"
 
     @classmethod
     def for_device(cls, device: Optional[Any] = None) -> PrefixAttention:
         """The way for ``device`` (default: MLX's default device): the cascade on
-        the CPU, fused attention over gathered copies on a GPU."""
+        the CPU; on a GPU, the cascade for decode steps and gathered copies for
+        prefill chunks (measured on an H200: docs/benchmarks.md)."""
         import mlx.core as mx
 
         device = device if device is not None else mx.default_device()
-        return cls.CASCADE if device.type == mx.DeviceType.cpu else cls.GATHERED
+        return cls.CASCADE if device.type == mx.DeviceType.cpu else cls.MIXED
 
 
 def attention_for(way: PrefixAttention) -> Callable[..., Any]:
@@ -77,6 +81,7 @@ def attention_for(way: PrefixAttention) -> Callable[..., Any]:
         PrefixAttention.CASCADE: cascade_attention,
         PrefixAttention.GATHERED: gathered_attention,
         PrefixAttention.STACKED: stacked_attention,
+        PrefixAttention.MIXED: mixed_attention,
     }[way]
 
 
@@ -346,7 +351,8 @@ def gathered_attention(
         order += rows
         for row, n in zip(rows, lengths):
             seen[row] = n
-    alone = [row for row in range(batch) if row not in set(order)]
+    grouped = set(order)
+    alone = [row for row in range(batch) if row not in grouped]
     if alone:
         parts_k.append(mx.zeros((len(alone), kv_heads, width, dim), dtype=dtype))
         parts_v.append(mx.zeros((len(alone), kv_heads, width, values.shape[3]), dtype=values.dtype))
@@ -371,6 +377,18 @@ def gathered_attention(
         scale=scale,
         mask=full,
     )
+
+
+def mixed_attention(
+    queries: Any, keys: Any, values: Any, mask: Any, scale: float, segments: Sequence[Segment], **options: Any
+) -> Any:
+    """A decode step (one query a row) by :func:`cascade_attention`, a prefill
+    chunk by :func:`gathered_attention`. On a GPU a decode step's gathered
+    copies cost as much time as the cascade and hold every layer's copies of
+    the prefix until the step's kernels finish (5.7x the cascade's peak at 32
+    rows), while a prefill chunk's cascade is 5-6x a gathered call."""
+    attend = cascade_attention if queries.shape[2] == 1 else gathered_attention
+    return attend(queries, keys, values, mask, scale, segments, **options)
 
 
 def stacked_attention(

@@ -198,11 +198,12 @@ class RuntimeConfig:
         prefix_attention: how attention reads a shared prefix: ``"cascade"``
             (scores against the prefix merged through softmax statistics;
             the CPU's way), ``"gathered"`` (fused attention over each row's
-            prefix part copied beside its suffix for the call; a GPU's way)
-            or ``"stacked"`` (fused attention, the rows' queries as one
-            sequence over the prefix and every suffix); None (the default):
-            the device's way (:mod:`mlxkv.actors.prefix_attention`). All are
-            exact; ``model_info.prefix_attention`` says which serves.
+            prefix part copied beside its suffix for the call), ``"stacked"``
+            (fused attention, the rows' queries as one sequence over the
+            prefix and every suffix) or ``"mixed"`` (decode steps by the
+            cascade, prefill chunks gathered: a GPU's way); None (the
+            default): the device's way (:mod:`mlxkv.actors.prefix_attention`).
+            All are exact; ``model_info.prefix_attention`` says which serves.
         kv_bits: quantize the model's attention KV to 4 or 8 bits (mlx-lm's
             ``QuantizedKVCache``) in live caches and in the block pool, so
             each block takes about 3.8x (8 bits) or 6.4x (4 bits) less
@@ -265,7 +266,9 @@ class RuntimeConfig:
     decode_wait: int = attrs.field(default=DEFAULT_DECODE_WAIT, validator=_int_at_least(1))
     share_in_flight: bool = attrs.field(default=True, validator=_is_bool)
     shared_prefix: bool = attrs.field(default=True, validator=_is_bool)
-    prefix_attention: Optional[str] = attrs.field(default=None, validator=_optional_one_of("cascade", "gathered", "stacked"))
+    prefix_attention: Optional[str] = attrs.field(
+        default=None, validator=_optional_one_of("cascade", "gathered", "stacked", "mixed")
+    )
     kv_bits: Optional[int] = attrs.field(default=None)
     keep_last_cache: bool = attrs.field(default=True, validator=_is_bool)
     kv_tiers: tuple[str, ...] = attrs.field(default=(), converter=_tier_urls, repr=_shown_tier_urls)

@@ -16,7 +16,8 @@
 # Each step's output goes to $OUT/STEP.txt (and .json), its status and seconds to
 # $OUT/log.txt, and its last lines to standard output, so a step cut off by its
 # timeout still leaves what it printed. GPU_CHECK_MODEL and GPU_CHECK_QUICK=1 make
-# a small dry run of it anywhere (the tests run one on the CPU).
+# a small dry run of it anywhere (the tests run one on the CPU); GPU_CHECK_WAYS names the
+# shared-prefix attention ways batch and memory run beside the device's default.
 set -u
 out=${OUT:-/tmp/gpu-check}
 mkdir -p "$out"
@@ -49,7 +50,8 @@ else
   sizes=(--sizes 8,32 --rounds 2)
   attention=()
 fi
-ways=(--also prefix_attention=stacked --also prefix_attention=cascade)
+ways=()
+for way in ${GPU_CHECK_WAYS:-gathered stacked cascade}; do ways+=(--also "prefix_attention=$way"); done
 for step in $steps; do
   case $step in
     attention) run attention 180 "$python" scripts/bench_attention.py "${attention[@]}" --json "$out/attention.json" ;;

@@ -18,6 +18,13 @@ from device_arithmetic import LOGITS_ATOL
 from model_blocks import block_payloads
 
 
+@pytest.fixture(autouse=True)
+def device_way_after():
+    """Each test leaves this thread attending the device's way, passed or failed."""
+    yield
+    attention_hook.use(PrefixAttention.for_device())
+
+
 class TestInstall:
     def test_routes_a_model_and_leaves_other_caches_alone(self, tiny_llama):
         """After install, the model's attention module name is the dispatcher;
@@ -89,7 +96,6 @@ class TestInstall:
             second = model(mx.array([[5 + r]]), cache=plain)[:, -1]
             for got, want in zip(shared, (first, second)):
                 assert mx.allclose(got[r : r + 1], want, atol=LOGITS_ATOL, rtol=0).item(), (way, r)
-        attention_hook.use(PrefixAttention.for_device())
 
     def test_the_way_is_the_threads_own(self):
         """A way chosen on one thread is not another thread's."""
@@ -102,7 +108,6 @@ class TestInstall:
         other.join()
         assert attention_hook.way_in_use() is PrefixAttention.STACKED
         assert seen == [PrefixAttention.for_device()]
-        attention_hook.use(PrefixAttention.for_device())
 
     def test_a_model_without_the_name_is_not_served(self):
         """A model whose attention does not call a module-level

@@ -14,6 +14,8 @@ from mlxkv.actors.model_runner import TextRunner
 from mlxkv.actors.weight_layout import transpose_linear_weights, transposed_linear, wanted
 from mlxkv.default_model import TINY_HYBRID, TINY_LLAMA, TINY_SLIDING_LLAMA, ensure_model
 
+from device_arithmetic import LOGITS_ATOL, ON_CPU
+
 
 def _load(spec, model_dir):
     return load(str(ensure_model(spec, model_dir)))
@@ -54,8 +56,9 @@ class TestTransposeLinearWeights:
     @pytest.mark.parametrize("spec", [TINY_LLAMA, TINY_SLIDING_LLAMA, TINY_HYBRID], ids=lambda s: s.name)
     def test_a_model_computes_the_same_logits_bit_for_bit(self, spec, model_dir):
         """Every linear layer of an mlx-lm model is replaced, and its prefill
-        and decode logits equal the untouched model's exactly; its
-        parameters take the same bytes."""
+        and decode logits equal the untouched model's exactly on the CPU
+        (on a GPU, ``x @ w.T`` and ``x @ w`` are other kernels: within float
+        noise); its parameters take the same bytes."""
         plain, _ = _load(spec, model_dir)
         model, _ = _load(spec, model_dir)
         prompt = [3 + (i * 7) % 200 for i in range(150)]
@@ -65,9 +68,13 @@ class TestTransposeLinearWeights:
         assert transpose_linear_weights(model) == linears > 0
         assert not any(type(m) is nn.Linear for _, m in model.named_modules())
         assert _nbytes(model) == before
-        assert mx.get_cache_memory() == 0  # the originals' buffers were given back
+        if ON_CPU:
+            assert mx.get_cache_memory() == 0  # the originals' buffers were given back
         for got, want in zip(_logits(model, prompt, 4), expected):
-            assert mx.array_equal(got, want).item()
+            if ON_CPU:
+                assert mx.array_equal(got, want).item()
+            else:
+                assert mx.allclose(got, want, atol=LOGITS_ATOL, rtol=0).item()
         assert transpose_linear_weights(model) == 0
 
     @pytest.mark.parametrize("bias", [False, True])

@@ -37,7 +37,7 @@ from mlxkv.cache.kv_state import (
 )
 from mlxkv.default_model import ModelSpec, ensure_model
 
-from device_arithmetic import LOGITS_ATOL
+from device_arithmetic import LOGITS_ATOL, ON_CPU, needs_quantized_attention
 
 PROMPT = [(i * 37 + 11) % 256 for i in range(200)]
 BLOCK = 32
@@ -387,8 +387,11 @@ class TestReconstruct:
         mx.eval(rebuilt.update_and_fetch(suffix, suffix))
         buffers = rebuilt.keys.nbytes + rebuilt.values.nbytes
         assert rebuilt.keys.shape[2] == 1024
-        # A regrowth would have held the old and the new buffers at once.
-        assert mx.get_peak_memory() - base <= buffers * 1.1
+        # A regrowth would have held the old and the new buffers at once. (On
+        # a GPU a buffer is freed when the kernels reading it finish, so the
+        # peak counts inputs still queued: only the CPU's peak says this.)
+        if ON_CPU:
+            assert mx.get_peak_memory() - base <= buffers * 1.1
 
     def test_refusals(self, hybrid_model):
         """Empty, gapped or snapshot-less runs of payloads raise NotReconstructable."""
@@ -510,6 +513,7 @@ class TestParity:
         assert mx.allclose(warm_logits[0, -1], cold_logits[0, -1], atol=ATOL).item()
         assert greedy(model, warm_cache, warm_logits) == cold_tokens
 
+    @needs_quantized_attention
     def test_quantized_continuation(self, quantizable_llama):
         """A rebuilt quantized prefix continues exactly like the quantized original."""
         model = quantizable_llama[0]

@@ -23,6 +23,8 @@ from mlxkv.generation import GeneratedToken, GenerationReport, Status
 
 from parity import ATOL, BS, assert_clean, assert_matches_cold, holds_nothing, run
 
+from device_arithmetic import ON_CPU
+
 SPECS = {"llama": TINY_LLAMA, "sliding": TINY_SLIDING_LLAMA, "hybrid": TINY_HYBRID}
 
 
@@ -718,6 +720,9 @@ class TestConfiguration:
                 answers[transpose] = [(tokens, np.array(report.prompt_logits)) for tokens, report in results]
                 await assert_clean(rt)
         for i, ((tokens, logits), (want_tokens, want_logits)) in enumerate(zip(answers[True], answers[False])):
+            if not ON_CPU:  # another product kernel: only within float noise
+                np.testing.assert_allclose(logits, want_logits, atol=ATOL, rtol=0)
+                continue
             assert tokens == want_tokens
             if i < 2:
                 assert np.array_equal(logits, want_logits)

@@ -11,6 +11,8 @@ from mlxkv.default_model import TINY_LLAMA, UNTIED_SHARP, ModelSpec, _llama, ens
 
 from parity import BS, assert_clean, assert_matches_cold, run
 
+from device_arithmetic import needs_quantized_attention
+
 #: Heads of 32: MLX quantizes in groups of 32, 64 or 128 (the built-in model's are 48).
 HEADS_OF_32 = ModelSpec(
     name="tiny-llama-heads-32",
@@ -25,6 +27,7 @@ def _tokens(n: int, salt: int) -> list[int]:
 
 
 class TestKVBits:
+    @needs_quantized_attention
     @pytest.mark.parametrize("bits", [8, 4])
     async def test_quantized_blocks_serve_warm_requests_exactly(self, bits, model_dir):
         """A warm request over quantized blocks equals its own cold run under
@@ -46,6 +49,7 @@ class TestKVBits:
             await assert_matches_cold(rt, prompt, warm, "cold")
             await assert_clean(rt)
 
+    @needs_quantized_attention
     async def test_a_quantized_kept_cache_used_in_part_stays_exact_for_its_continuation(self, model_dir):
         """Another conversation over the same system prompt computes on a copy
         of a kept quantized cache's first tokens; the conversation's own next

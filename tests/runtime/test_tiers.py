@@ -28,6 +28,8 @@ from mlxkv.default_model import TINY_LLAMA, TINY_SLIDING_LLAMA, ensure_model
 from parity import BS, assert_clean, assert_matches_cold, run
 from test_kv_bits import HEADS_OF_32
 
+from device_arithmetic import needs_quantized_attention
+
 pytestmark = pytest.mark.anyio
 
 #: Six full blocks and a partial one: every full block is stored and offered.
@@ -167,6 +169,7 @@ class TestNamespaces:
             assert report.cached_tokens == 0
             assert (await rt.stats()).tiers.num_blocks_found == 0
 
+    @needs_quantized_attention
     async def test_quantized_blocks_serve_only_their_quantization(self, model_dir, tmp_path):
         """8-bit blocks round-trip through the disk exactly (a warm request over
         them equals its cold run under the same quantization), and neither

@@ -35,6 +35,8 @@ from mlxkv.cache.tiers import (
     storage_key,
 )
 
+from device_arithmetic import ON_CPU
+
 DTYPES = [
     mx.float32,
     mx.float16,
@@ -45,7 +47,7 @@ DTYPES = [
     mx.int32,
     mx.bool_,
     mx.complex64,
-    mx.float64,
+    *([mx.float64] if ON_CPU else []),  # MLX has no float64 on a GPU
 ]
 
 
