@@ -227,7 +227,8 @@ class RuntimeConfig:
             continues from them. Needs a model. Empty (the default): no tiers.
         transpose_weights: hold the model's linear weights transposed, in
             place, as it loads (:mod:`mlxkv.actors.weight_layout`): the same
-            outputs bit for bit, and on the CPU, where the ``mlx[cpu]``
+            outputs (bit for bit on the CPU; within float noise on a GPU,
+            where the products are other kernels), and on the CPU, where the ``mlx[cpu]``
             wheel's reference BLAS multiplies by a transposed weight 1.4-2.2x
             slower, a faster model call (a 512-token prefill of the
             built-in model in 0.72x the time, a decode step of 8 rows in
