@@ -115,6 +115,7 @@ class Extension:
         tail_hashes: already computed hashes of the full blocks in ``tail``.
         parent_hash: the hash of the last block the request held when asked
             (the new blocks' parent), or None if it held none.
+        keys: the request's namespace (what its hashes are keyed under).
     """
 
     start: int
@@ -122,6 +123,7 @@ class Extension:
     tail: TokenIds
     tail_hashes: tuple[BlockHash, ...]
     parent_hash: Optional[BlockHash] = None
+    keys: ChainKeys = ChainKeys()
 
     def after(
         self, num_stored: int, tokens: TokenIds, block_size: int
@@ -610,6 +612,7 @@ class PrefixIndexActor(Actor):
             tail=longest[num_new * size :],
             tail_hashes=table.tail_hashes[num_new:],
             parent_hash=table.hashes[-1] if table.hashes else None,
+            keys=table.keys,
         )
 
     def _snapshot(self, message: Snapshot) -> TableSnapshot:

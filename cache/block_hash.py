@@ -231,6 +231,18 @@ class ChainKeys:
             late_block=self.late_block - start_block,
         )
 
+    @property
+    def salted(self) -> bool:
+        """Whether the sequence belongs to a tenant (keyed under a ``cache_salt``)."""
+        return any(type(key) is tuple and key[:1] == ("salt",) for key in self.first)
+
+    def entering(self, block: int) -> Optional[tuple[Any, ...]]:
+        """The keys that enter block ``block``'s hash beside its tokens and its
+        parent's hash (``first`` at block 0, ``late`` at ``late_block``), or
+        None where none do."""
+        keys = (self.first if block == 0 else ()) + (self.late if block == self.late_block else ())
+        return keys or None
+
     def namespace(self) -> bytes:
         """The whole namespace as bytes, for caches keyed by it rather than by
         a chain (the image cache's entries, per salt and images)."""

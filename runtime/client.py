@@ -40,6 +40,7 @@ from mlxkv.actors.image_cache import ImageCacheHandle, ImageCacheStatistics, Ima
 from mlxkv.actors.prefix_index import PrefixIndexHandle, PrefixIndexStatistics, RequestId
 from mlxkv.cache.block_hash import BlockHash, ChainKeys
 from mlxkv.cache.errors import OutOfBlocks, UnknownRequest
+from mlxkv.cache.kv_events import POOL, KVEventHub
 from mlxkv.cache.pool import PoolStatistics
 from mlxkv.cache.tiers.tier_stack import TierStack
 from mlxkv.cache.token_ids import TokenIds
@@ -112,9 +113,17 @@ class CacheClient:
     only on the event loop). Cache state belongs to the actors; the client
     holds references only between a take and its hand-over.
 
+    The pool's KV events are published here, where the allocator's replies
+    reach the index: a ``BlockStored`` for each block a store committed
+    (computed, or loaded from a tier), a ``BlockRemoved`` for each eviction
+    the allocator announced, once the index has it.
+
     Invariants:
         - when an operation returns or raises, every reference it took is
-          owned by a request table or given back.
+          owned by a request table or given back;
+        - every hash the allocator announces evicted is published as removed
+          exactly once (an announcement whose reply was undone is announced
+          again by the allocator, and published then).
     """
 
     def __init__(
@@ -126,11 +135,13 @@ class CacheClient:
         block_size: int,
         tiers: Optional[TierStack] = None,
         image_budget: Optional[ImageBudget] = None,
+        events: Optional[KVEventHub] = None,
     ) -> None:
         self._allocator = allocator
         self._index = index
         self._images = images
         self._tiers = tiers
+        self._events = events
         self.block_size = block_size
         #: Pixel keys of the encoded images read, for every entry point.
         self.pixel_memo = PixelMemo()
@@ -196,7 +207,8 @@ class CacheClient:
                 await match.wait.wait()
                 match = await self._index.rematch(request_id)
             if self._tiers is not None and missing:
-                grants.extend(await self._load(request_id, len(grants), missing))
+                parent = grants[-1].block_hash if grants else None
+                grants.extend(await self._load(request_id, len(grants), missing, parent, tokens, keys))
         except BaseException:
             await self.abandon(request_id)
             raise
@@ -246,8 +258,10 @@ class CacheClient:
         held = await self._hand_over(
             request_id, extension.start, grants, tail=tail, tail_hashes=tail_hashes
         )
-        if self._tiers is not None and grants.fresh:
-            self._write_behind(grants, extension.parent_hash)
+        if grants.fresh:
+            self._committed(
+                grants, extension.start, extension.parent_hash, tokens, extension.keys, write_behind=True
+            )
         return StoreResult(
             num_blocks=len(grants.grants),
             num_reused=grants.num_reused,
@@ -277,6 +291,7 @@ class CacheClient:
             )
             raise
         await self._index.forget(grants.evicted, request_id=request_id)
+        self._removed(grants.evicted)
         return FetchResult(
             request_id=request_id,
             num_cached_tokens=len(grants.grants) * self.block_size,
@@ -323,6 +338,7 @@ class CacheClient:
         """
         eviction = await self._allocator.evict(num_blocks)
         await self._index.forget(eviction.evicted)
+        self._removed(eviction.evicted)
         return eviction.num_evicted
 
     async def lookup_images(
@@ -374,11 +390,18 @@ class CacheClient:
         return [*index.violations, *allocator.violations, *images], list(allocator.reference_mismatches)
 
     async def _load(
-        self, request_id: RequestId, start: int, missing: tuple[BlockHash, ...]
+        self,
+        request_id: RequestId,
+        start: int,
+        missing: tuple[BlockHash, ...],
+        parent_hash: Optional[BlockHash],
+        tokens: TokenIds,
+        keys: ChainKeys,
     ) -> tuple[BlockGrant, ...]:
-        """Continue the request's chain from the tiers where the pool missed:
-        the leading ``missing`` blocks some tier holds enter the pool as
-        cached blocks (those that fit) and the request holds them."""
+        """Continue the request's chain (``tokens`` under ``keys``) from the
+        tiers where the pool missed, at block ``start``: the leading
+        ``missing`` blocks some tier holds enter the pool as cached blocks
+        (those that fit) and the request holds them."""
         assert self._tiers is not None
         payloads = await self._tiers.lookup_chain(missing, first_block=start)
         if not payloads:
@@ -388,16 +411,50 @@ class CacheClient:
         )
         # Not a hit at the index: its hit counters are the pool's; the tiers count theirs.
         await self._hand_over(request_id, start, stored)
+        if stored.fresh:
+            self._committed(stored, start, parent_hash, tokens, keys, write_behind=False)
         return stored.grants
 
-    def _write_behind(self, grants: Grants, parent_hash: Optional[BlockHash]) -> None:
-        """Offer the blocks a store newly committed to the tiers (never waits)."""
-        assert self._tiers is not None
+    def _committed(
+        self,
+        grants: Grants,
+        start: int,
+        parent_hash: Optional[BlockHash],
+        tokens: TokenIds,
+        keys: ChainKeys,
+        *,
+        write_behind: bool,
+    ) -> None:
+        """Announce the blocks a store newly committed to the pool (blocks
+        ``start``, ``start + 1``, ... of ``tokens``), and offer them to the
+        tiers if ``write_behind`` (never waits)."""
+        tiers = self._tiers if write_behind else None
+        events = self._events
+        described = events is not None and events.num_subscribers > 0
+        if tiers is None and not described:
+            return
         fresh = set(grants.fresh)
-        for grant in grants.grants:
+        size = self.block_size
+        salted = keys.salted
+        for block, grant in enumerate(grants.grants, start):
             if grant.block_hash in fresh:
-                self._tiers.offer(grant.block_hash, grant.payload, parent_hash=parent_hash)
+                fields = {}
+                if described:
+                    fields = {
+                        "token_ids": tuple(tokens[block * size : (block + 1) * size]),
+                        "extra_keys": keys.entering(block),
+                        "salted": salted,
+                    }
+                    events.stored(tier=POOL, block_hash=grant.block_hash, parent_hash=parent_hash, **fields)
+                if tiers is not None:
+                    tiers.offer(grant.block_hash, grant.payload, parent_hash=parent_hash, **fields)
             parent_hash = grant.block_hash
+
+    def _removed(self, evicted: tuple[BlockHash, ...]) -> None:
+        """Announce the pool's evictions the index has just been told of."""
+        if self._events is not None:
+            for block_hash in evicted:
+                self._events.removed(tier=POOL, reason="evicted", block_hash=block_hash)
 
     async def _hand_over(
         self,
@@ -411,7 +468,7 @@ class CacheClient:
     ) -> int:
         """Move ``grants`` into the request's table (shielded), or release them."""
         try:
-            return await self._index.record(
+            held = await self._index.record(
                 request_id,
                 start,
                 grants.grants,
@@ -425,6 +482,8 @@ class CacheClient:
                 grants.block_ids, reannounce=grants.evicted, request_id=request_id
             )
             raise
+        self._removed(grants.evicted)
+        return held
 
 
 def _tail_first(block_ids: Sequence[BlockId]) -> tuple[BlockId, ...]:

@@ -43,7 +43,7 @@ from mlxkv.actors.sampling import Sampling
 from mlxkv.cache.block_hash import ChainKeys
 from mlxkv.cache.errors import InvalidInput, Shown, UnknownRequest
 from mlxkv.cache.pool import PoolStatistics
-from mlxkv.cache.tiers.kv_events import KVEventSubscription
+from mlxkv.cache.kv_events import KVEventHub, KVEventSubscription
 from mlxkv.cache.tiers.namespace import Namespace, namespace_for_model
 from mlxkv.cache.tiers.tier_stack import TierStack, TierStackStatistics
 from mlxkv.cache.token_ids import check_token_ids
@@ -497,6 +497,7 @@ class CacheRuntime:
         self._index: Optional[PrefixIndexHandle] = None
         self._client: Optional[CacheClient] = None
         self._tiers: Optional[TierStack] = None
+        self._events: Optional[KVEventHub] = None
         self._holds_heap = False  # a hold on HEAP_FREEZE, released on exit
         self._model_info: Optional[ModelInfo] = None
         self._preparer: Optional[PromptPreparer] = None
@@ -555,10 +556,11 @@ class CacheRuntime:
                 block_size=config.block_size, max_hints=4 * num_blocks + 1024, **options
             )
             self._index = PrefixIndexHandle(await self._start_actor(index))
+            self._events = KVEventHub(config.block_size)
             if config.kv_tiers:
                 assert source is not None and self._model_info is not None, "checked by the config"
                 namespace = await _tier_namespace(source.path, self._model_info, config.block_size)
-                tiers = TierStack.from_urls(config.kv_tiers, namespace)
+                tiers = TierStack.from_urls(config.kv_tiers, namespace, events=self._events)
                 await tiers.__aenter__()
                 self._tiers = tiers
         except BaseException as error:
@@ -572,6 +574,7 @@ class CacheRuntime:
             images=self._images,
             block_size=config.block_size,
             tiers=self._tiers,
+            events=self._events,
             image_budget=ImageBudget(
                 max_images=config.max_request_images, max_pixels=config.max_request_pixels
             ),
@@ -639,10 +642,15 @@ class CacheRuntime:
                 HEAP_FREEZE.release()
 
     async def _close_tiers(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        """Leave the tier stack (writing what is queued, bounded); idempotent."""
+        """Leave the tier stack (writing what is queued, bounded), then end the
+        KV events' subscriptions; idempotent."""
         tiers, self._tiers = self._tiers, None
-        if tiers is not None:
-            await tiers.__aexit__(exc_type, exc, tb)
+        try:
+            if tiers is not None:
+                await tiers.__aexit__(exc_type, exc, tb)
+        finally:
+            if self._events is not None:
+                self._events.close()
 
     async def _exit_task_group(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         task_group = self._task_group
@@ -931,21 +939,21 @@ class CacheRuntime:
             )
 
     def kv_events(self, buffer: int = 1024) -> KVEventSubscription:
-        """The tiers' KV events from now on, for prefix-aware routers: a
-        ``BlockStored`` when a tier holds a block, a ``BlockRemoved`` when one
-        no longer does (see :mod:`mlxkv.cache.tiers.kv_events`). A subscriber
-        that falls ``buffer`` events behind loses the oldest (counted).
+        """The KV events from now on, for prefix-aware routers: a
+        ``BlockStored`` when the block pool or a tier holds a block, a
+        ``BlockRemoved`` when it no longer does (see :mod:`mlxkv.cache.kv_events`).
+        A subscriber that falls ``buffer`` events behind loses the newest
+        (counted; gaps in ``seq`` say where). Iteration ends when the runtime
+        closes.
 
         Use as ``with rt.kv_events() as events: async for event in events:``.
 
         Raises:
             RuntimeClosed: the runtime is not running.
-            InvalidInput: the runtime has no tiers.
         """
         with self._gate.call():
-            if self._tiers is None:
-                raise InvalidInput("kv_tiers", (), "the runtime has no tiers: pass kv_tiers=[URL]")
-            return self._tiers.subscribe(buffer)
+            assert self._events is not None, "made when the runtime starts"
+            return self._events.subscribe(buffer)
 
     async def flush_tiers(self) -> None:
         """Wait until every block stored so far has been written to every tier

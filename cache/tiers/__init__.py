@@ -42,7 +42,7 @@ from mlxkv.cache.tiers.cache_dir import default_fingerprint_memo, default_kv_dir
 from mlxkv.cache.tiers.disk_tier import DiskTier
 from mlxkv.cache.tiers.errors import CorruptValue, MissingExtra
 from mlxkv.cache.tiers.fingerprint import model_fingerprint
-from mlxkv.cache.tiers.kv_events import (
+from mlxkv.cache.kv_events import (
     BlockRemoved,
     BlockStored,
     KVEvent,

@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from functools import partial
 from types import TracebackType
@@ -50,7 +50,7 @@ from anyio.abc import TaskStatus
 from mlxkv.cache.errors import InvalidInput
 from mlxkv.cache.kv_state import BlockPayload
 from mlxkv.cache.tiers.block_format import decode_payloads, encode_block
-from mlxkv.cache.tiers.kv_events import KVEventHub, KVEventStatistics, KVEventSubscription
+from mlxkv.cache.kv_events import KVEventHub, KVEventStatistics, KVEventSubscription
 from mlxkv.cache.tiers.namespace import Namespace
 from mlxkv.cache.tiers.storage_key import StorageKey, storage_key, storage_keys
 from mlxkv.cache.tiers.tier import Tier, TierStatistics
@@ -122,6 +122,8 @@ class _Write:
     block_hash: bytes
     parent_hash: Optional[bytes]
     payload: BlockPayload
+    #: The rest of the block's ``BlockStored`` (tokens, keys, salted).
+    described: Mapping[str, Any]
 
 
 async def _in_worker_thread(function: Callable[[], T]) -> T:
@@ -157,6 +159,7 @@ class TierStack:
         timeout: float = DEFAULT_TIMEOUT,
         drain_timeout: float = 5.0,
         run_mlx: Optional[RunMLX[Any]] = None,
+        events: Optional[KVEventHub] = None,
     ) -> None:
         """Args:
             tiers: in lookup order (fastest first: disk before Redis).
@@ -166,6 +169,9 @@ class TierStack:
             drain_timeout: seconds leaving the stack spends writing what
                 is still queued before it gives up on it.
             run_mlx: how to run decoding (MLX work); a worker thread by default.
+            events: where to announce stored and removed blocks (the
+                runtime's hub, which its owner closes); by default a hub of
+                the stack's own, closed when the stack is left.
 
         Raises:
             InvalidInput: bad sizes or times, or two tiers of one name.
@@ -184,7 +190,8 @@ class TierStack:
         self._timeout = float(timeout)
         self._drain_timeout = float(drain_timeout)
         self._run_mlx: RunMLX[Any] = run_mlx if run_mlx is not None else _in_worker_thread
-        self._events = KVEventHub(namespace.block_size)
+        self._owns_events = events is None
+        self._events = KVEventHub(namespace.block_size) if events is None else events
         self._exit_stack: Optional[AsyncExitStack] = None
         self._send: Any = None
         self._entered = False
@@ -240,7 +247,8 @@ class TierStack:
         async with AsyncExitStack() as stack:
             for tier in self._tiers:
                 await stack.enter_async_context(tier)
-            stack.callback(self._events.close)
+            if self._owns_events:
+                stack.callback(self._events.close)
             send, receive = anyio.create_memory_object_stream[_Write](self._queue_size)
             stack.enter_context(send)
             stack.enter_context(receive)
@@ -263,7 +271,12 @@ class TierStack:
         return await stack.__aexit__(exc_type, exc, traceback)
 
     def offer(
-        self, block_hash: bytes, payload: BlockPayload, *, parent_hash: Optional[bytes] = None
+        self,
+        block_hash: bytes,
+        payload: BlockPayload,
+        *,
+        parent_hash: Optional[bytes] = None,
+        **described: Any,
     ) -> bool:
         """Queue a block for writing to every tier, without waiting.
 
@@ -275,6 +288,8 @@ class TierStack:
             block_hash: the block's chain hash.
             payload: its KV (evaluated arrays; the queue keeps a reference).
             parent_hash: the previous block's chain hash, for KV events.
+            described: the rest of its KV event (``token_ids``,
+                ``extra_keys``, ``salted``: see :class:`BlockStored`).
 
         Returns:
             Whether it was queued.
@@ -286,7 +301,7 @@ class TierStack:
             return False
         try:
             key = storage_key(self._namespace, block_hash)
-            self._send.send_nowait(_Write(key, bytes(block_hash), parent_hash, payload))
+            self._send.send_nowait(_Write(key, bytes(block_hash), parent_hash, payload, described))
         except anyio.WouldBlock:
             self._num_queue_dropped += 1
             return False
@@ -498,7 +513,11 @@ class TierStack:
     async def _put(self, tier: Tier, write: _Write, value: bytes) -> None:
         if await self._bounded(tier, tier.put(write.key, value), False):
             self._events.stored(
-                tier=tier.name, key=write.key, block_hash=write.block_hash, parent_hash=write.parent_hash
+                tier=tier.name,
+                key=write.key,
+                block_hash=write.block_hash,
+                parent_hash=write.parent_hash,
+                **write.described,
             )
         self._publish_removals()
 

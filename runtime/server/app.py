@@ -70,6 +70,7 @@ from mlxkv.server.admission import Admission, Overloaded
 from mlxkv.server.body import RequestBody
 from mlxkv.server.chat import ChatTemplate, ConversationMemory, Turn
 from mlxkv.server.errors import ApiError
+from mlxkv.server.kv_wire import KVEventPublisher, KVWireConfig
 from mlxkv.server.metrics import CONTENT_TYPE, ServerMetrics
 from mlxkv.server.request import (
     ChatRequest,
@@ -134,6 +135,8 @@ class ServerConfig:
             (for a scraper that sends none); off, it needs one. ``/health``
             answers anyone, with its admission state only (its counts and the
             model's name need a key, or no keys at all).
+        kv_events: publish the runtime's KV events on the wire, as vLLM
+            does (:mod:`mlxkv.server.kv_wire`), while serving; None: not.
     """
 
     model_name: str
@@ -144,6 +147,7 @@ class ServerConfig:
     max_body_bytes: int = attrs.field(default=64 << 20, validator=_positive)
     body_timeout: float = attrs.field(default=30.0, validator=_seconds)
     public_metrics: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    kv_events: Optional[KVWireConfig] = None
 
 
 async def load_chat_template(model: str) -> Optional[ChatTemplate]:
@@ -184,12 +188,16 @@ class OpenAIServer:
         self._answering: set[anyio.CancelScope] = set()
         #: Set by :meth:`drain`: generation requests are refused from then on.
         self.draining = False
+        #: The KV events' publisher while :func:`serve` runs with ``kv_events``.
+        self.kv_publisher: Optional[KVEventPublisher] = None
         self.app = Starlette(
             routes=[
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/v1/models/{model:path}", self._model, methods=["GET"]),
                 Route("/v1/completions", self._completions, methods=["POST"]),
                 Route("/v1/chat/completions", self._chat_completions, methods=["POST"]),
+                Route("/v1/completions/render", self._render_completions, methods=["POST"]),
+                Route("/v1/chat/completions/render", self._render_chat, methods=["POST"]),
                 Route("/health", self._health, methods=["GET"]),
                 Route("/metrics", self._metrics, methods=["GET"]),
             ],
@@ -218,6 +226,12 @@ class OpenAIServer:
 
     async def _chat_completions(self, request: Request) -> Response:
         return await self._generation(request, "chat")
+
+    async def _render_completions(self, request: Request) -> Response:
+        return await self._generation(request, "completions", render=True)
+
+    async def _render_chat(self, request: Request) -> Response:
+        return await self._generation(request, "chat", render=True)
 
     async def _health(self, request: Request) -> Response:
         """Liveness (503 once the server cannot serve at all) and the admission
@@ -269,9 +283,10 @@ class OpenAIServer:
 
     # -- generation requests ---------------------------------------------------
 
-    async def _generation(self, request: Request, endpoint: str) -> Response:
+    async def _generation(self, request: Request, endpoint: str, *, render: bool = False) -> Response:
         """Refuse at once what the headers refuse (shutting down, no key); the
-        rest is answered by :class:`_Answering`, body and all."""
+        rest is answered by :class:`_Answering`, body and all (``render``: the
+        prompt's tokens instead of a generation)."""
         arrived = time.perf_counter()
         try:
             if self.draining:
@@ -279,9 +294,10 @@ class OpenAIServer:
             salt = self._tenant(request)
             RequestBody.refuse_declared(request.headers, self.config.max_body_bytes)
         except ApiError as api:
-            self.metrics.requests.labels(endpoint, _outcome(api)).inc()
+            label = f"{endpoint}_render" if render else endpoint
+            self.metrics.requests.labels(label, _outcome(api)).inc()
             return _error_response(api)
-        return _Answering(self, endpoint, salt, arrived)
+        return _Answering(self, endpoint, salt, arrived, render=render)
 
     def parse(self, endpoint: str, raw: Union[bytes, bytearray]) -> Union[ChatRequest, CompletionRequest]:
         """A request body, checked (any thread: it reads only the server's settings).
@@ -474,7 +490,10 @@ class _Answer:
 
 class _Answering(Response):
     """A generation request's response: admission, body, prompt, generation and
-    sending (see the module docstring).
+    sending (see the module docstring). A render request (vLLM's
+    ``/render`` endpoints) goes the same way up to its prompt's tokens, and
+    answers with them instead of generating: a router keys its blocks on
+    exactly the tokens this server would run.
 
     One task reads the connection throughout (:class:`RequestBody`): the body
     as admission allows (whole within ``body_timeout`` of admission), then
@@ -483,10 +502,17 @@ class _Answering(Response):
     """
 
     def __init__(
-        self, server: OpenAIServer, endpoint: str, salt: Optional[str], arrived: float
+        self,
+        server: OpenAIServer,
+        endpoint: str,
+        salt: Optional[str],
+        arrived: float,
+        *,
+        render: bool = False,
     ) -> None:
         self._server = server
         self._endpoint = endpoint
+        self._render = render
         self._body = RequestBody(server.config.max_body_bytes)
         self._tenant_salt = salt
         self._salt = salt  # until the body's own cache_salt is read
@@ -516,7 +542,8 @@ class _Answering(Response):
                 await self._fail(sending, _shutting_down())
         finally:
             outcome = "disconnected" if self._disconnected else self._outcome
-            self._server.metrics.requests.labels(self._endpoint, outcome).inc()
+            label = f"{self._endpoint}_render" if self._render else self._endpoint
+            self._server.metrics.requests.labels(label, outcome).inc()
             if self._body.peak_bytes >= TRIM_AFTER_BYTES:
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(return_freed_memory)
@@ -541,6 +568,9 @@ class _Answering(Response):
                 self._options = options = parsed.options
                 self._salt = _salt(self._tenant_salt, options.cache_salt)
                 prompt = await self._prompt(parsed)
+                if self._render:
+                    await self._rendered(send, prompt)
+                    return
                 generation = server.runtime.generate(
                     prompt.tokens,
                     max_tokens=self._max_tokens(prompt),
@@ -618,7 +648,7 @@ class _Answering(Response):
         assert chat is not None, "a chat request is refused without a template"
         text = await anyio.to_thread.run_sync(chat.render, parsed.messages)
         self._check_length("messages", text)
-        turn = server.memory.continued(self._salt, parsed.messages, text)
+        turn = server.memory.continued(self._salt, parsed.messages, text, count=not self._render)
         if turn is None:
             tokens = await anyio.to_thread.run_sync(chat.encode, text)
         else:
@@ -655,6 +685,29 @@ class _Answering(Response):
             return _COMPLETION_MAX_TOKENS
         limit = self._server.config.max_tokens
         return limit if context is None else min(limit, context - len(prompt.tokens))
+
+    async def _rendered(self, send: Send, prompt: _Prompt) -> None:
+        """Answer a render request: the prompt as this server would run it
+        (vLLM's shape: one object for chat, a list of one for completions)."""
+        options = self._options
+        rendered = {
+            "request_id": self._id,
+            "token_ids": list(prompt.tokens),
+            "features": {"num_images": len(prompt.images)} if prompt.images else None,
+            "sampling_params": {
+                "max_tokens": self._max_tokens(prompt),
+                "temperature": options.temperature,
+                "top_p": options.top_p,
+                "top_k": options.top_k,
+                "min_p": options.min_p,
+                "seed": options.seed,
+                "stop": list(options.stop),
+            },
+            "model": self._server.config.model_name,
+            "stream": options.stream,
+        }
+        self._outcome = "rendered"
+        await _send_json(send, 200, rendered if self._endpoint == "chat" else [rendered])
 
     def _first_token(self) -> None:
         self._server.metrics.time_to_first_token.observe(time.perf_counter() - self._arrived)
@@ -830,7 +883,12 @@ async def serve(
     The socket is handed over (closed when serving ends). On shutdown, the
     server drains (:meth:`OpenAIServer.drain`): requests still running get
     ``graceful_timeout`` seconds, then are cancelled (each releases what it
-    holds); then Hypercorn closes the idle connections and stops.
+    holds); then Hypercorn closes the idle connections and stops. With
+    ``kv_events`` in its config, the server publishes the runtime's KV events
+    from before the first request to after the last (``server.kv_publisher``).
+
+    Raises:
+        InvalidInput: the KV events' sockets cannot be opened.
     """
     from hypercorn.config import Config
 
@@ -838,23 +896,33 @@ async def serve(
         await shutdown_trigger()
         await server.drain(graceful_timeout)
 
-    server.draining = False  # served again after a drain
-    config = Config()
-    config.bind = [f"fd://{sock.detach()}"]
-    config.accesslog = None
-    config.errorlog = logging.getLogger("mlxkv.server")
-    config.graceful_timeout = 1.0  # only idle connections are left by then
-    if sniffio.current_async_library() == "trio":
-        from hypercorn.trio import serve as hypercorn_serve
-    else:
-        from hypercorn.asyncio import serve as hypercorn_serve
-    # In a task of its own: on asyncio, Hypercorn's shutdown leaves its task
-    # with a cancellation request never taken back, which anyio would later
-    # read as the caller's own cancellation.
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(
-            functools.partial(hypercorn_serve, server.app, config, shutdown_trigger=trigger)
-        )
+    with contextlib.ExitStack() as stack:
+        publisher = None
+        if server.config.kv_events is not None:
+            publisher = stack.enter_context(KVEventPublisher(server.config.kv_events))
+            server.kv_publisher = publisher
+            stack.callback(setattr, server, "kv_publisher", None)
+        server.draining = False  # served again after a drain
+        config = Config()
+        config.bind = [f"fd://{sock.detach()}"]
+        config.accesslog = None
+        config.errorlog = logging.getLogger("mlxkv.server")
+        config.graceful_timeout = 1.0  # only idle connections are left by then
+        if sniffio.current_async_library() == "trio":
+            from hypercorn.trio import serve as hypercorn_serve
+        else:
+            from hypercorn.asyncio import serve as hypercorn_serve
+        async with anyio.create_task_group() as forwarding:
+            if publisher is not None:
+                forwarding.start_soon(publisher.forward, server.runtime.kv_events(buffer=1 << 16))
+            # In a task of its own: on asyncio, Hypercorn's shutdown leaves its task
+            # with a cancellation request never taken back, which anyio would later
+            # read as the caller's own cancellation.
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(
+                    functools.partial(hypercorn_serve, server.app, config, shutdown_trigger=trigger)
+                )
+            forwarding.cancel_scope.cancel()
 
 
 @contextlib.asynccontextmanager

@@ -156,14 +156,15 @@ class ConversationMemory:
                 self._forget(dropped)
 
     def continued(
-        self, salt: Optional[str], messages: Sequence[ChatMessage], text: str
+        self, salt: Optional[str], messages: Sequence[ChatMessage], text: str, *, count: bool = True
     ) -> Optional[Turn]:
         """The kept turn that ``text``, the rendered ``messages``, continues, if any.
 
         The assistant messages are tried from the last one back; the first
         kept turn of that tenant and answer whose text begins ``text`` is it.
         The prompt is then its tokens followed by the rest of ``text``,
-        tokenized.
+        tokenized. ``count=False`` only looks (a render): no counter moves,
+        and the turn is not marked recently used.
         """
         for message in reversed(messages):
             if message.role != "assistant":
@@ -171,10 +172,11 @@ class ConversationMemory:
             key = (salt, message.text())
             for turn in self._turns.get(key, ()):
                 if text.startswith(turn.text):
-                    self._turns.move_to_end(key)
-                    self._num_continued += 1
+                    if count:
+                        self._turns.move_to_end(key)
+                        self._num_continued += 1
                     return turn
-        self._num_fresh += 1
+        self._num_fresh += count
         return None
 
     def statistics(self) -> MemoryStatistics:

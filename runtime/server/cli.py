@@ -31,7 +31,7 @@ __all__ = ["DESCRIPTION", "HELP", "add_serve_options", "serve_command"]
 
 _USAGE = 2
 #: Hypercorn, Starlette and prometheus-client: what the ``server`` extra installs.
-_STACK = ("hypercorn", "starlette", "prometheus_client")
+_STACK = ("hypercorn", "starlette", "prometheus_client", "zmq", "msgpack")
 
 
 #: ``mlxkv serve``'s line in ``mlxkv --help``, and its description.
@@ -126,6 +126,27 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
         help="the most pixels one request's images may have together, checked before decoding (67108864)",
     )
     parser.add_argument(
+        "--kv-events",
+        metavar="ADDRESS",
+        help="publish KV events as vLLM does, on a ZMQ PUB socket (tcp://*:5557 binds,"
+        " tcp://HOST:PORT connects to a router's SUB)",
+    )
+    parser.add_argument(
+        "--kv-events-replay",
+        metavar="ADDRESS",
+        help="a ZMQ ROUTER socket answering replay requests from a sequence number (tcp://*:5558)",
+    )
+    parser.add_argument(
+        "--kv-events-topic", default="", metavar="TOPIC", help="the first frame of every KV event message ('')"
+    )
+    parser.add_argument(
+        "--kv-events-salted",
+        choices=("omit", "announce"),
+        default="omit",
+        help="tenants' blocks (cache_salt, or --api-key tenants): kept off the wire (omit, the"
+        " default) or announced with their tokens (announce)",
+    )
+    parser.add_argument(
         "--graceful-timeout",
         type=float,
         default=3.0,
@@ -145,6 +166,7 @@ def serve_command(args: argparse.Namespace) -> int:
     from mlxkv.default_model import DEFAULT_MODEL, ensure_model
     from mlxkv.runtime import RuntimeConfig
     from mlxkv.server.app import ServerConfig, listen
+    from mlxkv.server.kv_wire import KVWireConfig
 
     try:
         model = args.model or str(ensure_model(DEFAULT_MODEL))
@@ -172,6 +194,7 @@ def serve_command(args: argparse.Namespace) -> int:
             max_body_bytes=parse_bytes(args.max_body, argument="--max-body"),
             body_timeout=args.body_timeout,
             public_metrics=args.public_metrics,
+            kv_events=_kv_wire(args, KVWireConfig),
         )
     except InvalidInput as error:
         return _say(str(error), _USAGE)
@@ -203,6 +226,20 @@ def serve_command(args: argparse.Namespace) -> int:
     if signum == signal.SIGTERM:
         return _say("terminated", 128 + signal.SIGTERM)
     return _say("interrupted", 128 + signal.SIGINT)
+
+
+def _kv_wire(args: argparse.Namespace, config: Any) -> Any:
+    """The KV events' :class:`~mlxkv.server.kv_wire.KVWireConfig`, or None without ``--kv-events``."""
+    if args.kv_events is None:
+        if args.kv_events_replay is not None:
+            raise InvalidInput("kv_events_replay", args.kv_events_replay, "needs --kv-events")
+        return None
+    return config(
+        endpoint=args.kv_events,
+        replay_endpoint=args.kv_events_replay,
+        topic=args.kv_events_topic,
+        salted=args.kv_events_salted,
+    )
 
 
 def _model_name(model: Optional[str]) -> Optional[str]:

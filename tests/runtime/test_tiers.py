@@ -382,6 +382,8 @@ class TestDiskBudget:
 
 class TestEvents:
     async def test_stored_blocks_are_announced_in_chain_order(self, llama, tmp_path):
+        """The pool and the tier each announce every full block of the
+        prompt once, chained, with its tokens; the tier's with its key."""
         prompt = _prompt(60)
         async with _runtime(llama, _disk(tmp_path)) as rt:
             with rt.kv_events() as events:
@@ -395,10 +397,14 @@ class TestEvents:
                         break
                     stored.append(event)
         assert all(isinstance(event, BlockStored) for event in stored)
-        assert len(stored) == _full_blocks(prompt)
-        assert stored[0].parent_hash is None
-        for parent, child in zip(stored, stored[1:]):
-            assert child.parent_hash == parent.block_hash
+        blocks = [tuple(prompt[i : i + BS]) for i in range(0, _full_blocks(prompt) * BS, BS)]
+        for tier in ("pool", rt.config.kv_tiers[0]):
+            mine = [event for event in stored if event.tier == tier]
+            assert [event.token_ids for event in mine] == blocks, tier
+            assert mine[0].parent_hash is None
+            for parent, child in zip(mine, mine[1:]):
+                assert child.parent_hash == parent.block_hash
+            assert all((event.key is None) == (tier == "pool") for event in mine)
 
 
 class TestConfiguration:
@@ -411,10 +417,8 @@ class TestConfiguration:
         with pytest.raises(InvalidInput):
             CacheRuntime(model=llama, kv_tiers=[url])
 
-    async def test_kv_events_without_tiers(self, llama):
+    async def test_no_tiers_to_flush(self, llama):
         async with CacheRuntime(model=llama, block_size=BS) as rt:
-            with pytest.raises(InvalidInput, match="no tiers"):
-                rt.kv_events()
             await rt.flush_tiers()  # nothing to wait for
             assert (await rt.stats()).tiers is None
 

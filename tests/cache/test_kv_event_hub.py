@@ -8,7 +8,8 @@ import anyio
 import pytest
 
 from mlxkv.cache.errors import InvalidInput
-from mlxkv.cache.tiers import BlockRemoved, BlockStored, KVEventHub, StorageKey
+from mlxkv.cache.kv_events import BlockRemoved, BlockStored, KVEventHub
+from mlxkv.cache.tiers import StorageKey
 
 KEY = StorageKey(b"k" * 32)
 
