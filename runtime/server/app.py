@@ -876,6 +876,7 @@ async def serve(
     *,
     shutdown_trigger: Callable[[], Awaitable[Any]],
     graceful_timeout: float = 3.0,
+    on_ready: Optional[Callable[[], None]] = None,
 ) -> None:
     """Serve ``server.app`` with Hypercorn on ``sock`` until ``shutdown_trigger`` returns.
 
@@ -903,6 +904,8 @@ async def serve(
             server.kv_publisher = publisher
             stack.callback(setattr, server, "kv_publisher", None)
         server.draining = False  # served again after a drain
+        if on_ready is not None:
+            on_ready()
         config = Config()
         config.bind = [f"fd://{sock.detach()}"]
         config.accesslog = None

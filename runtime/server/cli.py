@@ -38,7 +38,7 @@ _STACK = ("hypercorn", "starlette", "prometheus_client", "zmq", "msgpack")
 HELP = "serve a model over the OpenAI HTTP API (needs the server extra)"
 DESCRIPTION = (
     "An OpenAI-compatible HTTP server (/v1/models, /v1/completions, /v1/chat/completions,"
-    " /health, /metrics) over the runtime, on the built-in model or --model PATH. Needs the"
+    " their /render, /health, /metrics; KV events for routers with --kv-events) over the runtime, on the built-in model or --model PATH. Needs the"
     " server extra: pip install 'mlxkv[server]'."
 )
 
@@ -300,14 +300,19 @@ async def _serve(
             async with CacheRuntime(runtime_config) as rt:
                 chat = await load_chat_template(runtime_config.model)
                 server = OpenAIServer(rt, server_config, chat=chat)
-                print(
+                ready = functools.partial(
+                    print,
                     f"mlxkv serve: {url_of(sock)}/v1 serves {server_config.model_name}"
                     " (Ctrl-C stops it)",
                     file=sys.stderr,
                     flush=True,
                 )
                 await serve(
-                    server, sock, shutdown_trigger=stop.wait, graceful_timeout=graceful_timeout
+                    server,
+                    sock,
+                    shutdown_trigger=stop.wait,
+                    graceful_timeout=graceful_timeout,
+                    on_ready=ready,
                 )
         except CacheError as error:  # kept out of the task group's exception group
             failure = error

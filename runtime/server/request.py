@@ -10,7 +10,13 @@ runtime checks itself (a token id past the vocabulary, a prompt past the
 context) are left to it.
 
 Beyond the OpenAI fields, both take vLLM's extensions ``cache_salt``,
-``top_k`` and ``min_p``.
+``top_k`` and ``min_p``, and the SGLang/vLLM extension fields that routers
+add to every request they forward (vllm-router, sglang-router) where their
+value is what this server does anyway: ``ignore_eos``, ``no_stop_trim``,
+``continue_final_message`` and ``return_hidden_states`` false,
+``skip_special_tokens`` true, and the reasoning switches
+(``separate_reasoning``, ``stream_reasoning``, ``include_reasoning``) at
+either value, as this server parses no reasoning out of an answer.
 """
 
 from __future__ import annotations
@@ -260,7 +266,23 @@ class _Fields:
             raise InvalidInput(name, self._body[name], "is not a request field this server takes")
 
 
+#: Extension fields routers forward, at the value that is this server's behaviour.
+_ROUTER_FIELDS = (
+    ("ignore_eos", False),
+    ("no_stop_trim", False),
+    ("continue_final_message", False),
+    ("return_hidden_states", False),
+    ("skip_special_tokens", True),
+)
+#: Switches of a reasoning parser this server does not have: either value is the same answer.
+_REASONING_FIELDS = ("separate_reasoning", "stream_reasoning", "include_reasoning")
+
+
 def _options(fields: _Fields, *, max_tokens: Any) -> Options:
+    for name, value in _ROUTER_FIELDS:
+        fields.default_only(name, value)
+    for name in _REASONING_FIELDS:
+        _bool(name, fields.take(name), default=False)
     fields.default_only("n", 1)
     fields.default_only("presence_penalty", 0)
     fields.default_only("frequency_penalty", 0)

@@ -140,6 +140,24 @@ class TestChatBody:
         )
         assert parse_chat({**body, "response_format": {"type": "text"}}, takes_images=False)
 
+    #: What vllm-router 0.1.17 adds to every request it forwards.
+    ROUTER_FIELDS = {
+        "no_stop_trim": False, "ignore_eos": False, "continue_final_message": False,
+        "skip_special_tokens": True, "separate_reasoning": True, "stream_reasoning": True,
+        "return_hidden_states": False, "include_reasoning": True,
+    }  # fmt: skip
+
+    def test_a_routers_extension_fields_are_taken_at_this_servers_behaviour(self):
+        """A router's added fields pass where their value is what the server
+        does; a value that would change the answer is refused, named."""
+        body = {"messages": [{"role": "user", "content": "x"}], **self.ROUTER_FIELDS}
+        assert parse_chat(body, takes_images=False).messages
+        assert parse_completion({"prompt": "x", **self.ROUTER_FIELDS}).prompt == "x"
+        assert parse_chat({**body, "include_reasoning": False}, takes_images=False)
+        for name, changed in (("ignore_eos", True), ("skip_special_tokens", False), ("no_stop_trim", True)):
+            assert refused(parse_chat, {**body, name: changed}, takes_images=False).argument == name
+        assert refused(parse_chat, {**body, "stream_reasoning": "yes"}, takes_images=False).argument == "stream_reasoning"
+
 
 class TestJson:
     """The raw body."""

@@ -210,6 +210,8 @@ class TestServeErrors:
             (("--body-timeout", "inf"), "body_timeout"),
             (("--max-request-images", "0"), "max_request_images"),
             (("--max-request-pixels", "0"), "max_request_pixels"),
+            (("--kv-events", "http://127.0.0.1:1"), "kv_events"),
+            (("--kv-events-replay", "tcp://*:5558"), "needs --kv-events"),
         ],
     )
     def test_bad_options_are_one_line(self, model_dir: Path, args: tuple[str, ...], needle: str):
@@ -250,3 +252,14 @@ class TestServeErrors:
         assert done.stderr.splitlines() == [
             f"mlxkv serve: cannot listen on 127.0.0.1:{port}: Address already in use"
         ]
+
+    def test_a_kv_events_address_in_use(self, model_dir: Path):
+        """A KV events port another socket holds: one line naming the option, exit 2."""
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            done = run_cli(model_dir, "--port", "0", "--kv-events", f"tcp://127.0.0.1:{port}", "--kv-events-replay", f"tcp://127.0.0.1:{port}")
+        assert done.returncode == 2, done.stderr
+        (line,) = done.stderr.splitlines()
+        assert line.startswith("mlxkv serve: invalid kv_events=") and "cannot open its sockets" in line, line
