@@ -1,8 +1,9 @@
 """Model runners: what the compute actor asks of a model family, on the MLX thread.
 
 The compute actor schedules; a :class:`ModelRunner` computes. A runner
-prefills a chunk of one request's prompt, computes one decode step's logits
-for a batch of requests, makes, rebuilds, merges and slices caches, and (for
+prefills a chunk of one request's prompt (or, where the model allows, chunks
+of several requests' prompts in one model call), computes one decode step's
+logits for a batch of requests, makes, rebuilds, merges and slices caches, and (for
 vision-language models) encodes images. Neither the scheduler nor generation
 asks which kind of model it is: they only call these methods. Every method
 except :attr:`~ModelRunner.info` runs on the compute actor's MLX thread.
@@ -264,8 +265,9 @@ class ModelRunner(Protocol):
         """Keep ``cache``, finished ``sequence``'s, cut to its first
         ``num_tokens`` tokens (a fed stop token is not part of the answer),
         for the next request that shares its first tokens (which then
-        computes only the rest); the runner keeps one cache at most. The
-        caller gives up ``cache``.
+        computes only the rest); the runner keeps the most recent ones, up
+        to :data:`MAX_KEPT_CACHES` (see :class:`CacheRunner`). The caller gives
+        up ``cache``.
         """
         ...
 

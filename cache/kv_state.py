@@ -1,7 +1,8 @@
 """KV state of mlx-lm caches, cut into per-block payloads and put back together.
 
-This is the only module of :mod:`mlxkv.cache` that touches MLX arrays. It is a
-set of pure functions over small frozen records:
+It is a set of pure functions over small frozen records (the seed's caches,
+the shared-prefix caches and the tiers' value format call it; they touch MLX
+arrays too):
 
 * :func:`describe_cache` reads a model's list of cache objects (or the seed's
   ``{'state': ...}`` dicts) and says what each layer is (:data:`LayerSpec`) and
