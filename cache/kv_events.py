@@ -247,7 +247,7 @@ class KVEventHub:
         """The counters now."""
         return KVEventStatistics(
             num_published=self._seq,
-            num_subscribers=len(self._subscribers),
+            num_subscribers=self.num_subscribers,
             num_lost=self._num_lost_by_gone + sum(s.num_lost for _, s in self._subscribers),
         )
 

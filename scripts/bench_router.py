@@ -48,7 +48,18 @@ import anyio
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import Texts, ask, conversations, free_port, median, percentile, stop, wait_ready, workload  # noqa: E402
+from bench_serve import (  # noqa: E402
+    Texts,
+    add_workload_options,
+    ask,
+    conversations,
+    free_port,
+    median,
+    percentile,
+    stop,
+    wait_ready,
+    workload,
+)
 from bench_tiers import RedisServer, redis_binary  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -143,11 +154,15 @@ async def through(url: str, texts: list[Texts], args: argparse.Namespace) -> tup
         return await conversations(client, args.name, texts[-1], args)
 
 
+def _turn(system: str, user: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
 async def first_turns(url: str, texts: Texts, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Each system prompt's first turn, one after another."""
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         return [
-            await ask(client, args.name, [{"role": "system", "content": system}, {"role": "user", "content": user[0]}], args.max_tokens)
+            await ask(client, args.name, _turn(system, user[0]), args.max_tokens)
             for system, user in zip(texts.systems, texts.users)
         ]
 
@@ -188,7 +203,7 @@ def restart(victim: Worker, workers: list[Worker], url: str, texts: Texts, args:
         async with httpx.AsyncClient(base_url=url, timeout=600) as client:
             for system, user in zip(texts.systems, texts.users):
                 try:
-                    await ask(client, args.name, [{"role": "system", "content": system}, {"role": "user", "content": user[1]}], 4)
+                    await ask(client, args.name, _turn(system, user[1]), 4)
                     served += 1
                 except Exception:
                     failures += 1
@@ -204,18 +219,12 @@ def restart(victim: Worker, workers: list[Worker], url: str, texts: Texts, args:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--router", type=Path, default=DEFAULT_ROUTER if DEFAULT_ROUTER.exists() else shutil.which("vllm-router"))
-    parser.add_argument("--model", help="a model directory (default: the built-in model)")
+    parser.add_argument("--model", help="a model directory, or a built-in model's name (default: the built-in model)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--system-prompts", type=int, default=8)
-    parser.add_argument("--system-tokens", type=int, default=512)
-    parser.add_argument("--user-tokens", type=int, default=48)
-    parser.add_argument("--conversations", type=int, default=32)
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    add_workload_options(parser, system_prompts=8, conversations=32)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--no-redis", action="store_true", help="workers without a shared tier")
     parser.add_argument("--late-worker", action="store_true")
     parser.add_argument("--restart", action="store_true")
@@ -224,9 +233,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.router is None or not Path(args.router).exists():
         raise SystemExit("no vllm-router: install it (see this script's docstring) or pass --router PATH")
-    from mlxkv.default_model import DEFAULT_MODEL, ensure_model
+    from mlxkv.default_model import model_path
 
-    model = args.model or str(ensure_model(DEFAULT_MODEL))
+    model = model_path(args.model)
     args.name = Path(model).name
     logs = args.logs or Path(tempfile.mkdtemp(prefix="bench-router-"))
     logs.mkdir(parents=True, exist_ok=True)

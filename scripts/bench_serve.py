@@ -393,6 +393,19 @@ def paired_ratios(runs: list[dict[str, Any]], server: str) -> dict[str, float]:
     return {key: statistics.median(values) for key, values in ratios.items() if values}
 
 
+def add_workload_options(parser: argparse.ArgumentParser, *, system_prompts: int, conversations: int) -> None:
+    """The chat workload's options (:func:`workload`, :func:`conversations`), for every script that runs it."""
+    parser.add_argument("--system-prompts", type=int, default=system_prompts)
+    parser.add_argument("--system-tokens", type=int, default=512)
+    parser.add_argument("--user-tokens", type=int, default=48)
+    parser.add_argument("--conversations", type=int, default=conversations)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument(
+        "--warmup", type=int, default=1, help="untimed passes over other texts first (1)"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="fresh processes per server (3)")
@@ -410,16 +423,8 @@ def main() -> int:
         default=DEFAULT_VLLM_PYTHON,
         help="vllm-mlx's environment's python",
     )
-    parser.add_argument("--system-prompts", type=int, default=4)
-    parser.add_argument("--system-tokens", type=int, default=512)
-    parser.add_argument("--user-tokens", type=int, default=48)
-    parser.add_argument("--conversations", type=int, default=16)
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    add_workload_options(parser, system_prompts=4, conversations=16)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--warmup", type=int, default=1, help="untimed passes over other texts first (1)"
-    )
     parser.add_argument(
         "--mlxkv-args",
         default="",

@@ -230,9 +230,10 @@ class KVEventPublisher:
     connects on entry, so a bad address fails there), then
     ``await publisher.forward(subscription)`` on the event loop.
 
-    Owns: a ZMQ context; on its thread, the PUB socket, the replay socket,
-    the sequence counter and the replay buffer; on the caller's thread, the
-    PUSH end of the pipe to that thread.
+    Owns: a ZMQ context; on its thread (from :meth:`__enter__` on), the PUB
+    socket, the replay socket, the pipe's PULL end, the sequence counter
+    and the replay buffer; on the caller's thread, the PUSH end of the pipe
+    and the counters.
 
     Invariants:
         - sequence numbers go 0, 1, 2, ... one per batch, in the order
@@ -247,8 +248,6 @@ class KVEventPublisher:
         self._pipe_address = f"inproc://mlxkv-kv-events-{id(self)}"
         self._push: Optional[zmq.Socket] = None
         self._thread: Optional[threading.Thread] = None
-        self._ready = threading.Event()
-        self._failure: Optional[BaseException] = None
         #: The PUB socket's address once open (a bound ``:*`` port resolved).
         self.endpoint: Optional[str] = None
         #: The replay socket's address once open.
@@ -258,20 +257,45 @@ class KVEventPublisher:
         self.wire = WireEvents(salted=config.salted)
 
     def __enter__(self) -> KVEventPublisher:
-        self._thread = threading.Thread(target=self._run, name="mlxkv-kv-events", daemon=True)
-        self._thread.start()
-        self._ready.wait()
-        if self._failure is not None:
-            self._thread.join()
+        """Open the sockets here, so a bad address fails in the caller; then
+        hand them to the publisher thread (starting a thread is the memory
+        barrier ZMQ asks for when a socket changes threads)."""
+        sockets: list[zmq.Socket] = []
+        try:
+            pull = self._context.socket(zmq.PULL)
+            sockets.append(pull)
+            pull.bind(self._pipe_address)
+            pub = self._context.socket(zmq.PUB)
+            sockets.append(pub)
+            pub.setsockopt(zmq.SNDHWM, 100_000)
+            pub.setsockopt(zmq.LINGER, 0)
+            self.endpoint = _open(pub, self.config.endpoint)
+            replay = None
+            if self.config.replay_endpoint is not None:
+                replay = self._context.socket(zmq.ROUTER)
+                sockets.append(replay)
+                replay.setsockopt(zmq.LINGER, 0)
+                # A ROUTER drops what passes a peer's limit: room for a whole replay.
+                replay.setsockopt(zmq.SNDHWM, self.config.buffer_batches + 1)
+                replay.bind(self.config.replay_endpoint)
+                self.replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
+            push = self._context.socket(zmq.PUSH)
+            sockets.append(push)
+            push.setsockopt(zmq.SNDHWM, 100_000)
+            push.setsockopt(zmq.LINGER, 1000)
+            push.connect(self._pipe_address)
+        except zmq.ZMQError as error:
+            for sock in sockets:
+                sock.close(linger=0)
             self._context.term()
             raise InvalidInput(
-                "kv_events", self.config.endpoint, f"cannot open its sockets: {self._failure}"
-            ) from self._failure
-        push = self._context.socket(zmq.PUSH)
-        push.setsockopt(zmq.SNDHWM, 100_000)
-        push.setsockopt(zmq.LINGER, 1000)
-        push.connect(self._pipe_address)
+                "kv_events", self.config.endpoint, f"cannot open its sockets: {error}"
+            ) from error
         self._push = push
+        self._thread = threading.Thread(
+            target=self._run, args=(pull, pub, replay), name="mlxkv-kv-events", daemon=True
+        )
+        self._thread.start()
         self.publish([{"type": "AllBlocksCleared"}])
         return self
 
@@ -325,40 +349,15 @@ class KVEventPublisher:
 
     # -- the publisher thread ------------------------------------------------------
 
-    def _run(self) -> None:
-        sockets: list[zmq.Socket] = []
-        try:
-            pull = self._context.socket(zmq.PULL)
-            sockets.append(pull)
-            pull.bind(self._pipe_address)
-            pub = self._context.socket(zmq.PUB)
-            sockets.append(pub)
-            pub.setsockopt(zmq.SNDHWM, 100_000)
-            pub.setsockopt(zmq.LINGER, 0)
-            self.endpoint = _open(pub, self.config.endpoint)
-            replay = None
-            if self.config.replay_endpoint is not None:
-                replay = self._context.socket(zmq.ROUTER)
-                sockets.append(replay)
-                replay.setsockopt(zmq.LINGER, 0)
-                # A ROUTER drops what passes a peer's limit: room for a whole replay.
-                replay.setsockopt(zmq.SNDHWM, self.config.buffer_batches + 1)
-                replay.bind(self.config.replay_endpoint)
-                self.replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
-        except zmq.ZMQError as error:
-            self._failure = error
-            for sock in sockets:
-                sock.close(linger=0)
-            self._ready.set()
-            return
-        self._ready.set()
+    def _run(self, pull: zmq.Socket, pub: zmq.Socket, replay: Optional[zmq.Socket]) -> None:
         try:
             self._serve(pull, pub, replay)
         except zmq.ContextTerminated:
             pass
         finally:
-            for sock in sockets:
-                sock.close(linger=0)
+            for sock in (pull, pub, replay):
+                if sock is not None:
+                    sock.close(linger=0)
 
     def _serve(self, pull: zmq.Socket, pub: zmq.Socket, replay: Optional[zmq.Socket]) -> None:
         topic = self.config.topic.encode()
