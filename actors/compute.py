@@ -78,6 +78,15 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 
 from mlxkv.actors.actor import Actor, ActorHandle, Ask, Message, Tell
+from mlxkv.actors.compute_config import (
+    DEFAULT_DECODE_BURST,
+    DEFAULT_DECODE_WAIT,
+    DEFAULT_PREFILL_BATCH,
+    DEFAULT_PREFILL_BUDGET,
+    DEFAULT_PREFILL_CHUNK,
+    RunnerConfig,
+    SchedulingConfig,
+)
 from mlxkv.actors.events import (
     ComputeFailed,
     Event,
@@ -93,9 +102,8 @@ from mlxkv.actors.events import (
 )
 from mlxkv.actors.executor import Executor
 from mlxkv.actors.mlx_thread import MLXThread, MLXThreadStatistics, MLXThreadStopped
-from mlxkv.actors.model_runner import KV_BITS, ModelInfo, ModelRunner, PromptPreparer, TextRunner
+from mlxkv.actors.model_runner import ModelInfo, ModelRunner, PromptPreparer, TextRunner
 from mlxkv.actors.model_source import ModelLoadError, ModelSource
-from mlxkv.actors.prefix_attention import PrefixAttention
 from mlxkv.actors.request import RequestSpec
 from mlxkv.actors.sampling import Sampling
 from mlxkv.actors.scheduler import MAX_BURST_STEPS, Output, Plan, Result, Scheduler, SchedulerStatistics
@@ -126,53 +134,12 @@ __all__ = [
     "PromptPublished",
     "Published",
     "RequestSpec",
+    "RunnerConfig",
+    "SchedulingConfig",
     "Statistics",
     "Token",
     "events_needed",
 ]
-
-#: Request-steps one decode plan may run back to back while nothing else
-#: waits: ``decode_burst // batch size`` steps, at least one and at most
-#: :data:`MAX_BURST_STEPS`. A small batch thus saves the hop between the
-#: event loop and the MLX thread on most steps (the hop is about a tenth of
-#: a lone request's step on this CPU); a batch of 32 runs two steps per
-#: plan, a batch of 64 one. A message that arrives meanwhile waits for at
-#: most that many steps, and tokens reach the consumer in bursts of as many.
-#: (64 measured 1.02-1.07x the throughput of 32 at 8 and 32 requests.)
-DEFAULT_DECODE_BURST = 64
-
-#: Prefill plans a decode step waits behind at most, while more requests
-#: wait for their first token than there are rows to decode (a wave of
-#: arrivals; otherwise decode and prefill plans alternate): each partial
-#: decode step during a wave is a model call the batch makes again once the
-#: wave has joined; those prefill plans share this many plans' budgets
-#: (:data:`DEFAULT_PREFILL_BUDGET`), so the waiting prefill together. 32
-#: requests arriving together over a cached prefix on the built-in model
-#: make 40 decode calls instead of 47 with it, 32 with no bound, before the
-#: budgets were shared (scripts/bench_memory.py).
-DEFAULT_DECODE_WAIT = 8
-
-#: Tokens per prefill chunk of one request: 30-150 ms of the default model
-#: on a 2-core CPU (more as the context grows); smaller chunks made a 2k
-#: prefill no faster here.
-DEFAULT_PREFILL_CHUNK = 256
-
-#: The cost (:func:`~mlxkv.actors.scheduler.chunk_cost`: tokens, attention
-#: over a long context counted too) one prefill plan runs at most, over all
-#: its requests, while rows decode (the oldest request's chunk always fits;
-#: with nothing decoding only ``prefill_batch`` bounds the chunks of requests
-#: that will decode): what a decode step can wait behind. 1024 admits 5
-#: requests of 32 new tokens over a 2,048-token prefix a plan (512: 2); before
-#: waves were exempt (while nothing decodes) it gave 0.97-1.07x
-#: ``batch_generate``'s tokens/s at 8 to 64 requests arriving together against
-#: 0.90-0.96x (scripts/bench_memory.py), but the ``mlxkv run`` chat workload
-#: lost 5% of its tokens/s and its warm TTFT p50 rose from 57 to 67 ms with
-#: it: a throughput setting, not the default.
-DEFAULT_PREFILL_BUDGET = 512
-
-#: Requests one prefill plan serves at most (mlx-lm's ``BatchGenerator``
-#: prefills 8 prompts at once too).
-DEFAULT_PREFILL_BATCH = 8
 
 
 @attrs.frozen(kw_only=True)
@@ -292,17 +259,6 @@ class _Streams:
             self.to_cache.close()
 
 
-def _prefix_attention(value: Any) -> Optional[PrefixAttention]:
-    """``prefix_attention`` checked: None, or one of :class:`PrefixAttention`'s values."""
-    if value is None or isinstance(value, PrefixAttention):
-        return value
-    try:
-        return PrefixAttention(value)
-    except ValueError:
-        names = ", ".join(way.value for way in PrefixAttention)
-        raise InvalidInput("prefix_attention", value, f"must be one of {names}, or None") from None
-
-
 class ComputeActor(Actor):
     """Mailbox -> scheduler -> executor (on the MLX thread) -> events.
 
@@ -324,17 +280,9 @@ class ComputeActor(Actor):
         self,
         runner: Optional[ModelRunner] = None,
         *,
-        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-        prefill_budget: int = DEFAULT_PREFILL_BUDGET,
-        prefill_batch: int = DEFAULT_PREFILL_BATCH,
-        decode_burst: int = DEFAULT_DECODE_BURST,
-        decode_wait: int = DEFAULT_DECODE_WAIT,
-        keep_last_cache: bool = True,
-        shared_prefix: bool = True,
-        prefix_attention: Optional[str] = None,
-        kv_bits: Optional[int] = None,
-        transpose_weights: Optional[bool] = None,
-        loader: Optional[Callable[..., ModelRunner]] = None,
+        scheduling: SchedulingConfig = SchedulingConfig(),
+        runner_config: RunnerConfig = RunnerConfig(),
+        loader: Optional[Callable[[RunnerConfig], ModelRunner]] = None,
         source: Optional[str] = None,
         **options: Any,
     ) -> None:
@@ -343,79 +291,30 @@ class ComputeActor(Actor):
         Args:
             runner: a model runner already made (on the MLX thread it will
                 run on: see :meth:`loading` for real models).
-            prefill_chunk: tokens per prefill chunk of one request, > 0.
-            prefill_budget: the cost one prefill plan runs at most while rows
-                decode, > 0 (:class:`~mlxkv.actors.scheduler.Scheduler`).
-            prefill_batch: requests one prefill plan serves at most, > 0.
-            decode_burst: the most request-steps one decode plan runs while
-                nothing else waits, > 0 (see :data:`DEFAULT_DECODE_BURST`).
-            decode_wait: the most prefill plans a decode step waits behind,
-                > 0 (see :data:`DEFAULT_DECODE_WAIT`; 1: they alternate).
-            keep_last_cache: keep the caches of the requests that finished
-                last (outside the block pool, bounded: see the module
-                docstring) for the later requests that share their first
-                tokens.
-            shared_prefix: requests that begin with the same cached blocks
-                hold that prefix's KV once, where the model allows
-                (:attr:`ModelInfo.shared_prefix`).
-            prefix_attention: how attention reads a shared prefix
-                (``cascade``, ``gathered`` or ``stacked``:
-                :class:`~mlxkv.actors.prefix_attention.PrefixAttention`);
-                None: the device's way.
-            kv_bits: quantize the KV cache of attention layers to this many
-                bits (4 or 8: mlx-lm's ``QuantizedKVCache``) in live caches
-                and blocks alike; None keeps the model's precision.
-            transpose_weights: hold the model's linear weights transposed
-                (:mod:`~mlxkv.actors.weight_layout`: the same outputs,
-                faster on the CPU); None: where MLX runs on the CPU for a
-                model the actor loads (:meth:`loading`), not for one handed
-                in (:meth:`with_model`).
-            loader: called on the MLX thread with keywords ``prefill_chunk``,
-                ``shared_prefix``, ``prefix_attention``, ``kv_bits`` and
-                ``transpose_weights`` to make the runner, instead of ``runner``.
+            scheduling: how plans are cut (:class:`SchedulingConfig`).
+            runner_config: what the loader makes the runner with
+                (:class:`RunnerConfig`); a runner handed in has its own.
+            loader: called on the MLX thread with ``runner_config`` to make
+                the runner, instead of ``runner``.
             source: what the loader loads, for error messages.
             **options: the :class:`Actor` options.
 
         Raises:
-            InvalidInput: a count is not a positive int, or neither or both
-                of ``runner`` and ``loader`` are given.
+            InvalidInput: a configuration of the wrong type, or neither or
+                both of ``runner`` and ``loader`` given.
         """
-        for name, value in (
-            ("prefill_chunk", prefill_chunk),
-            ("prefill_budget", prefill_budget),
-            ("prefill_batch", prefill_batch),
-            ("decode_burst", decode_burst),
-            ("decode_wait", decode_wait),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise InvalidInput(name, value, "must be a positive int")
-        for name, flag in (("keep_last_cache", keep_last_cache), ("shared_prefix", shared_prefix)):
-            if not isinstance(flag, bool):
-                raise InvalidInput(name, flag, "must be a bool")
-        if transpose_weights is not None and not isinstance(transpose_weights, bool):
-            raise InvalidInput("transpose_weights", transpose_weights, "must be a bool or None")
-        way = _prefix_attention(prefix_attention)
-        if kv_bits is not None and (isinstance(kv_bits, bool) or kv_bits not in KV_BITS):
-            raise InvalidInput("kv_bits", kv_bits, f"must be one of {sorted(KV_BITS)} or None")
+        if not isinstance(scheduling, SchedulingConfig):
+            raise InvalidInput("scheduling", scheduling, "must be a SchedulingConfig")
+        if not isinstance(runner_config, RunnerConfig):
+            raise InvalidInput("runner_config", runner_config, "must be a RunnerConfig")
         if (runner is None) == (loader is None):
             raise InvalidInput("runner", runner, "give a runner or a loader, not both or neither")
         super().__init__(**options)
         self._runner = runner
         self._loader = loader
         self._source = source
-        self._chunk = prefill_chunk
-        self._budget = prefill_budget
-        self._prefill_batch = prefill_batch
-        self._burst = decode_burst
-        self._decode_wait = decode_wait
-        self._keep_last_cache = keep_last_cache
-        self._runner_options = {
-            "prefill_chunk": prefill_chunk,
-            "shared_prefix": shared_prefix,
-            "prefix_attention": way,
-            "kv_bits": kv_bits,
-            "transpose_weights": transpose_weights,
-        }
+        self._scheduling = scheduling
+        self._runner_config = runner_config
         self._thread = MLXThread(name="mlxkv-compute", log=self._log)
         self._info: Optional[ModelInfo] = None if runner is None else runner.info
         self._scheduler: Optional[Scheduler] = None
@@ -436,9 +335,8 @@ class ComputeActor(Actor):
             tokenizer: its ``TokenizerWrapper``.
             **kwargs: passed to the constructor.
         """
-        def make(*, transpose_weights: Optional[bool], **options: Any) -> ModelRunner:
-            # The model is the caller's: changed only when asked for by name.
-            return TextRunner(model, tokenizer, transpose_weights=transpose_weights is True, **options)
+        def make(config: RunnerConfig) -> ModelRunner:
+            return TextRunner(model, tokenizer, config)
 
         return cls(
             loader=make,
@@ -468,7 +366,7 @@ class ComputeActor(Actor):
         else:
             make = TextRunner.load
         return cls(
-            loader=lambda **options: make(source.path, **options),
+            loader=lambda config: make(source.path, config),
             source=source.path,
             **kwargs,
         )
@@ -488,9 +386,9 @@ class ComputeActor(Actor):
         try:
             self._thread.start()
             if self._loader is not None:
-                loader, options = self._loader, self._runner_options
+                loader, config = self._loader, self._runner_config
                 try:
-                    self._runner = await self._thread.submit(lambda: loader(**options))
+                    self._runner = await self._thread.submit(lambda: loader(config))
                 except Exception as error:
                     if isinstance(error, (MLXThreadStopped, ModelLoadError)):
                         raise
@@ -500,15 +398,9 @@ class ComputeActor(Actor):
                 self._info = self._runner.info
             runner = self._require_runner()
             self._scheduler = Scheduler(
-                prefill_chunk=self._chunk,
-                prefill_budget=self._budget,
-                prefill_batch=self._prefill_batch,
-                decode_burst=self._burst,
-                decode_wait=self._decode_wait,
-                recurrent=runner.info.has_recurrent,
-                context_unit=runner.info.context_unit,
+                self._scheduling, recurrent=runner.info.has_recurrent, context_unit=runner.info.context_unit
             )
-            self._executor = Executor(runner, prefill_chunk=self._chunk, keep_last_cache=self._keep_last_cache)
+            self._executor = Executor(runner, prefill_chunk=self._scheduling.prefill_chunk)
             await super().run(task_status=task_status)
         except BaseException as error:
             self._record_crash(error, None)

@@ -146,16 +146,16 @@ class Failed:
 Event = Published | PromptPublished | ImagesEncoded | Prefilled | Token | Finished | Failed
 
 
-def events_needed(num_prompt: int, max_tokens: int, block_size: int, chunk: int) -> int:
+def events_needed(num_prompt: int, max_tokens: int, block_size: int) -> int:
     """How many events a request can receive at most: size its stream so.
 
-    One per prefill job (a published batch of blocks each), the images'
+    One per published batch of the prompt's blocks (each holds at least one
+    full block, however the prompt is cut into chunks), the images'
     features, the prompt-published and prefilled marks, one per token, the
     answer's blocks, and the end. Enough for either of a request's two
     streams, or for both on one.
     """
-    jobs = -(-num_prompt // min(chunk, block_size)) + 1
-    return jobs + max_tokens + 5
+    return num_prompt // block_size + max_tokens + 6
 
 
 def goes_to_cache(event: Event) -> bool:

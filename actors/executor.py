@@ -54,10 +54,14 @@ class Executor:
         - a decode batch is never empty between plans.
     """
 
-    def __init__(self, runner: ModelRunner, *, prefill_chunk: int, keep_last_cache: bool) -> None:
+    def __init__(self, runner: ModelRunner, *, prefill_chunk: int) -> None:
+        """Args:
+            runner: the model runner (made on this MLX thread).
+            prefill_chunk: tokens per prefill chunk (the scheduling's): where a
+                request's first chunk ends once the runner has started it.
+        """
         self._runner = runner
         self._chunk = prefill_chunk
-        self._keep_last_cache = keep_last_cache
         self._live: dict[str, Sequence] = {}
         self._batches: list[DecodeBatch] = []
 
@@ -138,7 +142,7 @@ class Executor:
                     stop = min(stop, cache_tokens(cache) // sequence.block_size)
                     if stop > start:
                         run.published.append(self._slice(sequence, cache, start, stop))
-                if leave.keep and self._keep_last_cache:
+                if leave.keep:
                     self._runner.keep(sequence, cache, leave.num_tokens)
             except Exception as error:
                 self._record(sequence, error, run)

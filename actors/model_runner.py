@@ -27,6 +27,7 @@ from typing import Any, Optional, Protocol
 
 import attrs
 
+from mlxkv.actors.compute_config import KV_BITS, RunnerConfig
 from mlxkv.actors.sequence import Sequence
 from mlxkv.actors.token_bound import max_chars_per_token
 from mlxkv.actors.weight_layout import transpose_linear_weights, wanted
@@ -61,8 +62,6 @@ __all__ = [
 
 #: Cache classes whose per-request caches mlx-lm merges into one exact batch.
 _BATCHABLE = frozenset({"KVCache", "RotatingKVCache", "ArraysCache"})
-#: The KV quantizations served (mlx-lm's ``QuantizedKVCache``).
-KV_BITS = frozenset({4, 8})
 
 #: Cache classes whose requests' prefill chunks run together exactly.
 _BATCH_PREFILL = frozenset({"KVCache", "RotatingKVCache"})
@@ -94,7 +93,6 @@ class ModelInfo:
             (``ArraysCache``): its prefills stop at every block end to
             snapshot that state, so every stored block can end a reused
             prefix.
-        prefill_chunk: tokens per prefill chunk.
         batchable: whether requests decode together in one model call
             (else each decodes at batch size one).
         shared_prefix: whether requests that begin with the same cached
@@ -134,7 +132,6 @@ class ModelInfo:
     eos_token_ids: frozenset[int]
     cache_layers: tuple[str, ...]
     has_recurrent: bool
-    prefill_chunk: int
     batchable: bool = True
     batch_prefill: bool = False
     shared_prefix: bool = False
@@ -345,6 +342,7 @@ class CacheRunner(abc.ABC):
     """
 
     _info: ModelInfo
+    _runner_config: RunnerConfig
     _layout: tuple[tuple[Any, ...], ...]
     _trimmable: bool = False
     #: the kept caches, the most recent last
@@ -476,8 +474,9 @@ class CacheRunner(abc.ABC):
         held beside the group). It replaces a kept cache it extends (its
         conversation's earlier turn), and the oldest go while there are more
         than :data:`MAX_KEPT_CACHES` or they hold more than
-        :data:`KEPT_CACHE_BYTES`."""
-        if not self._trimmable:
+        :data:`KEPT_CACHE_BYTES`. Nothing is kept where the configuration
+        says so (``keep_last_cache=False``)."""
+        if not (self._trimmable and self._runner_config.keep_last_cache):
             return
         import mlx.core as mx
 
@@ -923,50 +922,37 @@ class TextRunner(CacheRunner):
 
     _batches_prefill = True
 
-    def __init__(
-        self,
-        model: Any,
-        tokenizer: Any,
-        *,
-        prefill_chunk: int,
-        shared_prefix: bool = True,
-        prefix_attention: Optional[PrefixAttention] = None,
-        kv_bits: Optional[int] = None,
-        transpose_weights: bool = False,
-    ) -> None:
+    def __init__(self, model: Any, tokenizer: Any, config: RunnerConfig = RunnerConfig()) -> None:
         """Describe ``model``: runs one token through a fresh cache (on the MLX
         thread, which is also where its attention's way is set).
 
         Args:
-            shared_prefix: hold a prefix that requests share once, where the
-                model allows (:attr:`ModelInfo.shared_prefix` says).
-            prefix_attention: how attention reads a shared prefix; None: the
-                device's way (:meth:`PrefixAttention.for_device`).
-            transpose_weights: hold the model's linear weights transposed
-                (in place: :mod:`mlxkv.actors.weight_layout`; the same
-                outputs, faster on the CPU). Off by default: a model handed
-                in is the caller's (:meth:`load` decides for the models it
-                loads).
-            kv_bits: quantize its plain attention layers' KV to this many
-                bits (``QuantizedKVCache``, in groups of the largest of 128,
-                64 or 32 that divides the head size), or None. mlx-lm
-                cannot batch quantized caches: each request then decodes
-                alone (``ModelInfo.batchable`` says so).
+            config: how to hold the model and its caches (:class:`RunnerConfig`).
+                Its ``transpose_weights`` changes the model in place
+                (:mod:`mlxkv.actors.weight_layout`) only when True: a model
+                handed in is the caller's (:meth:`load` decides for the
+                models it loads). With ``kv_bits``, the plain attention
+                layers' KV is quantized (``QuantizedKVCache``, in groups of
+                the largest of 128, 64 or 32 that divides the head size);
+                mlx-lm cannot batch quantized caches: each request then
+                decodes alone (``ModelInfo.batchable`` says so).
 
         Raises:
             ValueError: ``kv_bits`` on a model whose head size no group
                 size divides.
         """
-        transposed = transpose_linear_weights(model) if transpose_weights else 0
+        kv_bits = config.kv_bits
+        self._runner_config = config
+        transposed = transpose_linear_weights(model) if config.transpose_weights is True else 0
         self._model = model
         self._tokenizer = tokenizer
         self._kv_bits = kv_bits
         self._kv_group = self._group_size() if kv_bits else 0
         fields, self._layout = self._measure(
-            shared_prefix=shared_prefix and not kv_bits and attention_hook.install(model)
+            shared_prefix=config.shared_prefix and not kv_bits and attention_hook.install(model)
         )
         if fields["shared_prefix"]:
-            way = prefix_attention or PrefixAttention.for_device()
+            way = config.prefix_attention or PrefixAttention.for_device()
             attention_hook.use(way)
             fields["prefix_attention"] = way.value
         args = getattr(model, "args", None)
@@ -975,7 +961,6 @@ class TextRunner(CacheRunner):
         self._info = ModelInfo(
             vocab_size=getattr(args, "vocab_size", None),
             eos_token_ids=frozenset(int(t) for t in eos),
-            prefill_chunk=prefill_chunk,
             max_context=max_context if isinstance(max_context, int) and max_context > 0 else None,
             context_unit=context_unit(args),
             transposed_layers=transposed,
@@ -983,14 +968,13 @@ class TextRunner(CacheRunner):
         )
 
     @classmethod
-    def load(cls, path: str, *, transpose_weights: Optional[bool] = None, **options: Any) -> TextRunner:
+    def load(cls, path: str, config: RunnerConfig = RunnerConfig()) -> TextRunner:
         """Load an mlx-lm model directory (or repo id) with ``mlx_lm.load``
-        (``options``: the constructor's; ``transpose_weights`` None: where
-        MLX runs on the CPU)."""
+        (``config.transpose_weights`` None: where MLX runs on the CPU)."""
         from mlx_lm import load
 
         model, tokenizer = load(str(path))
-        return cls(model, tokenizer, transpose_weights=wanted(transpose_weights), **options)
+        return cls(model, tokenizer, attrs.evolve(config, transpose_weights=wanted(config.transpose_weights)))
 
     def preparer(self) -> TextPreparer:
         return TextPreparer(self._tokenizer)

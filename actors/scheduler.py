@@ -77,6 +77,7 @@ from mlxkv.actors.events import (
     Published,
     Token,
 )
+from mlxkv.actors.compute_config import SchedulingConfig
 from mlxkv.actors.request import (
     RequestSpec,
     blocks_out_at_start,
@@ -434,44 +435,25 @@ class Scheduler:
           ``WAITING`` one only once a plan with its first chunk has run).
     """
 
-    def __init__(
-        self,
-        *,
-        prefill_chunk: int,
-        prefill_budget: int,
-        prefill_batch: int,
-        decode_burst: int,
-        decode_wait: int,
-        recurrent: bool = False,
-        context_unit: int = 512,
-    ) -> None:
+    def __init__(self, config: SchedulingConfig, *, recurrent: bool = False, context_unit: int = 512) -> None:
         """Args:
-            prefill_chunk: tokens per prefill chunk of one request.
-            prefill_budget: the cost (:func:`chunk_cost`) one prefill plan
-                runs at most while a row decodes (the oldest request's
-                chunk always fits; in a refill, the plans in a row share
-                ``decode_wait`` budgets; with no row decoding, only
-                ``prefill_batch`` bounds the chunks of requests that will
+            config: chunks, budgets and bursts (see :class:`SchedulingConfig`:
+                the budget bounds a prefill plan while a row decodes, the
+                oldest request's chunk always fitting; in a refill, the plans
+                in a row share ``decode_wait`` budgets; with no row decoding,
+                only ``prefill_batch`` bounds the chunks of requests that will
                 decode: see :meth:`_chunks`).
-            prefill_batch: requests one prefill plan serves at most.
-            decode_burst: request-steps a decode plan runs while nothing
-                else waits (``decode_burst // rows`` steps, at least one).
-            decode_wait: prefill plans a decode step waits behind at most
-                (more than one only while the requests waiting for their
-                first token outnumber the rows decoding, sharing this many
-                plans' budgets); 1: decode and prefill plans always
-                alternate.
             recurrent: the model has recurrent layers: chunks also end at
                 every block end (where their state is snapshotted).
             context_unit: the context, in tokens, over which a token's
                 attention costs as much as the rest of its computation (see
                 :func:`chunk_cost`).
         """
-        self._chunk = prefill_chunk
-        self._budget = prefill_budget
-        self._batch = prefill_batch
-        self._burst = decode_burst
-        self._decode_wait = decode_wait
+        self._chunk = config.prefill_chunk
+        self._budget = config.prefill_budget
+        self._batch = config.prefill_batch
+        self._burst = config.decode_burst
+        self._decode_wait = config.decode_wait
         self._recurrent = recurrent
         self._context_unit = context_unit
         self._requests: dict[str, RequestState] = {}

@@ -33,6 +33,7 @@ from typing import Any, Optional
 
 import attrs
 
+from mlxkv.actors.compute_config import RunnerConfig
 from mlxkv.actors.model_runner import (
     CacheRunner,
     ImageEncoding,
@@ -267,22 +268,25 @@ class VisionRunner(CacheRunner):
     Owns: the model (vision tower and language model) and its processor.
     """
 
-    def __init__(
-        self, model: Any, processor: Any, *, prefill_chunk: int, transpose_weights: bool = False
-    ) -> None:
+    def __init__(self, model: Any, processor: Any, config: RunnerConfig = RunnerConfig()) -> None:
         """Describe ``model`` (on the MLX thread).
 
         Args:
-            transpose_weights: hold the linear weights of the vision tower
-                and the language model transposed (in place:
-                :mod:`mlxkv.actors.weight_layout`); off by default: a
-                model handed in is the caller's (:meth:`load` decides for
-                its own).
+            config: how to hold the model and its caches
+                (:class:`~mlxkv.actors.compute_config.RunnerConfig`). Requests
+                hold their own copy of a prefix here: ``shared_prefix`` and
+                ``prefix_attention`` are not served. ``transpose_weights``
+                changes the linear weights of the vision tower and the
+                language model in place only when True: a model handed in is
+                the caller's (:meth:`load` decides for its own).
 
         Raises:
             ValueError: the model is not of the Qwen2-VL family (no
-                ``get_rope_index``, ``vision_tower`` or feature merging).
+                ``get_rope_index``, ``vision_tower`` or feature merging), or
+                ``kv_bits`` (not served for vision-language models).
         """
+        if config.kv_bits:
+            raise ValueError("kv_bits is not served for vision-language models")
         from mlx_lm.tokenizer_utils import TokenizerWrapper
 
         language = getattr(model, "language_model", None)
@@ -295,7 +299,8 @@ class VisionRunner(CacheRunner):
                 f"vision-language model type {getattr(model.config, 'model_type', '?')!r} is not"
                 " supported: mlxkv runs Qwen2-VL-style models (mrope positions)"
             )
-        transposed = transpose_linear_weights(model) if transpose_weights else 0
+        transposed = transpose_linear_weights(model) if config.transpose_weights is True else 0
+        self._runner_config = config
         self._model = model
         self._language = language
         self._processor = processor
@@ -308,7 +313,6 @@ class VisionRunner(CacheRunner):
         self._info = ModelInfo(
             vocab_size=getattr(args, "vocab_size", None),
             eos_token_ids=frozenset(int(t) for t in eos),
-            prefill_chunk=prefill_chunk,
             takes_images=True,
             max_context=max_context if isinstance(max_context, int) and max_context > 0 else None,
             context_unit=context_unit(args),
@@ -317,25 +321,13 @@ class VisionRunner(CacheRunner):
         )
 
     @classmethod
-    def load(
-        cls,
-        path: str,
-        *,
-        prefill_chunk: int,
-        shared_prefix: bool = False,
-        prefix_attention: Any = None,
-        kv_bits: Optional[int] = None,
-        transpose_weights: Optional[bool] = None,
-    ) -> VisionRunner:
+    def load(cls, path: str, config: RunnerConfig = RunnerConfig()) -> VisionRunner:
         """Load a vision-language model directory with ``mlx_vlm.load``
-        (requests hold their own copy of a prefix: ``shared_prefix`` and
-        ``prefix_attention`` are not served here).
+        (``config.transpose_weights`` None: where MLX runs on the CPU).
 
         Raises:
-            ValueError: ``kv_bits`` (not served for vision-language models).
+            ValueError: mlx-vlm is not installed, or the constructor's.
         """
-        if kv_bits:
-            raise ValueError("kv_bits is not served for vision-language models")
         try:
             from mlx_vlm import load
         except ImportError as error:
@@ -343,7 +335,7 @@ class VisionRunner(CacheRunner):
                 "this is a vision-language model: install the vlm extra (pip install 'mlxkv[vlm]')"
             ) from error
         model, processor = load(str(path))
-        return cls(model, processor, prefill_chunk=prefill_chunk, transpose_weights=wanted(transpose_weights))
+        return cls(model, processor, attrs.evolve(config, transpose_weights=wanted(config.transpose_weights)))
 
     def preparer(self) -> VisionPreparer:
         return VisionPreparer(self._processor, self._tokenizer, self._config.image_token_id)

@@ -36,6 +36,7 @@ import attrs
 
 from mlxkv.cache.errors import CacheError, InvalidInput
 from mlxkv.cache.tiers.tier_url import redact_url
+from mlxkv.runtime_options import add_runtime_options, add_tier_option, runtime_config
 from mlxkv.server.cli import DESCRIPTION as SERVE_DESCRIPTION
 from mlxkv.server.cli import HELP as SERVE_HELP
 from mlxkv.server.cli import add_serve_options, serve_command
@@ -106,21 +107,9 @@ def _stress_parser(subparsers: argparse._SubParsersAction) -> None:
         default=64,
         help="finished generations computed again cold at the end, whose tokens must match (64)",
     )
-    _tier_option(parser)
+    add_tier_option(parser)
     _backend_option(parser)
     _json_option(parser)
-
-
-def _tier_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--kv-tier",
-        metavar="URL",
-        action="append",
-        default=[],
-        help="a tier below the pool that keeps KV across runs and processes, fastest first"
-        " (repeatable): file:///DIR[?max_bytes=N] (file:// alone: the default directory)"
-        " or redis://HOST:PORT/DB[?ttl=S] (needs the redis extra)",
-    )
 
 
 def _backend_option(parser: argparse.ArgumentParser) -> None:
@@ -176,7 +165,7 @@ def _stress(args: argparse.Namespace) -> int:
         backend=args.backend,
         generate_rate=args.generate_rate,
         verify=args.verify,
-        kv_tiers=tuple(args.kv_tier),
+        kv_tiers=tuple(getattr(args, "kv_tiers", ())),
     )
     if args.generate or args.model:
         from mlxkv.default_model import ensure_model
@@ -228,9 +217,7 @@ def _run_parser(subparsers: argparse._SubParsersAction) -> None:
         "--prompt-tokens", type=int, default=512, help="tokens per system prompt (512)"
     )
     parser.add_argument("--user-tokens", type=int, default=48, help="tokens per user turn (48)")
-    _pool_options(parser)
-    _scheduling_options(parser)
-    _weight_option(parser)
+    add_runtime_options(parser)
     parser.add_argument("--seed", type=int, default=0, help="seeds the texts (0)")
     _backend_option(parser)
     _json_option(parser)
@@ -241,75 +228,9 @@ def _run_parser(subparsers: argparse._SubParsersAction) -> None:
 def _serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("serve", help=SERVE_HELP, description=SERVE_DESCRIPTION)
     add_serve_options(parser)
-    _pool_options(parser)
-    _scheduling_options(parser)
-    _weight_option(parser)
+    add_runtime_options(parser)
     _backend_option(parser)
     _trace_option(parser)
-
-
-def _pool_options(parser: argparse.ArgumentParser) -> None:
-    """The KV block pool's options (``mlxkv run`` and ``mlxkv serve``)."""
-    parser.add_argument("--block-size", type=int, default=64, help="tokens per block (64)")
-    parser.add_argument(
-        "--max-blocks", type=int, default=1024, help="usable blocks in the KV pool (1024)"
-    )
-    parser.add_argument(
-        "--kv-memory",
-        metavar="SIZE",
-        help="size the KV pool in bytes instead, e.g. 256MiB or 2GB (overrides --max-blocks)",
-    )
-    parser.add_argument(
-        "--kv-bits",
-        type=int,
-        choices=(4, 8),
-        help="quantize the KV cache (blocks and live caches) to 4 or 8 bits (default: the model's precision)",
-    )
-    _tier_option(parser)
-
-
-def _scheduling_options(parser: argparse.ArgumentParser) -> None:
-    """The compute path's scheduling options (``mlxkv run`` and ``mlxkv serve``)."""
-    from mlxkv.actors.compute import DEFAULT_DECODE_WAIT, DEFAULT_PREFILL_BUDGET
-
-    parser.add_argument(
-        "--prefill-budget",
-        type=int,
-        default=DEFAULT_PREFILL_BUDGET,
-        metavar="COST",
-        help=f"the most prefill work one model call runs while others decode, in tokens, a long context counting more"
-        f" ({DEFAULT_PREFILL_BUDGET}; larger prefills requests arriving meanwhile faster, at some latency for those decoding)",
-    )
-    parser.add_argument(
-        "--decode-wait",
-        type=int,
-        default=DEFAULT_DECODE_WAIT,
-        metavar="N",
-        help=f"the most prefill calls a decode step waits behind while more requests wait than decode,"
-        f" together of that many calls' budget ({DEFAULT_DECODE_WAIT}; 1: decode and prefill always alternate)",
-    )
-
-
-_WEIGHT_LAYOUTS = {"auto": None, "on": True, "off": False}
-
-
-def _weight_layout(text: str) -> Optional[bool]:
-    """``--transpose-weights``'s word as ``RuntimeConfig.transpose_weights``."""
-    try:
-        return _WEIGHT_LAYOUTS[text]
-    except KeyError:
-        raise argparse.ArgumentTypeError(f"{text!r}: choose from auto, on, off") from None
-
-
-def _weight_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--transpose-weights",
-        type=_weight_layout,
-        default=None,
-        metavar="{auto,on,off}",
-        help="hold the model's linear weights transposed: the same outputs, faster on the CPU"
-        " (auto, the default: where MLX runs on the CPU)",
-    )
 
 
 def _trace_option(parser: argparse.ArgumentParser) -> None:
@@ -337,7 +258,7 @@ def _run(args: argparse.Namespace) -> int:
     else:
         model = str(ensure_model(DEFAULT_MODEL))
     config = WorkloadConfig(
-        model=model,
+        runtime=runtime_config(args, model=model),
         requests=args.requests,
         system_prompts=args.system_prompts,
         turns=args.turns,
@@ -345,17 +266,8 @@ def _run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         prompt_tokens=args.prompt_tokens,
         user_tokens=args.user_tokens,
-        block_size=args.block_size,
-        max_blocks=args.max_blocks,
-        kv_memory=args.kv_memory,
-        kv_bits=args.kv_bits,
-        kv_tiers=tuple(args.kv_tier),
-        prefill_budget=args.prefill_budget,
-        decode_wait=args.decode_wait,
-        transpose_weights=args.transpose_weights,
         images=args.images,
         seed=args.seed,
-        trace=args.trace is not None,
     )
     _check_json_target(args.json)
     with contextlib.ExitStack() as stack:

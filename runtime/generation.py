@@ -583,7 +583,7 @@ class _Run:
         usable = min(
             kv_state.num_reconstructable_blocks(fetch.payloads), (len(prompt) - 1) // block_size
         )
-        needed = events_needed(len(prompt), request.max_tokens, block_size, context.model.prefill_chunk)
+        needed = events_needed(len(prompt), request.max_tokens, block_size)
         events_in, events = anyio.create_memory_object_stream[Event](needed)
         to_cache_in, to_cache = anyio.create_memory_object_stream[Event](needed)
         storer = RequestStorer(

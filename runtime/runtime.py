@@ -26,15 +26,9 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from mlxkv.actors.actor import Actor, ActorRef, ActorStatistics, Intercept
 from mlxkv.actors.allocator import BlockAllocatorActor, BlockAllocatorHandle
-from mlxkv.actors.compute import (
-    DEFAULT_DECODE_WAIT,
-    DEFAULT_PREFILL_BATCH,
-    DEFAULT_PREFILL_BUDGET,
-    DEFAULT_PREFILL_CHUNK,
-    ComputeActor,
-    ComputeHandle,
-    ComputeStatistics,
-)
+from mlxkv.actors.compute import ComputeActor, ComputeHandle, ComputeStatistics
+from mlxkv.actors.compute_config import RunnerConfig, SchedulingConfig
+from mlxkv.cache.validators import int_at_least, is_bool
 from mlxkv.actors.image_cache import ImageCacheActor, ImageCacheHandle, ImageCacheStatistics
 from mlxkv.actors.model_runner import ModelInfo, PromptPreparer
 from mlxkv.actors.model_source import check_model_source
@@ -76,32 +70,6 @@ __all__ = [
 ]
 
 
-def _int_at_least(minimum: int) -> Any:
-    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-        if value.__class__ is not int or value < minimum:
-            raise InvalidInput(attribute.name, value, f"must be an int >= {minimum}")
-
-    return check
-
-
-def _optional_one_of(*names: str) -> Any:
-    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-        if value is not None and value not in names:
-            raise InvalidInput(attribute.name, value, f"must be one of {', '.join(names)}, or None")
-
-    return check
-
-
-def _is_bool(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value.__class__ is not bool:
-        raise InvalidInput(attribute.name, value, "must be a bool")
-
-
-def _is_optional_bool(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None:
-        _is_bool(instance, attribute, value)
-
-
 def _model_path(value: Any) -> Optional[str]:
     if value is None:
         return None
@@ -137,9 +105,27 @@ def _byte_budget(value: Any) -> Optional[int]:
     return None if value is None else parse_bytes(value, argument="kv_memory")
 
 
-@attrs.frozen(kw_only=True)
+#: The parts of a :class:`RuntimeConfig`: its field name, and the class whose
+#: fields may also be given to it by name.
+_PARTS: dict[str, type] = {"scheduling": SchedulingConfig, "runner": RunnerConfig}
+#: Each part's field names, and the part that declares them.
+_PART_OF: dict[str, str] = {
+    field.name: part for part, cls in _PARTS.items() for field in attrs.fields(cls)
+}
+
+
+@attrs.frozen(kw_only=True, init=False)
 class RuntimeConfig:
     """Everything a :class:`CacheRuntime` is built from; change with ``attrs.evolve``.
+
+    Made of the parts its components take whole -- ``scheduling``
+    (:class:`~mlxkv.actors.compute_config.SchedulingConfig`) and ``runner``
+    (:class:`~mlxkv.actors.compute_config.RunnerConfig`), each validated
+    where it is built -- and the fields of the runtime itself. A part's
+    fields may be given, and read, by name too: ``RuntimeConfig(prefill_chunk=64)``
+    is ``RuntimeConfig(scheduling=SchedulingConfig(prefill_chunk=64))``, and
+    its ``prefill_chunk`` is ``scheduling.prefill_chunk``; a name given
+    beside its part changes that part.
 
     Attributes:
         block_size: tokens per KV block.
@@ -163,61 +149,9 @@ class RuntimeConfig:
             pool holds as many blocks as fit, sized from the loaded model's
             KV bytes per token, and ``max_blocks`` is ignored; it needs a
             model.
-        prefill_chunk: the most prompt tokens of one request one prefill
-            plan runs.
-        prefill_budget: the most work one prefill plan runs over all the
-            requests it serves, in token units: a chunk of ``n`` new tokens
-            after ``c`` earlier ones costs ``n * (1 + (c + n/2) / u)`` with
-            ``u`` the model's ``model_info.context_unit`` (attention over a
-            long context counts), and the oldest request's chunk always
-            fits: a decode step waits behind at most ``decode_wait`` such
-            plans' worth (while more requests wait than decode, the plans
-            in a row share their budgets: the waiting prefill together).
-            A budget only while some request decodes: with none, a
-            plan takes ``prefill_batch`` requests' chunks at once (up to a
-            one-token request, whose chunk keeps it). 512 by default; 1024
-            prefills requests arriving while others decode faster (5
-            requests of 32 new tokens over 2,048 cached a plan instead of
-            2) at some TTFT for those decoding (docs/benchmarks.md).
-        prefill_batch: the most requests whose chunks one prefill plan runs
-            (in one model call where the model batches prefill).
-        decode_wait: the most prefill plans a decode step waits behind.
-            Decode and prefill plans alternate, except while more requests
-            wait for their first token than there are rows decoding (a
-            wave of arrivals, prefilled first: fewer, fuller decode steps);
-            1 makes them always alternate.
         share_in_flight: a generation whose prefix another generation is
             computing right now waits for those blocks instead of computing
             them again (on by default; off only to measure what it saves).
-        shared_prefix: requests that begin with the same cached blocks hold
-            that prefix's KV once (one buffer per prefix, attended to once
-            per step for all of them) and own only their suffix, where the
-            model allows (``model_info.shared_prefix``: a text model whose
-            layers are all plain KV); off, each request holds a copy (only
-            to measure what it saves).
-        prefix_attention: how attention reads a shared prefix: ``"cascade"``
-            (scores against the prefix merged through softmax statistics;
-            the CPU's way), ``"gathered"`` (fused attention over each row's
-            prefix part copied beside its suffix for the call), ``"stacked"``
-            (fused attention, the rows' queries as one sequence over the
-            prefix and every suffix) or ``"mixed"`` (decode steps by the
-            cascade, prefill chunks gathered: a GPU's way); None (the
-            default): the device's way (:mod:`mlxkv.actors.prefix_attention`).
-            All are exact; ``model_info.prefix_attention`` says which serves.
-        kv_bits: quantize the model's attention KV to 4 or 8 bits (mlx-lm's
-            ``QuantizedKVCache``) in live caches and in the block pool, so
-            each block takes about 3.8x (8 bits) or 6.4x (4 bits) less
-            memory than float32; requests then decode one at a time (mlx-lm
-            cannot batch quantized caches) and hold their own prefix copies.
-            None (the default) keeps the model's precision.
-        keep_last_cache: the compute actor keeps the KV of the generations
-            that finished last (up to 16, of at most 64 MiB together unless
-            only one, beside the block pool) and hands each to a later one
-            that shares its first tokens (the one it shares most with; a
-            copy of what it uses unless it continues all of it), which
-            then computes only the rest: all shared tokens within one cache
-            salt and set of images, only its cached blocks' tokens across
-            salts (on by default).
         kv_tiers: tiers below the block pool, fastest first, as URLs:
             ``file:///path?max_bytes=N`` (a directory; ``file://`` alone is
             the default one under the cache directory) and
@@ -225,15 +159,6 @@ class RuntimeConfig:
             the ``redis`` extra). Every full block stored in the pool is
             also written behind to each tier; a prefix the pool misses
             continues from them. Needs a model. Empty (the default): no tiers.
-        transpose_weights: hold the model's linear weights transposed, in
-            place, as it loads (:mod:`mlxkv.actors.weight_layout`): the same
-            outputs (bit for bit on the CPU; within float noise on a GPU,
-            where the products are other kernels), and on the CPU, where the ``mlx[cpu]``
-            wheel's reference BLAS multiplies by a transposed weight 1.4-2.2x
-            slower, a faster model call (a 512-token prefill of the
-            built-in model in 0.72x the time, a decode step of 8 rows in
-            0.85x). None (the default): where MLX's default device is the
-            CPU; True or False to choose.
         max_request_images: the most images one generation request may have.
         max_request_pixels: the most pixels one generation request's images
             may have together (checked from their headers, before any is
@@ -241,47 +166,65 @@ class RuntimeConfig:
             also has at most :data:`mlxkv.images.MAX_PIXELS`.
         freeze_gc: once started, move every object alive then (the model
             and its libraries) out of the cyclic garbage collector's scans
-            (``gc.freeze()``), so that a full collection stalls the requests
-            in flight for 0.1-0.2 ms instead of 64-95 ms on the built-in model;
+            (``gc.freeze()``), so that a full collection does not stall the
+            requests in flight for as long as it scans the model's objects;
             the last such runtime of the process to stop unfreezes them (see
             :mod:`mlxkv.heap_freeze`). Off for an application that freezes
             the heap itself.
+        scheduling: how the compute actor cuts its work into plans
+            (``prefill_chunk``, ``prefill_budget``, ``prefill_batch``,
+            ``decode_burst``, ``decode_wait``).
+        runner: how the model and its caches are held (``shared_prefix``,
+            ``prefix_attention``, ``kv_bits``, ``transpose_weights``,
+            ``keep_last_cache``).
 
     Raises:
-        InvalidInput: a field is out of range, ``kv_memory`` or ``kv_tiers``
-            without a model, or a tier URL that names no tier.
+        InvalidInput: a field is out of range or not a field, ``kv_memory``
+            or ``kv_tiers`` without a model, or a tier URL that names no tier.
     """
 
-    block_size: int = attrs.field(default=64, validator=_int_at_least(1))
-    max_blocks: int = attrs.field(default=1024, validator=_int_at_least(1))
-    mailbox_size: int = attrs.field(default=64, validator=_int_at_least(1))
-    image_cache_entries: int = attrs.field(default=50, validator=_int_at_least(1))
-    memory_budget: int = attrs.field(default=2 << 30, validator=_int_at_least(1))
-    trace: bool = attrs.field(default=False, validator=_is_bool)
-    trace_polls: bool = attrs.field(default=False, validator=_is_bool)
+    block_size: int = attrs.field(default=64, validator=int_at_least(1))
+    max_blocks: int = attrs.field(default=1024, validator=int_at_least(1))
+    mailbox_size: int = attrs.field(default=64, validator=int_at_least(1))
+    image_cache_entries: int = attrs.field(default=50, validator=int_at_least(1))
+    memory_budget: int = attrs.field(default=2 << 30, validator=int_at_least(1))
+    trace: bool = attrs.field(default=False, validator=is_bool)
+    trace_polls: bool = attrs.field(default=False, validator=is_bool)
     model: Optional[str] = attrs.field(default=None, converter=_model_path)
     kv_memory: Optional[int] = attrs.field(default=None, converter=_byte_budget)
-    prefill_chunk: int = attrs.field(default=DEFAULT_PREFILL_CHUNK, validator=_int_at_least(1))
-    prefill_budget: int = attrs.field(default=DEFAULT_PREFILL_BUDGET, validator=_int_at_least(1))
-    prefill_batch: int = attrs.field(default=DEFAULT_PREFILL_BATCH, validator=_int_at_least(1))
-    decode_wait: int = attrs.field(default=DEFAULT_DECODE_WAIT, validator=_int_at_least(1))
-    share_in_flight: bool = attrs.field(default=True, validator=_is_bool)
-    shared_prefix: bool = attrs.field(default=True, validator=_is_bool)
-    prefix_attention: Optional[str] = attrs.field(
-        default=None, validator=_optional_one_of("cascade", "gathered", "stacked", "mixed")
-    )
-    kv_bits: Optional[int] = attrs.field(default=None)
-    keep_last_cache: bool = attrs.field(default=True, validator=_is_bool)
+    share_in_flight: bool = attrs.field(default=True, validator=is_bool)
     kv_tiers: tuple[str, ...] = attrs.field(default=(), converter=_tier_urls, repr=_shown_tier_urls)
-    transpose_weights: Optional[bool] = attrs.field(default=None, validator=_is_optional_bool)
-    max_request_images: int = attrs.field(default=16, validator=_int_at_least(1))
-    max_request_pixels: int = attrs.field(default=MAX_PIXELS, validator=_int_at_least(1))
-    freeze_gc: bool = attrs.field(default=True, validator=_is_bool)
+    max_request_images: int = attrs.field(default=16, validator=int_at_least(1))
+    max_request_pixels: int = attrs.field(default=MAX_PIXELS, validator=int_at_least(1))
+    freeze_gc: bool = attrs.field(default=True, validator=is_bool)
+    scheduling: SchedulingConfig = attrs.field(
+        factory=SchedulingConfig, validator=attrs.validators.instance_of(SchedulingConfig)
+    )
+    runner: RunnerConfig = attrs.field(factory=RunnerConfig, validator=attrs.validators.instance_of(RunnerConfig))
 
-    @kv_bits.validator
-    def _check_kv_bits(self, attribute: attrs.Attribute, value: Any) -> None:
-        if value is not None and (isinstance(value, bool) or value not in (4, 8)):
-            raise InvalidInput("kv_bits", value, "must be 4, 8 or None")
+    def __init__(self, **options: Any) -> None:
+        own = {name: value for name, value in options.items() if name not in _PART_OF}
+        for name in own:
+            if name not in _OWN_FIELDS:
+                raise InvalidInput(name, own[name], "is not a RuntimeConfig field")
+        for part, cls in _PARTS.items():
+            named = {name: value for name, value in options.items() if _PART_OF.get(name) == part}
+            base = own.get(part, cls())
+            if not isinstance(base, cls):
+                raise InvalidInput(part, base, f"must be a {cls.__name__}")
+            own[part] = attrs.evolve(base, **named) if named else base
+        self.__attrs_init__(**own)  # type: ignore[attr-defined]
+
+    @classmethod
+    def field_names(cls) -> frozenset[str]:
+        """Every name the constructor takes: its own fields and each part's."""
+        return _OWN_FIELDS | frozenset(_PART_OF)
+
+    def __getattr__(self, name: str) -> Any:
+        part = _PART_OF.get(name)
+        if part is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(object.__getattribute__(self, part), name)
 
     def __attrs_post_init__(self) -> None:
         if self.kv_memory is not None and self.model is None:
@@ -289,6 +232,8 @@ class RuntimeConfig:
         if self.kv_tiers and self.model is None:
             raise InvalidInput("kv_tiers", Shown(_shown_tier_urls(self.kv_tiers)), "store a model's KV: pass model=PATH")
 
+
+_OWN_FIELDS = frozenset(field.name for field in attrs.fields(RuntimeConfig))
 
 
 @attrs.frozen(kw_only=True)
@@ -471,7 +416,8 @@ class CacheRuntime:
                 message is handled, for tests and fault injection: a
                 CacheError it raises is answered as the handler's, anything
                 else crashes the actor.
-            **overrides: ``RuntimeConfig`` fields that replace ``config``'s.
+            **overrides: ``RuntimeConfig`` fields (a part's by name too)
+                that replace ``config``'s.
 
         Raises:
             InvalidInput: ``config`` is not a RuntimeConfig, an override is
@@ -481,10 +427,6 @@ class CacheRuntime:
             config = RuntimeConfig()
         elif not isinstance(config, RuntimeConfig):
             raise InvalidInput("config", config, "must be a RuntimeConfig")
-        fields = attrs.fields_dict(RuntimeConfig)
-        for name, value in overrides.items():
-            if name not in fields:
-                raise InvalidInput(name, value, "is not a RuntimeConfig field")
         self.config = attrs.evolve(config, **overrides) if overrides else config
         self._intercept = intercept
         self._gate = Gate()
@@ -528,17 +470,7 @@ class CacheRuntime:
             if source is not None:
                 # First: the pool is sized from the loaded model's bytes per token.
                 compute = ComputeActor.loading(
-                    source,
-                    prefill_chunk=config.prefill_chunk,
-                    prefill_budget=config.prefill_budget,
-                    prefill_batch=config.prefill_batch,
-                    decode_wait=config.decode_wait,
-                    keep_last_cache=config.keep_last_cache,
-                    shared_prefix=config.shared_prefix,
-                    prefix_attention=config.prefix_attention,
-                    kv_bits=config.kv_bits,
-                    transpose_weights=config.transpose_weights,
-                    **options,
+                    source, scheduling=config.scheduling, runner_config=config.runner, **options
                 )
                 self._compute = ComputeHandle(await self._start_actor(compute))
                 self._model_info = await self._compute.describe()

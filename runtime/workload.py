@@ -30,16 +30,16 @@ from typing import Any, Optional
 import anyio
 import attrs
 
-from mlxkv.actors.compute import DEFAULT_DECODE_WAIT, DEFAULT_PREFILL_BUDGET
+from mlxkv.cache.validators import int_at_least
 from mlxkv.cache.errors import InvalidInput
 from mlxkv.cache.tiers.tier import TierStatistics
 from mlxkv.cache.tiers.tier_url import redact_url
 from mlxkv.generation import GenerationReport
 from mlxkv.progress import Progress
 from mlxkv.runtime import CacheRuntime, RuntimeConfig
-from mlxkv.units import format_bytes, parse_bytes
+from mlxkv.units import format_bytes
 
-__all__ = ["SUMMARIZED_EVENTS", "WorkloadConfig", "WorkloadReport", "run_workload", "runtime_config"]
+__all__ = ["SUMMARIZED_EVENTS", "WorkloadConfig", "WorkloadReport", "run_workload"]
 
 #: The per-request warning events a :class:`WorkloadReport` counts (so that an
 #: application can show the count instead of every event).
@@ -59,20 +59,19 @@ _WORDS = (
 ).split()
 
 
-def _at_least(minimum: int) -> Any:
-    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise InvalidInput(attribute.name, value, f"must be an int >= {minimum}")
-
-    return check
+def _runtime(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, RuntimeConfig):
+        raise InvalidInput("runtime", value, "must be a RuntimeConfig")
+    if value.model is None:
+        raise InvalidInput("runtime", value, "must name a model: RuntimeConfig(model=PATH)")
 
 
 @attrs.frozen(kw_only=True)
 class WorkloadConfig:
-    """One ``mlxkv run``.
+    """One ``mlxkv run``: the requests it makes, on the runtime it makes them on.
 
     Attributes:
-        model: the mlx-lm model directory.
+        runtime: the runtime the workload runs on (its ``model`` given).
         requests: requests in all.
         system_prompts: distinct shared system prompts.
         turns: turns per conversation.
@@ -80,51 +79,21 @@ class WorkloadConfig:
         max_tokens: the most tokens each request generates.
         prompt_tokens: tokens in each system prompt.
         user_tokens: tokens in each user message.
-        block_size: tokens per KV block.
-        max_blocks: usable blocks in the pool (unless ``kv_memory`` is given).
         images: distinct images the conversations are about (0: text only;
             needs a vision-language model).
-        kv_memory: bytes the KV pool may hold (sizes the pool from the model).
-        kv_bits: quantize the KV cache to 4 or 8 bits (None: the model's precision).
-        kv_tiers: tiers below the pool, as URLs (see ``RuntimeConfig.kv_tiers``).
-        prefill_budget: the most prefill work one plan runs
-            (``RuntimeConfig.prefill_budget``).
-        decode_wait: the most prefill plans a decode step waits behind
-            (``RuntimeConfig.decode_wait``).
-        transpose_weights: hold the model's linear weights transposed
-            (``RuntimeConfig.transpose_weights``; None: on the CPU).
         seed: seeds the texts (decoding is greedy).
-        trace: emit the runtime's structured events.
-        shared_prefix: requests over the same cached blocks hold one copy of
-            them (``RuntimeConfig.shared_prefix``; off only to measure it).
-        freeze_gc: keep what is alive once the runtime has started out of the
-            garbage collector's scans (``RuntimeConfig.freeze_gc``; off only
-            to measure it).
     """
 
-    model: str
-    requests: int = attrs.field(default=32, validator=_at_least(1))
-    system_prompts: int = attrs.field(default=4, validator=_at_least(1))
-    turns: int = attrs.field(default=2, validator=_at_least(1))
-    concurrency: int = attrs.field(default=8, validator=_at_least(1))
-    max_tokens: int = attrs.field(default=32, validator=_at_least(1))
-    prompt_tokens: int = attrs.field(default=512, validator=_at_least(1))
-    user_tokens: int = attrs.field(default=48, validator=_at_least(1))
-    block_size: int = attrs.field(default=64, validator=_at_least(1))
-    max_blocks: int = attrs.field(default=1024, validator=_at_least(1))
-    kv_memory: Optional[int] = attrs.field(
-        default=None, converter=lambda v: None if v is None else parse_bytes(v, argument="kv_memory")
-    )
-    kv_bits: Optional[int] = None
-    kv_tiers: tuple[str, ...] = attrs.field(default=(), converter=tuple)
-    prefill_budget: int = attrs.field(default=DEFAULT_PREFILL_BUDGET, validator=_at_least(1))
-    decode_wait: int = attrs.field(default=DEFAULT_DECODE_WAIT, validator=_at_least(1))
-    transpose_weights: Optional[bool] = None
-    images: int = attrs.field(default=0, validator=_at_least(0))
-    seed: int = 0
-    trace: bool = False
-    shared_prefix: bool = True
-    freeze_gc: bool = True
+    runtime: RuntimeConfig = attrs.field(validator=_runtime)
+    requests: int = attrs.field(default=32, validator=int_at_least(1))
+    system_prompts: int = attrs.field(default=4, validator=int_at_least(1))
+    turns: int = attrs.field(default=2, validator=int_at_least(1))
+    concurrency: int = attrs.field(default=8, validator=int_at_least(1))
+    max_tokens: int = attrs.field(default=32, validator=int_at_least(1))
+    prompt_tokens: int = attrs.field(default=512, validator=int_at_least(1))
+    user_tokens: int = attrs.field(default=48, validator=int_at_least(1))
+    images: int = attrs.field(default=0, validator=int_at_least(0))
+    seed: int = attrs.field(default=0, validator=int_at_least(0))
 
 
 @attrs.frozen(kw_only=True)
@@ -365,24 +334,6 @@ async def _cut(rt: CacheRuntime, text: str, n: int, rng: random.Random) -> list[
     return tokens[:n]
 
 
-def runtime_config(config: WorkloadConfig) -> RuntimeConfig:
-    """The runtime a workload runs on: its pool, tiers and scheduling settings."""
-    return RuntimeConfig(
-        model=config.model,
-        block_size=config.block_size,
-        max_blocks=config.max_blocks,
-        kv_memory=config.kv_memory,
-        kv_bits=config.kv_bits,
-        kv_tiers=config.kv_tiers,
-        prefill_budget=config.prefill_budget,
-        decode_wait=config.decode_wait,
-        transpose_weights=config.transpose_weights,
-        trace=config.trace,
-        shared_prefix=config.shared_prefix,
-        freeze_gc=config.freeze_gc,
-    )
-
-
 async def run_workload(
     config: WorkloadConfig,
     *,
@@ -415,7 +366,7 @@ async def run_workload(
     reports: list[GenerationReport] = []
     peak_cached = 0
     num_conversations = math.ceil(config.requests / config.turns)
-    async with CacheRuntime(runtime_config(config)) as rt:
+    async with CacheRuntime(config.runtime) as rt:
         assert rt.model_info is not None, "a runtime with a model describes it"
         _check_fits(config, rt.model_info.max_context)  # before tokenizing anything
         systems = [
@@ -512,7 +463,7 @@ async def run_workload(
     info = rt.model_info
     assert info is not None, "a workload runs on a model"
     return WorkloadReport(
-        model=config.model,
+        model=str(config.runtime.model),
         compute=f"{_device()}, shared-prefix attention {info.prefix_attention or '-'}",
         requests=len(reports),
         cold_requests=len(cold),
@@ -540,14 +491,14 @@ async def run_workload(
         block_bytes=block_bytes,
         pool_blocks=stats.allocator.num_blocks,
         pool_bytes=memory.pool_bytes,
-        kv_memory=config.kv_memory,
+        kv_memory=config.runtime.kv_memory,
         peak_kv_bytes=peak_cached * block_bytes,
         peak_mlx_memory_bytes=int(mx.get_peak_memory()),
         requests_not_stored=generation.num_requests_not_stored,
         blocks_not_stored=generation.num_blocks_not_stored,
         prompts_over_pool=generation.num_prompts_over_pool,
         cold_fallbacks=generation.num_cold_fallbacks,
-        kv_tiers=tuple(redact_url(url) for url in config.kv_tiers),
+        kv_tiers=tuple(redact_url(url) for url in config.runtime.kv_tiers),
         tier_blocks_loaded=0 if stats.tiers is None else stats.tiers.num_blocks_found,
         tier_blocks_written=0 if stats.tiers is None else stats.tiers.num_blocks_written,
         tiers=() if stats.tiers is None else stats.tiers.tiers,

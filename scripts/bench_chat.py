@@ -36,6 +36,7 @@ METHODS = {"shared": True, "copies": False}
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every round of both methods; the per-round figures and their medians."""
     from mlxkv.default_model import model_path
+    from mlxkv.runtime import RuntimeConfig
     from mlxkv.workload import WorkloadConfig, run_workload
 
     model = model_path(args.model)
@@ -44,14 +45,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         order = list(METHODS) if round_ % 2 == 0 else list(METHODS)[::-1]
         for method in order:
             config = WorkloadConfig(
-                model=model,
+                runtime=RuntimeConfig(model=model, shared_prefix=METHODS[method]),
                 requests=args.requests,
                 concurrency=args.concurrency,
                 max_tokens=args.max_tokens,
                 prompt_tokens=args.prompt_tokens,
                 user_tokens=args.user_tokens,
                 seed=round_,
-                shared_prefix=METHODS[method],
             )
             report = await run_workload(config)
             runs.append(

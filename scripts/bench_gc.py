@@ -77,10 +77,12 @@ async def forced_pause(model: str, freeze: bool) -> float:
 
 
 async def workload(model: str, freeze: bool, seed: int, requests: int) -> dict[str, Any]:
+    from mlxkv.runtime import RuntimeConfig
     from mlxkv.workload import WorkloadConfig, run_workload
 
     with FullCollections() as collections:
-        report = await run_workload(WorkloadConfig(model=model, requests=requests, seed=seed, freeze_gc=freeze))
+        config = WorkloadConfig(runtime=RuntimeConfig(model=model, freeze_gc=freeze), requests=requests, seed=seed)
+        report = await run_workload(config)
     return {
         "tokens_per_s": report.throughput_tokens_per_second,
         "ttft_warm_p95_ms": report.ttft_warm_p95_ms,

@@ -62,6 +62,7 @@ from starlette.types import Receive, Scope, Send
 
 from mlxkv.actors.event_log import EventLog
 from mlxkv.cache.errors import Shown
+from mlxkv.cache.validators import int_at_least
 from mlxkv.errors import CacheError, ComputeFailed, InvalidInput, RuntimeClosed
 from mlxkv.freed_memory import TRIM_AFTER_BYTES, return_freed_memory
 from mlxkv.generation import Generation, GenerationReport
@@ -88,16 +89,6 @@ _LOG = EventLog(component="server")
 
 #: OpenAI's default ``max_tokens`` for completions.
 _COMPLETION_MAX_TOKENS = 16
-
-
-def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidInput(attribute.name, value, "must be an int >= 1")
-
-
-def _not_negative(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidInput(attribute.name, value, "must be an int >= 0")
 
 
 def _seconds(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -141,10 +132,10 @@ class ServerConfig:
 
     model_name: str
     api_keys: tuple[str, ...] = attrs.field(default=(), converter=_keys)
-    max_concurrent: int = attrs.field(default=32, validator=_positive)
-    max_queue: int = attrs.field(default=128, validator=_not_negative)
-    max_tokens: int = attrs.field(default=512, validator=_positive)
-    max_body_bytes: int = attrs.field(default=64 << 20, validator=_positive)
+    max_concurrent: int = attrs.field(default=32, validator=int_at_least(1))
+    max_queue: int = attrs.field(default=128, validator=int_at_least(0))
+    max_tokens: int = attrs.field(default=512, validator=int_at_least(1))
+    max_body_bytes: int = attrs.field(default=64 << 20, validator=int_at_least(1))
     body_timeout: float = attrs.field(default=30.0, validator=_seconds)
     public_metrics: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     kv_events: Optional[KVWireConfig] = None

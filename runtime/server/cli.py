@@ -64,9 +64,6 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
         "--port", type=int, default=8000, help="the port (8000; 0 picks a free one)"
     )
     parser.add_argument(
-        "--prefill-chunk", type=int, default=256, help="the most prompt tokens per model call (256)"
-    )
-    parser.add_argument(
         "--max-concurrent",
         type=int,
         default=32,
@@ -112,20 +109,6 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
         help="how long an admitted request's body may take to arrive; then 408 (30)",
     )
     parser.add_argument(
-        "--max-request-images",
-        type=int,
-        default=16,
-        metavar="N",
-        help="the most images one request may have (16)",
-    )
-    parser.add_argument(
-        "--max-request-pixels",
-        type=int,
-        default=8192 * 8192,
-        metavar="N",
-        help="the most pixels one request's images may have together, checked before decoding (67108864)",
-    )
-    parser.add_argument(
         "--kv-events",
         metavar="ADDRESS",
         help="publish KV events as vLLM does, on a ZMQ PUB socket (tcp://*:5557 binds,"
@@ -164,27 +147,13 @@ def serve_command(args: argparse.Namespace) -> int:
             _USAGE,
         )
     from mlxkv.default_model import DEFAULT_MODEL, ensure_model
-    from mlxkv.runtime import RuntimeConfig
+    from mlxkv.runtime_options import runtime_config
     from mlxkv.server.app import ServerConfig, listen
     from mlxkv.server.kv_wire import KVWireConfig
 
     try:
         model = args.model or str(ensure_model(DEFAULT_MODEL))
-        runtime_config = RuntimeConfig(
-            model=model,
-            block_size=args.block_size,
-            max_blocks=args.max_blocks,
-            kv_memory=args.kv_memory,
-            kv_bits=args.kv_bits,
-            kv_tiers=tuple(args.kv_tier),
-            prefill_chunk=args.prefill_chunk,
-            prefill_budget=args.prefill_budget,
-            decode_wait=args.decode_wait,
-            transpose_weights=args.transpose_weights,
-            max_request_images=args.max_request_images,
-            max_request_pixels=args.max_request_pixels,
-            trace=args.trace is not None,
-        )
+        config = runtime_config(args, model=model)
         server_config = ServerConfig(
             model_name=args.served_model_name or _model_name(args.model) or DEFAULT_MODEL.name,
             api_keys=args.api_key,
@@ -214,7 +183,7 @@ def serve_command(args: argparse.Namespace) -> int:
             trace = open(args.trace, "w")
             configure(json=True, file=trace)
         serving = functools.partial(
-            _serve, runtime_config, server_config, sock, args.graceful_timeout
+            _serve, config, server_config, sock, args.graceful_timeout
         )
         signum = anyio.run(serving, backend=args.backend)
     except CacheError as error:  # a model that does not load, a pool too small

@@ -62,6 +62,7 @@ import zmq
 
 from mlxkv.cache.errors import InvalidInput
 from mlxkv.cache.kv_events import POOL, BlockRemoved, BlockStored, KVEvent, KVEventSubscription
+from mlxkv.cache.validators import int_at_least
 
 __all__ = [
     "END_OF_REPLAY",
@@ -113,18 +114,13 @@ class KVWireConfig:
     replay_endpoint: Optional[str] = attrs.field(default=None, validator=_endpoint)
     topic: str = ""
     salted: Literal["omit", "announce"] = attrs.field(default="omit")
-    buffer_batches: int = attrs.field(default=10_000)
+    buffer_batches: int = attrs.field(default=10_000, validator=int_at_least(1))
     data_parallel_rank: int = 0
 
     @salted.validator
     def _check_salted(self, attribute: attrs.Attribute, value: str) -> None:
         if value not in _SALTED:
             raise InvalidInput("kv_events_salted", value, f"must be one of {', '.join(_SALTED)}")
-
-    @buffer_batches.validator
-    def _check_buffer(self, attribute: attrs.Attribute, value: int) -> None:
-        if type(value) is not int or value < 1:
-            raise InvalidInput(attribute.name, value, "must be an int >= 1")
 
 
 def wire_hash(block_hash: bytes) -> int:

@@ -132,6 +132,6 @@ class TestInstall:
         from mlxkv.actors.model_runner import TextRunner
 
         model, tokenizer = request.getfixturevalue(name)
-        assert not TextRunner(model, tokenizer, prefill_chunk=64).info.shared_prefix
+        assert not TextRunner(model, tokenizer).info.shared_prefix
         plain = request.getfixturevalue("tiny_llama")
-        assert TextRunner(*plain, prefill_chunk=64).info.shared_prefix
+        assert TextRunner(*plain).info.shared_prefix

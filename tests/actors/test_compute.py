@@ -32,6 +32,8 @@ from mlxkv.actors.compute import (
     ComputeFailed,
     ComputeHandle,
     Event,
+    RunnerConfig,
+    SchedulingConfig,
     Failed,
     Finished,
     Prefilled,
@@ -137,8 +139,23 @@ class Run:
         return self.events[-1]
 
 
-def _actor(model_and_tokenizer: tuple[Any, Any], **kwargs: Any) -> ComputeActor:
-    return ComputeActor.with_model(*model_and_tokenizer, **kwargs)
+def _actor(model_and_tokenizer: tuple[Any, Any], **options: Any) -> ComputeActor:
+    """An actor over the model; ``options`` are the scheduling's, the runner's
+    and the actor's, each by name."""
+    parts: dict[str, dict[str, Any]] = {"scheduling": {}, "runner_config": {}, "actor": {}}
+    for name, value in options.items():
+        if name in attrs.fields_dict(SchedulingConfig):
+            parts["scheduling"][name] = value
+        elif name in attrs.fields_dict(RunnerConfig):
+            parts["runner_config"][name] = value
+        else:
+            parts["actor"][name] = value
+    return ComputeActor.with_model(
+        *model_and_tokenizer,
+        scheduling=SchedulingConfig(**parts["scheduling"]),
+        runner_config=RunnerConfig(**parts["runner_config"]),
+        **parts["actor"],
+    )
 
 
 @asynccontextmanager
@@ -160,7 +177,7 @@ async def _run(
     kwargs.setdefault("block_size", BLOCK)
     kwargs.setdefault("keep_logits", True)
     events_in, events = anyio.create_memory_object_stream[Event](
-        events_needed(len(prompt), max_tokens, kwargs["block_size"], 256)
+        events_needed(len(prompt), max_tokens, kwargs["block_size"])
     )
     await compute.generate(request_id, prompt, events=events_in, max_tokens=max_tokens, **kwargs)
     received = []
@@ -692,7 +709,7 @@ class TestCancellation:
         """A request cancelled between prefill chunks computes no more of them."""
         model, tokenizer = tiny_llama
         gate = Gate()
-        actor = ComputeActor.with_model(Wrapped(model, gate), tokenizer, prefill_chunk=32)
+        actor = _actor((Wrapped(model, gate), tokenizer), prefill_chunk=32)
         async with _serving(running, actor) as compute:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_run, compute, "gone", _prompt(320))
@@ -732,7 +749,7 @@ class TestFaults:
     async def test_a_failing_prefill_fails_only_that_request(self, running, tiny_llama):
         """A model error in a prefill reaches its request alone; the others finish."""
         model, tokenizer = tiny_llama
-        actor = ComputeActor.with_model(Wrapped(model, _poisoned), tokenizer, prefill_chunk=32)
+        actor = _actor((Wrapped(model, _poisoned), tokenizer), prefill_chunk=32)
         async with _serving(running, actor) as compute:
             runs: dict[str, Run] = {}
 
@@ -822,7 +839,7 @@ class TestFaults:
         async with _serving(running, _actor(tiny_llama, prefill_chunk=16)) as compute:
             probe = await _run(compute, "probe", _prompt(30), max_tokens=900, stop_tokens=frozenset())
             solo = await _run(compute, "solo", long_prompt, max_tokens=6, stop_tokens=frozenset())
-        actor = ComputeActor.with_model(Wrapped(model, fail_a_batched_step), tokenizer, prefill_chunk=16)
+        actor = _actor((Wrapped(model, fail_a_batched_step), tokenizer), prefill_chunk=16)
         async with _serving(running, actor) as compute:
             runs: dict[str, Run] = {}
             two_tokens = anyio.Event()

@@ -29,7 +29,7 @@ def own(n: int, salt: int) -> list[int]:
 @pytest.fixture
 def runner(tiny_llama):
     model, tokenizer = tiny_llama
-    return TextRunner(model, tokenizer, prefill_chunk=256)
+    return TextRunner(model, tokenizer)
 
 
 def prefix_payloads(model) -> tuple:

@@ -16,6 +16,7 @@ from budget import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mlxkv.actors.compute_config import SchedulingConfig
 from mlxkv.actors.events import (
     ComputeFailed,
     Failed,
@@ -65,10 +66,12 @@ class _Payload:
         self.end = end
 
 
-def _scheduler(**kw: Any) -> Scheduler:
-    options = dict(prefill_chunk=CHUNK, prefill_budget=2 * CHUNK, prefill_batch=4, decode_burst=32, decode_wait=1)
+def _scheduler(*, recurrent: bool = False, context_unit: int = 512, **kw: Any) -> Scheduler:
+    options: dict[str, Any] = dict(
+        prefill_chunk=CHUNK, prefill_budget=2 * CHUNK, prefill_batch=4, decode_burst=32, decode_wait=1
+    )
     options.update(kw)
-    return Scheduler(**options)
+    return Scheduler(SchedulingConfig(**options), recurrent=recurrent, context_unit=context_unit)
 
 
 class Sim:

@@ -9,6 +9,7 @@ from mlx.utils import tree_flatten
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlxkv.actors.compute_config import RunnerConfig
 from mlxkv.actors.compute import ComputeActor, ComputeHandle
 from mlxkv.actors.model_runner import TextRunner
 from mlxkv.actors.weight_layout import transpose_linear_weights, transposed_linear, wanted
@@ -123,7 +124,7 @@ class TestRunner:
         """A runner over a model it was handed transposes it only when told
         True: the model is the caller's."""
         model, tokenizer = _load(TINY_LLAMA, model_dir)
-        runner = TextRunner(model, tokenizer, prefill_chunk=64, transpose_weights=choice)
+        runner = TextRunner(model, tokenizer, RunnerConfig(transpose_weights=choice))
         kinds = {type(m) for _, m in model.named_modules()}
         assert (transposed_linear() in kinds) is choice
         assert (nn.Linear in kinds) is not choice
@@ -134,7 +135,7 @@ class TestRunner:
         """``ComputeActor.with_model`` leaves the caller's model as it is
         unless given True; None (auto) is for the models it loads."""
         model, tokenizer = _load(TINY_LLAMA, model_dir)
-        actor = ComputeActor.with_model(model, tokenizer, transpose_weights=choice)
+        actor = ComputeActor.with_model(model, tokenizer, runner_config=RunnerConfig(transpose_weights=choice))
         async with running(actor) as ref:
             info = await ComputeHandle(ref).describe()
         assert (info.transposed_layers > 0) is (choice is True)
@@ -144,7 +145,7 @@ class TestRunner:
     def test_a_model_it_loads_follows_the_device_by_default(self, choice, model_dir):
         """``TextRunner.load`` decides for the model it loads: None
         transposes where MLX runs on the CPU."""
-        runner = TextRunner.load(str(ensure_model(TINY_LLAMA, model_dir)), prefill_chunk=64, transpose_weights=choice)
+        runner = TextRunner.load(str(ensure_model(TINY_LLAMA, model_dir)), RunnerConfig(transpose_weights=choice))
         kinds = {type(m) for _, m in runner._model.named_modules()}
         assert (transposed_linear() in kinds) is wanted(choice)
         # 2 layers x (4 attention + 3 MLP projections) + the output layer

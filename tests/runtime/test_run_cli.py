@@ -66,20 +66,43 @@ class TestRunCommand:
 
 
 class TestWorkloadRuntime:
-    def test_the_workloads_settings_reach_its_runtime(self):
-        """What ``mlxkv run`` is told about the pool, tiers and scheduling is
-        what its runtime is configured with."""
-        from mlxkv.workload import WorkloadConfig, runtime_config
+    def test_the_commands_options_reach_its_runtime(self):
+        """What ``mlxkv run`` and ``mlxkv serve`` are told about the pool, tiers,
+        scheduling and runner is what their runtime is configured with, and an
+        option not given leaves the configuration's default."""
+        import argparse
 
-        config = WorkloadConfig(
-            model="unused", block_size=16, max_blocks=64, kv_bits=8, kv_tiers=["file:///tmp/x"],
-            prefill_budget=1024, decode_wait=3, trace=True, shared_prefix=False, freeze_gc=False,
-            transpose_weights=False,
+        from mlxkv.runtime import RuntimeConfig
+        from mlxkv.runtime_options import add_runtime_options, runtime_config
+
+        parser = argparse.ArgumentParser()
+        add_runtime_options(parser)
+        parser.add_argument("--trace")
+        args = parser.parse_args(
+            ["--block-size", "16", "--max-blocks", "64", "--kv-bits", "8", "--kv-tier", "file:///tmp/x",
+             "--kv-tier", "file:///tmp/y", "--prefill-chunk", "32", "--prefill-budget", "1024",
+             "--decode-wait", "3", "--transpose-weights", "off", "--max-request-images", "2",
+             "--trace", "events.jsonl"]
         )  # fmt: skip
-        runtime = runtime_config(config)
-        for name in ("block_size", "max_blocks", "kv_bits", "kv_tiers", "prefill_budget", "decode_wait", "trace", "shared_prefix", "freeze_gc", "transpose_weights"):
-            assert getattr(runtime, name) == getattr(config, name), name
-        assert runtime.model == "unused"
+        config = runtime_config(args, model="unused")
+        assert config == RuntimeConfig(
+            model="unused", block_size=16, max_blocks=64, kv_bits=8, kv_tiers=("file:///tmp/x", "file:///tmp/y"),
+            prefill_chunk=32, prefill_budget=1024, decode_wait=3, transpose_weights=False,
+            max_request_images=2, trace=True,
+        )  # fmt: skip
+        assert runtime_config(parser.parse_args([]), model="unused") == RuntimeConfig(model="unused")
+
+    def test_the_workload_holds_its_runtime(self):
+        """A workload is refused without a model to run on, or with anything
+        but a runtime configuration."""
+        from mlxkv.cache.errors import InvalidInput
+        from mlxkv.runtime import RuntimeConfig
+        from mlxkv.workload import WorkloadConfig
+
+        with pytest.raises(InvalidInput, match="must name a model"):
+            WorkloadConfig(runtime=RuntimeConfig())
+        with pytest.raises(InvalidInput, match="must be a RuntimeConfig"):
+            WorkloadConfig(runtime={"model": "unused"})  # type: ignore[arg-type]
 
 
 class TestWorkloadFits:
@@ -100,7 +123,9 @@ class TestWorkloadFits:
         from mlxkv.cache.errors import InvalidInput
         from mlxkv.workload import WorkloadConfig, run_workload
 
-        config = WorkloadConfig(model=str(ensure_model(DEFAULT_MODEL, model_dir)), **settings)
+        from mlxkv.runtime import RuntimeConfig
+
+        config = WorkloadConfig(runtime=RuntimeConfig(model=str(ensure_model(DEFAULT_MODEL, model_dir))), **settings)
         with pytest.raises(InvalidInput, match=re.escape(says)) as info:
             await run_workload(config)
         assert info.value.argument == blamed

@@ -368,7 +368,7 @@ class TestPositions:
         from mlxkv.actors.vision_runner import VisionRunner
 
         model, processor = tiny_vlm
-        runner = VisionRunner(model, processor, prefill_chunk=256)
+        runner = VisionRunner(model, processor)
         loaded = [Image.open(path).convert("RGB") for path in (pictures[0], pictures[2])]
         prepared = runner.preparer().prepare(prompt, loaded)
         positions, deltas = model.language_model.get_rope_index(
