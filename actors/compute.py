@@ -40,7 +40,7 @@ What runs where, and how one request's failure stays its own:
 The kept caches. When a request finishes, the runner keeps its cache
 (beside the block pool; plain KV layers only), the most recent ones up to
 :data:`~mlxkv.actors.model_runner.MAX_KEPT_CACHES` and
-:data:`~mlxkv.actors.model_runner.KEPT_CACHE_BYTES`. A later request takes
+``RunnerConfig.kept_cache_memory`` bytes. A later request takes
 the one it shares most of its first tokens with, cut back to what it may
 use: within the kept cache's namespace (cache salt and images) every shared
 token but the prompt's last, in another namespace only the prefix it brings

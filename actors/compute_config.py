@@ -18,6 +18,7 @@ import attrs
 from mlxkv.actors.prefix_attention import PrefixAttention
 from mlxkv.cache.errors import InvalidInput
 from mlxkv.cache.validators import int_at_least, is_bool, is_optional_bool
+from mlxkv.units import parse_bytes
 
 __all__ = [
     "DEFAULT_DECODE_BURST",
@@ -145,10 +146,13 @@ class RunnerConfig:
         keep_last_cache: the runner keeps the KV of the generations that
             finished last (up to
             :data:`~mlxkv.actors.model_runner.MAX_KEPT_CACHES`, of at most
-            :data:`~mlxkv.actors.model_runner.KEPT_CACHE_BYTES` together
-            unless only one, beside the block pool) and hands each to a later one that shares its first tokens
+            ``kept_cache_memory`` together unless only one, beside the block
+            pool) and hands each to a later one that shares its first tokens
             (see :mod:`mlxkv.actors.compute`), which then computes only the
             rest (on by default).
+        kept_cache_memory: bytes the kept caches may hold together (an int or
+            a size such as ``"1GiB"``: :func:`~mlxkv.units.parse_bytes`; 64 MiB
+            by default); the most recent is kept whatever its size.
 
     Raises:
         InvalidInput: a field of the wrong type or out of range.
@@ -159,3 +163,6 @@ class RunnerConfig:
     kv_bits: Optional[int] = attrs.field(default=None, validator=_kv_bits)
     transpose_weights: Optional[bool] = attrs.field(default=None, validator=is_optional_bool)
     keep_last_cache: bool = attrs.field(default=True, validator=is_bool)
+    kept_cache_memory: int = attrs.field(
+        default=64 << 20, converter=lambda value: parse_bytes(value, argument="kept_cache_memory")
+    )

@@ -73,11 +73,11 @@ _TRIMMABLE = frozenset({"KVCache", "QuantizedKVCache"})
 #: and the bytes of KV they may hold together beside the block pool (their
 #: own tokens, and each shared prefix they refer to, counted once even where
 #: live requests hold it too: an upper bound); the most
-#: recent is kept whatever its size. Eight concurrent conversations need
-#: eight: with one, turn 2 of the chat workload over HTTP recomputed the
-#: tail of turn 1 that no full block holds in 15 of 16 conversations.
+#: recent is kept whatever its size (the bytes: ``RunnerConfig.kept_cache_memory``).
+#: Eight concurrent conversations need eight: with one, turn 2 of the chat
+#: workload over HTTP recomputed the tail of turn 1 that no full block holds
+#: in 15 of 16 conversations.
 MAX_KEPT_CACHES = 16
-KEPT_CACHE_BYTES = 64 << 20
 
 
 @attrs.frozen(kw_only=True)
@@ -338,7 +338,7 @@ class CacheRunner(abc.ABC):
           only the prefix it brings payloads for, and only if neither has
           images (then the tokens alone decide the KV);
         - at most :data:`MAX_KEPT_CACHES` are kept, of at most
-          :data:`KEPT_CACHE_BYTES` together unless only one is.
+          ``kept_cache_memory`` bytes together unless only one is.
     """
 
     _info: ModelInfo
@@ -474,7 +474,7 @@ class CacheRunner(abc.ABC):
         held beside the group). It replaces a kept cache it extends (its
         conversation's earlier turn), and the oldest go while there are more
         than :data:`MAX_KEPT_CACHES` or they hold more than
-        :data:`KEPT_CACHE_BYTES`. Nothing is kept where the configuration
+        ``kept_cache_memory`` bytes. Nothing is kept where the configuration
         says so (``keep_last_cache=False``)."""
         if not (self._trimmable and self._runner_config.keep_last_cache):
             return
@@ -496,7 +496,8 @@ class CacheRunner(abc.ABC):
             k for k in self._kept if not (k.namespace == entry.namespace and tokens[: len(k.tokens)] == k.tokens)
         ]
         kept.append(entry)
-        while len(kept) > 1 and (len(kept) > MAX_KEPT_CACHES or _kept_bytes(kept) > KEPT_CACHE_BYTES):
+        limit = self._runner_config.kept_cache_memory
+        while len(kept) > 1 and (len(kept) > MAX_KEPT_CACHES or _kept_bytes(kept) > limit):
             kept.pop(0)
         self._kept = tuple(kept)
 

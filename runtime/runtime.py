@@ -171,12 +171,10 @@ class RuntimeConfig:
             the last such runtime of the process to stop unfreezes them (see
             :mod:`mlxkv.heap_freeze`). Off for an application that freezes
             the heap itself.
-        scheduling: how the compute actor cuts its work into plans
-            (``prefill_chunk``, ``prefill_budget``, ``prefill_batch``,
-            ``decode_burst``, ``decode_wait``).
-        runner: how the model and its caches are held (``shared_prefix``,
-            ``prefix_attention``, ``kv_bits``, ``transpose_weights``,
-            ``keep_last_cache``).
+        scheduling: how the compute actor cuts its work into plans (see
+            :class:`~mlxkv.actors.compute_config.SchedulingConfig` for its fields).
+        runner: how the model and its caches are held (see
+            :class:`~mlxkv.actors.compute_config.RunnerConfig` for its fields).
 
     Raises:
         InvalidInput: a field is out of range or not a field, ``kv_memory``

@@ -112,6 +112,15 @@ def add_runtime_options(parser: argparse.ArgumentParser) -> None:
         " (auto, the default: where MLX runs on the CPU)",
     )
     option(
+        "--kept-cache-memory",
+        "kept_cache_memory",
+        RunnerConfig,
+        type=str,
+        metavar="SIZE",
+        help="bytes the caches of the generations that finished last may hold beside the pool,"
+        " e.g. 1GiB ({default} bytes)",
+    )
+    option(
         "--max-request-images",
         "max_request_images",
         metavar="N",

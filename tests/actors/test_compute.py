@@ -469,13 +469,18 @@ class TestLastCache:
 
     @pytest.mark.parametrize("bound", ["count", "bytes"])
     async def test_the_kept_caches_are_bounded(self, running, tiny_llama, monkeypatch, bound):
-        """At most MAX_KEPT_CACHES, of at most KEPT_CACHE_BYTES together, are
-        kept, the most recent (and always the last one): beyond, the oldest go."""
+        """At most MAX_KEPT_CACHES, of at most ``kept_cache_memory`` bytes
+        together, are kept, the most recent (and always the last one): beyond,
+        the oldest go."""
         from mlxkv.actors import model_runner
 
-        monkeypatch.setattr(model_runner, "MAX_KEPT_CACHES" if bound == "count" else "KEPT_CACHE_BYTES", 2 if bound == "count" else 1)
+        options = {}
+        if bound == "count":
+            monkeypatch.setattr(model_runner, "MAX_KEPT_CACHES", 2)
+        else:
+            options["kept_cache_memory"] = 1
         prompts = [_prompt(3 * BLOCK + 3, salt=k) for k in range(3)]
-        async with _serving(running, _actor(tiny_llama)) as compute:
+        async with _serving(running, _actor(tiny_llama, **options)) as compute:
             firsts = [await _run(compute, f"p{k}", p, max_tokens=2) for k, p in enumerate(prompts)]
             # Newest first, so that taking one does not make room for an older one.
             agains = [
