@@ -21,7 +21,7 @@ from mlxkv.actors.compute import ComputeActor, ComputeFailed, ComputeHandle, Com
 from mlxkv.actors.decode_batch import DecodeBatch
 from mlxkv.actors.model_runner import ModelInfo, ModelRunner, TextRunner
 from mlxkv.actors.sampling import Sampling
-from mlxkv.actors.sequence import Sequence
+from mlxkv.actors.sequence import SequenceState
 from mlxkv.actors.image_cache import (
     ImageCacheActor,
     ImageCacheHandle,
@@ -61,7 +61,7 @@ __all__ = [
     "PrefixIndexStatistics",
     "RequestId",
     "Sampling",
-    "Sequence",
+    "SequenceState",
     "Tell",
     "TextRunner",
 ]

@@ -47,7 +47,7 @@ token but the prompt's last, in another namespace only the prefix it brings
 payloads for, and only when neither has images; it takes the cache itself
 if it continues all of it (a conversation's next turn), else a copy of what
 it uses (the cache stays for its continuation). Full blocks it gets that
-way beyond the blocks it holds are published. ``keep_last_cache=False``
+way beyond the blocks it holds are published. ``keep_caches=False``
 turns it off.
 
 Failures. A domain error (bad input) is answered as :class:`Failed` and
@@ -69,7 +69,7 @@ finish the running plan and stop.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
 from typing import Any, Optional
 
 import anyio
@@ -106,7 +106,8 @@ from mlxkv.actors.model_runner import ModelInfo, ModelRunner, PromptPreparer, Te
 from mlxkv.actors.model_source import ModelLoadError, ModelSource
 from mlxkv.actors.request import RequestSpec
 from mlxkv.actors.sampling import Sampling
-from mlxkv.actors.scheduler import MAX_BURST_STEPS, Output, Plan, Result, Scheduler, SchedulerStatistics
+from mlxkv.actors.plan import Plan, Result
+from mlxkv.actors.scheduler import MAX_BURST_STEPS, Output, Scheduler, SchedulerStatistics
 from mlxkv.cache.errors import CacheError, InvalidInput
 from mlxkv.cache.kv_state import BlockPayload
 from mlxkv.cache.token_ids import check_token_ids
@@ -567,22 +568,6 @@ class ComputeHandle(ActorHandle):
             ActorFailed: the actor is not running.
         """
         await self._ref.tell(Generate(request_id=spec.request_id, spec=spec, events=events, to_cache=to_cache))
-
-    async def generate(
-        self,
-        request_id: str,
-        prompt: Seq[int],
-        *,
-        events: MemoryObjectSendStream[Event],
-        to_cache: Optional[MemoryObjectSendStream[Event]] = None,
-        **spec: Any,
-    ) -> None:
-        """:meth:`start` of ``RequestSpec(request_id=..., prompt=..., **spec)``.
-
-        Raises:
-            ActorFailed: the actor is not running.
-        """
-        await self.start(RequestSpec(request_id=request_id, prompt=prompt, **spec), events=events, to_cache=to_cache)
 
     async def cancel(self, request_id: str) -> None:
         """Send :class:`Cancel`; shielded from cancellation.

@@ -143,7 +143,7 @@ class RunnerConfig:
             None (the default): for a model the runner loads, where MLX's
             default device is the CPU; for a model handed in (the caller's
             object), only when True.
-        keep_last_cache: the runner keeps the KV of the generations that
+        keep_caches: the runner keeps the KV of the generations that
             finished last (up to
             :data:`~mlxkv.actors.model_runner.MAX_KEPT_CACHES`, of at most
             ``kept_cache_memory`` together unless only one, beside the block
@@ -162,7 +162,7 @@ class RunnerConfig:
     prefix_attention: Optional[PrefixAttention] = attrs.field(default=None, converter=_prefix_attention)
     kv_bits: Optional[int] = attrs.field(default=None, validator=_kv_bits)
     transpose_weights: Optional[bool] = attrs.field(default=None, validator=is_optional_bool)
-    keep_last_cache: bool = attrs.field(default=True, validator=is_bool)
+    keep_caches: bool = attrs.field(default=True, validator=is_bool)
     kept_cache_memory: int = attrs.field(
         default=64 << 20, converter=lambda value: parse_bytes(value, argument="kept_cache_memory")
     )

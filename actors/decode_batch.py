@@ -41,14 +41,14 @@ import attrs
 
 from mlxkv.actors.model_runner import ModelRunner
 from mlxkv.actors.request import stop_reason
-from mlxkv.actors.sequence import Sequence
+from mlxkv.actors.sequence import SequenceState
 from mlxkv.cache.shared_prefix import BatchSharedPrefixCache
 
-__all__ = ["BatchBroken", "DecodeBatch", "Emitted", "RowFailed", "without_frames"]
+__all__ = ["BatchBroken", "DecodeBatch", "RowFailed", "RowToken", "without_frames"]
 
 
 @attrs.frozen
-class Emitted:
+class RowToken:
     """A token a row emitted in a step.
 
     Attributes:
@@ -59,7 +59,7 @@ class Emitted:
             them (evaluated), else None.
     """
 
-    sequence: Sequence
+    sequence: SequenceState
     index: int
     token: int
     logprobs: Any = attrs.field(default=None, eq=False, repr=False)
@@ -75,7 +75,7 @@ class RowFailed:
         error: what raised.
     """
 
-    sequence: Sequence
+    sequence: SequenceState
     error: Exception
 
 
@@ -108,7 +108,7 @@ class DecodeBatch:
 
     def __init__(self, runner: ModelRunner) -> None:
         self._runner = runner
-        self.rows: list[Sequence] = []
+        self.rows: list[SequenceState] = []
         self._cache: Optional[list[Any]] = None
         self._merged = False  # whether _cache is a batch cache (else one row's own)
         self._next: Any = None
@@ -119,7 +119,7 @@ class DecodeBatch:
         return len(self.rows)
 
     def leave(
-        self, sequences: Iterable[Sequence], *, keep: Iterable[Sequence] = ()
+        self, sequences: Iterable[SequenceState], *, keep: Iterable[SequenceState] = ()
     ) -> tuple[dict[int, list[Any]], list[RowFailed]]:
         """Remove rows; return the caches of those in ``keep`` (by ``id()``).
 
@@ -182,7 +182,7 @@ class DecodeBatch:
         assert self._cache is not None, "an empty batch has no rows"
         return self._runner.extract(self._cache, index) if self._merged else self._cache
 
-    def join(self, sequences: list[Sequence]) -> list[RowFailed]:
+    def join(self, sequences: list[SequenceState]) -> list[RowFailed]:
         """Add rows whose prefill is done; their caches move into the batch.
 
         Each row's next token is the last of its ``generated`` (its first
@@ -222,11 +222,11 @@ class DecodeBatch:
                 raise BatchBroken(without_frames(error)) from None
         return failed
 
-    def _refuse(self, sequence: Sequence, error: Exception) -> RowFailed:
-        sequence.cache = None
+    def _refuse(self, sequence: SequenceState, error: Exception) -> RowFailed:
+        sequence.give_up_cache()
         return RowFailed(sequence, without_frames(error))
 
-    def _join(self, sequences: list[Sequence]) -> None:
+    def _join(self, sequences: list[SequenceState]) -> None:
         """Merge ``sequences`` in; nothing changes if the merge raises, and
         only :class:`BatchBroken` leaves the batch changed."""
         import mlx.core as mx
@@ -255,12 +255,12 @@ class DecodeBatch:
                 raise BatchBroken(without_frames(error)) from None
             self._next = mx.concatenate([self._next, tokens])
         for sequence in sequences:
-            sequence.cache = None
+            sequence.give_up_cache()
             self._fresh.add(id(sequence))
         self.rows.extend(sequences)
         self._next_logprobs.extend([None] * len(sequences))
 
-    def advance(self, max_steps: int = 1) -> tuple[list[Emitted], list[RowFailed], int]:
+    def advance(self, max_steps: int = 1) -> tuple[list[RowToken], list[RowFailed], int]:
         """Run up to ``max_steps`` decode steps; stop early once a row is done.
 
         Each step feeds every row's next token, samples the following one and
@@ -277,7 +277,7 @@ class DecodeBatch:
         Raises:
             Exception: the model call raised (every row shared it).
         """
-        emitted: list[Emitted] = []
+        emitted: list[RowToken] = []
         failed: list[RowFailed] = []
         steps = 0
         while steps < max_steps and self.rows:
@@ -289,7 +289,7 @@ class DecodeBatch:
                 break
         return emitted, failed, steps
 
-    def _step(self) -> tuple[list[Emitted], list[RowFailed]]:
+    def _step(self) -> tuple[list[RowToken], list[RowFailed]]:
         import mlx.core as mx
 
         fresh = [id(sequence) in self._fresh for sequence in self.rows]
@@ -321,9 +321,9 @@ class DecodeBatch:
         for index, sequence in enumerate(self.rows):
             if fresh[index]:
                 continue
-            sequence.generated.append(values[index])
+            sequence.emitted(values[index])
             emitted.append(
-                Emitted(sequence, len(sequence.generated) - 1, values[index], fed_logprobs[index])
+                RowToken(sequence, len(sequence.generated) - 1, values[index], fed_logprobs[index])
             )
         # A row done with the token it fed never uses what was drawn after it
         # (a fresh row is never done: its prefill would have finished it).
@@ -365,12 +365,12 @@ class DecodeBatch:
                 except Exception as error:
                     failed.append(RowFailed(sequence, without_frames(error)))
                     continue
-                sequence.snapshots[position] = state
+                sequence.snapshot(position, state)
                 arrays.extend(a for group in state if group for a in group if a is not None)
         return arrays, failed
 
 
-def _done(item: Emitted) -> bool:
+def _done(item: RowToken) -> bool:
     """Whether the row that emitted ``item`` is finished with it (the
     scheduler's own rule: its end follows from the same tokens)."""
     return stop_reason(item.sequence.spec, item.token, item.index) is not None

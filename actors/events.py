@@ -92,7 +92,7 @@ class Prefilled:
 
     Attributes:
         num_cached: prompt tokens not computed: rebuilt from the cached
-            prefix, or taken from the last cache.
+            prefix, or taken from a kept cache.
         cold_fallback: the prefix could not be rebuilt, so the whole prompt
             was computed.
         logits: the logits of the last prompt position (the first token is

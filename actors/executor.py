@@ -1,12 +1,12 @@
 """The compute path's executor: runs the scheduler's plans on the MLX thread.
 
 :class:`Executor` owns every MLX object of the compute path: the model
-runner (and, through it, the kept last cache), each live request's
-:class:`~mlxkv.actors.sequence.Sequence` (its own cache while it
+runner (and, through it, the kept caches), each live request's
+:class:`~mlxkv.actors.sequence.SequenceState` (its own cache while it
 prefills), and the decode batches (the caches of the requests decoding).
-:meth:`Executor.run` takes a :class:`~mlxkv.actors.scheduler.Plan`, does it
+:meth:`Executor.run` takes a :class:`~mlxkv.actors.plan.Plan`, does it
 in order -- publish, leave, join, decode steps, prefill -- and returns an
-immutable :class:`~mlxkv.actors.scheduler.Result`. It writes no scheduler
+immutable :class:`~mlxkv.actors.plan.Result`. It writes no scheduler
 state; everything it learns travels in the result.
 
 Failures. A step done for one request that raises (slicing, extracting,
@@ -25,7 +25,7 @@ from typing import Any
 from mlxkv.actors.decode_batch import BatchBroken, DecodeBatch, RowFailed, without_frames
 from mlxkv.actors.model_runner import ModelRunner, cache_tokens
 from mlxkv.actors.request import blocks_out_at_start, next_chunk_end
-from mlxkv.actors.scheduler import (
+from mlxkv.actors.plan import (
     Blocks,
     Chunk,
     ChunkDone,
@@ -36,7 +36,7 @@ from mlxkv.actors.scheduler import (
     Result,
     Slice,
 )
-from mlxkv.actors.sequence import Sequence
+from mlxkv.actors.sequence import SequenceState
 from mlxkv.cache import kv_state
 
 __all__ = ["Executor"]
@@ -62,16 +62,12 @@ class Executor:
         """
         self._runner = runner
         self._chunk = prefill_chunk
-        self._live: dict[str, Sequence] = {}
+        self._live: dict[str, SequenceState] = {}
         self._batches: list[DecodeBatch] = []
-
-    @property
-    def runner(self) -> ModelRunner:
-        return self._runner
 
     def run(self, plan: Plan) -> Result:
         """Do ``plan``; what happened."""
-        run = _Run()
+        run = _ResultBuilder()
         run.stage = "publish"
         for piece in plan.publish:
             self._publish(piece, run)
@@ -90,7 +86,7 @@ class Executor:
 
     # -- the pieces of a plan ---------------------------------------------------
 
-    def _publish(self, piece: Slice, run: _Run) -> None:
+    def _publish(self, piece: Slice, run: _ResultBuilder) -> None:
         sequence = self._live.get(piece.request_id)
         if sequence is None:
             return  # failed earlier in this plan
@@ -100,17 +96,17 @@ class Executor:
         except Exception as error:
             self._let_go(sequence, error, run)
 
-    def _slice(self, sequence: Sequence, cache: list[Any], start: int, stop: int) -> Blocks:
+    def _slice(self, sequence: SequenceState, cache: list[Any], start: int, stop: int) -> Blocks:
         try:
             payloads = self._runner.slice_blocks(sequence, cache, start, stop)
         except kv_state.NotReconstructable:
             return Blocks(sequence.request_id, start, (), exact=False)
         return Blocks(sequence.request_id, start, payloads)
 
-    def _leave(self, leaves: tuple[Leave, ...], run: _Run) -> None:
+    def _leave(self, leaves: tuple[Leave, ...], run: _ResultBuilder) -> None:
         """Take ended requests out: from their batch (one cut per batch), or
         their own cache; publish their answer and keep their cache if asked."""
-        departing: dict[str, tuple[Sequence, Leave]] = {}
+        departing: dict[str, tuple[SequenceState, Leave]] = {}
         for leave in leaves:
             sequence = self._live.pop(leave.request_id, None)
             if sequence is not None:
@@ -132,8 +128,8 @@ class Executor:
                 departing.pop(failure.sequence.request_id, None)
                 self._record(failure.sequence, failure.error, run)
         for sequence, leave in departing.values():
-            cache = caches.get(id(sequence), sequence.cache)
-            sequence.cache = None
+            own = sequence.give_up_cache()
+            cache = caches.get(id(sequence), own)
             if cache is None:
                 continue
             try:
@@ -147,11 +143,11 @@ class Executor:
             except Exception as error:
                 self._record(sequence, error, run)
 
-    def _join(self, request_ids: tuple[str, ...], run: _Run) -> None:
+    def _join(self, request_ids: tuple[str, ...], run: _ResultBuilder) -> None:
         rows = [self._live[r] for r in request_ids if r in self._live]
         if not rows:
             return
-        groups: list[tuple[DecodeBatch, list[Sequence]]] = []
+        groups: list[tuple[DecodeBatch, list[SequenceState]]] = []
         if self._runner.info.batchable:
             if not self._batches:
                 self._batches.append(DecodeBatch(self._runner))
@@ -172,7 +168,7 @@ class Executor:
             for failure in failed:
                 self._let_go(failure.sequence, failure.error, run)
 
-    def _decode(self, steps: int, run: _Run) -> None:
+    def _decode(self, steps: int, run: _ResultBuilder) -> None:
         for batch in list(self._batches):
             if not len(batch):
                 continue
@@ -189,18 +185,18 @@ class Executor:
             if failed:
                 self._remove_rows(batch, failed, run)
 
-    def _prefill(self, chunks: tuple[Chunk, ...], run: _Run) -> None:
+    def _prefill(self, chunks: tuple[Chunk, ...], run: _ResultBuilder) -> None:
         """Start the new requests, then run every chunk: in one model call
         where the model batches prefill, else each in its own."""
         runner = self._runner
-        rows: list[tuple[Sequence, int]] = []
+        rows: list[tuple[SequenceState, int]] = []
         encodings: dict[str, Any] = {}
         by_id = {chunk.request_id: chunk for chunk in chunks}
         for chunk in chunks:
             if chunk.spec is None:
                 rows.append((self._live[chunk.request_id], chunk.end))
                 continue
-            sequence = Sequence(chunk.spec)
+            sequence = SequenceState(chunk.spec)
             try:
                 runner.start(sequence)
                 encodings[sequence.request_id] = runner.take_encoding(sequence)
@@ -231,7 +227,7 @@ class Executor:
                 if sequence.request_id in self._live:
                     self._chunk_done(sequence, last, encodings.get(sequence.request_id, _NOT_STARTED), run)
 
-    def _publish_chunk(self, sequence: Sequence, chunk: Chunk, run: _Run) -> None:
+    def _publish_chunk(self, sequence: SequenceState, chunk: Chunk, run: _ResultBuilder) -> None:
         """Slice the full blocks a (not last) chunk completed, at once."""
         start = chunk.published if chunk.spec is None else blocks_out_at_start(chunk.spec, sequence.num_cached)
         stop = sequence.num_computed // sequence.block_size
@@ -243,7 +239,7 @@ class Executor:
         except Exception as error:
             self._let_go(sequence, error, run)
 
-    def _chunk_done(self, sequence: Sequence, logits: Any, encoding: Any, run: _Run) -> None:
+    def _chunk_done(self, sequence: SequenceState, logits: Any, encoding: Any, run: _ResultBuilder) -> None:
         """Report a chunk; after the last one, sample the first token."""
         first = logprobs = None
         if logits is not None:
@@ -252,7 +248,7 @@ class Executor:
             except Exception as error:
                 self._let_go(sequence, error, run)
                 return
-            sequence.generated.append(first)
+            sequence.emitted(first)
         started = encoding is not _NOT_STARTED
         ran = None if not started or encoding is None else encoding.ran
         run.chunks.append(
@@ -262,7 +258,7 @@ class Executor:
                 started=started,
                 num_cached=sequence.num_cached,
                 cold_fallback=sequence.cold_fallback,
-                reused_last_cache=sequence.reused_last_cache,
+                reused_kept_cache=sequence.reused_kept_cache,
                 num_shared=sequence.num_shared,
                 encoder_ran=ran,
                 features=None if ran is None else encoding.features,
@@ -274,19 +270,19 @@ class Executor:
 
     # -- letting go -----------------------------------------------------------------
 
-    def _let_go(self, sequence: Sequence, error: Exception, run: _Run, *, shared: bool = False) -> None:
+    def _let_go(self, sequence: SequenceState, error: Exception, run: _ResultBuilder, *, shared: bool = False) -> None:
         """``sequence`` failed: hold nothing of it, say so."""
         if self._live.pop(sequence.request_id, None) is not None:
-            sequence.cache = None
+            sequence.give_up_cache()
         self._record(sequence, error, run, shared=shared)
 
-    def _record(self, sequence: Sequence, error: Exception, run: _Run, *, shared: bool = False) -> None:
+    def _record(self, sequence: SequenceState, error: Exception, run: _ResultBuilder, *, shared: bool = False) -> None:
         """A failure of ``sequence``; one of its own computations raised
         (counted), or one it shared with others (counted once, by the caller)."""
         run.failures.append(RequestFailure(sequence.request_id, without_frames(error), run.stage))
         run.num_model_errors += not shared
 
-    def _remove_rows(self, batch: DecodeBatch, failed: Iterable[RowFailed], run: _Run) -> None:
+    def _remove_rows(self, batch: DecodeBatch, failed: Iterable[RowFailed], run: _ResultBuilder) -> None:
         """Rows whose own step raised leave their batch; each fails alone."""
         failed = list(failed)
         try:
@@ -298,7 +294,7 @@ class Executor:
         for failure in [*failed, *unextracted]:
             self._let_go(failure.sequence, failure.error, run)
 
-    def _break(self, batch: DecodeBatch, error: Exception, run: _Run) -> None:
+    def _break(self, batch: DecodeBatch, error: Exception, run: _ResultBuilder) -> None:
         """Every row of ``batch`` fails with ``error`` (counted by the
         caller, once); the batch is dropped."""
         for sequence in batch.rows:
@@ -306,18 +302,12 @@ class Executor:
         if batch in self._batches:
             self._batches.remove(batch)
 
-    # -- statistics -----------------------------------------------------------------
-
-    def num_rows(self) -> int:
-        """Requests in decode batches."""
-        return sum(len(batch) for batch in self._batches)
-
 
 #: Stands for "not its first chunk" where a first chunk's image encoding goes.
 _NOT_STARTED = object()
 
 
-class _Run:
+class _ResultBuilder:
     """What one plan did so far (a builder of :class:`Result`)."""
 
     def __init__(self) -> None:
@@ -343,7 +333,7 @@ class _Run:
         )
 
 
-def _first_token(sequence: Sequence, logits: Any) -> tuple[int, Any]:
+def _first_token(sequence: SequenceState, logits: Any) -> tuple[int, Any]:
     """The first token, sampled from the last prompt position, and the
     log-probabilities it was drawn from."""
     import mlx.core as mx

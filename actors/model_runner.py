@@ -28,7 +28,7 @@ from typing import Any, Optional, Protocol
 import attrs
 
 from mlxkv.actors.compute_config import KV_BITS, RunnerConfig
-from mlxkv.actors.sequence import Sequence
+from mlxkv.actors.sequence import SequenceState
 from mlxkv.actors.token_bound import max_chars_per_token
 from mlxkv.actors.weight_layout import transpose_linear_weights, wanted
 from mlxkv.cache import kv_state
@@ -248,7 +248,7 @@ class ModelRunner(Protocol):
         """The model's prompt preparer (shared, usable on any thread)."""
         ...
 
-    def start(self, sequence: Sequence) -> None:
+    def start(self, sequence: SequenceState) -> None:
         """Give ``sequence`` its cache: the kept one or one rebuilt from its
         prefix payloads, else cold.
 
@@ -258,7 +258,7 @@ class ModelRunner(Protocol):
         """
         ...
 
-    def keep(self, sequence: Sequence, cache: list[Any], num_tokens: int) -> None:
+    def keep(self, sequence: SequenceState, cache: list[Any], num_tokens: int) -> None:
         """Keep ``cache``, finished ``sequence``'s, cut to its first
         ``num_tokens`` tokens (a fed stop token is not part of the answer),
         for the next request that shares its first tokens (which then
@@ -268,17 +268,21 @@ class ModelRunner(Protocol):
         """
         ...
 
-    def prefill(self, sequence: Sequence, end: int) -> Optional[Any]:
-        """Run prompt positions ``[num_computed, end)`` into the sequence's cache.
+    def prefill_batch(self, rows: Seq[tuple[SequenceState, int]]) -> list[Optional[Any]]:
+        """Run each row's prompt positions ``[num_computed, end)`` into its own
+        cache, ``rows`` being ``(sequence, end)`` pairs: in one model call
+        where :attr:`ModelInfo.batch_prefill` says the model allows (else one
+        row at a time is given).
 
         At every block end it passes, a model with recurrent layers records
-        their state in ``sequence.snapshots``. When ``end`` is the prompt's
-        length, the last token runs on its own and its logits (``(vocab,)``)
-        are returned; otherwise None.
+        their state in the sequence's snapshots. Where ``end`` is the prompt's
+        length, the last token runs on its own and the row's logits
+        (``(vocab,)``) are returned; otherwise None. If it raises, it changed
+        no row it did not finish (the caller may run each row again alone).
         """
         ...
 
-    def decode(self, inputs: Any, cache: list[Any], rows: Seq[Sequence], positions: Seq[int]) -> Any:
+    def decode(self, inputs: Any, cache: list[Any], rows: Seq[SequenceState], positions: Seq[int]) -> Any:
         """Logits ``(batch, vocab)`` of feeding ``inputs`` (``(batch,)``) to a batch cache.
 
         ``positions[i]`` is the index of row ``i``'s fed token in its
@@ -294,12 +298,12 @@ class ModelRunner(Protocol):
         """A request cache holding ``row`` of a batch cache."""
         ...
 
-    def alone(self, sequence: Sequence, cache: list[Any]) -> list[Any]:
+    def alone(self, sequence: SequenceState, cache: list[Any]) -> list[Any]:
         """``sequence``'s request cache ``cache`` made ready to decode alone
         (a batch of one row); ``cache`` itself where nothing changes."""
         ...
 
-    def together(self, sequence: Sequence, cache: list[Any]) -> list[Any]:
+    def together(self, sequence: SequenceState, cache: list[Any]) -> list[Any]:
         """What :meth:`alone` made of ``sequence``'s cache, ready to merge
         into a batch again; ``cache`` itself where nothing changes."""
         ...
@@ -309,12 +313,12 @@ class ModelRunner(Protocol):
         ...
 
     def slice_blocks(
-        self, sequence: Sequence, cache: list[Any], start: int, stop: int
+        self, sequence: SequenceState, cache: list[Any], start: int, stop: int
     ) -> tuple[BlockPayload, ...]:
         """Owned, evaluated payloads of full blocks ``[start, stop)`` of ``cache``."""
         ...
 
-    def take_encoding(self, sequence: Sequence) -> Optional[ImageEncoding]:
+    def take_encoding(self, sequence: SequenceState) -> Optional[ImageEncoding]:
         """What :meth:`start` did with the request's images (once), or None without images."""
         ...
 
@@ -418,9 +422,11 @@ class CacheRunner(abc.ABC):
 
     # -- one request ---------------------------------------------------------
 
-    def start(self, sequence: Sequence) -> None:
+    def start(self, sequence: SequenceState) -> None:
         prefix = sequence.prefix
+        cold_fallback = False
         cache, num_cached = self._take_kept(sequence, prefix)
+        reused = cache is not None
         if cache is not None:
             cache = self._own(sequence, cache, num_cached)
         elif prefix:
@@ -428,13 +434,18 @@ class CacheRunner(abc.ABC):
                 cache = self._rebuild(sequence, prefix, len(sequence.prompt) - prefix[-1].end)
                 num_cached = prefix[-1].end
             except kv_state.NotReconstructable:
-                sequence.cold_fallback = True
+                cold_fallback = True
         if cache is None:
             cache, num_cached = self._own(sequence, self._new_cache(), 0), 0
-        sequence.cache = cache
-        sequence.num_cached = sequence.num_computed = num_cached
+        sequence.start(
+            cache,
+            num_cached,
+            cold_fallback=cold_fallback,
+            reused_kept_cache=reused,
+            num_shared=getattr(cache[0], "num_prefix", 0),
+        )
 
-    def _own(self, sequence: Sequence, cache: list[Any], num_tokens: int) -> list[Any]:
+    def _own(self, sequence: SequenceState, cache: list[Any], num_tokens: int) -> list[Any]:
         """A plain cache of ``num_tokens`` tokens (a fresh one, or the kept
         one) as the layers the request runs on. With shared prefixes: the
         blocks of its prefix come from their group instead (the copy of
@@ -459,7 +470,6 @@ class CacheRunner(abc.ABC):
             # plain run (a copy only if it had a prefix), rebased below.
             cache = [layer.suffix if layer.num_prefix == 0 else layer.to_plain() for layer in cache]
         suffix = suffix_of(cache, num_prefix, num_tokens, _room(sequence, num_tokens))
-        sequence.num_shared = num_prefix
         return [SharedPrefixCache(group, i, num_prefix, layer) for i, layer in enumerate(suffix)]
 
     def _shares(self, prefix: tuple[BlockPayload, ...]) -> bool:
@@ -468,15 +478,15 @@ class CacheRunner(abc.ABC):
             prefix
         ) == len(prefix)
 
-    def keep(self, sequence: Sequence, cache: list[Any], num_tokens: int) -> None:
+    def keep(self, sequence: SequenceState, cache: list[Any], num_tokens: int) -> None:
         """Only a cache of plain KV layers (which cut back exactly) is kept
         (over its shared prefix, if it has one: only its own tokens are
         held beside the group). It replaces a kept cache it extends (its
         conversation's earlier turn), and the oldest go while there are more
         than :data:`MAX_KEPT_CACHES` or they hold more than
         ``kept_cache_memory`` bytes. Nothing is kept where the configuration
-        says so (``keep_last_cache=False``)."""
-        if not (self._trimmable and self._runner_config.keep_last_cache):
+        says so (``keep_caches=False``)."""
+        if not (self._trimmable and self._runner_config.keep_caches):
             return
         import mlx.core as mx
 
@@ -501,12 +511,12 @@ class CacheRunner(abc.ABC):
             kept.pop(0)
         self._kept = tuple(kept)
 
-    def _text_only(self, sequence: Sequence) -> bool:
+    def _text_only(self, sequence: SequenceState) -> bool:
         """Whether the request's KV depends on its tokens alone (no images)."""
         return True
 
     def _take_kept(
-        self, sequence: Sequence, prefix: tuple[BlockPayload, ...]
+        self, sequence: SequenceState, prefix: tuple[BlockPayload, ...]
     ) -> tuple[Optional[list[Any]], int]:
         """The kept cache the request may use most of, cut back to that, and
         that many tokens; or ``(None, 0)`` when none has anything for it
@@ -542,11 +552,9 @@ class CacheRunner(abc.ABC):
         else:
             room = _room(sequence, usable)
             cache = [_copy_of(layer, usable, sequence.block_size, room) for layer in best.cache]
-        sequence.reused_last_cache = True
-        sequence.num_shared = getattr(cache[0], "num_prefix", 0)
         return cache, usable
 
-    def _usable(self, entry: _KeptCache, sequence: Sequence, prefix: tuple[BlockPayload, ...], floor: int) -> int:
+    def _usable(self, entry: _KeptCache, sequence: SequenceState, prefix: tuple[BlockPayload, ...], floor: int) -> int:
         """How many of ``entry``'s tokens the request may use (see :meth:`_take_kept`)."""
         shared = _shared_length(entry.tokens, sequence.prompt, len(sequence.prompt) - 1)
         if entry.namespace == sequence.namespace:
@@ -560,7 +568,7 @@ class CacheRunner(abc.ABC):
             return min(shared, floor)
         return 0
 
-    def _rebuild(self, sequence: Sequence, prefix: tuple[BlockPayload, ...], num_new: int) -> list[Any]:
+    def _rebuild(self, sequence: SequenceState, prefix: tuple[BlockPayload, ...], num_new: int) -> list[Any]:
         if self._groups is not None:
             return self._share(sequence, prefix, num_new)
         # The model call that follows evaluates the copy in the same graph.
@@ -571,7 +579,7 @@ class CacheRunner(abc.ABC):
             )
         return cache
 
-    def _share(self, sequence: Sequence, prefix: tuple[BlockPayload, ...], num_new: int) -> list[Any]:
+    def _share(self, sequence: SequenceState, prefix: tuple[BlockPayload, ...], num_new: int) -> list[Any]:
         """The request's cache over a shared prefix: the live group that
         shares most of its blocks (or a new one of them all), and a suffix
         holding its own blocks after those and room for the rest."""
@@ -581,10 +589,12 @@ class CacheRunner(abc.ABC):
         group, shared = self._groups.take(prefix)
         num_prefix = prefix[shared - 1].end
         suffix = suffix_cache(prefix[shared:], _room(sequence, prefix[-1].end), len(self._layout))
-        sequence.num_shared = num_prefix
         return [SharedPrefixCache(group, i, num_prefix, layer) for i, layer in enumerate(suffix)]
 
-    def prefill(self, sequence: Sequence, end: int) -> Optional[Any]:
+    def prefill(self, sequence: SequenceState, end: int) -> Optional[Any]:
+        """One row of :meth:`prefill_batch`: positions ``[num_computed, end)``
+        into the sequence's cache; the last position's logits where ``end``
+        is the prompt's length, else None."""
         import mlx.core as mx
 
         cache = sequence.cache
@@ -594,17 +604,17 @@ class CacheRunner(abc.ABC):
         if body_end > start:
             self._run(sequence, cache, start, body_end)
             self._record_snapshot(sequence, cache, body_end)
-            sequence.num_computed = body_end
+            sequence.computed(body_end)
         if end < total:
             mx.eval([layer.state for layer in cache])
             return None
         logits = self._run(sequence, cache, total - 1, total)[0, -1]
-        sequence.num_computed = total
+        sequence.computed(total)
         self._record_snapshot(sequence, cache, total)
         return logits
 
-    def prefill_batch(self, rows: Seq[tuple[Sequence, int]]) -> list[Optional[Any]]:
-        """:meth:`prefill` of several requests at once: each to its ``end``.
+    def prefill_batch(self, rows: Seq[tuple[SequenceState, int]]) -> list[Optional[Any]]:
+        """See :class:`ModelRunner`: :meth:`prefill` of each request, at once.
 
         For a model with :attr:`ModelInfo.batch_prefill`: the chunks' bodies
         run in one model call (right-padded; each over its own cached prefix,
@@ -631,20 +641,20 @@ class CacheRunner(abc.ABC):
                 bodies.append((sequence, sequence.num_computed, stop))
         self._forward_rows([(s, s.prompt[a:b]) for s, a, b in bodies])
         for sequence, _, stop in bodies:
-            sequence.num_computed = stop
+            sequence.computed(stop)
         finishing = [sequence for sequence, end in rows if end == len(sequence.prompt)]
         last = self._forward_rows([(s, s.prompt[-1:]) for s in finishing])
         out: list[Optional[Any]] = []
         for sequence, end in rows:
             if end == len(sequence.prompt):
                 out.append(last[id(sequence)])
-                sequence.num_computed = end
+                sequence.computed(end)
             else:
                 out.append(None)
         mx.eval([layer.state for sequence, end in rows if end < len(sequence.prompt) for layer in sequence.cache])
         return out
 
-    def _forward_rows(self, rows: list[tuple[Sequence, Seq[int]]]) -> dict[int, Any]:
+    def _forward_rows(self, rows: list[tuple[SequenceState, Seq[int]]]) -> dict[int, Any]:
         """Run each row's tokens after its cache, all in one call (one row:
         on its own cache); each row's last-position logits, by ``id``."""
         import mlx.core as mx
@@ -672,7 +682,7 @@ class CacheRunner(abc.ABC):
         caches = [self.extract(merged, row) for row in range(len(rows))]
         out = {}
         for row, ((sequence, _), cache) in enumerate(zip(rows, caches)):
-            sequence.cache = cache
+            sequence.replace_cache(cache)
             out[id(sequence)] = logits[row, lengths[row] - 1]
         return out
 
@@ -682,15 +692,15 @@ class CacheRunner(abc.ABC):
         raise AssertionError(f"{type(self).__name__} prefills one request at a time")
 
     @abc.abstractmethod
-    def _run(self, sequence: Sequence, cache: list[Any], start: int, stop: int) -> Any:
+    def _run(self, sequence: SequenceState, cache: list[Any], start: int, stop: int) -> Any:
         """Prompt positions ``[start, stop)`` through the model: logits ``(1, n, vocab)``."""
 
-    def take_encoding(self, sequence: Sequence) -> Optional[ImageEncoding]:
+    def take_encoding(self, sequence: SequenceState) -> Optional[ImageEncoding]:
         return None
 
-    def _record_snapshot(self, sequence: Sequence, cache: list[Any], position: int) -> None:
+    def _record_snapshot(self, sequence: SequenceState, cache: list[Any], position: int) -> None:
         if self._info.has_recurrent and position % sequence.block_size == 0:
-            sequence.snapshots[position] = self.snapshot(cache, 0)
+            sequence.snapshot(position, self.snapshot(cache, 0))
 
     # -- batches ---------------------------------------------------------------
 
@@ -705,7 +715,7 @@ class CacheRunner(abc.ABC):
             return cache
         return [layer.extract(row) for layer in cache]
 
-    def alone(self, sequence: Sequence, cache: list[Any]) -> list[Any]:
+    def alone(self, sequence: SequenceState, cache: list[Any]) -> list[Any]:
         """Over a shared prefix: the prefix and the request's own tokens as
         one plain run (a copy of the prefix, with room for the rest of the
         request), so a step attends through one fused call over contiguous
@@ -719,7 +729,7 @@ class CacheRunner(abc.ABC):
         room = _room(sequence, cache[0].offset)
         return [SharedPrefixCache(None, i, 0, layer.to_plain(room)) for i, layer in enumerate(cache)]
 
-    def together(self, sequence: Sequence, cache: list[Any]) -> list[Any]:
+    def together(self, sequence: SequenceState, cache: list[Any]) -> list[Any]:
         """A lone request's plain run over its prefix's live group again (a new
         group of its prefix blocks if none lives): only its own tokens are
         copied, so the batch it joins keeps its rows as short as their own
@@ -740,7 +750,7 @@ class CacheRunner(abc.ABC):
         )
 
     def slice_blocks(
-        self, sequence: Sequence, cache: list[Any], start: int, stop: int
+        self, sequence: SequenceState, cache: list[Any], start: int, stop: int
     ) -> tuple[BlockPayload, ...]:
         size = sequence.block_size
         if self._groups is not None:
@@ -843,7 +853,7 @@ def _with_snapshot(payload: BlockPayload, state: Optional[tuple[Any, ...]]) -> B
     return attrs.evolve(payload, arrays=arrays)
 
 
-def _room(sequence: Sequence, num_tokens: int) -> int:
+def _room(sequence: SequenceState, num_tokens: int) -> int:
     """Tokens a request's cache of ``num_tokens`` may still take: the rest
     of its prompt and its answer (one buffer for all of them: no regrowth)."""
     return len(sequence.prompt) - num_tokens + sequence.spec.max_tokens
@@ -1016,7 +1026,7 @@ class TextRunner(CacheRunner):
 
         self._model(mx.array([[0]]), cache=cache)
 
-    def _run(self, sequence: Sequence, cache: list[Any], start: int, stop: int) -> Any:
+    def _run(self, sequence: SequenceState, cache: list[Any], start: int, stop: int) -> Any:
         import mlx.core as mx
 
         return self._model(mx.array(sequence.prompt[start:stop])[None], cache=cache)
@@ -1024,5 +1034,5 @@ class TextRunner(CacheRunner):
     def _forward(self, inputs: Any, cache: list[Any]) -> Any:
         return self._model(inputs, cache=cache)
 
-    def decode(self, inputs: Any, cache: list[Any], rows: Seq[Sequence], positions: Seq[int]) -> Any:
+    def decode(self, inputs: Any, cache: list[Any], rows: Seq[SequenceState], positions: Seq[int]) -> Any:
         return self._model(inputs[:, None], cache=cache)[:, -1]

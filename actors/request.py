@@ -24,7 +24,6 @@ __all__ = [
     "RequestSpec",
     "blocks_out_at_start",
     "next_chunk_end",
-    "plan_chunks",
     "prompt_and_answer",
     "stop_reason",
 ]
@@ -75,7 +74,7 @@ class RequestSpec:
 def blocks_out_at_start(spec: RequestSpec, num_cached: int) -> int:
     """Leading full blocks of a request that are out once it started with
     ``num_cached`` prompt tokens: those it holds, and those of its prefix
-    payloads it used (the blocks the last cache gave beyond them are not:
+    payloads it used (the blocks a kept cache gave beyond them are not:
     they are published like computed ones)."""
     size = spec.block_size
     return max(min(spec.num_prefix_tokens // size, num_cached // size), spec.held_blocks)
@@ -128,12 +127,3 @@ def next_chunk_end(start: int, total: int, chunk: int, boundary: Optional[int] =
     if boundary is not None:
         end = min(end, (start // boundary + 1) * boundary)
     return total if end >= last else end
-
-
-def plan_chunks(start: int, total: int, chunk: int, boundary: Optional[int] = None) -> list[int]:
-    """Every job end of a prefill of positions ``[start, total)``, in order
-    (:func:`next_chunk_end` applied until ``total``)."""
-    ends = [next_chunk_end(start, total, chunk, boundary)]
-    while ends[-1] < total:
-        ends.append(next_chunk_end(ends[-1], total, chunk, boundary))
-    return ends

@@ -7,7 +7,7 @@ that plan on the MLX thread, and hands the executor's :class:`Result` back
 (:meth:`Scheduler.update`), which turns it into the events each request's
 streams get. Tests drive it with hand-built results, no model at all.
 
-A request's life (:class:`Status`): ``WAITING`` until its first prefill
+A request's life (:class:`RequestStatus`): ``WAITING`` until its first prefill
 chunk, ``PREFILLING`` while chunks remain, ``JOINING`` once the last chunk
 sampled its first token (its prompt's last blocks are published and it
 joins the decode batch in the next plan), ``DECODING`` in the batch,
@@ -78,6 +78,7 @@ from mlxkv.actors.events import (
     Token,
 )
 from mlxkv.actors.compute_config import SchedulingConfig
+from mlxkv.actors.plan import Blocks, Chunk, ChunkDone, Emitted, Leave, Plan, Result, Slice
 from mlxkv.actors.request import (
     RequestSpec,
     blocks_out_at_start,
@@ -89,19 +90,10 @@ from mlxkv.cache.errors import CacheError
 
 __all__ = [
     "MAX_BURST_STEPS",
-    "Blocks",
-    "Chunk",
-    "ChunkDone",
-    "Emitted",
-    "Leave",
-    "Plan",
-    "RequestFailure",
     "RequestState",
-    "Result",
     "Scheduler",
     "SchedulerStatistics",
-    "Slice",
-    "Status",
+    "RequestStatus",
     "chunk_cost",
 ]
 
@@ -112,7 +104,7 @@ MAX_BURST_STEPS = 8
 _NOT_PUBLISHING = -1
 
 
-class Status(enum.Enum):
+class RequestStatus(enum.Enum):
     """Where a request stands (see the module docstring)."""
 
     WAITING = "waiting"
@@ -150,7 +142,7 @@ class RequestState:
     """
 
     spec: RequestSpec
-    status: Status = Status.WAITING
+    status: RequestStatus = RequestStatus.WAITING
     #: prompt tokens the executor did not compute (rebuilt or kept)
     num_cached: int = 0
     #: prompt tokens in the request's KV
@@ -178,173 +170,6 @@ class RequestState:
         return prompt_and_answer(self.spec.prompt, self.answer, start, stop)
 
 
-# -- plans: what the executor is asked to do -----------------------------------
-
-
-@attrs.frozen
-class Slice:
-    """Slice blocks ``[start, stop)`` of a prefilling request's own cache."""
-
-    request_id: str
-    start: int
-    stop: int
-
-
-@attrs.frozen
-class Leave:
-    """Take an ended request out of the executor.
-
-    Attributes:
-        request_id: the request.
-        answer: blocks ``(start, stop)`` to slice first (the rest of its
-            prompt's and its answer's), capped at what its KV holds; None
-            to slice nothing.
-        keep: keep its cache as the last cache, cut to ``num_tokens``.
-        num_tokens: prompt and answer tokens (a fed stop token excluded).
-    """
-
-    request_id: str
-    answer: Optional[tuple[int, int]]
-    keep: bool
-    num_tokens: int
-
-
-@attrs.frozen
-class Chunk:
-    """Prefill one chunk of a request: positions up to ``end``; unless it is
-    the prompt's last, then slice the full blocks it completed beyond the
-    first ``published`` (so that requests waiting for them go on at once;
-    the last chunk's wait for the next plan: its first token goes first).
-
-    ``spec`` comes with a request's first chunk (the executor starts it
-    then: its cache kept, rebuilt from the prefix or cold, and the chunk
-    ends where :func:`~mlxkv.actors.request.next_chunk_end` puts it from
-    what is cached; ``end`` is the scheduler's estimate, and ``published``
-    follows from what is cached: :func:`~mlxkv.actors.request.blocks_out_at_start`).
-    """
-
-    request_id: str
-    end: int
-    spec: Optional[RequestSpec] = attrs.field(default=None, eq=False, repr=False)
-    published: int = 0
-
-
-@attrs.frozen(kw_only=True)
-class Plan:
-    """One job for the executor, done in this order: publish, leave, join,
-    ``steps`` decode steps, prefill (several chunks in one model call where
-    exact)."""
-
-    publish: tuple[Slice, ...] = ()
-    leave: tuple[Leave, ...] = ()
-    join: tuple[str, ...] = ()
-    steps: int = 0
-    prefill: tuple[Chunk, ...] = ()
-
-    @property
-    def empty(self) -> bool:
-        return not (self.publish or self.leave or self.join or self.steps or self.prefill)
-
-
-# -- results: what the executor did ---------------------------------------------
-
-
-@attrs.frozen
-class Blocks:
-    """Payloads of blocks ``[start, start + len(payloads))`` of a request; no
-    payloads and ``exact=False`` if its KV could not be sliced exactly."""
-
-    request_id: str
-    start: int
-    payloads: tuple[Any, ...] = attrs.field(eq=False, repr=lambda p: f"<{len(p)} blocks>")
-    exact: bool = True
-
-
-@attrs.frozen
-class ChunkDone:
-    """A prefill chunk ran.
-
-    Attributes:
-        request_id: the request.
-        computed: prompt tokens in its KV now.
-        started: this was its first chunk (the fields below are set).
-        num_cached: prompt tokens it did not compute.
-        cold_fallback: its prefix could not be rebuilt (computed whole).
-        reused_last_cache: it took the last cache.
-        num_shared: prompt tokens its cache reads from a shared prefix
-            group, held once for every request that shares them.
-        encoder_ran: its images went through the vision encoder (None
-            without images).
-        features: the encoder's output to cache, if it ran.
-        first_token: sampled after its last chunk (else None).
-        logits: the last prompt position's logits ``(vocab,)``.
-        logprobs: the log-probabilities the first token was drawn from.
-    """
-
-    request_id: str
-    computed: int
-    started: bool = False
-    num_cached: int = 0
-    cold_fallback: bool = False
-    reused_last_cache: bool = False
-    num_shared: int = 0
-    encoder_ran: Optional[bool] = None
-    features: Any = attrs.field(default=None, eq=False, repr=False)
-    first_token: Optional[int] = None
-    logits: Any = attrs.field(default=None, eq=False, repr=False)
-    logprobs: Any = attrs.field(default=None, eq=False, repr=False)
-
-
-@attrs.frozen
-class Emitted:
-    """A token a decode step fed for a request (its answer token ``index``)."""
-
-    request_id: str
-    index: int
-    token: int
-    logprobs: Any = attrs.field(default=None, eq=False, repr=False)
-
-
-@attrs.frozen
-class RequestFailure:
-    """A step for the request raised; the executor holds nothing of it any more.
-
-    Attributes:
-        request_id: the request.
-        error: what raised.
-        stage: the piece of the plan it raised in: ``"publish"``,
-            ``"leave"``, ``"join"``, ``"decode"`` or ``"prefill"``.
-    """
-
-    request_id: str
-    error: Exception
-    stage: str = "decode"
-
-
-@attrs.frozen(kw_only=True)
-class Result:
-    """What the executor did with a :class:`Plan`.
-
-    Attributes:
-        published: blocks sliced (by ``publish`` and ``leave``).
-        chunks: prefill chunks that ran.
-        emitted: tokens the decode steps fed, in step order.
-        steps: the batch size of each decode model call.
-        failures: requests that failed, each alone.
-        num_model_errors: model calls that raised (their rows are among
-            ``failures``).
-        prefill_calls: the rows of each prefill model call.
-    """
-
-    published: tuple[Blocks, ...] = ()
-    chunks: tuple[ChunkDone, ...] = ()
-    emitted: tuple[Emitted, ...] = ()
-    steps: tuple[int, ...] = ()
-    failures: tuple[RequestFailure, ...] = ()
-    num_model_errors: int = 0
-    prefill_calls: tuple[int, ...] = ()
-
-
 @attrs.frozen(kw_only=True)
 class SchedulerStatistics:
     """The scheduler's counters (``stats().compute`` carries them too:
@@ -356,10 +181,11 @@ class SchedulerStatistics:
         num_decoding: requests in the decode batch.
         num_prefill_tokens: prompt tokens run through the model.
         num_cached_tokens: prompt tokens not computed (rebuilt from cached
-            blocks, or taken from the last cache).
-        num_last_cache_reuses: requests that took the last finished
-            request's cache, cut back to what they may use of it, instead
-            of rebuilding their prefix from blocks.
+            blocks, or taken from a kept cache).
+        num_kept_cache_reuses: requests that took a kept cache (a finished
+            request's), cut back to what they may use of it, instead of
+            rebuilding their prefix from blocks (``num_last_cache_reuses``,
+            its old name, still reads it).
         num_prefill_chunks: prefill chunks run (one request's each).
         num_prefill_calls: prefill model calls (a call serves one chunk,
             or several requests' chunks at once).
@@ -390,7 +216,7 @@ class SchedulerStatistics:
     num_decoding: int
     num_prefill_tokens: int
     num_cached_tokens: int
-    num_last_cache_reuses: int
+    num_kept_cache_reuses: int
     num_prefill_chunks: int
     num_prefill_calls: int
     num_decode_steps: int
@@ -403,6 +229,11 @@ class SchedulerStatistics:
     num_vision_encoder_runs: int
     num_vision_encoder_skips: int
     num_shared_prefix_tokens: int
+
+    @property
+    def num_last_cache_reuses(self) -> int:
+        """The old name of :attr:`num_kept_cache_reuses`."""
+        return self.num_kept_cache_reuses
 
 
 #: What :meth:`Scheduler.update` and :meth:`Scheduler.cancel` hand out: an
@@ -490,7 +321,8 @@ class Scheduler:
         self._requests.clear()
 
     def requests(self) -> Iterable[RequestState]:
-        """Live requests, in arrival order (read-only use)."""
+        """Live requests, in arrival order, to inspect (read only): the compute
+        actor never reads them; the scheduler's tests and a debugger do."""
         return self._requests.values()
 
     # -- the one place a request ends ------------------------------------------
@@ -517,9 +349,9 @@ class Scheduler:
         if not end.completed:
             out.append((state.request_id, None))
         if held is None:
-            held = state.status is not Status.WAITING
+            held = state.status is not RequestStatus.WAITING
         if held:
-            state.status = Status.LEAVING
+            state.status = RequestStatus.LEAVING
         else:
             out += self._finish(state)
         return out
@@ -530,7 +362,7 @@ class Scheduler:
         :class:`Finished` if taking it out raised)."""
         end = state.end
         assert end is not None, "a request finishes once it ended"
-        state.status = Status.FINISHED
+        state.status = RequestStatus.FINISHED
         del self._requests[state.request_id]
         if not end.completed:
             return []
@@ -572,14 +404,14 @@ class Scheduler:
         decoding = prefilling = 0
         for state in self._requests.values():
             status = state.status
-            if status is Status.LEAVING:
+            if status is RequestStatus.LEAVING:
                 leave.append(self._leave(state))
-            elif status is Status.JOINING:
+            elif status is RequestStatus.JOINING:
                 publish.extend(self._slices(state))
                 join.append(state.request_id)
-            elif status is Status.DECODING:
+            elif status is RequestStatus.DECODING:
                 decoding += 1
-            elif status is Status.PREFILLING:
+            elif status is RequestStatus.PREFILLING:
                 prefilling += 1  # its chunks publish their own blocks
             else:
                 prefilling += 1
@@ -645,12 +477,12 @@ class Scheduler:
         chunks: list[Chunk] = []
         used = spent
         for state in self._requests.values():
-            if state.status not in (Status.WAITING, Status.PREFILLING):
+            if state.status not in (RequestStatus.WAITING, RequestStatus.PREFILLING):
                 continue
             spec = state.spec
             start = state.num_computed
-            if state.status is Status.WAITING:
-                start = spec.num_prefix_tokens  # at least; the last cache may give more
+            if state.status is RequestStatus.WAITING:
+                start = spec.num_prefix_tokens  # at least; a kept cache may give more
             boundary = spec.block_size if self._recurrent else None
             end = next_chunk_end(start, len(spec.prompt), self._chunk, boundary)
             cost = chunk_cost(start, end, self._context_unit)
@@ -660,7 +492,7 @@ class Scheduler:
             if (chunks or spent) and used + cost > budget and not wave:
                 break
             used += cost
-            first = state.status is Status.WAITING
+            first = state.status is RequestStatus.WAITING
             published = state.num_published if state.publishing else _NOT_PUBLISHING
             chunks.append(Chunk(state.request_id, end, spec if first else None, published))
         return tuple(chunks), used
@@ -685,13 +517,13 @@ class Scheduler:
             out += self._finish(state, failed.pop(leave.request_id, None))
         for request_id in plan.join:
             state = self._requests.get(request_id)
-            if state is None or state.status is not Status.JOINING:
+            if state is None or state.status is not RequestStatus.JOINING:
                 continue
             if request_id in unjoined:
                 out += self._fail(state, failed.pop(request_id))
             else:
                 out += self._prompt_out(state)
-                state.status = Status.DECODING
+                state.status = RequestStatus.DECODING
         out += self._decoded(result.emitted, failed)
         for chunk in result.chunks:
             out += self._chunk_done(chunk)
@@ -728,7 +560,7 @@ class Scheduler:
         out: list[Output] = []
         for request_id, items in rows.items():
             state = self._requests.get(request_id)
-            if state is None or state.status is not Status.DECODING:
+            if state is None or state.status is not RequestStatus.DECODING:
                 continue  # cancelled while the plan ran
             tokens: list[int] = []
             logprobs: list[Any] = []
@@ -766,7 +598,7 @@ class Scheduler:
             # What the chunk's own blocks published already stays published.
             state.num_published = max(state.num_published, blocks_out_at_start(spec, chunk.num_cached))
             counts["num_cached_tokens"] += chunk.num_cached
-            counts["num_last_cache_reuses"] += chunk.reused_last_cache
+            counts["num_kept_cache_reuses"] += chunk.reused_kept_cache
             counts["num_cold_fallbacks"] += chunk.cold_fallback
             counts["num_shared_prefix_tokens"] += chunk.num_shared
             if chunk.encoder_ran is not None:
@@ -775,7 +607,7 @@ class Scheduler:
                 if chunk.encoder_ran:
                     out.append((spec.request_id, ImagesEncoded(features=chunk.features)))
         state.num_computed = chunk.computed
-        state.status = Status.PREFILLING
+        state.status = RequestStatus.PREFILLING
         if chunk.first_token is None:
             return out
         token = chunk.first_token
@@ -789,7 +621,7 @@ class Scheduler:
             out.append((spec.request_id, Token(tokens=(token,), logprobs=logprobs)))
         if reason is not None:
             return out + self._end(state, _End(reason))
-        state.status = Status.JOINING
+        state.status = RequestStatus.JOINING
         return out
 
     # -- statistics ----------------------------------------------------------------
@@ -798,7 +630,7 @@ class Scheduler:
         counts = dict(self._counts)
         statuses = [state.status for state in self._requests.values()]
         counts["num_live"] = len(statuses)
-        counts["num_prefilling"] = sum(s in (Status.WAITING, Status.PREFILLING) for s in statuses)
-        counts["num_decoding"] = sum(s in (Status.JOINING, Status.DECODING) for s in statuses)
+        counts["num_prefilling"] = sum(s in (RequestStatus.WAITING, RequestStatus.PREFILLING) for s in statuses)
+        counts["num_decoding"] = sum(s in (RequestStatus.JOINING, RequestStatus.DECODING) for s in statuses)
         return SchedulerStatistics(**counts)
 

@@ -42,7 +42,7 @@ from mlxkv.actors.model_runner import (
     context_unit,
     encode_text,
 )
-from mlxkv.actors.sequence import Sequence
+from mlxkv.actors.sequence import SequenceState
 from mlxkv.actors.token_bound import max_chars_per_token
 from mlxkv.actors.weight_layout import transpose_linear_weights, wanted
 from mlxkv.cache.errors import InvalidInput, counted, plural
@@ -258,8 +258,6 @@ class _Placement:
     embeds: Optional[Any] = None
     #: what happened to the request's images, until taken
     encoding: Optional[ImageEncoding] = None
-    #: whether the prompt has images (its KV then depends on more than its tokens)
-    has_images: bool = False
 
 
 class VisionRunner(CacheRunner):
@@ -352,11 +350,11 @@ class VisionRunner(CacheRunner):
 
     # -- one request ------------------------------------------------------------
 
-    def start(self, sequence: Sequence) -> None:
+    def start(self, sequence: SequenceState) -> None:
         import mlx.core as mx
 
         super().start(sequence)
-        inputs: Optional[VisionInputs] = sequence.inputs
+        inputs: Optional[VisionInputs] = sequence.spec.inputs
         pad = self._config.image_token_id
         cached = sequence.num_cached
         needed = 0 if inputs is None else sequence.prompt[cached:].count(pad)
@@ -388,12 +386,10 @@ class VisionRunner(CacheRunner):
                 placement.embeds = self._model.merge_input_ids_with_image_features(
                     pad, self._config.video_token_id, features[before : before + needed], embeds, suffix
                 )
-        placement.has_images = inputs is not None
-        sequence.inputs = placement
+        sequence.prepare(placement)
 
-    def _text_only(self, sequence: Sequence) -> bool:
-        inputs = sequence.inputs
-        return inputs is None or (isinstance(inputs, _Placement) and not inputs.has_images)
+    def _text_only(self, sequence: SequenceState) -> bool:
+        return sequence.spec.inputs is None
 
     def _image_delta(self, grid: Any) -> int:
         """How far text after these images sits from its index: each image
@@ -414,10 +410,10 @@ class VisionRunner(CacheRunner):
         mx.eval(features)
         return features
 
-    def _run(self, sequence: Sequence, cache: list[Any], start: int, stop: int) -> Any:
+    def _run(self, sequence: SequenceState, cache: list[Any], start: int, stop: int) -> Any:
         import mlx.core as mx
 
-        placement: _Placement = sequence.inputs
+        placement: _Placement = sequence.prepared
         embeds = None
         if placement.embeds is not None:
             offset = sequence.num_cached
@@ -429,18 +425,18 @@ class VisionRunner(CacheRunner):
         )
         return out.logits
 
-    def decode(self, inputs: Any, cache: list[Any], rows: Seq[Sequence], positions: Seq[int]) -> Any:
+    def decode(self, inputs: Any, cache: list[Any], rows: Seq[SequenceState], positions: Seq[int]) -> Any:
         import mlx.core as mx
 
         at = mx.array(
-            [[index + row.inputs.delta] for index, row in zip(positions, rows)], dtype=mx.int32
+            [[index + row.prepared.delta] for index, row in zip(positions, rows)], dtype=mx.int32
         )
         position_ids = mx.broadcast_to(at[None], (3, len(rows), 1))
         out = self._language(inputs[:, None], cache=cache, position_ids=position_ids)
         return out.logits[:, -1]
 
-    def take_encoding(self, sequence: Sequence) -> Optional[ImageEncoding]:
-        placement = sequence.inputs
+    def take_encoding(self, sequence: SequenceState) -> Optional[ImageEncoding]:
+        placement = sequence.prepared
         if not isinstance(placement, _Placement):
             return None
         encoding, placement.encoding = placement.encoding, None

@@ -378,7 +378,9 @@ class CacheClient:
         )
 
     async def index_statistics(self) -> PrefixIndexStatistics:
-        """The index's statistics alone (the index answers between any two messages)."""
+        """The index's statistics alone: they never wait for the compute
+        actor, which answers only between plans (what shows a request in
+        flight while a plan runs)."""
         return await self._index.statistics()
 
     async def check_invariants(self) -> tuple[list[str], list[str]]:

@@ -136,7 +136,7 @@ class GenerationReport:
         request_id: the request.
         prompt_tokens: tokens in the prompt.
         cached_tokens: prompt tokens not computed: taken from cached blocks
-            or from the last finished generation's cache.
+            or from a kept cache (a finished generation's).
         generated_tokens: tokens generated (an end-of-sequence token excluded).
         finish_reason: ``"stop"`` (end-of-sequence token) or ``"length"``
             (``max_tokens`` reached).

@@ -112,6 +112,8 @@ _PARTS: dict[str, type] = {"scheduling": SchedulingConfig, "runner": RunnerConfi
 _PART_OF: dict[str, str] = {
     field.name: part for part, cls in _PARTS.items() for field in attrs.fields(cls)
 }
+#: Names a field had before, still taken and read: old name -> field.
+_RENAMED = {"keep_last_cache": "keep_caches"}
 
 
 @attrs.frozen(kw_only=True, init=False)
@@ -125,7 +127,8 @@ class RuntimeConfig:
     fields may be given, and read, by name too: ``RuntimeConfig(prefill_chunk=64)``
     is ``RuntimeConfig(scheduling=SchedulingConfig(prefill_chunk=64))``, and
     its ``prefill_chunk`` is ``scheduling.prefill_chunk``; a name given
-    beside its part changes that part.
+    beside its part changes that part. ``keep_last_cache`` is still taken
+    and read as the old name of ``keep_caches``.
 
     Attributes:
         block_size: tokens per KV block.
@@ -201,6 +204,11 @@ class RuntimeConfig:
     runner: RunnerConfig = attrs.field(factory=RunnerConfig, validator=attrs.validators.instance_of(RunnerConfig))
 
     def __init__(self, **options: Any) -> None:
+        for old, name in _RENAMED.items():
+            if old in options:
+                if name in options:
+                    raise InvalidInput(old, options[old], f"is the old name of {name}: give one of them")
+                options[name] = options.pop(old)
         own = {name: value for name, value in options.items() if name not in _PART_OF}
         for name in own:
             if name not in _OWN_FIELDS:
@@ -216,9 +224,10 @@ class RuntimeConfig:
     @classmethod
     def field_names(cls) -> frozenset[str]:
         """Every name the constructor takes: its own fields and each part's."""
-        return _OWN_FIELDS | frozenset(_PART_OF)
+        return _OWN_FIELDS | frozenset(_PART_OF) | frozenset(_RENAMED)
 
     def __getattr__(self, name: str) -> Any:
+        name = _RENAMED.get(name, name)
         part = _PART_OF.get(name)
         if part is None:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
@@ -330,8 +339,8 @@ class RuntimeStatistics:
                     "compute",
                     f"{compute.num_prefill_tokens} prompt tokens computed,"
                     f" {compute.num_cached_tokens} reused from cache"
-                    f" ({format_count(compute.num_last_cache_reuses, 'request')} took the kept"
-                    f" last cache), {compute.num_decode_steps} decode steps (mean batch"
+                    f" ({format_count(compute.num_kept_cache_reuses, 'request')} took a kept"
+                    f" cache), {compute.num_decode_steps} decode steps (mean batch"
                     f" {compute.mean_batch_size:.1f}), {compute.num_live} live",
                 )
             )

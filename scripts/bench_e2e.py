@@ -15,7 +15,7 @@ Four ways to get the first token of the same prompt on the built-in model:
 - rebuilt: the same right after unrelated 8-token requests (untimed), as
   many as the runtime keeps caches, so the kept caches hold other tokens and
   the 1984 tokens of KV are rebuilt from the 31 blocks' payloads (what
-  ``keep_last_cache=False`` always does; the warm run flushes them too
+  ``keep_caches=False`` always does; the warm run flushes them too
   before its primer, so its own earlier runs are not what it takes);
 - ideal: plain mlx-lm on one thread, prefilling the 64 new tokens on a cache
   that already holds the 1984 (no lookup, no reconstruction; the cache is

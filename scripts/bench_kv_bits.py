@@ -47,7 +47,7 @@ def _prompts(count: int) -> list[list[int]]:
 async def _generate(path: str, prompts: list[list[int]], bits: Any) -> dict[str, Any]:
     from mlxkv import CacheRuntime
 
-    async with CacheRuntime(model=path, kv_bits=bits, block_size=64, keep_last_cache=False) as rt:
+    async with CacheRuntime(model=path, kv_bits=bits, block_size=64, keep_caches=False) as rt:
         out = {"bytes_per_token": rt.model_info.kv_bytes_per_token, "tokens": [], "logits": [], "warm_equal": 0}
         for prompt in prompts:
             async with rt.generate(prompt, max_tokens=ANSWER) as stream:

@@ -31,7 +31,7 @@ round's start), and the decode model calls each mlxkv method made
 (``batch_generate`` makes one per generated token: 32).
 
 Before each round the garbage of the previous one is collected, and the
-runtime runs with ``keep_last_cache=False``: the kept last cache (one
+runtime runs with ``keep_caches=False``: the kept last cache (one
 finished request's KV beside the pool, replaced as requests finish) would
 sit in "what was active just before" and be freed during the round, so the
 peak above it would undercount (even below zero). Each method is set up
@@ -148,7 +148,7 @@ async def _open(stack: AsyncExitStack, path: str, prefixes: list[list[int]], **o
     from mlxkv import CacheRuntime
 
     rt = await stack.enter_async_context(
-        CacheRuntime(model=path, block_size=BLOCK, max_blocks=4096, keep_last_cache=False, **options)
+        CacheRuntime(model=path, block_size=BLOCK, max_blocks=4096, keep_caches=False, **options)
     )
     for prefix in prefixes:
         async with rt.generate(prefix + [33], max_tokens=1, cache_salt=None) as warm:

@@ -7,7 +7,7 @@ one process, rounds alternating:
 - ``sharing``: ``CacheRuntime`` as it is: a request whose prefix another one
   is computing waits for those blocks as they are published;
 - ``no sharing``: the same runtime with ``share_in_flight=False`` and
-  ``keep_last_cache=False``: every request computes whatever is not cached
+  ``keep_caches=False``: every request computes whatever is not cached
   when it arrives. (With the last cache kept, a request that starts after
   another one finished takes that one's KV: with one request's prefill a
   plan, each of the eight requests, generating one token, finished before
@@ -123,7 +123,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     ideal = Ideal(path)
     results: dict[str, Any] = {}
     async with CacheRuntime(model=path, block_size=64, max_blocks=2048) as sharing, CacheRuntime(
-        model=path, block_size=64, max_blocks=2048, share_in_flight=False, keep_last_cache=False
+        model=path, block_size=64, max_blocks=2048, share_in_flight=False, keep_caches=False
     ) as alone:
         for label, gap in (("together", 0.0), ("50 ms apart", GAP)):
             samples: dict[str, list[tuple[list[float], int]]] = {"sharing": [], "no sharing": [], "ideal": []}

@@ -141,7 +141,7 @@ class _Snapshot(Collector):
         if compute is not None:
             yield _counter(
                 "mlxkv_prompt_tokens_reused",
-                "Prompt tokens not computed: rebuilt from cached blocks or the last cache.",
+                "Prompt tokens not computed: rebuilt from cached blocks or a kept cache.",
                 compute.num_cached_tokens,
             )
             yield _counter(

@@ -32,12 +32,13 @@ from mlxkv.actors.compute import (
     ComputeFailed,
     ComputeHandle,
     Event,
-    RunnerConfig,
-    SchedulingConfig,
     Failed,
     Finished,
     Prefilled,
     Published,
+    RequestSpec,
+    RunnerConfig,
+    SchedulingConfig,
     Token,
     events_needed,
 )
@@ -158,6 +159,11 @@ def _actor(model_and_tokenizer: tuple[Any, Any], **options: Any) -> ComputeActor
     )
 
 
+async def _start(compute: ComputeHandle, request_id: str, prompt: list[int], *, events: Any, **spec: Any) -> None:
+    """Start ``RequestSpec(request_id=..., prompt=..., **spec)``; its events go to ``events``."""
+    await compute.start(RequestSpec(request_id=request_id, prompt=prompt, **spec), events=events)
+
+
 @asynccontextmanager
 async def _serving(running: Any, actor: ComputeActor) -> AsyncIterator[ComputeHandle]:
     async with running(actor) as ref:
@@ -179,7 +185,7 @@ async def _run(
     events_in, events = anyio.create_memory_object_stream[Event](
         events_needed(len(prompt), max_tokens, kwargs["block_size"])
     )
-    await compute.generate(request_id, prompt, events=events_in, max_tokens=max_tokens, **kwargs)
+    await _start(compute, request_id, prompt, events=events_in, max_tokens=max_tokens, **kwargs)
     received = []
     async with events:
         async for event in events:
@@ -260,7 +266,7 @@ class TestGeneration:
         """A request rebuilt from another's published blocks decodes like the cold one."""
         model_and_tokenizer = request.getfixturevalue(model_name)
         prompt = _prompt(200)
-        actor = _actor(model_and_tokenizer, prefill_chunk=64, keep_last_cache=False)
+        actor = _actor(model_and_tokenizer, prefill_chunk=64, keep_caches=False)
         async with _serving(running, actor) as compute:
             cold = await _run(compute, "cold", prompt, stop_tokens=frozenset())
             blocks = cold.published[: (len(prompt) - 1) // BLOCK]
@@ -269,7 +275,7 @@ class TestGeneration:
             stats = await compute.statistics()
         assert warm.prefilled.num_cached == 6 * BLOCK
         _assert_same(warm, cold)
-        assert stats.num_cached_tokens == 6 * BLOCK and stats.num_last_cache_reuses == 0
+        assert stats.num_cached_tokens == 6 * BLOCK and stats.num_kept_cache_reuses == 0
 
     async def test_every_hybrid_block_carries_its_snapshot(self, running, hybrid_model):
         """A hybrid's published blocks (prompt and answer) can each end a reused prefix."""
@@ -320,7 +326,7 @@ class TestGeneration:
         async with _serving(running, _actor(hybrid_model)) as compute:
             foreign = (await _run(compute, "h", _prompt(100), max_tokens=1)).published
         # Without the last cache, which holds these tokens and would be used instead.
-        async with _serving(running, _actor(tiny_llama, keep_last_cache=False)) as compute:
+        async with _serving(running, _actor(tiny_llama, keep_caches=False)) as compute:
             cold = await _run(compute, "cold", _prompt(100))
             with capture_logs() as logs:
                 run = await _run(compute, "r", _prompt(100), prefix=foreign[:2])
@@ -340,7 +346,7 @@ class TestLastCache:
         first_prompt = _prompt(100)
         runs: dict[bool, tuple[Run, Any]] = {}
         for keep in (True, False):
-            async with _serving(running, _actor(tiny_llama, keep_last_cache=keep)) as compute:
+            async with _serving(running, _actor(tiny_llama, keep_caches=keep)) as compute:
                 first = await _run(compute, "t1", first_prompt, max_tokens=40, stop_tokens=frozenset())
                 second_prompt = first_prompt + first.tokens + _prompt(30, salt=5)
                 # Turn 1's 140 tokens in the KV: blocks 0..3 (128 tokens) are the prefix.
@@ -349,7 +355,7 @@ class TestLastCache:
                 )
                 runs[keep] = (second, await compute.statistics())
         (reused, stats), (rebuilt, cold_stats) = runs[True], runs[False]
-        assert stats.num_last_cache_reuses == 1 and cold_stats.num_last_cache_reuses == 0
+        assert stats.num_kept_cache_reuses == 1 and cold_stats.num_kept_cache_reuses == 0
         # The last cache holds all of turn 1 (prompt and answer); the blocks only 128 tokens.
         assert (reused.prefilled.num_cached, rebuilt.prefilled.num_cached) == (140, 4 * BLOCK)
         _assert_same(reused, rebuilt)
@@ -370,7 +376,7 @@ class TestLastCache:
         assert other.prefilled.num_cached == 2 * BLOCK
         # "c" brings no blocks, but "b" (its namespace) left the whole prompt but its last token.
         assert same.prefilled.num_cached == len(prompt) - 1
-        assert stats.num_last_cache_reuses == 1
+        assert stats.num_kept_cache_reuses == 1
         _assert_same(other, first)
         _assert_same(same, first)
 
@@ -399,7 +405,7 @@ class TestLastCache:
         turn2 = prompt + answer + _prompt(20, salt=4)
         results = {}
         for keep in (True, False):
-            async with _serving(running, _actor(tiny_llama, keep_last_cache=keep)) as compute:
+            async with _serving(running, _actor(tiny_llama, keep_caches=keep)) as compute:
                 first = await _run(compute, "t1", prompt, max_tokens=12, stop_tokens=frozenset({stop}))
                 assert first.tokens == answer and first.final.reason == "stop"
                 results[keep] = await _run(compute, "t2", turn2, prefix=first.published[:2], max_tokens=6)
@@ -413,7 +419,7 @@ class TestLastCache:
             first = await _run(compute, "a", prompt, max_tokens=1)
             again = await _run(compute, "b", prompt, prefix=first.published, max_tokens=1)
             stats = await compute.statistics()
-        assert stats.num_last_cache_reuses == 1
+        assert stats.num_kept_cache_reuses == 1
         _assert_same(again, first)
 
     async def test_each_request_takes_the_kept_cache_that_shares_most_of_it(self, running, tiny_llama):
@@ -427,10 +433,10 @@ class TestLastCache:
             # "o" finished last; "a"'s cache is kept too.
             again = await _run(compute, "b", prompt, prefix=first.published[:2], max_tokens=2)
             other_again = await _run(compute, "c", other, prefix=other_first.published[:2], max_tokens=2)
-            assert (await compute.statistics()).num_last_cache_reuses == 2
+            assert (await compute.statistics()).num_kept_cache_reuses == 2
             stranger = await _run(compute, "s", _prompt(4 * BLOCK + 3, salt=5), max_tokens=2)
             stats = await compute.statistics()
-        assert stats.num_last_cache_reuses == 2 and stranger.prefilled.num_cached == 0
+        assert stats.num_kept_cache_reuses == 2 and stranger.prefilled.num_cached == 0
         assert again.prefilled.num_cached == other_again.prefilled.num_cached == len(prompt) - 1
         _assert_same(again, first)
         _assert_same(other_again, other_first)
@@ -451,7 +457,7 @@ class TestLastCache:
         first_prompt = system + _prompt(20, salt=1)
         results = {}
         for keep in (True, False):
-            actor = _actor(tiny_llama, keep_last_cache=keep, shared_prefix=shared_prefix)
+            actor = _actor(tiny_llama, keep_caches=keep, shared_prefix=shared_prefix)
             async with _serving(running, actor) as compute:
                 first = await _run(compute, "t1", first_prompt, max_tokens=12, stop_tokens=frozenset())
                 neighbour = await _run(
@@ -461,7 +467,7 @@ class TestLastCache:
                 second = await _run(compute, "t2", second_prompt, prefix=first.published[:4], max_tokens=8)
                 results[keep] = (neighbour, second, await compute.statistics())
         (neighbour, second, stats), (cold_neighbour, cold_second, _) = results[True], results[False]
-        assert stats.num_last_cache_reuses == 2
+        assert stats.num_kept_cache_reuses == 2
         assert neighbour.prefilled.num_cached == len(system)
         assert second.prefilled.num_cached == len(first_prompt) + 12  # turn 1's prompt and answer
         _assert_same(neighbour, cold_neighbour)
@@ -499,12 +505,12 @@ class TestLastCache:
             first = await _run(compute, "a", prompt, max_tokens=2)
             again = await _run(compute, "b", prompt, prefix=first.published[:3], max_tokens=2)
             stats = await compute.statistics()
-        assert stats.num_last_cache_reuses == 0 and stats.num_cached_tokens == 3 * BLOCK
+        assert stats.num_kept_cache_reuses == 0 and stats.num_cached_tokens == 3 * BLOCK
         _assert_same(again, first)
 
-    def test_keep_last_cache_must_be_a_bool(self, tiny_llama):
-        with pytest.raises(InvalidInput, match="keep_last_cache"):
-            _actor(tiny_llama, keep_last_cache=1)
+    def test_keep_caches_must_be_a_bool(self, tiny_llama):
+        with pytest.raises(InvalidInput, match="keep_caches"):
+            _actor(tiny_llama, keep_caches=1)
 
 
 class TestBatching:
@@ -540,7 +546,7 @@ class TestBatching:
         solo results."""
         model_and_tokenizer = request.getfixturevalue(model_name)
         shared = _prompt(160, salt=1)
-        actor = _actor(model_and_tokenizer, keep_last_cache=False)
+        actor = _actor(model_and_tokenizer, keep_caches=False)
         async with _serving(running, actor) as compute:
             blocks = (await _run(compute, "seed", shared, max_tokens=1, stop_tokens=frozenset())).published
             # Prefixes of 0, 2, 3 and 4 blocks, own tails of different lengths.
@@ -647,7 +653,7 @@ class TestBatching:
             async def decoder() -> None:
                 nonlocal tokens_during_prefill
                 events_in, events = anyio.create_memory_object_stream[Event](200)
-                await compute.generate("decoder", _prompt(40), events=events_in, max_tokens=150, block_size=BLOCK, stop_tokens=frozenset())
+                await _start(compute, "decoder", _prompt(40), events=events_in, max_tokens=150, block_size=BLOCK, stop_tokens=frozenset())
                 async with events:
                     async for event in events:
                         if isinstance(event, Token):
@@ -699,7 +705,7 @@ class TestCancellation:
         """A consumer that stops listening stops its request at the next round."""
         async with _serving(running, _actor(tiny_llama)) as compute:
             events_in, events = anyio.create_memory_object_stream[Event](500)
-            await compute.generate("gone", _prompt(50), events=events_in, max_tokens=400, block_size=BLOCK, stop_tokens=frozenset())
+            await _start(compute, "gone", _prompt(50), events=events_in, max_tokens=400, block_size=BLOCK, stop_tokens=frozenset())
             async with events:
                 async for event in events:
                     if isinstance(event, Token):
@@ -852,7 +858,7 @@ class TestFaults:
 
             async def bad() -> None:
                 events_in, events = anyio.create_memory_object_stream[Event](1000)
-                await compute.generate("bad", _prompt(30), events=events_in, max_tokens=900, block_size=BLOCK, stop_tokens=frozenset())
+                await _start(compute, "bad", _prompt(30), events=events_in, max_tokens=900, block_size=BLOCK, stop_tokens=frozenset())
                 received = []
                 async with events:
                     async for event in events:
@@ -959,7 +965,7 @@ class TestMessages:
         async with _serving(running, _actor(tiny_llama)) as compute:
             events_in, events = anyio.create_memory_object_stream[Event](10)
             prompt = request.pop("prompt")
-            await compute.generate("r", prompt, events=events_in, **request)
+            await _start(compute, "r", prompt, events=events_in, **request)
             async with events:
                 received = [event async for event in events]
             stats = await compute.statistics()

@@ -14,7 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlxkv.actors.decode_batch import DecodeBatch
 from mlxkv.actors.model_runner import TextRunner
 from mlxkv.actors.request import RequestSpec
-from mlxkv.actors.sequence import Sequence
+from mlxkv.actors.sequence import SequenceState
 from mlxkv.cache import kv_state
 from mlxkv.cache.shared_prefix import BatchSharedPrefixCache, SharedPrefixCache
 
@@ -39,16 +39,16 @@ def prefix_payloads(model) -> tuple:
     return tuple(kv_state.slice_blocks(cache, BS, range(len(PREFIX) // BS), num_tokens=len(PREFIX)))
 
 
-def started(runner, request_id: str, prompt: list[int], prefix: tuple = ()) -> Sequence:
+def started(runner, request_id: str, prompt: list[int], prefix: tuple = ()) -> SequenceState:
     """A request whose prefill is done: its first token sampled (greedy)."""
     spec = RequestSpec(
         request_id=request_id, prompt=prompt, prefix=prefix, max_tokens=64,
         block_size=BS, stop_tokens=frozenset(),
     )  # fmt: skip
-    sequence = Sequence(spec)
+    sequence = SequenceState(spec)
     runner.start(sequence)
     logits = runner.prefill(sequence, len(prompt))
-    sequence.generated.append(int(mx.argmax(logits).item()))
+    sequence.emitted(int(mx.argmax(logits).item()))
     return sequence
 
 

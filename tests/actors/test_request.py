@@ -3,16 +3,21 @@ end, whether a token ends it, and slicing its prompt and answer as one."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mlxkv.actors.request import (
-    RequestSpec,
-    next_chunk_end,
-    plan_chunks,
-    prompt_and_answer,
-    stop_reason,
-)
+from mlxkv.actors.request import RequestSpec, next_chunk_end, prompt_and_answer, stop_reason
+
+
+def plan_chunks(start: int, total: int, chunk: int, boundary: Optional[int] = None) -> list[int]:
+    """Every job end of a prefill of positions ``[start, total)``, in order
+    (:func:`next_chunk_end` applied until ``total``)."""
+    ends = [next_chunk_end(start, total, chunk, boundary)]
+    while ends[-1] < total:
+        ends.append(next_chunk_end(ends[-1], total, chunk, boundary))
+    return ends
 
 
 class TestPlanChunks:

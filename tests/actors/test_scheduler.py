@@ -28,18 +28,8 @@ from mlxkv.actors.events import (
     Token,
 )
 from mlxkv.actors.request import RequestSpec, blocks_out_at_start, next_chunk_end
-from mlxkv.actors.scheduler import (
-    MAX_BURST_STEPS,
-    Blocks,
-    ChunkDone,
-    Emitted,
-    Plan,
-    RequestFailure,
-    Result,
-    Scheduler,
-    Status,
-    chunk_cost,
-)
+from mlxkv.actors.plan import Blocks, ChunkDone, Emitted, Plan, RequestFailure, Result
+from mlxkv.actors.scheduler import MAX_BURST_STEPS, Scheduler, RequestStatus, chunk_cost
 
 BS = 4
 CHUNK = 16
@@ -204,7 +194,7 @@ def _decoding(scheduler: Scheduler) -> Sim:
     the prefill budget binds the next prefill plan."""
     sim = Sim(scheduler)
     sim.scheduler.add(_spec("decoder", max_tokens=10_000))
-    while not any(s.status is Status.DECODING for s in sim.scheduler.requests()):
+    while not any(s.status is RequestStatus.DECODING for s in sim.scheduler.requests()):
         sim.step()
     return sim
 
@@ -388,12 +378,12 @@ class TestFairness:
         prefill plans at most one decode plan, while both have work."""
         sim = Sim(_scheduler(prefill_budget=CHUNK, prefill_batch=1))
         sim.scheduler.add(_spec("decoder", max_tokens=200))
-        while not any(s.status is Status.DECODING for s in sim.scheduler.requests()):
+        while not any(s.status is RequestStatus.DECODING for s in sim.scheduler.requests()):
             sim.step()
         for k in range(4):
             sim.scheduler.add(_spec(f"long{k}", prompt=6 * CHUNK))
         kinds = ""
-        while any(s.request_id.startswith("long") and s.status is not Status.DECODING for s in sim.scheduler.requests()):
+        while any(s.request_id.startswith("long") and s.status is not RequestStatus.DECODING for s in sim.scheduler.requests()):
             plan = sim.step()
             assert len(kinds) < 200
             assert not (plan.steps and plan.prefill), "a plan decodes or prefills"
@@ -418,11 +408,11 @@ class TestFairness:
         ``decode_wait`` (a decode step serves as many as it holds up)."""
         sim = Sim(_scheduler(prefill_budget=CHUNK, prefill_batch=1, decode_wait=8))
         sim.scheduler.add(_spec("decoder", max_tokens=200))
-        while not any(s.status is Status.DECODING for s in sim.scheduler.requests()):
+        while not any(s.status is RequestStatus.DECODING for s in sim.scheduler.requests()):
             sim.step()
         sim.scheduler.add(_spec("long", prompt=6 * CHUNK))
         kinds = ""
-        while sim.scheduler.requests() and any(s.request_id == "long" and s.status is not Status.DECODING for s in sim.scheduler.requests()):
+        while sim.scheduler.requests() and any(s.request_id == "long" and s.status is not RequestStatus.DECODING for s in sim.scheduler.requests()):
             plan = sim.step()
             kinds += "d" if plan.steps else "p" if plan.prefill else ""
         assert kinds.count("p") == 6 and "pp" not in kinds
@@ -457,8 +447,8 @@ class TestFairness:
                 plans += 1
                 continue
             statuses = [s.status for s in sim.scheduler.requests()]
-            rows = sum(s in (Status.DECODING, Status.JOINING) for s in statuses)
-            waiting = sum(s in (Status.WAITING, Status.PREFILLING) for s in statuses)
+            rows = sum(s in (RequestStatus.DECODING, RequestStatus.JOINING) for s in statuses)
+            waiting = sum(s in (RequestStatus.WAITING, RequestStatus.PREFILLING) for s in statuses)
             decoding = rows > 0
             before = dict(sim.computed)
             plan = sim.step()
@@ -499,7 +489,7 @@ class TestFairness:
         or blocks to publish (someone may wait for them), one step."""
         sim = Sim(_scheduler(decode_burst=32))
         sim.scheduler.add(_spec("a", max_tokens=100))
-        while not any(s.status is Status.DECODING for s in sim.scheduler.requests()):
+        while not any(s.status is RequestStatus.DECODING for s in sim.scheduler.requests()):
             sim.step()
         assert sim.step().steps == MAX_BURST_STEPS
         assert sim.step(messages_waiting=True).steps == 1
@@ -554,7 +544,7 @@ class TestPublishing:
         assert second.spec is None and second.published == 16 // BS
 
 
-def _cancel_when(status: Status, sim: Sim, name: str) -> None:
+def _cancel_when(status: RequestStatus, sim: Sim, name: str) -> None:
     for _ in range(50):
         state = next((s for s in sim.scheduler.requests() if s.request_id == name), None)
         if state is not None and state.status is status:
@@ -566,7 +556,7 @@ def _cancel_when(status: Status, sim: Sim, name: str) -> None:
 
 class TestCancellation:
     @pytest.mark.parametrize(
-        "status", [Status.WAITING, Status.PREFILLING, Status.JOINING, Status.DECODING]
+        "status", [RequestStatus.WAITING, RequestStatus.PREFILLING, RequestStatus.JOINING, RequestStatus.DECODING]
     )
     def test_in_every_status(self, status):
         """A cancelled request gets nothing more, its streams end at once, the
@@ -619,7 +609,7 @@ class TestFailures:
         scheduler = _scheduler()
         scheduler.add(_spec("a", max_tokens=10))
         sim = Sim(scheduler)
-        while not any(s.status is Status.DECODING for s in scheduler.requests()):
+        while not any(s.status is RequestStatus.DECODING for s in scheduler.requests()):
             sim.step()
         plan = scheduler.schedule()
         result = Result(
@@ -637,7 +627,7 @@ class TestFailures:
         scheduler = _scheduler()
         scheduler.add(_spec("a", max_tokens=3))
         sim = Sim(scheduler)
-        while not any(s.status is Status.DECODING for s in scheduler.requests()):
+        while not any(s.status is RequestStatus.DECODING for s in scheduler.requests()):
             sim.step()
         plan = scheduler.schedule()
         result = Result(

@@ -221,7 +221,7 @@ class TestACrashSaysWhy:
         update = scheduler.Scheduler.update
 
         def crashing(self: Any, plan: Any, result: Any) -> Any:
-            decoding = [s for s in self.requests() if s.status is scheduler.Status.DECODING]
+            decoding = [s for s in self.requests() if s.status is scheduler.RequestStatus.DECODING]
             if len(decoding) == 3:  # all three decode
                 raise Bug("a bug in the compute actor")
             return update(self, plan, result)

@@ -36,7 +36,7 @@ class TestKVBits:
         path = str(ensure_model(HEADS_OF_32, model_dir))
         async with CacheRuntime(model=path, block_size=BS) as plain:
             full = plain.model_info.kv_bytes_per_token
-        async with CacheRuntime(model=path, block_size=BS, kv_bits=bits, keep_last_cache=False) as rt:
+        async with CacheRuntime(model=path, block_size=BS, kv_bits=bits, keep_caches=False) as rt:
             info = rt.model_info
             assert set(info.cache_layers) == {"QuantizedKVCache"}
             assert info.kv_bytes_per_token < full / 3

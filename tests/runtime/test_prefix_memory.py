@@ -54,7 +54,7 @@ class TestSharedPrefix:
                 module, f"{name}_attention", lambda *a, _n=name, _f=real, **k: ran.append(_n) or _f(*a, **k)
             )
         path = str(ensure_model(TINY_LLAMA, model_dir))
-        async with CacheRuntime(model=path, block_size=BS, keep_last_cache=False, prefix_attention=way) as rt:
+        async with CacheRuntime(model=path, block_size=BS, keep_caches=False, prefix_attention=way) as rt:
             assert rt.model_info.shared_prefix
             assert rt.model_info.prefix_attention == (way or PrefixAttention.for_device().value)
             for prefix in PREFIXES:
@@ -107,7 +107,7 @@ class TestModelsThatKeepCopies:
         """A sliding window or recurrent layers: no shared prefix, visibly; the
         warm requests are exact all the same."""
         path = str(ensure_model(spec, model_dir))
-        async with CacheRuntime(model=path, block_size=BS, keep_last_cache=False) as rt:
+        async with CacheRuntime(model=path, block_size=BS, keep_caches=False) as rt:
             assert not rt.model_info.shared_prefix
             await run(rt, PREFIXES[0] + [7], max_tokens=1)
             prompts = [PREFIXES[0] + _tokens(6 + i, salt=i) for i in range(3)]

@@ -52,13 +52,38 @@ class TestRuntimeConfig:
 
     @pytest.mark.parametrize(
         "overrides",
-        [{"block_size": 0}, {"max_blocks": 0}, {"mailbox_size": 1.5}, {"trace": 1}, {"keep_last_cache": 1}, {"transpose_weights": "on"},
+        [{"block_size": 0}, {"max_blocks": 0}, {"mailbox_size": 1.5}, {"trace": 1}, {"keep_caches": 1}, {"transpose_weights": "on"},
          {"nope": 1}],
     )
     def test_bad_values_are_invalid_input(self, overrides):
         """A bad or unknown field is InvalidInput naming it."""
         with pytest.raises(InvalidInput, match=next(iter(overrides))):
             CacheRuntime(**overrides)
+
+    def test_parts_are_given_and_read_by_name(self):
+        """A part's field given by name builds that part; given beside the
+        part, it changes the part; read by name, it is the part's."""
+        from mlxkv.actors.compute_config import RunnerConfig, SchedulingConfig
+
+        config = RuntimeConfig(prefill_chunk=32, kv_bits=8, block_size=16)
+        assert config.scheduling == SchedulingConfig(prefill_chunk=32)
+        assert config.runner == RunnerConfig(kv_bits=8)
+        assert (config.prefill_chunk, config.kv_bits, config.block_size) == (32, 8, 16)
+        beside = RuntimeConfig(scheduling=SchedulingConfig(decode_wait=2), prefill_chunk=32)
+        assert beside.scheduling == SchedulingConfig(decode_wait=2, prefill_chunk=32)
+        assert attrs.evolve(config, decode_wait=3).scheduling == SchedulingConfig(prefill_chunk=32, decode_wait=3)
+        with pytest.raises(InvalidInput, match="scheduling"):
+            RuntimeConfig(scheduling={"prefill_chunk": 32})
+        with pytest.raises(AttributeError, match="no_such_field"):
+            config.no_such_field
+
+    def test_old_names_still_work(self):
+        """``keep_last_cache`` is taken and read as ``keep_caches``; both at once is refused."""
+        config = RuntimeConfig(keep_last_cache=False)
+        assert config.keep_caches is False and config.keep_last_cache is False
+        assert CacheRuntime(keep_last_cache=False).config == config
+        with pytest.raises(InvalidInput, match="keep_last_cache"):
+            RuntimeConfig(keep_last_cache=False, keep_caches=True)
 
     def test_config_must_be_a_config(self):
         """Anything but a RuntimeConfig as config is refused."""

@@ -108,7 +108,7 @@ async def _caught(
     break_it: Callable[[pytest.MonkeyPatch], None],
     monkeypatch: pytest.MonkeyPatch,
     *,
-    keep_last_cache: bool,
+    keep_caches: bool,
     first: Any = None,
     shared_prefix: bool = True,
     **kwargs: Any,
@@ -116,7 +116,7 @@ async def _caught(
     """Turn 2 of a conversation equals its cold run, and diverges from it
     within :data:`STEPS` tokens once its cached prefix is broken."""
     first = _prompt(80, 1) if first is None else first
-    options = dict(block_size=BS, keep_last_cache=keep_last_cache, shared_prefix=shared_prefix)
+    options = dict(block_size=BS, keep_caches=keep_caches, shared_prefix=shared_prefix)
     async with CacheRuntime(model=path, **options) as rt:
         answer, report = await run(rt, first, max_tokens=4, **kwargs)
         second = list(report.prompt_ids) + answer + _prompt(20, 2)
@@ -146,13 +146,13 @@ class TestAWrongPrefixChangesTheTokens:
         spec = TEXT_SPECS[name.removesuffix("-copies")]
         path = str(ensure_model(spec, model_dir))
         await _caught(
-            path, _break_reconstruction, monkeypatch, keep_last_cache=False, shared_prefix=not name.endswith("-copies")
+            path, _break_reconstruction, monkeypatch, keep_caches=False, shared_prefix=not name.endswith("-copies")
         )
 
     async def test_from_the_last_cache(self, model_dir, monkeypatch):
         """The kept last cache with its tail wrong gives other greedy tokens."""
         path = str(ensure_model(TINY_LLAMA, model_dir))
-        await _caught(path, _break_kept_cache, monkeypatch, keep_last_cache=True)
+        await _caught(path, _break_kept_cache, monkeypatch, keep_caches=True)
 
     async def test_rebuilt_with_an_image(self, vlm_path, tmp_path, monkeypatch):
         """A vision-language prefix (text, then an image) rebuilt with block 0
@@ -163,7 +163,7 @@ class TestAWrongPrefixChangesTheTokens:
             str(vlm_path),
             _break_reconstruction,
             monkeypatch,
-            keep_last_cache=False,
+            keep_caches=False,
             first=first,
             images=[_picture(tmp_path, seed=0)],
         )

@@ -106,7 +106,7 @@ class TestRestart:
     async def test_a_prefix_the_pool_evicted_comes_back_from_disk(self, llama, tmp_path):
         first, second = _prompt(4), _prompt(5)
         # No kept caches: first's own would give its tokens without any block.
-        async with _runtime(llama, _disk(tmp_path), max_blocks=8, keep_last_cache=False) as rt:
+        async with _runtime(llama, _disk(tmp_path), max_blocks=8, keep_caches=False) as rt:
             await run(rt, first)
             await run(rt, second)  # evicts first's blocks from the pool
             await rt.flush_tiers()
@@ -181,7 +181,7 @@ class TestNamespaces:
             async with _runtime(model, _disk(tmp_path), kv_bits=bits) as rt:
                 _, report = await run(rt, prompt)
                 assert report.cached_tokens == 0
-        async with _runtime(model, _disk(tmp_path), kv_bits=8, keep_last_cache=False) as rt:
+        async with _runtime(model, _disk(tmp_path), kv_bits=8, keep_caches=False) as rt:
             warm = await run(rt, prompt)
             assert warm[1].cached_tokens == _full_blocks(prompt) * BS
             await assert_matches_cold(rt, prompt, warm, salt="cold")

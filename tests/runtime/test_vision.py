@@ -81,7 +81,7 @@ class TestVisionGeneration:
         run) and equals the same request computed cold."""
         # Blocks of 64: the prompts share no full block, so only embeddings are
         # reused (the last cache, which holds the shared image tokens, is off).
-        async with CacheRuntime(model=str(vlm_path), block_size=64, keep_last_cache=False) as rt:
+        async with CacheRuntime(model=str(vlm_path), block_size=64, keep_caches=False) as rt:
             await run(rt, "What is this?", images=[pictures[0]])
             warm = await run(rt, "Describe the colours.", images=[pictures[0]])
             stats = await rt.stats()
@@ -93,12 +93,12 @@ class TestVisionGeneration:
         assert stats.images.num_hits == 1
         _same(warm, cold)
 
-    @pytest.mark.parametrize("keep_last_cache", [False, True])
-    async def test_a_second_turn_reuses_the_first(self, vlm_path, pictures, keep_last_cache):
+    @pytest.mark.parametrize("keep_caches", [False, True])
+    async def test_a_second_turn_reuses_the_first(self, vlm_path, pictures, keep_caches):
         """Turn 2 (turn 1's prompt + answer + new text, same image) reuses turn 1's
         image+prompt KV, needs no encoder, and equals turn 2 computed cold: from
         the blocks (full blocks only), or from the last cache (all of turn 1)."""
-        async with CacheRuntime(model=str(vlm_path), block_size=16, keep_last_cache=keep_last_cache) as rt:
+        async with CacheRuntime(model=str(vlm_path), block_size=16, keep_caches=keep_caches) as rt:
             preparer_tokens = await rt.tokenize(" And the shapes?")
             first = await run(rt, "Describe this image.", images=[pictures[0]], max_tokens=8)
             turn1 = await _prompt_tokens(rt, "Describe this image.", [pictures[0]])
@@ -108,9 +108,9 @@ class TestVisionGeneration:
             cold = await run(rt, turn2, images=[pictures[0]], max_tokens=8, cache_salt="cold")
             await assert_clean(rt)
         turn1_tokens = len(turn1) + len(first[0])
-        assert warm[1].cached_tokens == (turn1_tokens if keep_last_cache else turn1_tokens // 16 * 16)
+        assert warm[1].cached_tokens == (turn1_tokens if keep_caches else turn1_tokens // 16 * 16)
         assert stats.compute is not None and stats.compute.num_vision_encoder_runs == 1
-        assert stats.compute.num_last_cache_reuses == int(keep_last_cache)
+        assert stats.compute.num_kept_cache_reuses == int(keep_caches)
         _same(warm, cold)
 
     async def test_image_order_is_part_of_the_key(self, vlm_path, pictures):
@@ -130,7 +130,7 @@ class TestVisionGeneration:
         are never shared."""
         system = "<|im_start|>system\nYou look at pictures and say what you see in them.<|im_end|>\n"
         ask = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is this?<|im_end|>\n"
-        async with CacheRuntime(model=str(vlm_path), block_size=16, keep_last_cache=False) as rt:
+        async with CacheRuntime(model=str(vlm_path), block_size=16, keep_caches=False) as rt:
             system_tokens = len(await rt.tokenize(system + "<|im_start|>user\n"))
             shared = system_tokens // 16 * 16  # full blocks before the image
             assert shared >= 32
@@ -154,7 +154,7 @@ class TestVisionGeneration:
         extension); turn 2 finds it and every later one, exactly."""
         small = _write(tmp_path / "small.png", _png_bytes(32, 32))  # 4 image tokens
         lead = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"
-        async with CacheRuntime(model=str(vlm_path), block_size=16, keep_last_cache=False) as rt:
+        async with CacheRuntime(model=str(vlm_path), block_size=16, keep_caches=False) as rt:
             lead_tokens = len(await rt.tokenize(lead))
             # <|vision_start|> at offset 7 of a block: the 4 image tokens, the
             # end token and "?" fill offsets 8-13, and the prompt ends there.
@@ -184,7 +184,7 @@ class TestVisionGeneration:
         _same(again, cold)
         assert first[0] == cold[0]
         assert stats.compute is not None and stats.compute.num_vision_encoder_runs == 0
-        assert stats.compute.num_last_cache_reuses == 1  # "again" took "first"'s cache
+        assert stats.compute.num_kept_cache_reuses == 1  # "again" took "first"'s cache
 
     async def test_image_requests_decode_together_exactly(self, vlm_path, pictures):
         """Concurrent requests with different images (and one without) decode in one batch,
@@ -272,7 +272,7 @@ class TestImageForms:
         """After a request about a PNG file, the same request with the picture as a path,
         bytes, data URL, PIL image (opened, decoded, with an alpha channel) or array
         reuses the cached blocks and features (the encoder runs once) and answers alike."""
-        async with CacheRuntime(model=str(vlm_path), block_size=16, keep_last_cache=False) as rt:
+        async with CacheRuntime(model=str(vlm_path), block_size=16, keep_caches=False) as rt:
             first = await run(rt, "Hi?", images=[pictures[0]])  # 21 tokens: 16 + 1 image token, 4 more
             for name, form in FORMS.items():
                 tokens, report = await run(rt, "Hi?", images=[form(pictures[0])])

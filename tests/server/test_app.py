@@ -184,7 +184,7 @@ class TestChat:
         """Turn 2 (turn 1's messages, its answer, a new question) is built on turn
         1's exact tokens: it reuses all of turn 1's prompt and answer, though the
         answer's text tokenizes differently; an edited answer is tokenized afresh."""
-        async with serve(keep_last_cache=False) as s:
+        async with serve(keep_caches=False) as s:
             first = await s.client.chat.completions.create(
                 model="tiny", messages=chat("Hello!"), max_tokens=32, **GREEDY
             )

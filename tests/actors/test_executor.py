@@ -1,0 +1,233 @@
+"""The executor alone, over a fake runner, as the scheduler is tested with
+hand-built results: plans built by hand, results read back.
+
+A mock here stands for a model, and only there: the fake runner's "KV" is
+each row's token list, its logits a one-hot of the last token plus one, so
+what the executor does with requests (start, chunk ends, batching, decode
+steps, publishing, keeping, letting go) is visible without a model. The
+sequences, decode batches and MLX arrays it drives are the real ones; the
+runner's contract is :class:`~mlxkv.actors.model_runner.ModelRunner`, which
+the real runners are tested against elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import attrs
+import mlx.core as mx
+import pytest
+
+from mlxkv.actors.executor import Executor
+from mlxkv.actors.model_runner import ModelInfo
+from mlxkv.actors.plan import Blocks, Chunk, Leave, Plan, Slice
+from mlxkv.actors.request import RequestSpec
+from mlxkv.actors.sequence import SequenceState
+
+VOCAB = 64
+BS = 4
+CHUNK = 8
+
+
+class FakeLayer:
+    """A batch of rows' token lists, with the batch-cache calls a decode batch makes."""
+
+    def __init__(self, rows: list[list[int]]) -> None:
+        self.rows = rows
+
+    @property
+    def offset(self) -> int:
+        return len(self.rows[0])
+
+    @property
+    def state(self) -> Any:
+        return mx.array([len(row) for row in self.rows])
+
+    def filter(self, kept: Any) -> None:
+        self.rows = [self.rows[i] for i in kept.tolist()]
+
+    def extend(self, other: FakeLayer) -> None:
+        self.rows = self.rows + other.rows
+
+
+@attrs.frozen
+class FakePayload:
+    tokens: tuple[int, ...]
+    end: int
+
+
+def _next(token: int) -> int:
+    return (token + 1) % VOCAB
+
+
+def _logits(tokens: list[int]) -> Any:
+    return mx.stack([mx.eye(VOCAB)[_next(t)] for t in tokens])
+
+
+class FakeRunner:
+    """A :class:`ModelRunner` whose KV is token lists; it fails where told to."""
+
+    def __init__(self, *, batch_prefill: bool = True) -> None:
+        self.info = ModelInfo(
+            vocab_size=VOCAB,
+            eos_token_ids=frozenset(),
+            cache_layers=("FakeLayer",),
+            has_recurrent=False,
+            batch_prefill=batch_prefill,
+        )
+        self.fail_start: set[str] = set()
+        self.fail_prefill: set[str] = set()
+        self.fail_decode: set[str] = set()
+        self.prefill_calls: list[list[str]] = []
+        self.kept: list[tuple[str, tuple[int, ...]]] = []
+
+    def start(self, sequence: SequenceState) -> None:
+        if sequence.request_id in self.fail_start:
+            raise ValueError("cannot start")
+        cached = sequence.spec.num_prefix_tokens
+        sequence.start([FakeLayer([list(sequence.prompt[:cached])])], cached)
+
+    def take_encoding(self, sequence: SequenceState) -> None:
+        return None
+
+    def prefill_batch(self, rows: list[tuple[SequenceState, int]]) -> list[Optional[Any]]:
+        ids = [sequence.request_id for sequence, _ in rows]
+        if self.fail_prefill & set(ids):
+            raise RuntimeError("the model call raised")
+        self.prefill_calls.append(ids)
+        out = []
+        for sequence, end in rows:
+            sequence.cache[0].rows[0].extend(sequence.prompt[sequence.num_computed : end])
+            sequence.computed(end)
+            out.append(_logits([sequence.prompt[-1]])[0] if end == len(sequence.prompt) else None)
+        return out
+
+    def decode(self, inputs: Any, cache: list[Any], rows: list[SequenceState], positions: list[int]) -> Any:
+        if self.fail_decode & {row.request_id for row in rows}:
+            raise RuntimeError("the decode step raised")
+        tokens = inputs.tolist()
+        for row, token in zip(cache[0].rows, tokens):
+            row.append(token)
+        return _logits(tokens)
+
+    def merge(self, caches: list[list[Any]]) -> list[Any]:
+        return [FakeLayer([list(row) for cache in caches for row in cache[0].rows])]
+
+    def extract(self, cache: list[Any], row: int) -> list[Any]:
+        return [FakeLayer([list(cache[0].rows[row])])]
+
+    def alone(self, sequence: SequenceState, cache: list[Any]) -> list[Any]:
+        return cache
+
+    def together(self, sequence: SequenceState, cache: list[Any]) -> list[Any]:
+        return cache
+
+    def snapshot(self, cache: list[Any], row: int) -> tuple[()]:
+        raise AssertionError("no recurrent layers")
+
+    def slice_blocks(self, sequence: SequenceState, cache: list[Any], start: int, stop: int) -> tuple[FakePayload, ...]:
+        row = cache[0].rows[0]
+        return tuple(FakePayload(tuple(row[b * BS : (b + 1) * BS]), (b + 1) * BS) for b in range(start, stop))
+
+    def keep(self, sequence: SequenceState, cache: list[Any], num_tokens: int) -> None:
+        self.kept.append((sequence.request_id, tuple(cache[0].rows[0][:num_tokens])))
+
+
+def _spec(request_id: str, length: int, *, max_tokens: int = 8, prefix: tuple = ()) -> RequestSpec:
+    prompt = [(7 * i + len(request_id)) % VOCAB for i in range(length)]
+    return RequestSpec(
+        request_id=request_id, prompt=prompt, prefix=prefix, max_tokens=max_tokens, block_size=BS,
+        stop_tokens=frozenset(),
+    )  # fmt: skip
+
+
+def _first(spec: RequestSpec, end: int = CHUNK) -> Chunk:
+    return Chunk(spec.request_id, end, spec, 0)
+
+
+class TestOneRequest:
+    def test_from_its_first_chunk_to_leaving(self):
+        """Chunks end where the plan says (the first where the prefix lets it),
+        each publishes the blocks it completed, the last samples the first
+        token; joined, each step feeds a token; leaving publishes the answer's
+        blocks and keeps the cache; after that the executor holds nothing of it."""
+        runner = FakeRunner()
+        executor = Executor(runner, prefill_chunk=CHUNK)
+        prefix = (FakePayload((), BS),)  # its first block is cached
+        spec = _spec("a", 20, prefix=prefix)
+        first = executor.run(Plan(prefill=(Chunk("a", CHUNK, spec, 0),)))
+        (done,) = first.chunks
+        assert (done.computed, done.started, done.num_cached, done.first_token) == (CHUNK, True, BS, None)
+        assert first.published == (Blocks("a", 1, ()),)  # its one computed block (the first came with it)
+        assert [p.tokens for p in first.published[0].payloads] == [tuple(spec.prompt[BS:CHUNK])]
+        second = executor.run(Plan(prefill=(Chunk("a", 16, None, 2),)))
+        assert second.chunks[0].computed == 16 and second.published[0].start == 2
+        last = executor.run(Plan(prefill=(Chunk("a", 20, None, 4),)))
+        assert last.chunks[0].first_token == _next(spec.prompt[-1]) and not last.published
+        assert last.prefill_calls == (1,)
+
+        answer = [last.chunks[0].first_token]
+        for _ in range(3):
+            answer.append(_next(answer[-1]))
+        decoded = executor.run(Plan(publish=(Slice("a", 4, 5),), join=("a",), steps=4))
+        assert decoded.published[0].start == 4
+        # The first step feeds the prefill's token (emitted already), the others theirs.
+        assert [(e.request_id, e.index, e.token) for e in decoded.emitted] == [("a", k, answer[k]) for k in (1, 2, 3)]
+        assert decoded.steps == (1, 1, 1, 1)
+
+        left = executor.run(Plan(leave=(Leave("a", (5, 6), True, 24),)))
+        assert [p.tokens for p in left.published[0].payloads] == [tuple(answer)]  # block 5: tokens 20-23
+        assert runner.kept == [("a", (*spec.prompt, *answer))]
+        assert not executor.run(Plan(join=("a",), steps=2)).emitted  # it holds nothing of "a"
+
+    def test_a_first_chunk_ends_from_what_the_runner_cached(self):
+        """The scheduler's estimate of a first chunk's end gives way to where a
+        chunk from what is cached ends (absolute multiples of the chunk)."""
+        executor = Executor(FakeRunner(), prefill_chunk=CHUNK)
+        spec = _spec("a", 30, prefix=(FakePayload((), 12),))
+        (done,) = executor.run(Plan(prefill=(_first(spec, end=CHUNK),))).chunks
+        assert done.computed == 16  # from 12 cached, not the estimate of 8
+
+
+class TestFailures:
+    def test_a_request_that_cannot_start_fails_alone(self):
+        runner = FakeRunner()
+        runner.fail_start.add("bad")
+        executor = Executor(runner, prefill_chunk=CHUNK)
+        result = executor.run(Plan(prefill=(_first(_spec("bad", 12)), _first(_spec("good", 12)))))
+        assert [(f.request_id, f.stage) for f in result.failures] == [("bad", "prefill")]
+        assert [c.request_id for c in result.chunks] == ["good"]
+        assert result.num_model_errors == 1
+
+    def test_a_batched_prefill_that_raises_runs_each_row_alone(self):
+        """Whose prefill it was: each row runs alone, and only its own fails."""
+        runner = FakeRunner()
+        runner.fail_prefill.add("bad")
+        executor = Executor(runner, prefill_chunk=CHUNK)
+        result = executor.run(Plan(prefill=(_first(_spec("good", 6)), _first(_spec("bad", 6)))))
+        assert runner.prefill_calls == [["good"]]
+        assert [(f.request_id, f.stage) for f in result.failures] == [("bad", "prefill")]
+        assert result.chunks[0].request_id == "good" and result.chunks[0].first_token is not None
+        assert result.prefill_calls == (1,)
+
+    @pytest.mark.parametrize("batch_prefill", [True, False])
+    def test_prefill_batches_only_where_the_model_does(self, batch_prefill):
+        runner = FakeRunner(batch_prefill=batch_prefill)
+        executor = Executor(runner, prefill_chunk=CHUNK)
+        executor.run(Plan(prefill=(_first(_spec("a", 6)), _first(_spec("b", 6)))))
+        assert runner.prefill_calls == ([["a", "b"]] if batch_prefill else [["a"], ["b"]])
+
+    def test_a_decode_step_that_raises_fails_its_whole_batch_once(self):
+        """Every row shared the model call: each fails, the error counted once,
+        and the executor holds nothing of them; a request after them decodes."""
+        runner = FakeRunner()
+        executor = Executor(runner, prefill_chunk=CHUNK)
+        executor.run(Plan(prefill=(_first(_spec("a", 6)), _first(_spec("b", 6)))))
+        runner.fail_decode.add("a")
+        result = executor.run(Plan(join=("a", "b"), steps=2))
+        assert sorted(f.request_id for f in result.failures) == ["a", "b"]
+        assert result.num_model_errors == 1 and not result.emitted
+        runner.fail_decode.clear()
+        executor.run(Plan(prefill=(_first(_spec("c", 6)),)))
+        after = executor.run(Plan(join=("c",), steps=2))
+        assert [e.request_id for e in after.emitted] == ["c"] and not after.failures
