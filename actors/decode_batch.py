@@ -371,8 +371,9 @@ class DecodeBatch:
 
 
 def _done(item: RowToken) -> bool:
-    """Whether the row that emitted ``item`` is finished with it (the
-    scheduler's own rule: its end follows from the same tokens)."""
+    """Whether the row that emitted ``item`` is finished with it (by the
+    rule the scheduler ends requests by): a burst stops there, so that no
+    row decodes past its end; the row leaves when a plan says so."""
     return stop_reason(item.sequence.spec, item.token, item.index) is not None
 
 

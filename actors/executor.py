@@ -194,16 +194,16 @@ class Executor:
         by_id = {chunk.request_id: chunk for chunk in chunks}
         for chunk in chunks:
             if chunk.spec is None:
-                rows.append((self._live[chunk.request_id], chunk.end))
-                continue
-            sequence = SequenceState(chunk.spec)
-            try:
-                runner.start(sequence)
-                encodings[sequence.request_id] = runner.take_encoding(sequence)
-            except Exception as error:
-                self._record(sequence, error, run)
-                continue
-            self._live[sequence.request_id] = sequence
+                sequence = self._live[chunk.request_id]
+            else:
+                sequence = SequenceState(chunk.spec)
+                try:
+                    runner.start(sequence)
+                    encodings[sequence.request_id] = runner.take_encoding(sequence)
+                except Exception as error:
+                    self._record(sequence, error, run)
+                    continue
+                self._live[sequence.request_id] = sequence
             boundary = sequence.block_size if runner.info.has_recurrent else None
             rows.append((sequence, next_chunk_end(sequence.num_computed, len(sequence.prompt), self._chunk, boundary)))
         groups = [rows] if runner.info.batch_prefill and len(rows) > 1 else [[row] for row in rows]

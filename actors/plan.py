@@ -60,20 +60,24 @@ class Leave:
 
 @attrs.frozen
 class Chunk:
-    """Prefill one chunk of a request: positions up to ``end``; unless it is
-    the prompt's last, then slice the full blocks it completed beyond the
-    first ``published`` (so that requests waiting for them go on at once;
-    the last chunk's wait for the next plan: its first token goes first).
+    """Prefill one chunk of a request; unless it is the prompt's last, then
+    slice the full blocks it completed beyond the first ``published`` (so
+    that requests waiting for them go on at once; the last chunk's wait for
+    the next plan: its first token goes first).
+
+    Where a chunk ends is decided in one place: the executor cuts it where
+    :func:`~mlxkv.actors.request.next_chunk_end` puts it from what the
+    request's KV holds. ``budgeted_end`` is where the scheduler costed it to
+    end (the same for every chunk but a request's first, whose start only
+    the runner knows: a kept cache may give more than the prefix).
 
     ``spec`` comes with a request's first chunk (the executor starts it
-    then: its cache kept, rebuilt from the prefix or cold, and the chunk
-    ends where :func:`~mlxkv.actors.request.next_chunk_end` puts it from
-    what is cached; ``end`` is the scheduler's estimate, and ``published``
-    follows from what is cached: :func:`~mlxkv.actors.request.blocks_out_at_start`).
+    then: its cache kept, rebuilt from the prefix or cold; ``published``
+    then follows from what is cached: :func:`~mlxkv.actors.request.blocks_out_at_start`).
     """
 
     request_id: str
-    end: int
+    budgeted_end: int
     spec: Optional[RequestSpec] = attrs.field(default=None, eq=False, repr=False)
     published: int = 0
 

@@ -15,7 +15,10 @@ joins the decode batch in the next plan), ``DECODING`` in the batch,
 next plan takes its row out: publishing its answer's blocks and keeping its
 cache if it finished, dropping it if it was cancelled), ``FINISHED``.
 Whether and why a request ends is decided in one place, :meth:`Scheduler._end`:
-its length, a stop token, a cancellation or a failure.
+its length, a stop token, a cancellation or a failure. (The rule for a token,
+:func:`~mlxkv.actors.request.stop_reason`, is also read by a decode batch, to
+cut a burst of steps short at a row's last token; it ends nothing: the
+request leaves the batch when a plan says so.)
 
 Plans. Each plan first does what earlier plans left: slice the blocks of
 the prompts whose last chunk ran (``publish``; a chunk that is not its

@@ -180,13 +180,16 @@ class TestOneRequest:
         assert runner.kept == [("a", (*spec.prompt, *answer))]
         assert not executor.run(Plan(join=("a",), steps=2)).emitted  # it holds nothing of "a"
 
-    def test_a_first_chunk_ends_from_what_the_runner_cached(self):
-        """The scheduler's estimate of a first chunk's end gives way to where a
-        chunk from what is cached ends (absolute multiples of the chunk)."""
+    def test_chunks_end_where_the_executor_cuts_them(self):
+        """Where a chunk ends is the executor's to decide, from what the KV
+        holds (absolute multiples of the chunk), whatever the scheduler
+        budgeted: a first chunk's start is known only once the runner started it."""
         executor = Executor(FakeRunner(), prefill_chunk=CHUNK)
         spec = _spec("a", 30, prefix=(FakePayload((), 12),))
         (done,) = executor.run(Plan(prefill=(_first(spec, end=CHUNK),))).chunks
-        assert done.computed == 16  # from 12 cached, not the estimate of 8
+        assert done.computed == 16  # from 12 cached, not the budgeted 8
+        (done,) = executor.run(Plan(prefill=(Chunk("a", 99, None, 4),))).chunks
+        assert done.computed == 24
 
 
 class TestFailures:

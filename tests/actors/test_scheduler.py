@@ -137,7 +137,7 @@ class Sim:
             spec = chunk.spec or self.spec(request_id)
             if started:
                 self.computed[request_id] = spec.num_prefix_tokens
-            end = next_chunk_end(self.computed[request_id], len(spec.prompt), CHUNK) if started else chunk.end
+            end = next_chunk_end(self.computed[request_id], len(spec.prompt), CHUNK)  # as the executor cuts it
             self.computed[request_id] = end
             last = end == len(spec.prompt)
             if not last and chunk.published >= 0:
@@ -361,15 +361,15 @@ class TestBatching:
         for k in range(6):
             fresh.scheduler.add(_spec(f"f{k}", prompt=9))
             late.scheduler.add(_spec(f"l{k}", prompt=41, prefix_tokens=32))
-        assert [c.end for c in fresh.scheduler.schedule().prefill] == [9] * 5  # 5 x 11.5 <= 60 < 6 x 11.5
-        assert [c.end for c in late.scheduler.schedule().prefill] == [41, 41]  # 2 x 29.5 <= 60 < 3 x 29.5
+        assert [c.budgeted_end for c in fresh.scheduler.schedule().prefill] == [9] * 5  # 5 x 11.5 <= 60 < 6 x 11.5
+        assert [c.budgeted_end for c in late.scheduler.schedule().prefill] == [41, 41]  # 2 x 29.5 <= 60 < 3 x 29.5
 
     def test_the_first_chunk_starts_from_the_prefix(self):
         """A request's first chunk carries its spec and ends past its cached prefix."""
         scheduler = _scheduler()
         scheduler.add(_spec("a", prompt=40, prefix_tokens=20))
         (chunk,) = scheduler.schedule().prefill
-        assert chunk.spec is not None and chunk.end == next_chunk_end(20, 40, CHUNK)
+        assert chunk.spec is not None and chunk.budgeted_end == next_chunk_end(20, 40, CHUNK)
 
 
 class TestFairness:
@@ -519,11 +519,12 @@ class TestPublishing:
         scheduler.add(_spec("a", prompt=40, max_tokens=2))
         plan = scheduler.schedule()
         (chunk,) = plan.prefill
-        done = ChunkDone("a", chunk.end, started=True)
+        done = ChunkDone("a", chunk.budgeted_end, started=True)
         out = scheduler.update(plan, Result(chunks=(done,), published=(Blocks("a", 0, (), exact=False),)))
         assert not any(isinstance(e, Published) for _, e in out)
         assert scheduler.statistics().num_unpublishable == 1
         sim = Sim(scheduler)
+        sim.computed["a"] = done.computed  # its first chunk ran outside the simulation
         while scheduler.has_work():
             plan = sim.step()
             assert not plan.publish and all(c.published < 0 for c in plan.prefill)
