@@ -45,7 +45,7 @@ __all__ = [
     "ActorRef",
     "ActorStatistics",
     "Ask",
-    "Failure",
+    "ErrorReply",
     "Intercept",
     "Message",
     "Tell",
@@ -108,8 +108,9 @@ Intercept = Callable[[str, Message], None]
 
 
 @attrs.frozen
-class Failure:
-    """A domain error travelling back to the caller as a value."""
+class ErrorReply:
+    """A domain error travelling back to the caller as a value (the handler's
+    answer when it raised a CacheError; the caller raises it again)."""
 
     error: CacheError
 
@@ -343,7 +344,7 @@ class Actor:
                 self._intercept(self.name, envelope.message)
             result: Any = self.handle(envelope.message)
         except CacheError as error:
-            result = Failure(error)
+            result = ErrorReply(error)
         self._deliver(envelope, result, started)
 
     def _deliver(
@@ -353,13 +354,13 @@ class Actor:
 
         Args:
             envelope: the handled message.
-            result: the handler's return value, or a :class:`Failure`.
+            result: the handler's return value, or a :class:`ErrorReply`.
             started: ``perf_counter()`` when handling began.
             abandoned: the caller is known to be gone (its reply is undone
                 by the subclass already); nothing is sent.
         """
         message = envelope.message
-        if isinstance(result, Failure):
+        if isinstance(result, ErrorReply):
             self.num_failed += 1
         self.num_handled += 1
         undone = False
@@ -372,7 +373,7 @@ class Actor:
                 # The caller was cancelled before we answered: give it back here.
                 if abandoned:
                     undone = True
-                elif not isinstance(result, Failure):
+                elif not isinstance(result, ErrorReply):
                     compensation = self.undo(message, result)
                     if compensation is not None:
                         self._apply_undo(compensation)
@@ -380,7 +381,7 @@ class Actor:
                 self.num_undone += undone
             finally:
                 message.reply.close()
-        elif isinstance(result, Failure):
+        elif isinstance(result, ErrorReply):
             fail = getattr(message, "fail", None)
             if fail is not None:
                 fail(result.error)  # the Tell carries a stream its sender reads
@@ -394,7 +395,7 @@ class Actor:
                 )
         if self._trace is not None and (self._trace_polls or not message.polled):
             done = time.perf_counter()
-            failed = isinstance(result, Failure)
+            failed = isinstance(result, ErrorReply)
             self._trace.info(
                 "message.handled",
                 message=type(message).__name__,
@@ -573,7 +574,7 @@ class ActorRef:
             except BaseException:
                 await self._give_back_late_reply(message, reply_out)
                 raise
-        if isinstance(result, Failure):
+        if isinstance(result, ErrorReply):
             raise result.error
         return result
 
@@ -587,7 +588,7 @@ class ActorRef:
             # No reply yet: closing ``reply_out`` (with no await in between)
             # makes the actor undo it.
             return
-        if isinstance(late, Failure):
+        if isinstance(late, ErrorReply):
             return
         compensation = self._undo(message, late)
         if compensation is not None:

@@ -50,8 +50,11 @@ it uses (the cache stays for its continuation). Full blocks it gets that
 way beyond the blocks it holds are published. ``keep_caches=False``
 turns it off.
 
-Failures. A domain error (bad input) is answered as :class:`Failed` and
-changes nothing. Every step done for one request fails that request only
+Failures. Messages arrive checked, as every actor's do (a
+:class:`~mlxkv.actors.request.RequestSpec` checks its fields as it is made);
+what only this actor can check -- an id that is live already, a token beyond
+the model's vocabulary, payloads not of this model -- is answered as
+:class:`Failed` and changes nothing. Every step done for one request fails that request only
 (:class:`ComputeFailed`, with the cause); the tokens it was sent before
 stand, and the requests beside it go on exactly. What the rows of a batch
 share -- its model call, cutting its batch cache down or extending it --
@@ -105,7 +108,6 @@ from mlxkv.actors.mlx_thread import MLXThread, MLXThreadStatistics, MLXThreadSto
 from mlxkv.actors.model_runner import ModelInfo, ModelRunner, PromptPreparer, TextRunner
 from mlxkv.actors.model_source import ModelLoadError, ModelSource
 from mlxkv.actors.request import RequestSpec
-from mlxkv.actors.sampling import Sampling
 from mlxkv.actors.plan import Plan, Result
 from mlxkv.actors.scheduler import MAX_BURST_STEPS, Output, Scheduler, SchedulerStatistics
 from mlxkv.cache.errors import CacheError, InvalidInput
@@ -507,30 +509,20 @@ class ComputeActor(Actor):
         scheduler.add(spec)
 
     def _checked(self, message: Generate) -> RequestSpec:
-        """The message's spec, validated, with the model's stop tokens if it gives none."""
+        """The message's spec (checked as it was made: :class:`RequestSpec`)
+        against what only the actor knows -- the live requests and the model
+        -- with the model's stop tokens if it gives none."""
         spec = message.spec
         if not isinstance(spec, RequestSpec):
             raise InvalidInput("spec", spec, "must be a RequestSpec")
-        request_id = spec.request_id
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidInput("request_id", request_id, "must be a non-empty str")
         assert self._scheduler is not None and self._info is not None
-        if self._scheduler.is_live(request_id):
-            raise InvalidInput("request_id", request_id, "is generating already")
-        if not spec.prompt:
-            raise InvalidInput("prompt", spec.prompt, "must hold at least one token")
-        check_token_ids(spec.prompt, vocab_size=self._info.vocab_size, allow_empty=False)
-        if not isinstance(spec.sampling, Sampling):
-            raise InvalidInput("sampling", spec.sampling, "must be a Sampling")
-        for name, least in (("max_tokens", 1), ("block_size", 1), ("held_blocks", 0)):
-            value = getattr(spec, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise InvalidInput(name, value, f"must be an int >= {least}")
-        prefix = spec.prefix
-        if not all(isinstance(p, BlockPayload) for p in prefix):
-            raise InvalidInput("prefix", prefix, "must hold BlockPayloads")
-        if prefix and prefix[-1].end >= len(spec.prompt):
-            raise InvalidInput("prefix", len(prefix), "must leave at least the last prompt token")
+        if self._scheduler.is_live(spec.request_id):
+            raise InvalidInput("request_id", spec.request_id, "is generating already")
+        vocab_size = self._info.vocab_size
+        if vocab_size is not None and max(spec.prompt) >= vocab_size:
+            check_token_ids(spec.prompt, argument="prompt", vocab_size=vocab_size)  # names the token
+        if not all(isinstance(p, BlockPayload) for p in spec.prefix):
+            raise InvalidInput("prefix", spec.prefix, "must hold this model's BlockPayloads")
         if spec.stop_tokens is None:
             spec = attrs.evolve(spec, stop_tokens=self._info.eos_token_ids)
         return spec

@@ -74,9 +74,8 @@ _TRIMMABLE = frozenset({"KVCache", "QuantizedKVCache"})
 #: own tokens, and each shared prefix they refer to, counted once even where
 #: live requests hold it too: an upper bound); the most
 #: recent is kept whatever its size (the bytes: ``RunnerConfig.kept_cache_memory``).
-#: Eight concurrent conversations need eight: with one, turn 2 of the chat
-#: workload over HTTP recomputed the tail of turn 1 that no full block holds
-#: in 15 of 16 conversations.
+#: Concurrent conversations need one each: with one for all, each next turn
+#: recomputes the tail of its previous turn that no full block holds.
 MAX_KEPT_CACHES = 16
 
 

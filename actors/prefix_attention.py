@@ -21,10 +21,9 @@ segments) -> output`` (see :func:`cascade_attention` for the arguments):
   mask that lets a row see its part of its prefix and its own suffix only:
   one fused call, each prefix read once, one short transient.
 
-On a GPU a call's kernels, not its bytes, dominate at these sizes (issue 31:
-fused attention over per-row copies beat the cascade 2.7-3.1x a decode step
-and 22-24x a prefill chunk on an H200), so which one serves is chosen per
-device (:class:`PrefixAttention`, :func:`attention_for`); the figures behind
+On a GPU a call's kernels, not its bytes, dominate at these sizes (fused
+attention over per-row copies beat the cascade there, a prefill chunk by far
+more than a decode step), so which one serves is chosen per device (:class:`PrefixAttention`, :func:`attention_for`); the figures behind
 each choice are in docs/benchmarks.md (``scripts/bench_attention.py``).
 
 Nothing here evaluates inside a model call except the cascade's slices of a
@@ -385,8 +384,9 @@ def mixed_attention(
     """A decode step (one query a row) by :func:`cascade_attention`, a prefill
     chunk by :func:`gathered_attention`. On a GPU a decode step's gathered
     copies cost as much time as the cascade and hold every layer's copies of
-    the prefix until the step's kernels finish (5.7x the cascade's peak at 32
-    rows), while a prefill chunk's cascade is 5-6x a gathered call."""
+    the prefix until the step's kernels finish (a peak several times the
+    cascade's), while a prefill chunk's cascade is several gathered calls'
+    time (the H200 figures: docs/benchmarks.md)."""
     attend = cascade_attention if queries.shape[2] == 1 else gathered_attention
     return attend(queries, keys, values, mask, scale, segments, **options)
 

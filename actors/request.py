@@ -19,6 +19,9 @@ from typing import Any, Literal, Optional
 import attrs
 
 from mlxkv.actors.sampling import GREEDY, Sampling
+from mlxkv.cache.errors import InvalidInput
+from mlxkv.cache.token_ids import check_token_ids
+from mlxkv.cache.validators import int_at_least
 
 __all__ = [
     "RequestSpec",
@@ -29,9 +32,24 @@ __all__ = [
 ]
 
 
+def _request_id(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, str) or not value:
+        raise InvalidInput("request_id", value, "must be a non-empty str")
+
+
+def _sampling(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, Sampling):
+        raise InvalidInput("sampling", value, "must be a Sampling")
+
+
+def _prompt(value: Any) -> tuple[int, ...]:
+    return tuple(check_token_ids(value, argument="prompt", allow_empty=False))
+
+
 @attrs.frozen(kw_only=True)
 class RequestSpec:
-    """What to compute for one request.
+    """What to compute for one request, checked as it is made (so that the
+    compute actor, like every actor, takes its messages checked).
 
     Attributes:
         request_id: the request, unique among live ones.
@@ -53,17 +71,26 @@ class RequestSpec:
             vision-language prompt's images), as its preparer made them.
     """
 
-    request_id: str
-    prompt: tuple[int, ...] = attrs.field(converter=tuple, repr=lambda t: f"<{len(t)} tokens>")
+    request_id: str = attrs.field(validator=_request_id)
+    prompt: tuple[int, ...] = attrs.field(converter=_prompt, repr=lambda t: f"<{len(t)} tokens>")
     prefix: tuple[Any, ...] = attrs.field(default=(), converter=tuple, eq=False, repr=lambda p: f"<{len(p)} blocks>")
-    sampling: Sampling = GREEDY
-    max_tokens: int
+    sampling: Sampling = attrs.field(default=GREEDY, validator=_sampling)
+    max_tokens: int = attrs.field(validator=int_at_least(1))
     stop_tokens: Optional[frozenset[int]] = None
-    block_size: int
+    block_size: int = attrs.field(validator=int_at_least(1))
     keep_logits: bool = False
-    held_blocks: int = 0
+    held_blocks: int = attrs.field(default=0, validator=int_at_least(0))
     namespace: Hashable = None
     inputs: Any = attrs.field(default=None, eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.prefix:
+            return
+        end = getattr(self.prefix[-1], "end", None)
+        if type(end) is not int:
+            raise InvalidInput("prefix", self.prefix, "must hold block payloads (each with its end)")
+        if end >= len(self.prompt):
+            raise InvalidInput("prefix", len(self.prefix), "must leave at least the last prompt token")
 
     @property
     def num_prefix_tokens(self) -> int:

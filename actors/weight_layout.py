@@ -3,12 +3,10 @@
 mlx's ``nn.Linear`` holds its weight as ``(out, in)`` and computes
 ``x @ weight.T``: a product with a transposed operand. On the CPU, the
 Linux wheel (``mlx[cpu]``) multiplies through the reference BLAS it bundles,
-whose ``sgemm`` runs that product 1.4-2.2x slower than the same product over
-a contiguous ``(in, out)`` matrix (512 x 96 x 192: 8.1 against 4.9 ms; a
-batch of 8 rows: 0.18 against 0.13 ms). Holding each weight transposed
-once (:func:`transposed_linear`) makes every layer the fast product: the
-built-in model prefills 512 tokens in 0.72x the time and decodes a step of
-8 rows in 0.85x; a Llama of hidden size 256 in 0.56x and 0.75x.
+whose ``sgemm`` runs that product slower than the same product over a
+contiguous ``(in, out)`` matrix. Holding each weight transposed once
+(:func:`transposed_linear`) makes every layer the fast product (the figures:
+docs/benchmarks.md, "2026-12-03: linear weights held transposed on the CPU").
 
 The output is bit-identical: both products sum each dot product over the
 inner dimension in the same order (a bias is added after the product; that

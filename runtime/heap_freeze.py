@@ -2,12 +2,11 @@
 
 A full collection (generation 2) visits every tracked object. After a model
 loads, a process holds about 100,000 of them (the model, mlx-lm, the
-tokenizer, their libraries), and a full collection takes 64-95 ms on the
-built-in model (measured on this project's 2-core CI machine): every request
-in flight stalls for that long, at whichever step the collector happens to
-run. ``gc.freeze()`` moves every tracked object into the permanent
-generation, which collections skip (the same full collection then takes
-0.1-0.2 ms; ``scripts/bench_gc.py``); reference counting still frees those objects as usual, only
+tokenizer, their libraries), and a full collection scans them all: every
+request in flight stalls for that long, at whichever step the collector
+happens to run. ``gc.freeze()`` moves every tracked object into the
+permanent generation, which collections skip (the figures before and after:
+docs/benchmarks.md, ``scripts/bench_gc.py``); reference counting still frees those objects as usual, only
 reference cycles among them wait.
 
 :class:`HeapFreeze` counts the runtimes that asked for it in this process:

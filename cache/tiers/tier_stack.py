@@ -26,9 +26,10 @@ misses (lookups) or dropped writes, never a delayed caller. Tiers never
 raise for their storage's failures (see :mod:`~mlxkv.cache.tiers.tier`).
 
 MLX: offered payloads must hold evaluated arrays (encoding reads their
-bytes in a worker thread). Decoding builds and evaluates new arrays in a
-worker thread by default; pass ``run_mlx`` to run it elsewhere (the
-runtime's MLX thread).
+bytes in a worker thread). Decoding builds new arrays from a value's bytes
+in a worker thread and evaluates them there before they leave it: they
+carry no graph to the MLX thread that uses them (the rule of
+docs/architecture.md, "Threads").
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from functools import partial
 from types import TracebackType
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Optional, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -71,8 +72,6 @@ GET_CHUNK = 32
 #: Seconds any one call to a tier may take.
 DEFAULT_TIMEOUT = 1.0
 
-#: Runs a function that does MLX work and returns its result.
-RunMLX = Callable[[Callable[[], T]], Awaitable[T]]
 
 
 @attrs.frozen
@@ -126,10 +125,6 @@ class _Write:
     described: Mapping[str, Any]
 
 
-async def _in_worker_thread(function: Callable[[], T]) -> T:
-    return await anyio.to_thread.run_sync(function)
-
-
 class TierStack:
     """Tiers in lookup order, their write-behind writer and their KV events.
 
@@ -158,7 +153,6 @@ class TierStack:
         queue_size: int = DEFAULT_QUEUE_SIZE,
         timeout: float = DEFAULT_TIMEOUT,
         drain_timeout: float = 5.0,
-        run_mlx: Optional[RunMLX[Any]] = None,
         events: Optional[KVEventHub] = None,
     ) -> None:
         """Args:
@@ -168,7 +162,6 @@ class TierStack:
             timeout: seconds any one call to a tier may take.
             drain_timeout: seconds leaving the stack spends writing what
                 is still queued before it gives up on it.
-            run_mlx: how to run decoding (MLX work); a worker thread by default.
             events: where to announce stored and removed blocks (the
                 runtime's hub, which its owner closes); by default a hub of
                 the stack's own, closed when the stack is left.
@@ -189,7 +182,6 @@ class TierStack:
         self._queue_size = queue_size
         self._timeout = float(timeout)
         self._drain_timeout = float(drain_timeout)
-        self._run_mlx: RunMLX[Any] = run_mlx if run_mlx is not None else _in_worker_thread
         self._owns_events = events is None
         self._events = KVEventHub(namespace.block_size) if events is None else events
         self._exit_stack: Optional[AsyncExitStack] = None
@@ -389,7 +381,7 @@ class TierStack:
                 return False
             found = [(i, value) for i, value in zip(positions, got) if value is not None]
             if found:
-                decoded = await self._run_mlx(partial(decode_payloads, [value for _, value in found]))
+                decoded = await anyio.to_thread.run_sync(decode_payloads, [value for _, value in found])
                 for (i, _), payload in zip(found, decoded):
                     payloads[i] = payload
                     served[i] = index

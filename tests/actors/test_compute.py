@@ -948,19 +948,31 @@ class TestFaults:
 
 class TestMessages:
     @pytest.mark.parametrize(
-        "fields",
+        ("fields", "blamed"),
         [
-            {"prompt": []},
-            {"prompt": [1, 100_000]},
-            {"max_tokens": 0},
-            {"block_size": 0},
-            {"held_blocks": -1},
-            {"prefix": ["not a payload"]},
-            {"sampling": "greedy"},
+            ({"prompt": []}, "prompt"),
+            ({"prompt": [1, -1]}, "prompt"),
+            ({"max_tokens": 0}, "max_tokens"),
+            ({"block_size": 0}, "block_size"),
+            ({"held_blocks": -1}, "held_blocks"),
+            ({"prefix": ["not a payload"]}, "prefix"),
+            ({"sampling": "greedy"}, "sampling"),
+            ({"request_id": ""}, "request_id"),
         ],
     )
-    async def test_a_bad_request_is_a_failed_event(self, running, tiny_llama, fields):
-        """A malformed Generate answers Failed(InvalidInput) on its stream; nothing stays live."""
+    def test_a_malformed_request_is_refused_as_it_is_made(self, fields, blamed):
+        """A request is checked once, as it is made: the actor takes it checked."""
+        request = {"request_id": "r", "prompt": _prompt(10), "max_tokens": 4, "block_size": BLOCK, **fields}
+        with pytest.raises(InvalidInput) as refused:
+            RequestSpec(**request)
+        assert refused.value.argument == blamed
+
+    @pytest.mark.parametrize(
+        "fields", [{"prompt": [1, 100_000]}, {"prefix": [type("Payload", (), {"end": 4})()]}]
+    )
+    async def test_a_request_this_model_cannot_run_is_a_failed_event(self, running, tiny_llama, fields):
+        """What only the actor can check (the model's vocabulary, its payloads)
+        answers Failed(InvalidInput) on the request's stream; nothing stays live."""
         request = {"prompt": _prompt(10), "max_tokens": 4, "block_size": BLOCK, **fields}
         async with _serving(running, _actor(tiny_llama)) as compute:
             events_in, events = anyio.create_memory_object_stream[Event](10)

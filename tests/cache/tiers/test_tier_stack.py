@@ -214,21 +214,25 @@ class TestLookupChain:
             found = await stack.lookup_chain(chain)
         assert [p.start for p in found] == [0, 4, 8, 12, 16, 20]
 
-    async def test_decoding_goes_where_run_mlx_says(self, disk, namespace, blocks, chain):
-        """Decoding (MLX work) runs through run_mlx, off the event loop's thread."""
+    async def test_decoding_runs_on_a_worker_thread(
+        self, disk, namespace, blocks, chain, monkeypatch
+    ):
+        """Decoding (MLX work) runs on a worker thread, off the event loop's."""
+        from mlxkv.cache.tiers import tier_stack
+
         threads = []
+        decode = tier_stack.decode_payloads
 
-        async def run_mlx(function):
-            def traced():
-                threads.append(threading.get_ident())
-                return function()
+        def traced(values):
+            threads.append(threading.get_ident())
+            return decode(values)
 
-            return await anyio.to_thread.run_sync(traced)
-
-        async with TierStack([disk(namespace)], namespace, run_mlx=run_mlx) as stack:
+        monkeypatch.setattr(tier_stack, "decode_payloads", traced)
+        async with TierStack([disk(namespace)], namespace) as stack:
             _offer_all(stack, chain[:3], blocks[:3])
             await stack.wait_written()
-            assert len(await stack.lookup_chain(chain)) == 3
+            found = await stack.lookup_chain(chain)
+        assert len(found) == 3
         assert len(threads) == 1 and threads[0] != threading.get_ident()
 
     async def test_each_chunk_is_decoded_before_the_next_is_read(
@@ -245,12 +249,17 @@ class TestLookupChain:
             steps.append(("read", len(keys)))
             return await inner_get_many(keys, starts=starts)
 
-        async def run_mlx(function):
-            steps.append(("decode", len(function.args[0])))
-            return await anyio.to_thread.run_sync(function)
+        from mlxkv.cache.tiers import tier_stack
 
+        decode = tier_stack.decode_payloads
+
+        def traced(values):
+            steps.append(("decode", len(values)))
+            return decode(values)
+
+        monkeypatch.setattr(tier_stack, "decode_payloads", traced)
         reading.get_many = get_many
-        async with TierStack([reading], namespace, run_mlx=run_mlx) as stack:
+        async with TierStack([reading], namespace) as stack:
             found = await stack.lookup_chain(chain)
         assert steps == [("read", 2), ("decode", 2)] * 3
         assert [p.start for p in found] == [0, 4, 8, 12, 16, 20]
