@@ -221,11 +221,9 @@ TINY_HYBRID = ModelSpec(
 #: The model ``mlxkv run`` uses unless given ``--model``: Llama geometry with
 #: grouped-query attention (2 query heads share 1 KV head, head_dim 48).
 #: Sized on the 2-core build CPU (mlx 0.32.4, reference BLAS), where a long
-#: prefill is mostly attention, whose cost grows with query heads x layers:
-#: through the compute actor (256-token chunks, medians of 3, over 4 runs) a
-#: 2048-token prefill takes 0.67-0.97 s, a 256-token one 28-57 ms, a decode
-#: step ~2 ms. Hidden 128 with the same heads took 1.3 s for 2048 tokens; the
-#: previous 4-layer, 8-head, hidden-128 geometry 4.3 s (and 0.23 s for 256).
+#: prefill is mostly attention, whose cost grows with query heads x layers, so
+#: that a 2048-token prefill takes under a second there (the figures, and
+#: those of the geometries tried before: docs/benchmarks.md).
 DEFAULT_MODEL = ModelSpec(
     name="mlxkv-default-llama",
     model_type="llama",

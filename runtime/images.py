@@ -17,9 +17,8 @@ are not an image, another array, and images more elongated than 200:1.
 Identity. A picture keys by its decoded pixels: width, height and RGB bytes,
 which is what the vision model is given (every picture is converted to RGB,
 an alpha channel dropped). So the same picture hits whatever form it comes
-in. Keying pixels costs far more than hashing the file (``scripts/
-bench_image_keys.py``: about 100 ms against under 1 ms for a 4000 px JPEG
-of 1.3 MB), so each runtime remembers the pixel key of the encoded images it
+in. Keying pixels costs far more than hashing the file (two orders of
+magnitude for a large JPEG: ``scripts/bench_image_keys.py``), so each runtime remembers the pixel key of the encoded images it
 has decoded, by the SHA-256 of their bytes (:class:`PixelMemo`, a bounded
 LRU): a repeated file costs its byte hash only. The low-level calls, which may key a scheduler's
 own sources, key what is not a picture as :func:`mlxkv.cache.mllm.image_digest`
@@ -38,7 +37,7 @@ PIL's ``DecompressionBombWarning`` for a huge picture is silenced without
 touching the process's warning filters from a second thread -- a picture
 over :data:`MAX_PIXELS` is refused before anything is decoded, and mlxkv
 prints nothing. Decoded pictures are freed on worker threads too (freeing
-a 6000x6000 one takes 10-16 ms). A PIL image handed in is read on a worker
+a large one takes milliseconds). A PIL image handed in is read on a worker
 thread: do not use it elsewhere until the call returns.
 """
 
@@ -175,8 +174,8 @@ class KeyedImages:
     For the model (``for_model``), it also holds what the processor will need
     on an image-cache miss: each picture decoded while keying, or the encoded
     bytes of one keyed from memory. Handing them over and freeing them are
-    one-time steps for a worker thread: freeing a 6000x6000 picture alone
-    takes 10-16 ms.
+    one-time steps for a worker thread: freeing a large picture alone takes
+    milliseconds.
 
     Attributes:
         digest: the order-sensitive key of them all (64 hex).

@@ -527,8 +527,7 @@ def _kind_of(path: Path) -> Optional[str]:
 
 def _read_fd(fd: int, size: int) -> bytearray:
     """At most ``size`` bytes of an open file, read straight into a buffer of
-    that size (no file object or buffered reader: 128 blocks of 49 KB read in
-    8.2 ms, not 10.1). A file that shrinks meanwhile gives fewer bytes, which
+    that size (no file object or buffered reader, which copy once more). A file that shrinks meanwhile gives fewer bytes, which
     fail verification; one that grows is not read past ``size``."""
     data = bytearray(size)
     view = memoryview(data)
