@@ -81,15 +81,7 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 
 from mlxkv.actors.actor import Actor, ActorHandle, Ask, Message, Tell
-from mlxkv.actors.compute_config import (
-    DEFAULT_DECODE_BURST,
-    DEFAULT_DECODE_WAIT,
-    DEFAULT_PREFILL_BATCH,
-    DEFAULT_PREFILL_BUDGET,
-    DEFAULT_PREFILL_CHUNK,
-    RunnerConfig,
-    SchedulingConfig,
-)
+from mlxkv.actors.compute_config import RunnerConfig, SchedulingConfig
 from mlxkv.actors.events import (
     ComputeFailed,
     Event,
@@ -115,11 +107,6 @@ from mlxkv.cache.kv_state import BlockPayload
 from mlxkv.cache.token_ids import check_token_ids
 
 __all__ = [
-    "DEFAULT_DECODE_BURST",
-    "DEFAULT_DECODE_WAIT",
-    "DEFAULT_PREFILL_BATCH",
-    "DEFAULT_PREFILL_BUDGET",
-    "DEFAULT_PREFILL_CHUNK",
     "MAX_BURST_STEPS",
     "Cancel",
     "ComputeActor",
