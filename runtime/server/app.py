@@ -122,6 +122,11 @@ class ServerConfig:
             ``max_concurrent`` of them are held at once.
         body_timeout: seconds an admitted request's body may take to arrive
             whole; past them, 408 and the connection is closed.
+        header_timeout: seconds a connection may take to send a request's
+            headers, from its opening or from the end of its previous
+            response (so also how long an idle connection stays open);
+            past them it is closed without an answer. A slow client's
+            headers hold no more than this (the body has ``body_timeout``).
         public_metrics: with ``api_keys``, answer ``/metrics`` without a key
             (for a scraper that sends none); off, it needs one. ``/health``
             answers anyone, with its admission state only (its counts and the
@@ -137,6 +142,7 @@ class ServerConfig:
     max_tokens: int = attrs.field(default=512, validator=int_at_least(1))
     max_body_bytes: int = attrs.field(default=64 << 20, validator=int_at_least(1))
     body_timeout: float = attrs.field(default=30.0, validator=_seconds)
+    header_timeout: float = attrs.field(default=5.0, validator=_seconds)
     public_metrics: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     kv_events: Optional[KVWireConfig] = None
 
@@ -902,6 +908,9 @@ async def serve(
         config.accesslog = None
         config.errorlog = logging.getLogger("mlxkv.server")
         config.graceful_timeout = 1.0  # only idle connections are left by then
+        # Hypercorn's keep-alive timer runs from a connection's opening (and
+        # each response's end) until a request's headers are whole.
+        config.keep_alive_timeout = server.config.header_timeout
         if sniffio.current_async_library() == "trio":
             from hypercorn.trio import serve as hypercorn_serve
         else:

@@ -109,6 +109,14 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
         help="how long an admitted request's body may take to arrive; then 408 (30)",
     )
     parser.add_argument(
+        "--header-timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="how long a connection may take to send a request's headers, or stay idle"
+        " between requests; then it is closed (5)",
+    )
+    parser.add_argument(
         "--kv-events",
         metavar="ADDRESS",
         help="publish KV events as vLLM does, on a ZMQ PUB socket (tcp://*:5557 binds,"
@@ -162,6 +170,7 @@ def serve_command(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens,
             max_body_bytes=parse_bytes(args.max_body, argument="--max-body"),
             body_timeout=args.body_timeout,
+            header_timeout=args.header_timeout,
             public_metrics=args.public_metrics,
             kv_events=_kv_wire(args, KVWireConfig),
         )

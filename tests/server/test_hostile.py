@@ -300,6 +300,45 @@ class TestBodies:
             assert status == 408 and json.loads(data)["error"]["code"] == "body_timeout"
             await still_serving(s)
 
+    async def test_slow_or_no_headers_are_cut_off(self, serve):
+        """A connection that sends nothing, or its headers a byte at a time past
+        ``header_timeout``, is closed without an answer (slowloris); a request
+        whose headers came in time keeps its connection while its body is
+        withheld past it (the body has its own timeout) and is answered."""
+        async with serve(server_options={"header_timeout": 0.5, "body_timeout": 10.0}) as s:
+
+            async def closed_unanswered(stream: Any, trickle: bytes) -> None:
+                received = b""
+
+                async def send_slowly() -> None:
+                    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                        for byte in trickle:
+                            await stream.send(bytes([byte]))
+                            await anyio.sleep(0.1)
+
+                # Well within Hypercorn's own default (5 s): the option is what closed it.
+                with anyio.fail_after(3):
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(send_slowly)
+                        with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError, OSError):
+                            while True:
+                                received += await stream.receive()
+                        tg.cancel_scope.cancel()
+                assert received == b""
+
+            body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2, **GREEDY}).encode()
+            async with await connect(s.url) as stream:
+                await closed_unanswered(stream, b"")
+            async with await connect(s.url) as stream:
+                await closed_unanswered(stream, request_bytes("/v1/completions", body))
+            async with await connect(s.url) as stream:
+                await stream.send(request_bytes("/v1/completions", b"", length=len(body)))
+                await anyio.sleep(1.0)  # twice the header timeout: the headers are whole
+                await stream.send(body)
+                status, _, data = await read_response(stream)
+            assert status == 200 and json.loads(data)["usage"]["completion_tokens"] >= 1
+            await still_serving(s)
+
     async def test_the_body_limit_is_an_option(self, serve):
         """``max_body_bytes`` refuses a larger body with 413, by its declared length
         before reading it, and by its bytes when it declares less (chunked)."""

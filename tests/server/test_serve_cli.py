@@ -208,6 +208,7 @@ class TestServeErrors:
             (("--max-body", "lots"), "--max-body"),
             (("--body-timeout", "0"), "body_timeout"),
             (("--body-timeout", "inf"), "body_timeout"),
+            (("--header-timeout", "0"), "header_timeout"),
             (("--max-request-images", "0"), "max_request_images"),
             (("--max-request-pixels", "0"), "max_request_pixels"),
             (("--kv-events", "http://127.0.0.1:1"), "kv_events"),
