@@ -28,7 +28,6 @@ from mlxkv.actors.actor import Actor, ActorRef, ActorStatistics, Intercept
 from mlxkv.actors.allocator import BlockAllocatorActor, BlockAllocatorHandle
 from mlxkv.actors.compute import ComputeActor, ComputeHandle, ComputeStatistics
 from mlxkv.actors.compute_config import RunnerConfig, SchedulingConfig
-from mlxkv.cache.validators import int_at_least, is_bool
 from mlxkv.actors.image_cache import ImageCacheActor, ImageCacheHandle, ImageCacheStatistics
 from mlxkv.actors.model_runner import ModelInfo, PromptPreparer
 from mlxkv.actors.model_source import check_model_source
@@ -41,6 +40,7 @@ from mlxkv.cache.kv_events import KVEventHub, KVEventSubscription
 from mlxkv.cache.tiers.namespace import Namespace, namespace_for_model
 from mlxkv.cache.tiers.tier_stack import TierStack, TierStackStatistics
 from mlxkv.cache.token_ids import check_token_ids
+from mlxkv.cache.validators import int_at_least, is_bool
 from mlxkv.client import CacheClient, FetchResult, StoreResult
 from mlxkv.errors import RuntimeClosed
 from mlxkv.gate import Gate, Phase

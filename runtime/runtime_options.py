@@ -13,11 +13,14 @@ and the configuration checks its value.
 from __future__ import annotations
 
 import argparse
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import attrs
 
 from mlxkv.actors.compute_config import RunnerConfig, SchedulingConfig
+
+if TYPE_CHECKING:
+    from mlxkv.runtime import RuntimeConfig
 
 __all__ = ["add_runtime_options", "add_tier_option", "runtime_config"]
 
@@ -134,7 +137,7 @@ def add_runtime_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def runtime_config(args: argparse.Namespace, **fields: Any) -> Any:
+def runtime_config(args: argparse.Namespace, **fields: Any) -> RuntimeConfig:
     """The :class:`~mlxkv.runtime.RuntimeConfig` of the parsed ``args``: every
     option whose destination is a configuration field, then ``fields``, and
     ``trace`` on where ``--trace FILE`` was given.
