@@ -52,8 +52,10 @@ turns it off.
 
 Failures. Messages arrive checked, as every actor's do (a
 :class:`~mlxkv.actors.request.RequestSpec` checks its fields as it is made);
-what only this actor can check -- an id that is live already, a token beyond
-the model's vocabulary, payloads not of this model -- is answered as
+what depends on the actor's own state and model -- an id that is live
+already, payloads not of this model, and a token beyond the model's
+vocabulary (the runtime refuses it first; checked again here because it
+would reach the embedding on the MLX thread) -- is answered as
 :class:`Failed` and changes nothing. Every step done for one request fails that request only
 (:class:`ComputeFailed`, with the cause); the tokens it was sent before
 stand, and the requests beside it go on exactly. What the rows of a batch
@@ -497,8 +499,8 @@ class ComputeActor(Actor):
 
     def _checked(self, message: Generate) -> RequestSpec:
         """The message's spec (checked as it was made: :class:`RequestSpec`)
-        against what only the actor knows -- the live requests and the model
-        -- with the model's stop tokens if it gives none."""
+        against the live requests and the model, with the model's stop tokens
+        if it gives none (generation gives them: no spec is made again)."""
         spec = message.spec
         if not isinstance(spec, RequestSpec):
             raise InvalidInput("spec", spec, "must be a RequestSpec")

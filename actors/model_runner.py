@@ -27,7 +27,7 @@ from typing import Any, Optional, Protocol
 
 import attrs
 
-from mlxkv.actors.compute_config import KV_BITS, RunnerConfig
+from mlxkv.actors.compute_config import RunnerConfig
 from mlxkv.actors.sequence import SequenceState
 from mlxkv.actors.token_bound import max_chars_per_token
 from mlxkv.actors.weight_layout import transpose_linear_weights, wanted
@@ -46,7 +46,6 @@ from mlxkv.cache.shared_prefix import (
 )
 
 __all__ = [
-    "KV_BITS",
     "CacheRunner",
     "cache_tokens",
     "context_unit",
@@ -956,7 +955,6 @@ class TextRunner(CacheRunner):
         transposed = transpose_linear_weights(model) if config.transpose_weights is True else 0
         self._model = model
         self._tokenizer = tokenizer
-        self._kv_bits = kv_bits
         self._kv_group = self._group_size() if kv_bits else 0
         fields, self._layout = self._measure(
             shared_prefix=config.shared_prefix and not kv_bits and attention_hook.install(model)
@@ -993,9 +991,10 @@ class TextRunner(CacheRunner):
         from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
         cache = make_prompt_cache(self._model)
-        if self._kv_bits:
+        bits = self._runner_config.kv_bits
+        if bits:
             cache = [
-                QuantizedKVCache(group_size=self._kv_group, bits=self._kv_bits) if type(layer) is KVCache else layer
+                QuantizedKVCache(group_size=self._kv_group, bits=bits) if type(layer) is KVCache else layer
                 for layer in cache
             ]
         return cache

@@ -609,6 +609,9 @@ class _Run:
                 prefix=fetch.payloads[:usable],
                 sampling=request.sampling,
                 max_tokens=request.max_tokens,
+                # Given here, so that the actor does not make the spec again
+                # (and check its prompt again) to fill them in.
+                stop_tokens=context.model.eos_token_ids,
                 block_size=block_size,
                 held_blocks=held,
                 namespace=(request.cache_salt, images_key),

@@ -152,6 +152,27 @@ class TestParity:
 class TestGenerate:
     """The stream, its report, text prompts and concurrent generations."""
 
+    async def test_a_generation_stops_at_the_models_end_of_sequence_token(self, llama):
+        """A prompt whose greedy continuation (mlx-lm's ``generate_step``,
+        which does not stop) reaches the model's end-of-sequence token ends
+        there: the tokens before it, finish reason ``stop``."""
+        from mlx_lm import load
+        from mlx_lm.generate import generate_step
+
+        model, tokenizer = load(llama)
+        eos = set(tokenizer.eos_token_ids)
+        for salt in range(200):  # the first prompt whose continuation says eos a few tokens in
+            prompt = _tokens(40, salt=salt)
+            expected = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=24)]
+            ends = [i for i, token in enumerate(expected) if token in eos]
+            if ends and ends[0] > 0:
+                break
+        else:
+            pytest.fail("no prompt's greedy continuation reaches the end-of-sequence token")
+        async with CacheRuntime(model=llama, block_size=BS) as rt:
+            tokens, report = await run(rt, prompt, max_tokens=24)
+        assert tokens == expected[: ends[0]] and report.finish_reason == "stop"
+
     async def test_text_prompt_streams_text_and_reports(self, llama):
         """A text prompt is tokenized; pieces add up to the text; the report adds up."""
         async with CacheRuntime(model=llama, block_size=BS) as rt:
