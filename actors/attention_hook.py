@@ -93,7 +93,10 @@ def _dispatcher(original: Callable[..., Any]) -> Callable[..., Any]:
 
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
         way_in_use()
-        return _CHOSEN.attend(queries, keys, values, mask, scale, segments, evaluate_slices=not cache.last_layer)
+        options: dict[str, Any] = {"evaluate_slices": not cache.last_layer}
+        if queries.shape[2] == 1 and isinstance(cache, BatchSharedPrefixCache):
+            options["suffix_buffer"] = cache.suffix_buffer()
+        return _CHOSEN.attend(queries, keys, values, mask, scale, segments, **options)
 
     scaled_dot_product_attention.__wrapped__ = original  # type: ignore[attr-defined]
     return scaled_dot_product_attention

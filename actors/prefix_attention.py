@@ -93,6 +93,7 @@ def cascade_attention(
     segments: list[tuple[list[int], Any, Any, list[int]]],
     *,
     evaluate_slices: bool = True,
+    **_: Any,
 ) -> Any:
     """Attention over shared prefixes and each row's own suffix, merged exactly.
 
@@ -114,6 +115,9 @@ def cascade_attention(
             cache: the prompt's last token runs in a call of its own), so
             forcing the slices would compute attention that is never read
             -- half the attention of a batched prefill on a two-layer model.
+        **_: what other ways take (``suffix_buffer``: see
+            :func:`stacked_attention`); the cascade attends to ``keys`` and
+            ``values`` as given.
 
     Returns:
         ``(batch, heads, L, head_dim)``, as fused attention over each row's
@@ -366,7 +370,8 @@ def gathered_attention(
     def build() -> Any:
         visible = mx.arange(width)[None] < mx.array(seen)[:, None]  # (batch, W)
         own = _suffix_mask(mask, batch, length, suffix)  # (batch, 1, L, S)
-        return mx.concatenate([mx.broadcast_to(visible[:, None, None, :], (batch, 1, length, width)), own], axis=-1)
+        full = mx.concatenate([mx.broadcast_to(visible[:, None, None, :], (batch, 1, length, width)), own], axis=-1)
+        return _as_bias(full, queries.dtype)
 
     full = _per_step(("gathered", batch, length, suffix, width, tuple(seen)), mask, build)
     return mx.fast.scaled_dot_product_attention(
@@ -392,21 +397,43 @@ def mixed_attention(
 
 
 def stacked_attention(
-    queries: Any, keys: Any, values: Any, mask: Any, scale: float, segments: Sequence[Segment], **_: Any
+    queries: Any,
+    keys: Any,
+    values: Any,
+    mask: Any,
+    scale: float,
+    segments: Sequence[Segment],
+    *,
+    suffix_buffer: Optional[tuple[Any, Any]] = None,
+    **_: Any,
 ) -> Any:
     """Every row's queries as one sequence over ``[each group's prefix; every
     row's suffix]``, masked so that a row sees its part of its group's prefix
     and its own suffix: one fused call, each prefix read once.
 
     The transient is one copy of the prefixes' visible parts and the
-    suffixes laid end to end; the mask is ``(batch * L, prefixes + batch * S)``
-    booleans. Arguments and result as :func:`cascade_attention`'s.
+    suffixes laid end to end; the mask is ``(batch * L, prefixes + batch * S)``,
+    additive in the queries' dtype (a GPU's fused kernel takes no booleans:
+    given them, MLX converts them in every layer), built once a step.
+
+    ``suffix_buffer``: the batch cache's whole suffix buffers ``(keys,
+    values)``, ``(batch, kv_heads, C, head_dim)`` whose first ``S`` positions
+    are ``keys`` and ``values`` (the rest room for tokens to come, masked
+    out). A decode step then attends over all ``C``, so its fused call has
+    the same shapes from step to step until the buffer grows (every
+    :data:`~mlxkv.cache.shared_prefix.SUFFIX_STEP` tokens): MLX's CUDA
+    backend builds a cuDNN graph for every new shape of a fused call (a
+    step whose key length grew by one built one every step) and caches
+    them by shape. Other arguments and the result as :func:`cascade_attention`'s.
     """
     import mlx.core as mx
 
     if _additive(mask) or not segments:
         return cascade_attention(queries, keys, values, mask, scale, segments)
     batch, heads, length, dim = queries.shape
+    used = keys.shape[2]
+    if suffix_buffer is not None and length == 1:
+        keys, values = suffix_buffer
     kv_heads, suffix = keys.shape[1], keys.shape[2]
     low, high = [0] * batch, [0] * batch  # each row's visible span of the prefixes
     parts_k, parts_v, start = [], [], 0
@@ -424,14 +451,14 @@ def stacked_attention(
     def build() -> Any:
         columns = mx.arange(total)[None]
         seen = (columns >= mx.array(low)[:, None]) & (columns < mx.array(high)[:, None])  # (batch, P)
-        own = _suffix_mask(mask, batch, length, suffix)[:, 0]  # (batch, L, S)
+        own = _suffix_mask(mask, batch, length, used, width=suffix)[:, 0]  # (batch, L, C)
         rows = mx.arange(batch)
         same_row = (rows[:, None] == rows[None])[:, None, :, None]  # (batch, 1, batch, 1)
         block = (same_row & own[:, :, None, :]).reshape(batch * length, batch * suffix)
         prefix = mx.broadcast_to(seen[:, None, :], (batch, length, total)).reshape(batch * length, total)
-        return mx.concatenate([prefix, block], axis=-1)[None, None]
+        return _as_bias(mx.concatenate([prefix, block], axis=-1)[None, None], queries.dtype)
 
-    full = _per_step(("stacked", batch, length, suffix, tuple(low), tuple(high)), mask, build)
+    full = _per_step(("stacked", batch, length, used, suffix, tuple(low), tuple(high)), mask, build)
     stacked = queries.transpose(1, 0, 2, 3).reshape(1, heads, batch * length, dim)
     out = mx.fast.scaled_dot_product_attention(
         stacked, mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2), scale=scale, mask=full
@@ -477,18 +504,32 @@ def _leading(array: Any, width: int) -> Any:
     return mx.concatenate([array, mx.zeros((b, h, width - size, d), dtype=array.dtype)], axis=2)
 
 
-def _suffix_mask(mask: Any, batch: int, length: int, suffix: int) -> Any:
+def _suffix_mask(mask: Any, batch: int, length: int, suffix: int, width: Optional[int] = None) -> Any:
     """The suffix's boolean mask as ``(batch, 1, L, S)``: all visible for None,
-    the last ``L`` of ``S`` positions' causal mask for ``"causal"``."""
+    the last ``L`` of ``S`` positions' causal mask for ``"causal"``; with
+    ``width`` past ``S``, as ``(batch, 1, L, width)``, positions past ``S``
+    hidden."""
     import mlx.core as mx
 
     if mask is None:
-        return mx.ones((batch, 1, length, suffix), dtype=mx.bool_)
-    if isinstance(mask, str):
+        own = mx.ones((batch, 1, length, suffix), dtype=mx.bool_)
+    elif isinstance(mask, str):
         causal = mx.arange(suffix - length, suffix)[:, None] >= mx.arange(suffix)[None]
-        return mx.broadcast_to(causal[None, None], (batch, 1, length, suffix))
-    mask = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
-    return mx.broadcast_to(mask, (batch, 1, length, suffix))
+        own = mx.broadcast_to(causal[None, None], (batch, 1, length, suffix))
+    else:
+        mask = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
+        own = mx.broadcast_to(mask, (batch, 1, length, suffix))
+    if width is None or width == suffix:
+        return own
+    return mx.concatenate([own, mx.zeros((batch, 1, length, width - suffix), dtype=mx.bool_)], axis=-1)
+
+
+def _as_bias(visible: Any, dtype: Any) -> Any:
+    """A boolean mask as the additive one a fused call takes without converting it:
+    0 where visible, ``-inf`` elsewhere, in ``dtype``."""
+    import mlx.core as mx
+
+    return mx.where(visible, mx.array(0, dtype=dtype), mx.array(-mx.inf, dtype=dtype))
 
 
 def _inverse(order: Sequence[int]) -> list[int]:

@@ -399,6 +399,14 @@ class BatchSharedPrefixCache(_OverSuffix):
             for group, rows, lengths in by_group.values()
         ]
 
+    def suffix_buffer(self) -> tuple[Any, Any]:
+        """The rows' whole suffix buffers ``(keys, values)``, room included:
+        ``(batch, kv_heads, C, head_dim)``, of which the first ``_idx``
+        positions are what ``update_and_fetch`` returns (left-padded as
+        its mask says) and the rest is room for tokens to come (see
+        :func:`~mlxkv.actors.prefix_attention.stacked_attention`)."""
+        return self.suffix.keys, self.suffix.values
+
     def reserve(self, num_tokens: int) -> list[Any]:
         """Grow the suffix now if the next ``num_tokens`` would not fit; the
         grown arrays, to start evaluating before the step (none: it had room).

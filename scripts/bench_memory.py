@@ -78,12 +78,16 @@ def _mib(n: float) -> str:
 
 
 def _runtime_options(text: str) -> dict[str, Any]:
-    """``"a=1,b=x"`` as ``{"a": 1, "b": "x"}`` (integers as ints, the rest as strings)."""
+    """``"a=1,b=x,c=false"`` as ``{"a": 1, "b": "x", "c": False}`` (integers as
+    ints, true/false as bools, the rest as strings)."""
     options: dict[str, Any] = {}
     for item in text.split(","):
         key, _, value = item.partition("=")
         value = value.strip()
-        options[key.strip()] = int(value) if value.lstrip("-").isdigit() else value
+        if value.lower() in ("true", "false"):
+            options[key.strip()] = value.lower() == "true"
+        else:
+            options[key.strip()] = int(value) if value.lstrip("-").isdigit() else value
     return options
 
 

@@ -3,10 +3,14 @@
 #
 # On the lent GPU machine, from the checkout's root, after ../shared/gpu/prepare here
 # (see DEVELOPERS' "Tools"): the first call copies .gpu/part_aa to /root/stage/; then
-#     bash .gpu/install.sh && bash scripts/gpu_check.sh attention batch memory chat
+#     bash .gpu/install.sh && bash scripts/gpu_check.sh step batch memory chat
 #     bash scripts/gpu_check.sh serve tests          (a later call, if device time is left)
+# (carrying .gpu/extra too, when scripts/gpu_extra_wheels.sh wrote it: the wheels the
+# serve step's client and the README's openai example need, installed first here).
 # Steps, in the order given (default: all of them):
 #   attention  scripts/bench_attention.py: one call of each shared-prefix attention way
+#   step       scripts/bench_step.py: one decode step of the whole model, each way, against
+#              per-row copies and mlx-lm's BatchGenerator (graph ops, host and wall ms)
 #   batch      scripts/bench_batch.py --prefix-tokens 2048 at 1, 8 and 32 requests, each way
 #   memory     scripts/bench_memory.py --sizes 8,32 (peak memory against the floor), each way
 #   chat       scripts/bench_chat.py: shared prefixes against copies
@@ -25,7 +29,11 @@ export MLXKV_CACHE_DIR=${MLXKV_CACHE_DIR:-/tmp/mlxkv-cache} HF_HUB_OFFLINE=1
 model=${GPU_CHECK_MODEL:-bench-llama-722m-bf16}
 python=${PYTHON:-python3}
 quick=${GPU_CHECK_QUICK:-0}
-steps=${*:-attention batch memory chat serve tests}
+steps=${*:-attention step batch memory chat serve tests}
+if [ -d .gpu/extra ] && ls .gpu/extra/*.whl > /dev/null 2>&1; then
+  "$python" -m pip install -q --no-index --no-deps --no-compile .gpu/extra/*.whl > "$out/extra.txt" 2>&1 \
+    || echo "extra wheels: install failed (see extra.txt)" | tee -a "$out/log.txt"
+fi
 
 run() {
   local name=$1 limit=$2
@@ -45,16 +53,19 @@ if [ "$quick" = 1 ]; then
   settings=(--prefix-tokens 128 --settings 2x4 --rounds 1)
   sizes=(--sizes 2 --rounds 1)
   attention=(--quick --repeats 2 --warmup 1 --dtype float32 --heads 4 --kv-heads 2)
+  step_options=(--rows 2 --prefix 128 --own 8 --steps 3 --warmup 1)
 else
   settings=(--prefix-tokens 2048 --settings 1x64,8x48,32x48 --rounds 2)
   sizes=(--sizes 8,32 --rounds 2)
   attention=()
+  step_options=(--rows 8,32 --prefix 2048 --steps 48)
 fi
 ways=()
-for way in ${GPU_CHECK_WAYS:-gathered stacked cascade}; do ways+=(--also "prefix_attention=$way"); done
+for way in ${GPU_CHECK_WAYS:-stacked}; do ways+=(--also "prefix_attention=$way"); done
 for step in $steps; do
   case $step in
     attention) run attention 180 "$python" scripts/bench_attention.py "${attention[@]}" --json "$out/attention.json" ;;
+    step) run step 240 "$python" scripts/bench_step.py --model "$model" "${step_options[@]}" --json "$out/step.json" ;;
     batch) run batch 300 "$python" scripts/bench_batch.py --model "$model" "${settings[@]}" "${ways[@]}" --json "$out/batch.json" ;;
     memory) run memory 240 "$python" scripts/bench_memory.py --model "$model" "${sizes[@]}" "${ways[@]}" --json "$out/memory.json" ;;
     chat) run chat 180 "$python" scripts/bench_chat.py --model "$model" --rounds 2 --json "$out/chat.json" ;;

@@ -6,6 +6,7 @@ once a second row joins; greedy tokens equal cold runs throughout."""
 from __future__ import annotations
 
 import gc
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -134,3 +135,49 @@ class TestNoWaits:
         assert waits == []
         for row, prompt in zip(rows, prompts):
             assert row.generated[:40] == cold_tokens(runner, prompt, 40)
+
+
+class TestStepInvariantShapes:
+    def test_a_stacked_decode_steps_fused_call_keeps_its_shapes_until_the_buffer_grows(self, tiny_llama, monkeypatch):
+        """Three rows over a shared prefix decode 40 steps with the stacked
+        way: every step's fused call has the shapes of the step before unless
+        the suffix buffer grew in between (MLX's CUDA backend builds a cuDNN
+        graph per new shape), and the greedy tokens equal cold runs."""
+        from mlxkv.actors import attention_hook
+        from mlxkv.actors.compute_config import RunnerConfig
+        from mlxkv.actors.prefix_attention import PrefixAttention
+
+        model, tokenizer = tiny_llama
+        stacked = TextRunner(model, tokenizer, RunnerConfig(prefix_attention=PrefixAttention.STACKED))
+        payloads = prefix_payloads(model)
+        prompts = [PREFIX + own(n, salt=n) for n in (3, 9, 5)]
+        batch = DecodeBatch(stacked)
+        rows = [started(stacked, f"r{i}", p, payloads) for i, p in enumerate(prompts)]
+        batch.join(rows)
+        shapes: list[tuple[Any, ...]] = []
+        real = mx.fast.scaled_dot_product_attention
+
+        def spy(q, k, v, *, scale, mask=None):
+            shapes.append((q.shape, k.shape, None if mask is None else mask.shape))
+            return real(q, k, v, scale=scale, mask=mask)
+
+        per_step, capacity = [], []
+        monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", spy)
+        try:
+            for _ in range(40):
+                shapes.clear()
+                decode(batch, 1)
+                layer = batch._cache[0]
+                assert isinstance(layer, BatchSharedPrefixCache)
+                per_step.append(set(shapes))
+                capacity.append(layer.suffix.keys.shape[2])
+        finally:
+            monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", real)
+            attention_hook.use(PrefixAttention.for_device())
+        assert all(len(s) == 1 for s in per_step)  # every layer alike
+        for before, after, grown in zip(per_step, per_step[1:], (a != b for a, b in zip(capacity, capacity[1:]))):
+            assert (before != after) == grown
+        assert len(set(capacity)) >= 3  # it did grow, more than once
+        cold_runner = TextRunner(model, tokenizer)
+        for row, prompt in zip(rows, prompts):
+            assert row.generated[:20] == cold_tokens(cold_runner, prompt, 20)

@@ -255,3 +255,64 @@ class TestFusedWays:
         assert len(built) == 3 * once
         monkeypatch.setattr(mx, "arange", real)
         np.testing.assert_array_equal(np.array(first), np.array(again))
+
+
+class TestStackedOverTheSuffixBuffer:
+    """A decode step of the stacked way attends over the batch cache's whole
+    suffix buffer, its room masked out: the same attention, and the same
+    shapes for its fused call from step to step until the buffer grows."""
+
+    @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+    def test_the_buffers_room_is_never_seen(self, dtype):
+        """Rows left-padded, one group seen in part by one row; the buffer's
+        room past the rows' tokens holds huge values -- which any weight on
+        them would show -- and the step equals fused attention over each
+        row's prefix part and its own tokens only."""
+        rng = np.random.default_rng(11)
+        dt = getattr(mx, dtype)
+        batch, heads, kv_heads, dim, size, used, room = 4, 4, 2, 8, 96, 6, 10
+        q = mx.array(rng.standard_normal((batch, heads, 1, dim)), dtype=dt)
+        kbuf = mx.array(rng.standard_normal((batch, kv_heads, used + room, dim)), dtype=dt)
+        vbuf = mx.array(rng.standard_normal((batch, kv_heads, used + room, dim)), dtype=dt)
+        kbuf[:, :, used:] = 40.0
+        vbuf[:, :, used:] = 1e4
+        kp = mx.array(rng.standard_normal((1, kv_heads, size, dim)), dtype=dt)
+        vp = mx.array(rng.standard_normal((1, kv_heads, size, dim)), dtype=dt)
+        pads = [0, 2, 0, 5]
+        mask = mx.array([[[[j >= pad for j in range(used)]]] for pad in pads])
+        seen = [96, 96, 64, 96]
+        out = stacked_attention(
+            q, kbuf[:, :, :used], vbuf[:, :, :used], mask, dim**-0.5,
+            [(list(range(batch)), kp, vp, seen)], suffix_buffer=(kbuf, vbuf),
+        )  # fmt: skip
+        plain = stacked_attention(q, kbuf[:, :, :used], vbuf[:, :, :used], mask, dim**-0.5, [(list(range(batch)), kp, vp, seen)])
+        tol = TOL if dtype == "float32" else 2e-2
+        for b, (pad, n) in enumerate(zip(pads, seen)):
+            expected = _fused(
+                q[b : b + 1], [kp[:, :, :n], kbuf[b : b + 1, :, pad:used]], [vp[:, :, :n], vbuf[b : b + 1, :, pad:used]]
+            )
+            got = np.array(out[b : b + 1].astype(mx.float32))
+            np.testing.assert_allclose(got, np.array(expected.astype(mx.float32)), atol=tol, rtol=0)
+            np.testing.assert_allclose(got, np.array(plain[b : b + 1].astype(mx.float32)), atol=tol, rtol=0)
+
+    def test_the_fused_calls_mask_is_additive_in_the_queries_dtype(self, monkeypatch):
+        """What the fused call gets: a mask of the queries' dtype (a GPU's fused
+        kernel takes no booleans, MLX would convert them in every layer),
+        and, in a decode step, keys as long as the prefix and the whole buffer."""
+        calls: list[tuple[Any, ...]] = []
+        real = mx.fast.scaled_dot_product_attention
+
+        def spy(q: Any, k: Any, v: Any, *, scale: float, mask: Any = None) -> Any:
+            calls.append((q.shape, k.shape, mask.dtype, mask.shape))
+            return real(q, k, v, scale=scale, mask=mask)
+
+        monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", spy)
+        q = mx.zeros((3, 4, 1, 8), dtype=mx.bfloat16)
+        kbuf = mx.zeros((3, 2, 16, 8), dtype=mx.bfloat16)
+        kp = mx.zeros((1, 2, 64, 8), dtype=mx.bfloat16)
+        mask = mx.ones((3, 1, 1, 5), dtype=mx.bool_)
+        stacked_attention(q, kbuf[:, :, :5], kbuf[:, :, :5], mask, 0.3, [([0, 1, 2], kp, kp, [64] * 3)], suffix_buffer=(kbuf, kbuf))
+        gathered_attention(q, kbuf[:, :, :5], kbuf[:, :, :5], mask, 0.3, [([0, 1, 2], kp, kp, [64] * 3)])
+        (stacked, gathered) = calls
+        assert stacked == ((1, 4, 3, 8), (1, 2, 64 + 3 * 16, 8), mx.bfloat16, (1, 1, 3, 64 + 3 * 16))
+        assert gathered[2] == mx.bfloat16

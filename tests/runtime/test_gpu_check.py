@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from mlxkv.actors.prefix_attention import PrefixAttention
 from mlxkv.default_model import TINY_LLAMA, ensure_model
 
 from device_arithmetic import ATTENTION_ATOL
@@ -25,12 +26,12 @@ def test_a_quick_dry_run_measures_every_way(model_dir: Path, tmp_path: Path):
         "GPU_CHECK_MODEL": TINY_LLAMA.name, "GPU_CHECK_QUICK": "1",
     }  # fmt: skip
     done = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "attention", "batch"],
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "attention", "step", "batch"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     log = (tmp_path / "log.txt").read_text()
-    for step in ("model", "attention", "batch"):
+    for step in ("model", "attention", "step", "batch"):
         assert f"== {step}: status 0 in" in log, log
     results = json.loads((tmp_path / "attention.json").read_text())["results"]
     ways = {r["way"] for r in results}
@@ -38,5 +39,11 @@ def test_a_quick_dry_run_measures_every_way(model_dir: Path, tmp_path: Path):
     assert len(results) == 4 * len(ways)
     for r in results:
         assert r["ms"] > 0 and r["ops"] > 0 and r["max_diff"] < ATTENTION_ATOL, r
+    step = json.loads((tmp_path / "step.json").read_text())["results"]
+    methods = {r["method"] for r in step}
+    assert methods == {f"mlxkv, {way.value}" for way in PrefixAttention} | {"mlxkv, copies", "mlx-lm"}
+    for r in step:
+        assert r["ops"] > 0 and r["non_view_ops"] <= r["ops"] and r["wall_ms"] >= r["build_ms"] > 0, r
+        assert r["evals_per_step"] == (1 if r["method"] == "mlx-lm" else 0), r  # mlxkv's steps never block
     batch = json.loads((tmp_path / "batch.json").read_text())
-    assert {"mlxkv", "mlxkv, prefix_attention=gathered", "mlxkv, prefix_attention=cascade"} <= set(batch["2x4"])
+    assert {"mlxkv", "mlxkv, prefix_attention=stacked"} <= set(batch["2x4"])
