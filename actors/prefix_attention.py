@@ -419,7 +419,7 @@ def stacked_attention(
     ``suffix_buffer``: the batch cache's whole suffix buffers ``(keys,
     values)``, ``(batch, kv_heads, C, head_dim)`` whose first ``S`` positions
     are ``keys`` and ``values`` (the rest room for tokens to come, masked
-    out). A decode step then attends over all ``C``, so its fused call has
+    out; the hook gives them in decode steps). A decode step then attends over all ``C``, so its fused call has
     the same shapes from step to step until the buffer grows (every
     :data:`~mlxkv.cache.shared_prefix.SUFFIX_STEP` tokens): MLX's CUDA
     backend builds a cuDNN graph for every new shape of a fused call (a
@@ -432,7 +432,7 @@ def stacked_attention(
         return cascade_attention(queries, keys, values, mask, scale, segments)
     batch, heads, length, dim = queries.shape
     used = keys.shape[2]
-    if suffix_buffer is not None and length == 1:
+    if suffix_buffer is not None:
         keys, values = suffix_buffer
     kv_heads, suffix = keys.shape[1], keys.shape[2]
     low, high = [0] * batch, [0] * batch  # each row's visible span of the prefixes

@@ -45,7 +45,8 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_batch import _prefix  # noqa: E402
 
 #: Primitives that only view their input (no kernel of their own).
 VIEWS = frozenset({"Broadcast", "Transpose", "Slice", "ExpandDims", "Squeeze", "AsStrided", "StopGradient"})
@@ -142,14 +143,23 @@ def measure(step: Callable[[], None], warmup: int, steps: int) -> dict[str, Any]
 
 
 def prompts(rows: int, prefix: int, own: int) -> tuple[list[int], list[list[int]]]:
-    shared = [32 + (i * 37 + (i // 11) ** 2) % 95 for i in range(prefix)]
-    return shared, [[32 + (i * 13 + r * 29) % 95 for i in range(own)] for r in range(rows)]
+    """bench_batch's shared prefix, and each row's own tokens."""
+    return _prefix(prefix), [[32 + (i * 13 + r * 29) % 95 for i in range(own)] for r in range(rows)]
+
+
+def prefix_cache(model: Any, shared: list[int]) -> list[Any]:
+    """``model``'s plain cache of ``shared``, prefilled 256 tokens at a time."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    for start in range(0, len(shared), 256):
+        model(mx.array(shared[start : start + 256])[None], cache=cache)
+        mx.eval([layer.state for layer in cache])
+    return cache
 
 
 def mlxkv_steps(path: str, options: dict[str, Any], shared: list[int], owns: list[list[int]], block: int) -> Callable[[], None]:
     """A decode batch of mlxkv's runner with every row joined; one call: one step."""
-    from mlx_lm.models.cache import make_prompt_cache
-
     from mlxkv.actors.compute_config import RunnerConfig
     from mlxkv.actors.decode_batch import DecodeBatch
     from mlxkv.actors.model_runner import TextRunner
@@ -158,11 +168,7 @@ def mlxkv_steps(path: str, options: dict[str, Any], shared: list[int], owns: lis
     from mlxkv.cache import kv_state
 
     runner = TextRunner.load(path, RunnerConfig(**options))
-    model = runner._model
-    cache = make_prompt_cache(model)
-    for start in range(0, len(shared), 256):
-        model(mx.array(shared[start : start + 256])[None], cache=cache)
-        mx.eval([layer.state for layer in cache])
+    cache = prefix_cache(runner._model, shared)
     payloads = tuple(kv_state.slice_blocks(cache, block, range(len(shared) // block), num_tokens=len(shared)))
     del cache
     sequences = []
@@ -189,13 +195,9 @@ def mlx_lm_steps(path: str, shared: list[int], owns: list[list[int]]) -> Callabl
     """mlx-lm's ``BatchGenerator`` past every row's first token; one call: one step."""
     from mlx_lm import load
     from mlx_lm.generate import BatchGenerator
-    from mlx_lm.models.cache import make_prompt_cache
 
     model, _ = load(path)
-    cache = make_prompt_cache(model)
-    for start in range(0, len(shared), 256):
-        model(mx.array(shared[start : start + 256])[None], cache=cache)
-        mx.eval([layer.state for layer in cache])
+    cache = prefix_cache(model, shared)
     generator = BatchGenerator(model, stop_tokens=[])
     generator.insert(owns, [1 << 20] * len(owns), caches=[copy.deepcopy(cache) for _ in owns])
     started: set[int] = set()
@@ -219,7 +221,6 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4, help="unmeasured steps first (4)")
     parser.add_argument("--json", help="also write the results as JSON to FILE")
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO))
     from mlxkv.actors.prefix_attention import PrefixAttention
     from mlxkv.default_model import model_path
 
