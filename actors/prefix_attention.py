@@ -38,6 +38,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
+import attrs
+
 __all__ = [
     "SCORE_ELEMENTS",
     "PrefixAttention",
@@ -256,50 +258,120 @@ def _decode_step(
     if not segments:
         weights = mx.softmax(own_scores, axis=-1, precise=True)
         return (weights @ values[:, :, None]).astype(queries.dtype).reshape(batch, heads, 1, -1)
-    order = [row for rows, _, _, _ in segments for row in rows]
-    grouped = set(order)
-    alone = [row for row in range(batch) if row not in grouped]
-    order += alone
-    permuted = order != list(range(batch))
-    width = max(max(lengths) for _, _, _, lengths in segments)
+    layout = _DecodeLayout.of(batch, segments, own_scores.dtype)
     parts = []
-    for rows, prefix_keys, _, lengths in segments:
-        longest = max(lengths)
-        if longest < prefix_keys.shape[2]:
-            prefix_keys = prefix_keys[:, :, :longest]
-        q_rows = q if len(rows) == batch else q[mx.array(rows)]
-        scores = q_rows @ prefix_keys[:, :, None].swapaxes(-1, -2)  # (rows, kv, rep, 1, P)
-        if min(lengths) < longest:
-            visible = mx.arange(longest)[None] < mx.array(lengths)[:, None]  # (rows, P)
-            scores = mx.where(visible[:, None, None, None, :], scores, -mx.inf)
-        if longest < width:
-            scores = mx.pad(scores, [(0, 0)] * 4 + [(0, width - longest)], constant_values=-mx.inf)
+    for (_, prefix_keys, _, _), part in zip(segments, layout.parts):
+        q_rows = q if part.index is None else q[part.index]
+        scores = q_rows @ _leading(prefix_keys, part.longest)[:, :, None].swapaxes(-1, -2)  # (rows, kv, rep, 1, P)
+        if part.hidden is not None:
+            scores = scores + part.hidden
+        if part.longest < layout.width:
+            scores = mx.pad(scores, [(0, 0)] * 4 + [(0, layout.width - part.longest)], constant_values=-mx.inf)
         parts.append(scores)
-    if alone:
-        parts.append(mx.full((len(alone), kv_heads, repeats, 1, width), -mx.inf, dtype=parts[0].dtype))
+    if layout.alone:
+        parts.append(mx.full((layout.alone, kv_heads, repeats, 1, layout.width), -mx.inf, dtype=parts[0].dtype))
     prefix_scores = parts[0] if len(parts) == 1 else mx.concatenate(parts)
-    index = mx.array(order) if permuted else None
-    own = own_scores[index] if permuted else own_scores
+    own = own_scores if layout.order is None else own_scores[layout.order]
     weights = mx.softmax(mx.concatenate([prefix_scores, own.astype(prefix_scores.dtype)], axis=-1), axis=-1, precise=True)
-    mine = values[index] if permuted else values
-    out = weights[..., width:] @ mine[:, :, None]
-    prefix_outs, start = [], 0
-    for rows, _, prefix_values, lengths in segments:
-        longest = max(lengths)
-        if longest < prefix_values.shape[2]:
-            prefix_values = prefix_values[:, :, :longest]
-        part = weights if len(rows) == batch else weights[start : start + len(rows)]
-        prefix_outs.append(part[..., :longest] @ prefix_values[:, :, None])
-        start += len(rows)
-    if alone:
-        prefix_outs.append(mx.zeros((len(alone), *prefix_outs[0].shape[1:]), dtype=prefix_outs[0].dtype))
+    mine = values if layout.order is None else values[layout.order]
+    out = weights[..., layout.width :] @ mine[:, :, None]
+    prefix_outs = []
+    for (_, _, prefix_values, _), part in zip(segments, layout.parts):
+        weighted = weights if part.rows == batch else weights[part.start : part.start + part.rows]
+        prefix_outs.append(weighted[..., : part.longest] @ _leading(prefix_values, part.longest)[:, :, None])
+    if layout.alone:
+        prefix_outs.append(mx.zeros((layout.alone, *prefix_outs[0].shape[1:]), dtype=prefix_outs[0].dtype))
     out = out + (prefix_outs[0] if len(prefix_outs) == 1 else mx.concatenate(prefix_outs))
-    if permuted:
-        where = [0] * batch
-        for position, row in enumerate(order):
-            where[row] = position
-        out = out[mx.array(where)]
+    if layout.inverse is not None:
+        out = out[layout.inverse]
     return out.astype(queries.dtype).reshape(batch, heads, 1, -1)
+
+
+@attrs.frozen
+class _SegmentPart:
+    """One segment of a decode step's layout: its ``rows`` (how many), their
+    ``index`` into the batch (None: the whole batch, in order), the
+    ``start`` of its rows in segment order, the ``longest`` part of its
+    prefix any of them sees, and ``hidden``: 0 where a row sees a position
+    of that part, ``-inf`` where it does not ``(rows, 1, 1, 1, longest)``
+    (None: every row sees all of it)."""
+
+    rows: int
+    index: Any
+    start: int
+    longest: int
+    hidden: Any
+
+
+@attrs.frozen
+class _DecodeLayout:
+    """What :func:`_decode_step` derives from which rows see how much of which
+    prefix -- the same for every layer of a step and for every step until
+    the batch's rows change: the rows in segment order (``order``; None:
+    already in it), back in batch order (``inverse``), the prefix scores'
+    ``width``, each segment's :class:`_SegmentPart`, and how many rows see
+    no prefix (``alone``, last in segment order).
+
+    Made once and kept per thread (:meth:`of`): its masks are computed with
+    the first step that uses them and read by the later ones, so a step's
+    layers add neither operations nor Python work for it past a key (a
+    GPU's decode step is short enough for the host's time to count)."""
+
+    order: Any
+    inverse: Any
+    width: int
+    parts: tuple[_SegmentPart, ...]
+    alone: int
+
+    @staticmethod
+    def of(batch: int, segments: Sequence[Segment], dtype: Any) -> _DecodeLayout:
+        """The layout of ``segments`` over ``batch`` rows, its masks in ``dtype``."""
+        return _per_layout("cascade", batch, segments, dtype, lambda: _DecodeLayout._make(batch, segments, dtype))
+
+    @staticmethod
+    def _make(batch: int, segments: Sequence[Segment], dtype: Any) -> _DecodeLayout:
+        import mlx.core as mx
+
+        order = [row for rows, _, _, _ in segments for row in rows]
+        grouped = set(order)
+        alone = [row for row in range(batch) if row not in grouped]
+        order += alone
+        permuted = order != list(range(batch))
+        parts, start = [], 0
+        for rows, _, _, lengths in segments:
+            longest = max(lengths)
+            hidden = None
+            if min(lengths) < longest:
+                visible = mx.arange(longest)[None] < mx.array(lengths)[:, None]  # (rows, P)
+                hidden = _as_bias(visible[:, None, None, None, :], dtype)
+            index = None if len(rows) == batch else mx.array(rows)
+            parts.append(_SegmentPart(len(rows), index, start, longest, hidden))
+            start += len(rows)
+        order_index = mx.array(order) if permuted else None
+        inverse = mx.array(_inverse(order)) if permuted else None
+        width = max(part.longest for part in parts)
+        return _DecodeLayout(order_index, inverse, width, tuple(parts), len(alone))
+
+
+#: Per thread, each way's last layout: ``{way: (key, layout)}``.
+_LAST_LAYOUTS = threading.local()
+
+
+def _per_layout(way: str, batch: int, segments: Sequence[Segment], extra: Any, make: Callable[[], Any]) -> Any:
+    """``make()``, or what it gave for ``way`` on this thread when the batch's
+    rows saw the same parts of their prefixes (and ``extra`` was the same):
+    what a way derives from that alone holds for every layer of a step and
+    every step until the rows change."""
+    key = (batch, extra, tuple((tuple(rows), tuple(lengths)) for rows, _, _, lengths in segments))
+    layouts = getattr(_LAST_LAYOUTS, "by_way", None)
+    if layouts is None:
+        layouts = _LAST_LAYOUTS.by_way = {}
+    last = layouts.get(way)
+    if last is not None and last[0] == key:
+        return last[1]
+    layout = make()
+    layouts[way] = (key, layout)
+    return layout
 
 
 #: The most prefix scores one slice of :func:`cascade_attention` computes at once.
@@ -435,16 +507,10 @@ def stacked_attention(
     if suffix_buffer is not None:
         keys, values = suffix_buffer
     kv_heads, suffix = keys.shape[1], keys.shape[2]
-    low, high = [0] * batch, [0] * batch  # each row's visible span of the prefixes
-    parts_k, parts_v, start = [], [], 0
-    for rows, prefix_keys, prefix_values, lengths in segments:
-        longest = max(lengths)
-        parts_k.append(_leading(prefix_keys, longest))
-        parts_v.append(_leading(prefix_values, longest))
-        for row, n in zip(rows, lengths):
-            low[row], high[row] = start, start + n
-        start += longest
-    total = start
+    longests, low, high = _per_layout("stacked", batch, segments, None, lambda: _stacked_spans(batch, segments))
+    total = sum(longests)
+    parts_k = [_leading(prefix_keys, n) for (_, prefix_keys, _, _), n in zip(segments, longests)]
+    parts_v = [_leading(prefix_values, n) for (_, _, prefix_values, _), n in zip(segments, longests)]
     parts_k.append(keys.transpose(1, 0, 2, 3).reshape(1, kv_heads, batch * suffix, dim))
     parts_v.append(values.transpose(1, 0, 2, 3).reshape(1, kv_heads, batch * suffix, values.shape[3]))
 
@@ -458,12 +524,25 @@ def stacked_attention(
         prefix = mx.broadcast_to(seen[:, None, :], (batch, length, total)).reshape(batch * length, total)
         return _as_bias(mx.concatenate([prefix, block], axis=-1)[None, None], queries.dtype)
 
-    full = _per_step(("stacked", batch, length, used, suffix, tuple(low), tuple(high)), mask, build)
+    full = _per_step(("stacked", batch, length, used, suffix, low, high), mask, build)
     stacked = queries.transpose(1, 0, 2, 3).reshape(1, heads, batch * length, dim)
     out = mx.fast.scaled_dot_product_attention(
         stacked, mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2), scale=scale, mask=full
     )
     return out.reshape(heads, batch, length, -1).transpose(1, 0, 2, 3)
+
+
+def _stacked_spans(batch: int, segments: Sequence[Segment]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """Each segment's longest part, and each row's visible span ``[low, high)``
+    of the segments' parts laid end to end (rows in no segment: empty)."""
+    low, high, longests, start = [0] * batch, [0] * batch, [], 0
+    for rows, _, _, lengths in segments:
+        longest = max(lengths)
+        for row, n in zip(rows, lengths):
+            low[row], high[row] = start, start + n
+        longests.append(longest)
+        start += longest
+    return tuple(longests), tuple(low), tuple(high)
 
 
 #: The last mask each thread built, for the next layers of the same step.

@@ -352,11 +352,25 @@ class BatchSharedPrefixCache(_OverSuffix):
         self.suffix = suffix
 
     @property
+    def rows(self) -> list[tuple[Optional[PrefixGroup], int]]:
+        """``(group, num_prefix)`` of each row, in batch order (replaced, never
+        changed in place: what is derived from it is kept until it is)."""
+        return self._rows
+
+    @rows.setter
+    def rows(self, rows: list[tuple[Optional[PrefixGroup], int]]) -> None:
+        self._rows = rows
+        self._grouping: Optional[list[tuple[PrefixGroup, list[int], list[int]]]] = None
+        self._prefix_lengths: Any = None
+
+    @property
     def offset(self) -> Any:
         """Each row's tokens before its next one: prefix and suffix."""
         import mlx.core as mx
 
-        return mx.array([n for _, n in self.rows]) + self.suffix.offset
+        if self._prefix_lengths is None:
+            self._prefix_lengths = mx.array([n for _, n in self.rows])
+        return self._prefix_lengths + self.suffix.offset
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> Any:
         assert window_size is None, "a shared prefix serves full attention only"
@@ -386,17 +400,20 @@ class BatchSharedPrefixCache(_OverSuffix):
         return group is not None and self.layer == len(group.keys) - 1
 
     def segments(self) -> list[tuple[list[int], Any, Any, list[int]]]:
-        """Rows grouped by prefix: ``(rows, keys, values, prefix lengths)``."""
-        by_group: dict[int, tuple[PrefixGroup, list[int], list[int]]] = {}
-        for row, (group, n) in enumerate(self.rows):
-            if group is None or n == 0:
-                continue
-            entry = by_group.setdefault(id(group), (group, [], []))
-            entry[1].append(row)
-            entry[2].append(n)
+        """Rows grouped by prefix: ``(rows, keys, values, prefix lengths)``
+        (the row and length lists are the cache's own: read them only)."""
+        if self._grouping is None:
+            by_group: dict[int, tuple[PrefixGroup, list[int], list[int]]] = {}
+            for row, (group, n) in enumerate(self.rows):
+                if group is None or n == 0:
+                    continue
+                entry = by_group.setdefault(id(group), (group, [], []))
+                entry[1].append(row)
+                entry[2].append(n)
+            self._grouping = list(by_group.values())
         return [
             (rows, group.keys[self.layer], group.values[self.layer], lengths)
-            for group, rows, lengths in by_group.values()
+            for group, rows, lengths in self._grouping
         ]
 
     def suffix_buffer(self) -> tuple[Any, Any]:

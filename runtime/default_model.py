@@ -29,6 +29,7 @@ from mlxkv.cache.tiers import cache_dir
 
 __all__ = [
     "BENCH_LLAMA_722M",
+    "BENCH_LLAMA_722M_GRAPH",
     "BUILT_IN_MODELS",
     "BYTE_VOCAB",
     "DEFAULT_MODEL",
@@ -257,9 +258,21 @@ BENCH_LLAMA_722M = ModelSpec(
     dtype="bfloat16",
 )
 
+#: :data:`BENCH_LLAMA_722M`'s graph at a CPU's cost: its 16 layers and its 32
+#: query / 8 KV heads, of 8 dimensions (hidden 256, intermediate 512), in
+#: bfloat16. A step of it puts the same operations in MLX's graph as a step
+#: of the 722M model, and its host (Python) time is the same, so the CPU can
+#: measure what a GPU's host pays per step (``scripts/bench_step.py``).
+BENCH_LLAMA_722M_GRAPH = attrs.evolve(
+    BENCH_LLAMA_722M,
+    name="bench-llama-722m-graph",
+    config={**BENCH_LLAMA_722M.config, "hidden_size": 256, "intermediate_size": 512},
+)
+
 #: The built-in models by name: what ``--model NAME`` names in the scripts.
 BUILT_IN_MODELS = {
-    spec.name: spec for spec in (DEFAULT_MODEL, TINY_LLAMA, TINY_SLIDING_LLAMA, TINY_HYBRID, BENCH_LLAMA_722M)
+    spec.name: spec
+    for spec in (DEFAULT_MODEL, TINY_LLAMA, TINY_SLIDING_LLAMA, TINY_HYBRID, BENCH_LLAMA_722M, BENCH_LLAMA_722M_GRAPH)
 }
 
 

@@ -20,8 +20,9 @@ primitives ``mx.export_to_dot`` lists for what the step hands to
 ``mx.async_eval``; ``non-view``: less those that only view their input --
 transposes, broadcasts, slices, expanded or squeezed axes -- so roughly the
 kernels a GPU launches), the host's milliseconds to build the step (from
-the step's start to its ``async_eval``: Python and MLX building the graph,
-and on a GPU encoding its kernels), the step's wall milliseconds, and the
+the step's start to its ``async_eval`` on a drained device: Python and MLX
+building the graph; on a GPU, encoding its kernels follows), the step's
+wall milliseconds (steps queued as the runtime queues them), and the
 blocking evaluations (``mx.eval``) and ``async_eval`` calls a step makes.
 The graph and the evaluations are the same on every device; on a CPU the
 build time stands for the host's share of a GPU step, and the wall time is
@@ -81,8 +82,8 @@ class StepProbe:
 
         def async_eval(*args: Any) -> Any:
             self.async_evals += 1
-            if self.built_at is None:
-                self.built_at = time.perf_counter()
+            # The last one queues the step (a suffix growth comes first).
+            self.built_at = time.perf_counter()
             if self.count_ops:
                 self.ops = graph_ops(*[a for a in _flatten(args)])
                 self.count_ops = False
@@ -112,11 +113,16 @@ def _flatten(items: Any) -> list[Any]:
 
 
 def measure(step: Callable[[], None], warmup: int, steps: int) -> dict[str, Any]:
-    """Run ``step`` ``warmup`` times, then ``steps`` times measured."""
+    """Run ``step`` ``warmup`` times, then ``steps`` times measured as the
+    runtime runs them (each queued while the one before computes: wall time,
+    evaluations), then ``steps`` times more, each on a drained device, for
+    the host's time to build one: the device's work in flight, on a CPU's
+    other cores, would only add noise to it."""
     build, wall, evals, async_evals = [], [], [], []
     with StepProbe() as probe:
-        for index in range(warmup + steps):
-            if index == warmup:
+        for index in range(warmup + 2 * steps):
+            drained = index >= warmup + steps
+            if index == warmup or drained:
                 # Counted on a drained device: the graph of a step still in
                 # flight would be counted again with this one's.
                 mx.synchronize()
@@ -125,12 +131,12 @@ def measure(step: Callable[[], None], warmup: int, steps: int) -> dict[str, Any]
             started = time.perf_counter()
             step()
             ended = time.perf_counter()
-            if index < warmup:
-                continue
-            wall.append(ended - started)
-            build.append((probe.built_at or ended) - started)
-            evals.append(probe.evals)
-            async_evals.append(probe.async_evals)
+            if drained:
+                build.append((probe.built_at or ended) - started)
+            elif index >= warmup:
+                wall.append(ended - started)
+                evals.append(probe.evals)
+                async_evals.append(probe.async_evals)
         ops = probe.ops
     return {
         "ops": ops[0] if ops else None,

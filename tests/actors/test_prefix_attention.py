@@ -316,3 +316,36 @@ class TestStackedOverTheSuffixBuffer:
         (stacked, gathered) = calls
         assert stacked == ((1, 4, 3, 8), (1, 2, 64 + 3 * 16, 8), mx.bfloat16, (1, 1, 3, 64 + 3 * 16))
         assert gathered[2] == mx.bfloat16
+
+
+class TestDecodeLayoutKept:
+    """The cascade's decode step derives its row order and masks once for as
+    long as the rows see the same parts of the same prefixes (every layer of
+    a step, every step), and again when that changes."""
+
+    def test_reused_while_the_rows_are_the_same_and_remade_when_they_change(self):
+        from mlxkv.actors import prefix_attention as pa
+
+        rng = np.random.default_rng(3)
+        q = mx.array(rng.standard_normal((3, 4, 1, 8)).astype(np.float32))
+        k = mx.array(rng.standard_normal((3, 2, 5, 8)).astype(np.float32))
+        v = mx.array(rng.standard_normal((3, 2, 5, 8)).astype(np.float32))
+        pk = mx.array(rng.standard_normal((1, 2, 12, 8)).astype(np.float32))
+        pv = mx.array(rng.standard_normal((1, 2, 12, 8)).astype(np.float32))
+
+        def expected(rows, lengths):
+            seen = dict(zip(rows, lengths))
+            return mx.concatenate([
+                _fused(q[i : i + 1], [pk[:, :, : seen.get(i, 0)], k[i : i + 1]], [pv[:, :, : seen.get(i, 0)], v[i : i + 1]])
+                for i in range(3)
+            ])  # fmt: skip
+
+        first = [([2, 0], pk, pv, [12, 7])]
+        out = pa.cascade_attention(q, k, v, None, 8**-0.5, first)
+        layout = pa._DecodeLayout.of(3, first, q.dtype)
+        assert pa._DecodeLayout.of(3, [([2, 0], pk, pv, [12, 7])], q.dtype) is layout
+        np.testing.assert_allclose(np.array(out), np.array(expected([2, 0], [12, 7])), atol=ATTENTION_ATOL)
+        second = [([0, 1], pk, pv, [3, 12])]
+        out = pa.cascade_attention(q, k, v, None, 8**-0.5, second)
+        assert pa._DecodeLayout.of(3, second, q.dtype) is not layout
+        np.testing.assert_allclose(np.array(out), np.array(expected([0, 1], [3, 12])), atol=ATTENTION_ATOL)

@@ -85,3 +85,28 @@ class TestSpecs:
         per_layer = 2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 5632
         assert (config["hidden_size"], config["num_hidden_layers"], BENCH_LLAMA_722M.dtype) == (2048, 16, "bfloat16")
         assert 720e6 < 16 * per_layer < 725e6
+
+    def test_the_graph_proxy_has_the_gpu_models_layers_and_heads(self, tmp_path):
+        """``bench-llama-722m-graph`` stands for the 722M model's graph on a CPU:
+        its configuration is the 722M model's but for two widths (mlx-lm's
+        Llama builds its graph from the rest), in the same dtype, and a step
+        of it runs every layer."""
+        import io
+
+        from mlx_lm import load
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from mlxkv.default_model import BENCH_LLAMA_722M, BENCH_LLAMA_722M_GRAPH, BUILT_IN_MODELS
+
+        assert BUILT_IN_MODELS[BENCH_LLAMA_722M_GRAPH.name] is BENCH_LLAMA_722M_GRAPH
+        big, proxy = BENCH_LLAMA_722M.full_config(), BENCH_LLAMA_722M_GRAPH.full_config()
+        widths = {"hidden_size", "intermediate_size"}
+        assert {k: v for k, v in proxy.items() if k not in widths} == {k: v for k, v in big.items() if k not in widths}
+        assert BENCH_LLAMA_722M_GRAPH.dtype == BENCH_LLAMA_722M.dtype
+        assert proxy["hidden_size"] * proxy["intermediate_size"] * 64 <= big["hidden_size"] * big["intermediate_size"]
+        model, _ = load(str(ensure_model(BENCH_LLAMA_722M_GRAPH, tmp_path)))
+        cache = make_prompt_cache(model)
+        model(mx.array([[1, 2, 3]]), cache=cache)
+        out = io.StringIO()
+        mx.export_to_dot(out, model(mx.array([[4]]), cache=cache))
+        assert out.getvalue().count("shape=rectangle") > 16 * 10  # every layer's operations, not a stub
