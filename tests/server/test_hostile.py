@@ -132,14 +132,15 @@ class TestSlotsAndSampling:
             wide = await s.client.completions.create(
                 model="tiny", prompt="hello", max_tokens=4, temperature=1.0, extra_body={"top_k": 10**6}
             )
-            assert wide.usage.completion_tokens == 4
+            # Unseeded draws may pick the end-of-sequence token: a stop, not a failure.
+            assert wide.usage.completion_tokens == 4 or wide.choices[0].finish_reason == "stop"
             for extra in ({}, {"top_p": 0.9}, {"min_p": 0.1}):
                 options = {k: v for k, v in extra.items() if k == "top_p"}
                 reply = await s.client.completions.create(
                     model="tiny", prompt="hello", max_tokens=4, temperature=1.0,
                     extra_body={k: v for k, v in extra.items() if k != "top_p"}, **options,
                 )  # fmt: skip
-                assert reply.usage.completion_tokens == 4
+                assert reply.usage.completion_tokens == 4 or reply.choices[0].finish_reason == "stop"
             await still_serving(s)
 
 
