@@ -1,8 +1,10 @@
 """One decode step, whole model: what each way puts in MLX's graph and what the host spends on it.
 
-``R`` rows decode together over one ``P``-token prefix that they share, each
-with ``S`` tokens of its own (the prefix's blocks computed by the model,
-the rows prefilled by the runner). For each method, ``--steps`` steps after
+``R`` rows decode together over ``G`` prefixes of ``P`` tokens (``--groups``;
+one by default), row ``i`` over prefix ``i % G``, each with ``S`` tokens of
+its own (the prefixes' blocks computed by the model, the rows prefilled by
+the runner): a served chat's batch has a few system prompts, each shared
+by a few rows. For each method, ``--steps`` steps after
 ``--warmup`` are run the way the runtime runs them:
 
 - ``mlxkv, WAY`` for each shared-prefix way (``--ways``; default every
@@ -28,8 +30,8 @@ The graph and the evaluations are the same on every device; on a CPU the
 build time stands for the host's share of a GPU step, and the wall time is
 the CPU's arithmetic -- only a GPU's says what a GPU step costs.
 
-    .venv/bin/python scripts/bench_step.py [--model NAME|PATH] [--rows 8,32] [--prefix 2048] [--own 32]
-        [--ways cascade,stacked] [--steps 32] [--json FILE]
+    .venv/bin/python scripts/bench_step.py [--model NAME|PATH] [--rows 8,32] [--prefix 2048] [--groups 1]
+        [--own 32] [--ways cascade,stacked] [--steps 32] [--json FILE]
 """
 
 from __future__ import annotations
@@ -148,9 +150,13 @@ def measure(step: Callable[[], None], warmup: int, steps: int) -> dict[str, Any]
     }
 
 
-def prompts(rows: int, prefix: int, own: int) -> tuple[list[int], list[list[int]]]:
-    """bench_batch's shared prefix, and each row's own tokens."""
-    return _prefix(prefix), [[32 + (i * 13 + r * 29) % 95 for i in range(own)] for r in range(rows)]
+def prompts(rows: int, prefix: int, own: int, groups: int = 1) -> tuple[list[list[int]], list[list[int]]]:
+    """``groups`` prefixes (bench_batch's, its first token changed for each
+    group after the first), and each row's own tokens (row ``i`` goes after
+    prefix ``i % groups``)."""
+    shared = _prefix(prefix)
+    prefixes = [shared if g == 0 else [32 + (shared[0] - 32 + g) % 95, *shared[1:]] for g in range(groups)]
+    return prefixes, [[32 + (i * 13 + r * 29) % 95 for i in range(own)] for r in range(rows)]
 
 
 def prefix_cache(model: Any, shared: list[int]) -> list[Any]:
@@ -164,8 +170,11 @@ def prefix_cache(model: Any, shared: list[int]) -> list[Any]:
     return cache
 
 
-def mlxkv_steps(path: str, options: dict[str, Any], shared: list[int], owns: list[list[int]], block: int) -> Callable[[], None]:
-    """A decode batch of mlxkv's runner with every row joined; one call: one step."""
+def mlxkv_steps(
+    path: str, options: dict[str, Any], prefixes: list[list[int]], owns: list[list[int]], block: int
+) -> Callable[[], None]:
+    """A decode batch of mlxkv's runner with every row joined (row ``i`` over
+    ``prefixes[i % len(prefixes)]``); one call: one step."""
     from mlxkv.actors.compute_config import RunnerConfig
     from mlxkv.actors.decode_batch import DecodeBatch
     from mlxkv.actors.model_runner import TextRunner
@@ -174,13 +183,16 @@ def mlxkv_steps(path: str, options: dict[str, Any], shared: list[int], owns: lis
     from mlxkv.cache import kv_state
 
     runner = TextRunner.load(path, RunnerConfig(**options))
-    cache = prefix_cache(runner._model, shared)
-    payloads = tuple(kv_state.slice_blocks(cache, block, range(len(shared) // block), num_tokens=len(shared)))
-    del cache
+    payloads = []
+    for shared in prefixes:
+        cache = prefix_cache(runner._model, shared)
+        payloads.append(tuple(kv_state.slice_blocks(cache, block, range(len(shared) // block), num_tokens=len(shared))))
+        del cache
     sequences = []
     for index, own in enumerate(owns):
+        group = index % len(prefixes)
         spec = RequestSpec(
-            request_id=f"r{index}", prompt=shared + own, prefix=payloads, max_tokens=1 << 20,
+            request_id=f"r{index}", prompt=prefixes[group] + own, prefix=payloads[group], max_tokens=1 << 20,
             block_size=block, stop_tokens=frozenset(),
         )  # fmt: skip
         sequence = SequenceState(spec)
@@ -197,15 +209,16 @@ def mlxkv_steps(path: str, options: dict[str, Any], shared: list[int], owns: lis
     return step
 
 
-def mlx_lm_steps(path: str, shared: list[int], owns: list[list[int]]) -> Callable[[], None]:
-    """mlx-lm's ``BatchGenerator`` past every row's first token; one call: one step."""
+def mlx_lm_steps(path: str, prefixes: list[list[int]], owns: list[list[int]]) -> Callable[[], None]:
+    """mlx-lm's ``BatchGenerator`` past every row's first token (row ``i``
+    given a copy of ``prefixes[i % len(prefixes)]``'s cache); one call: one step."""
     from mlx_lm import load
     from mlx_lm.generate import BatchGenerator
 
     model, _ = load(path)
-    cache = prefix_cache(model, shared)
+    caches = [prefix_cache(model, shared) for shared in prefixes]
     generator = BatchGenerator(model, stop_tokens=[])
-    generator.insert(owns, [1 << 20] * len(owns), caches=[copy.deepcopy(cache) for _ in owns])
+    generator.insert(owns, [1 << 20] * len(owns), caches=[copy.deepcopy(caches[i % len(caches)]) for i in range(len(owns))])
     started: set[int] = set()
     while len(started) < len(owns):
         started.update(response.uid for response in generator.next_generated())
@@ -221,6 +234,7 @@ def main() -> None:
     parser.add_argument("--model", help="an mlx-lm model directory, or a built-in model's name (default: the built-in model)")
     parser.add_argument("--rows", default="8,32", help="rows decoding together, comma-separated (8,32)")
     parser.add_argument("--prefix", type=int, default=2048, help="tokens of the shared prefix (2048)")
+    parser.add_argument("--groups", type=int, default=1, help="prefixes the rows are spread over (1)")
     parser.add_argument("--own", type=int, default=32, help="each row's own tokens before decoding (32)")
     parser.add_argument("--ways", help="shared-prefix ways, comma-separated (default: all)")
     parser.add_argument("--steps", type=int, default=32, help="measured steps per method (32)")
@@ -234,6 +248,8 @@ def main() -> None:
     block = 64
     if args.prefix < block or args.prefix % block:
         parser.error(f"--prefix must be a positive multiple of {block}")
+    if args.groups < 1:
+        parser.error("--groups must be at least 1")
     ways = [PrefixAttention(w) for w in args.ways.split(",")] if args.ways else list(PrefixAttention)
     methods: dict[str, Callable[..., Callable[[], None]]] = {
         f"mlxkv, {way.value}": (lambda s, o, way=way: mlxkv_steps(path, {"prefix_attention": way}, s, o, block))
@@ -242,13 +258,16 @@ def main() -> None:
     methods["mlxkv, copies"] = lambda s, o: mlxkv_steps(path, {"shared_prefix": False}, s, o, block)
     methods["mlx-lm"] = lambda s, o: mlx_lm_steps(path, s, o)
     results: list[dict[str, Any]] = []
-    print(f"model {Path(path).name}, device {mx.default_device()}, prefix {args.prefix}, own {args.own}, {args.steps} steps")
+    print(
+        f"model {Path(path).name}, device {mx.default_device()}, {args.groups} prefix(es) of {args.prefix},"
+        f" own {args.own}, {args.steps} steps"
+    )
     print("| rows | method | ops | non-view ops | build ms | wall ms | evals | async_evals |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for rows in [int(r) for r in args.rows.split(",")]:
-        shared, owns = prompts(rows, args.prefix, args.own)
+        prefixes, owns = prompts(rows, args.prefix, args.own, args.groups)
         for name, make in methods.items():
-            step = make(shared, owns)
+            step = make(prefixes, owns)
             row = {"rows": rows, "method": name, **measure(step, args.warmup, args.steps)}
             del step
             mx.clear_cache()

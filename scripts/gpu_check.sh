@@ -53,7 +53,7 @@ if [ "$quick" = 1 ]; then
   settings=(--prefix-tokens 128 --settings 2x4 --rounds 1)
   sizes=(--sizes 2 --rounds 1)
   attention=(--quick --repeats 2 --warmup 1 --dtype float32 --heads 4 --kv-heads 2)
-  step_options=(--rows 2 --prefix 128 --own 8 --steps 3 --warmup 1)
+  step_options=(--rows 2 --prefix 128 --groups 2 --own 8 --steps 3 --warmup 1)
 else
   settings=(--prefix-tokens 2048 --settings 1x64,8x48,32x48 --rounds 2)
   sizes=(--sizes 8,32 --rounds 2)
