@@ -153,6 +153,12 @@ class RunnerConfig:
         kept_cache_memory: bytes the kept caches may hold together (an int or
             a size such as ``"1GiB"``: :func:`~mlxkv.units.parse_bytes`; 64 MiB
             by default); the most recent is kept whatever its size.
+        prefill_streams: the MLX streams a batched prefill's rows are spread
+            over, one model call each, run side by side
+            (:mod:`mlxkv.actors.prefill_streams`: where MLX runs on the CPU,
+            one stream multiplies on one core); None (the default): the
+            device's (on the CPU the cores this process may use, at most 8;
+            on a GPU one). ``model_info.prefill_streams`` says how many serve.
 
     Raises:
         InvalidInput: a field of the wrong type or out of range.
@@ -166,3 +172,4 @@ class RunnerConfig:
     kept_cache_memory: int = attrs.field(
         default=64 << 20, converter=lambda value: parse_bytes(value, argument="kept_cache_memory")
     )
+    prefill_streams: Optional[int] = attrs.field(default=None, validator=attrs.validators.optional(int_at_least(1)))

@@ -29,7 +29,8 @@ thread), which must give back whatever the result holds.
 
 Shutdown: :meth:`MLXThread.aclose` queues a stop sentinel after the jobs
 already queued (they still run), waits for the thread to reach it and joins
-the thread. The thread's last MLX act is ``mx.clear_streams()``: MLX requires
+the thread. The thread's last MLX act is ``mx.clear_streams()`` (which also
+drops streams its jobs made, such as a model runner's prefill streams): MLX requires
 every thread that used streams to destroy them before it ends, or the process
 can abort at exit (``terminate called without an active exception``). A
 thread still running when the interpreter exits (its runtime was never

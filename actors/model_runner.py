@@ -36,6 +36,7 @@ from mlxkv.cache.errors import InvalidInput
 from mlxkv.cache.kv_state import BlockPayload
 from mlxkv.cache.tiers.kv_layout import KVLayout
 from mlxkv.actors import attention_hook
+from mlxkv.actors.prefill_streams import StreamPool, default_prefill_streams, spread
 from mlxkv.actors.prefix_attention import PrefixAttention
 from mlxkv.cache.shared_prefix import (
     PrefixGroups,
@@ -107,6 +108,9 @@ class ModelInfo:
             prefills): plain and sliding-window KV layers of a text model;
             recurrent layers and vision-language models prefill one
             request at a time.
+        prefill_streams: the MLX streams a batched prefill's rows are
+            spread over, a call each (:mod:`mlxkv.actors.prefill_streams`;
+            1 without ``batch_prefill``).
         takes_images: whether the model sees images (a vision-language
             model).
         max_context: the most tokens a request may hold (prompt and
@@ -132,6 +136,7 @@ class ModelInfo:
     has_recurrent: bool
     batchable: bool = True
     batch_prefill: bool = False
+    prefill_streams: int = 1
     shared_prefix: bool = False
     prefix_attention: Optional[str] = None
     takes_images: bool = False
@@ -355,6 +360,8 @@ class CacheRunner(abc.ABC):
     _groups: Optional[PrefixGroups] = None
     #: the signature of the payloads this model's cache slices into
     _signature: tuple[Any, ...] = ()
+    #: the streams a batched prefill's rows are spread over (set by :meth:`_measure`)
+    _streams: StreamPool = StreamPool(1)
 
     @property
     def info(self) -> ModelInfo:
@@ -405,13 +412,16 @@ class CacheRunner(abc.ABC):
         self._trimmable = all(name in _TRIMMABLE for name in names)
         shared = shared_prefix and all(name == "KVCache" for name in names)
         self._groups = PrefixGroups() if shared else None
+        batch_prefill = self._batches_prefill and all(name in _BATCH_PREFILL for name in names)
+        if batch_prefill:
+            self._streams = StreamPool(self._runner_config.prefill_streams or default_prefill_streams())
         fields = {
             "shared_prefix": shared,
             "cache_layers": names,
             "has_recurrent": any(isinstance(layer, ArraysCache) for layer in cold),
             "batchable": all(name in _BATCHABLE for name in names),
-            "batch_prefill": self._batches_prefill
-            and all(name in _BATCH_PREFILL for name in names),
+            "batch_prefill": batch_prefill,
+            "prefill_streams": self._streams.count,
             "kv_bytes_per_token": kv_bytes,
             "state_bytes": state_bytes,
             "kv_layout": kv_layout,
@@ -654,7 +664,9 @@ class CacheRunner(abc.ABC):
 
     def _forward_rows(self, rows: list[tuple[SequenceState, Seq[int]]]) -> dict[int, Any]:
         """Run each row's tokens after its cache, all in one call (one row:
-        on its own cache); each row's last-position logits, by ``id``."""
+        on its own cache) or, with enough tokens, one call per prefill
+        stream (:func:`~mlxkv.actors.prefill_streams.spread`); each row's
+        last-position logits, by ``id``."""
         import mlx.core as mx
 
         if not rows:
@@ -663,6 +675,29 @@ class CacheRunner(abc.ABC):
             sequence, tokens = rows[0]
             start = sequence.num_computed
             return {id(sequence): self._run(sequence, sequence.cache, start, start + len(tokens))[0, -1]}
+        groups = spread([(row, len(row[1])) for row in rows], self._streams.count)
+        streams = self._streams.streams() if len(groups) > 1 else [None]
+        done: list[tuple[SequenceState, list[Any], Any]] = []
+        for group, stream in zip(groups, streams):
+            if stream is None:
+                done.extend(self._forward_group(group))
+                continue
+            with mx.stream(stream):
+                done.extend(self._forward_group(group))
+        # Every row's cache is taken out before any is replaced: if one cannot
+        # be, no request's state has changed (each can be run again alone).
+        out = {}
+        for sequence, cache, logits in done:
+            sequence.replace_cache(cache)
+            out[id(sequence)] = logits
+        return out
+
+    def _forward_group(self, rows: list[tuple[SequenceState, Seq[int]]]) -> list[tuple[SequenceState, list[Any], Any]]:
+        """Rows' tokens through one model call over their caches merged
+        (right-padded): each row, its cache taken out of the batch, and its
+        last-position logits. No row's own cache changes."""
+        import mlx.core as mx
+
         merged = self.merge([sequence.cache for sequence, _ in rows])
         lengths = [len(tokens) for _, tokens in rows]
         width = max(lengths)
@@ -675,14 +710,10 @@ class CacheRunner(abc.ABC):
         if max(padding):
             for layer in merged:
                 layer.finalize()
-        # Every row's cache is taken out before any is replaced: if one cannot
-        # be, no request's state has changed (each can be run again alone).
-        caches = [self.extract(merged, row) for row in range(len(rows))]
-        out = {}
-        for row, ((sequence, _), cache) in enumerate(zip(rows, caches)):
-            sequence.replace_cache(cache)
-            out[id(sequence)] = logits[row, lengths[row] - 1]
-        return out
+        return [
+            (sequence, self.extract(merged, row), logits[row, lengths[row] - 1])
+            for row, (sequence, _) in enumerate(rows)
+        ]
 
     def _forward(self, inputs: Any, cache: list[Any]) -> Any:
         """Token ids ``(batch, n)`` through the model on a batch cache: logits

@@ -124,6 +124,14 @@ def add_runtime_options(parser: argparse.ArgumentParser) -> None:
         " e.g. 1GiB ({default} bytes)",
     )
     option(
+        "--prefill-streams",
+        "prefill_streams",
+        RunnerConfig,
+        metavar="N",
+        help="MLX streams a prefill of several requests is spread over, a model call each, side by side"
+        " (default: on the CPU, where one stream multiplies on one core, the cores, at most 8; on a GPU 1)",
+    )
+    option(
         "--max-request-images",
         "max_request_images",
         metavar="N",

@@ -538,16 +538,20 @@ class TestBatching:
         assert batched_steps < solo_steps  # 4 x 15 steps alone; far fewer together
         assert stats.batched and stats.mean_batch_size > 1
 
+    @pytest.mark.parametrize("streams", [1, 3])
     @pytest.mark.parametrize("model_name", ["tiny_llama", "sliding_llama", "hybrid_model"])
-    async def test_requests_arriving_together_prefill_in_one_call(self, request, running, model_name):
+    async def test_requests_arriving_together_prefill_in_one_call(self, request, running, model_name, streams):
         """Requests arriving together, each over its own cached prefix and with
         its own length, prefill in one model call (plain and sliding-window
         KV; a hybrid's recurrent layers one request at a time) and give their
-        solo results."""
+        solo results; so do they spread over three prefill streams (99
+        tokens: three calls of at least 32 side by side, one of two rows)."""
         model_and_tokenizer = request.getfixturevalue(model_name)
         shared = _prompt(160, salt=1)
-        actor = _actor(model_and_tokenizer, keep_caches=False)
+        actor = _actor(model_and_tokenizer, keep_caches=False, prefill_streams=streams)
         async with _serving(running, actor) as compute:
+            info = await compute.describe()
+            assert info.prefill_streams == (1 if model_name == "hybrid_model" else streams)
             blocks = (await _run(compute, "seed", shared, max_tokens=1, stop_tokens=frozenset())).published
             # Prefixes of 0, 2, 3 and 4 blocks, own tails of different lengths.
             cases = [(k, shared[: k * BLOCK] + _prompt(9 + 7 * k, salt=10 + k)) for k in (0, 2, 3, 4)]
@@ -777,11 +781,16 @@ class TestFaults:
         assert failure.error.request_id == "bad" and "injected" in str(failure.error)
         assert stats.num_model_errors == 1 and stats.num_live == 0
 
+    @pytest.mark.parametrize("streams", [1, 2])
     @pytest.mark.parametrize("where", ["merge", "extract"])
-    async def test_a_fault_in_a_batched_prefill_stays_with_its_request(self, where, running, tiny_llama, monkeypatch):
-        """Four requests queued while the model is busy prefill in one call; if
-        merging or taking out one's cache raises there, it fails alone and the
-        others, run again one by one, give their solo results."""
+    async def test_a_fault_in_a_batched_prefill_stays_with_its_request(
+        self, where, streams, running, tiny_llama, monkeypatch
+    ):
+        """Four requests queued while the model is busy prefill in one call (or
+        one per prefill stream); if merging or taking out one's cache raises
+        there, it fails alone and the others, run again one by one, give their
+        solo results -- also those whose call, on another stream, was built
+        before the fault (no cache of theirs was replaced)."""
         from mlxkv.actors import model_runner
 
         model, tokenizer = tiny_llama
@@ -810,7 +819,7 @@ class TestFaults:
                 return honest(self, cache, row)
 
         gate = Gate()
-        actor = ComputeActor.with_model(Wrapped(model, gate), tokenizer)
+        actor = _actor((Wrapped(model, gate), tokenizer), prefill_streams=streams)
         async with _serving(running, actor) as compute:
             runs: dict[str, Run] = {}
 
@@ -830,7 +839,10 @@ class TestFaults:
         assert isinstance(final, Failed) and "injected" in str(final.error)
         for name, theirs in alone.items():
             _assert_same(runs[name], theirs)
-        assert sizes[0] == 4  # it failed first in the prefill of all four at once
+        # It failed first where all four were together: merged into the decode
+        # batch, or taking caches out of the prefill's one call -- or, over two
+        # streams, of the victim's own call (149 tokens against 39 + 54 + 69).
+        assert sizes[0] == (1 if where == "extract" and streams == 2 else 4)
         assert stats.num_live == 0
 
     async def test_a_failing_decode_step_fails_its_rows_only(self, running, tiny_llama):

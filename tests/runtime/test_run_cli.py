@@ -82,13 +82,13 @@ class TestWorkloadRuntime:
             ["--block-size", "16", "--max-blocks", "64", "--kv-bits", "8", "--kv-tier", "file:///tmp/x",
              "--kv-tier", "file:///tmp/y", "--prefill-chunk", "32", "--prefill-budget", "1024",
              "--decode-wait", "3", "--transpose-weights", "off", "--max-request-images", "2",
-             "--kept-cache-memory", "1GiB", "--trace", "events.jsonl"]
+             "--kept-cache-memory", "1GiB", "--prefill-streams", "3", "--trace", "events.jsonl"]
         )  # fmt: skip
         config = runtime_config(args, model="unused")
         assert config == RuntimeConfig(
             model="unused", block_size=16, max_blocks=64, kv_bits=8, kv_tiers=("file:///tmp/x", "file:///tmp/y"),
             prefill_chunk=32, prefill_budget=1024, decode_wait=3, transpose_weights=False,
-            max_request_images=2, kept_cache_memory=1 << 30, trace=True,
+            max_request_images=2, kept_cache_memory=1 << 30, prefill_streams=3, trace=True,
         )  # fmt: skip
         assert runtime_config(parser.parse_args([]), model="unused") == RuntimeConfig(model="unused")
 

@@ -1,0 +1,128 @@
+"""A batched prefill's rows spread over MLX streams: the grouping, the default, and the runner's calls."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mlxkv.actors.compute_config import RunnerConfig
+from mlxkv.actors.model_runner import TextRunner
+from mlxkv.actors.prefill_streams import (
+    MAX_DEFAULT_STREAMS,
+    MIN_TOKENS_PER_STREAM,
+    default_prefill_streams,
+    spread,
+)
+from mlxkv.actors.request import RequestSpec
+from mlxkv.actors.sequence import SequenceState
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(1, 300), min_size=1, max_size=12), streams=st.integers(1, 6))
+def test_spread_is_a_balanced_partition(tokens, streams):
+    """Every row in exactly one group, in their order; as many groups as the
+    streams, rows and tokens allow; the heaviest group at most one row above
+    the lightest."""
+    rows = [(f"r{i}", n) for i, n in enumerate(tokens)]
+    groups = spread(rows, streams)
+    assert sorted(row for group in groups for row in group) == sorted(name for name, _ in rows)
+    for group in groups:
+        assert group == sorted(group, key=lambda name: int(name[1:]))
+    expected = max(1, min(streams, len(rows), sum(tokens) // MIN_TOKENS_PER_STREAM))
+    assert len(groups) == expected
+    loads = [sum(dict(rows)[name] for name in group) for group in groups]
+    assert max(loads) - min(loads) <= max(tokens)
+
+
+def test_short_calls_are_not_split():
+    """A prompt's last token for 8 rows stays one call, whatever the streams."""
+    assert spread([(i, 1) for i in range(8)], 8) == [list(range(8))]
+    assert len(spread([(i, MIN_TOKENS_PER_STREAM) for i in range(8)], 8)) == 8
+
+
+def test_the_default_is_the_cores_on_the_cpu_and_one_on_a_gpu():
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert default_prefill_streams(mx.Device(mx.cpu)) == max(1, min(cores, MAX_DEFAULT_STREAMS))
+    assert default_prefill_streams(mx.Device(mx.gpu)) == 1
+
+
+def _rows(runner: TextRunner, lengths: list[int]) -> list[tuple[SequenceState, int]]:
+    rows = []
+    for index, length in enumerate(lengths):
+        prompt = [(i * 31 + index * 17) % 250 for i in range(length)]
+        spec = RequestSpec(request_id=f"r{index}", prompt=prompt, max_tokens=4, block_size=16, stop_tokens=frozenset())
+        sequence = SequenceState(spec)
+        runner.start(sequence)
+        rows.append((sequence, length))
+    return rows
+
+
+class _StreamsSeen:
+    """The model, recording the stream each call of more than one token ran on."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.streams: list[Any] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def __call__(self, inputs: Any, cache: Any = None) -> Any:
+        if inputs.shape[1] > 1:
+            self.streams.append(mx.default_stream(mx.default_device()))
+        return self.model(inputs, cache=cache)
+
+
+@pytest.mark.parametrize("streams", [2, 3])
+def test_rows_over_streams_give_the_one_call_logits(tiny_llama, streams):
+    """Four prompts (99 to 160 tokens) prefilled over several streams, a call
+    on each, give the logits of one call over all four (on the CPU bit for
+    bit) and the same caches after them."""
+    model, tokenizer = tiny_llama
+    lengths = [160, 99, 130, 120]
+    one = TextRunner(model, tokenizer, RunnerConfig(prefill_streams=1, keep_caches=False))
+    expected = one.prefill_batch(_rows(one, lengths))
+    seen = _StreamsSeen(model)
+    runner = TextRunner(seen, tokenizer, RunnerConfig(prefill_streams=streams, keep_caches=False))
+    assert runner.info.prefill_streams == streams
+    rows = _rows(runner, lengths)
+    seen.streams.clear()
+    got = runner.prefill_batch(rows)
+    assert len({str(stream) for stream in seen.streams}) == streams  # one body call a stream
+    for mine, theirs in zip(got, expected):
+        assert mine is not None and theirs is not None
+        if mx.default_device() == mx.cpu:
+            assert mx.array_equal(mine, theirs).item()
+        else:
+            assert mx.allclose(mine, theirs, atol=4e-3).item()
+    for (sequence, length), _ in zip(rows, lengths):
+        assert sequence.num_computed == length and sequence.cache[0].offset == length
+
+
+def test_no_cache_is_replaced_until_every_call_is_built(tiny_llama, monkeypatch):
+    """Taking a row's cache out of the last stream's call raises: every row
+    keeps the cache it had and the tokens it had computed (so each can run
+    again alone), those of the calls built before it too."""
+    model, tokenizer = tiny_llama
+    runner = TextRunner(model, tokenizer, RunnerConfig(prefill_streams=2, keep_caches=False))
+    rows = _rows(runner, [100, 90, 80, 70])
+    before = [(sequence.cache, sequence.num_computed) for sequence, _ in rows]
+    honest = TextRunner.extract
+    calls: list[int] = []
+
+    def failing(self: Any, cache: Any, row: int) -> Any:
+        calls.append(row)
+        if len(calls) == 3:  # the first row of the second call
+            raise RuntimeError("injected extract failure")
+        return honest(self, cache, row)
+
+    monkeypatch.setattr(TextRunner, "extract", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        runner.prefill_batch(rows)
+    assert [(sequence.cache, sequence.num_computed) for sequence, _ in rows] == before
