@@ -710,6 +710,11 @@ class CacheRunner(abc.ABC):
         if max(padding):
             for layer in merged:
                 layer.finalize()
+        # mlx-lm's extract reads a layer's padding (and a rotating layer's
+        # offsets) on the host, evaluating them a layer at a time: each is
+        # a wait for the device (on a GPU, for all work queued before it).
+        # One evaluation for every layer instead.
+        mx.eval([array for layer in merged for array in _read_by_extract(layer)])
         return [
             (sequence, self.extract(merged, row), logits[row, lengths[row] - 1])
             for row, (sequence, _) in enumerate(rows)
@@ -901,6 +906,20 @@ def context_unit(args: Any) -> int:
     head_dim = getattr(args, "head_dim", None) or hidden // heads
     per_token = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * inner
     return max(1, round(per_token / (2 * heads * head_dim)))
+
+
+def _read_by_extract(layer: Any) -> list[Any]:
+    """The small arrays mlx-lm's ``extract`` of a batch cache layer reads on
+    the host: its rows' left padding, and a rotating layer's offsets too (of
+    a shared-prefix layer, its suffix's)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchRotatingKVCache
+
+    layer = getattr(layer, "suffix", layer)
+    arrays = [getattr(layer, "left_padding", None)]
+    if isinstance(layer, BatchRotatingKVCache):
+        arrays.append(layer.offset)
+    return [array for array in arrays if isinstance(array, mx.array)]
 
 
 def cache_tokens(cache: Seq[Any]) -> int:

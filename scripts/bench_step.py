@@ -1,4 +1,4 @@
-"""One decode step, whole model: what each way puts in MLX's graph and what the host spends on it.
+"""One decode step or prefill chunk, whole model: what each way puts in MLX's graph and what the host spends on it.
 
 ``R`` rows decode together over ``G`` prefixes of ``P`` tokens (``--groups``;
 one by default), row ``i`` over prefix ``i % G``, each with ``S`` tokens of
@@ -30,8 +30,29 @@ The graph and the evaluations are the same on every device; on a CPU the
 build time stands for the host's share of a GPU step, and the wall time is
 the CPU's arithmetic -- only a GPU's says what a GPU step costs.
 
-    .venv/bin/python scripts/bench_step.py [--model NAME|PATH] [--rows 8,32] [--prefix 2048] [--groups 1]
-        [--own 32] [--ways cascade,stacked] [--steps 32] [--json FILE]
+``--phase prefill``: instead of decode steps, the prefill of the rows' own
+tokens after their cached prefixes (row ``i``'s first ``S - i * S // (2R)``
+of its ``S``: requests differ in length, so the batch is right-padded),
+each row's first token's logits
+evaluated (the runtime reads the first token at once) -- a served request's
+last chunk, its prompt's own part after a shared system prompt. ``mlxkv``'s
+methods: its runner starts every row (over its prefix group, or a copy of
+the prefix for ``copies``; each group held live by another request, as a
+served group is) and prefills them in one ``prefill_batch`` (its prefill
+streams as the device's default). ``mlx-lm``: ``BatchGenerator`` given a
+copy of the prefix cache per row, until every row's first token is out
+(which also queues its first decode step). Per method: the operations of
+every graph the prefill evaluates (summed over its evaluations), the
+host's milliseconds (the prefill's wall time less the time spent waiting
+in evaluations: building graphs), the wall milliseconds on a drained
+device, and the blocking evaluations (``evals``: the calls; ``working``:
+those with anything left to run -- mlx-lm's ``BatchKVCache.extract``
+evaluates its padding for every row, already evaluated after the first)
+and ``async_eval`` calls it makes: a blocking one with work waits for
+everything queued before it, a GPU's queue drained.
+
+    .venv/bin/python scripts/bench_step.py [--model NAME|PATH] [--phase decode|prefill] [--rows 8,32]
+        [--prefix 2048] [--groups 1] [--own 32] [--ways cascade,stacked] [--steps 32] [--json FILE]
 """
 
 from __future__ import annotations
@@ -39,6 +60,7 @@ from __future__ import annotations
 import argparse
 import copy
 import io
+import itertools
 import json
 import statistics
 import sys
@@ -74,16 +96,36 @@ class StepProbe:
         self.built_at: float | None = None
         self.ops: tuple[int, int] | None = None
         self.count_ops = False
+        #: count the graph of every evaluation into ``summed`` (a prefill's),
+        #: and the blocking ones that had any to run (``working_evals``)
+        self.sum_ops = False
+        self.summed = (0, 0)
+        self.working_evals = 0
+        #: seconds spent inside blocking evaluations
+        self.waiting = 0.0
+
+    def _add_ops(self, args: Any) -> int:
+        ops = graph_ops(*_flatten(args))
+        self.summed = (self.summed[0] + ops[0], self.summed[1] + ops[1])
+        return ops[0]
 
     def __enter__(self) -> StepProbe:
         self._eval, self._async_eval = mx.eval, mx.async_eval
 
         def eval_(*args: Any) -> Any:
             self.evals += 1
-            return self._eval(*args)
+            if self.sum_ops and self._add_ops(args):
+                self.working_evals += 1
+            started = time.perf_counter()
+            try:
+                return self._eval(*args)
+            finally:
+                self.waiting += time.perf_counter() - started
 
         def async_eval(*args: Any) -> Any:
             self.async_evals += 1
+            if self.sum_ops:
+                self._add_ops(args)
             # The last one queues the step (a suffix growth comes first).
             self.built_at = time.perf_counter()
             if self.count_ops:
@@ -100,6 +142,9 @@ class StepProbe:
     def mark(self) -> None:
         self.evals = self.async_evals = 0
         self.built_at = None
+        self.summed = (0, 0)
+        self.working_evals = 0
+        self.waiting = 0.0
 
 
 def _flatten(items: Any) -> list[Any]:
@@ -150,6 +195,40 @@ def measure(step: Callable[[], None], warmup: int, steps: int) -> dict[str, Any]
     }
 
 
+def measure_prefill(prepare: Callable[[], Callable[[], None]], warmup: int, repeats: int) -> dict[str, Any]:
+    """Run ``prepare()``'s prefill ``warmup`` times, once more counting its
+    graphs, then ``repeats`` times timed, each on a drained device (the
+    runtime waits for a prefill's first token before it goes on)."""
+    host, wall, evals, async_evals = [], [], [], []
+    with StepProbe() as probe:
+        for index in range(warmup + 1 + repeats):
+            run = prepare()
+            mx.synchronize()
+            probe.mark()
+            probe.sum_ops = index == warmup
+            started = time.perf_counter()
+            run()
+            ran = time.perf_counter()
+            mx.synchronize()
+            ended = time.perf_counter()
+            if index == warmup:
+                ops, working = probe.summed, probe.working_evals
+            elif index > warmup:
+                host.append(ran - started - probe.waiting)
+                wall.append(ended - started)
+                evals.append(probe.evals)
+                async_evals.append(probe.async_evals)
+    return {
+        "ops": ops[0],
+        "non_view_ops": ops[1],
+        "build_ms": statistics.median(host) * 1e3,
+        "wall_ms": statistics.median(wall) * 1e3,
+        "evals_per_step": statistics.mean(evals),
+        "working_evals_per_step": working,
+        "async_evals_per_step": statistics.mean(async_evals),
+    }
+
+
 def prompts(rows: int, prefix: int, own: int, groups: int = 1) -> tuple[list[list[int]], list[list[int]]]:
     """``groups`` prefixes (bench_batch's, its first token changed for each
     group after the first), and each row's own tokens (row ``i`` goes after
@@ -157,6 +236,12 @@ def prompts(rows: int, prefix: int, own: int, groups: int = 1) -> tuple[list[lis
     shared = _prefix(prefix)
     prefixes = [shared if g == 0 else [32 + (shared[0] - 32 + g) % 95, *shared[1:]] for g in range(groups)]
     return prefixes, [[32 + (i * 13 + r * 29) % 95 for i in range(own)] for r in range(rows)]
+
+
+def uneven(owns: list[list[int]]) -> list[list[int]]:
+    """Row ``i``'s first ``S - i * S // (2R)`` own tokens (a prefill's rows differ in length)."""
+    rows = len(owns)
+    return [own[: len(own) - i * len(own) // (2 * rows)] for i, own in enumerate(owns)]
 
 
 def prefix_cache(model: Any, shared: list[int]) -> list[Any]:
@@ -170,16 +255,15 @@ def prefix_cache(model: Any, shared: list[int]) -> list[Any]:
     return cache
 
 
-def mlxkv_steps(
-    path: str, options: dict[str, Any], prefixes: list[list[int]], owns: list[list[int]], block: int
-) -> Callable[[], None]:
-    """A decode batch of mlxkv's runner with every row joined (row ``i`` over
-    ``prefixes[i % len(prefixes)]``); one call: one step."""
+def _mlxkv_runner(
+    path: str, options: dict[str, Any], prefixes: list[list[int]], block: int
+) -> tuple[Any, Callable[..., Any]]:
+    """mlxkv's runner with ``options``, and a maker of request specs over
+    ``prefixes`` (their blocks computed by the model): ``spec(request_id,
+    group, own tokens, max_tokens)``."""
     from mlxkv.actors.compute_config import RunnerConfig
-    from mlxkv.actors.decode_batch import DecodeBatch
     from mlxkv.actors.model_runner import TextRunner
     from mlxkv.actors.request import RequestSpec
-    from mlxkv.actors.sequence import SequenceState
     from mlxkv.cache import kv_state
 
     runner = TextRunner.load(path, RunnerConfig(**options))
@@ -188,16 +272,30 @@ def mlxkv_steps(
         cache = prefix_cache(runner._model, shared)
         payloads.append(tuple(kv_state.slice_blocks(cache, block, range(len(shared) // block), num_tokens=len(shared))))
         del cache
-    sequences = []
-    for index, own in enumerate(owns):
-        group = index % len(prefixes)
-        spec = RequestSpec(
-            request_id=f"r{index}", prompt=prefixes[group] + own, prefix=payloads[group], max_tokens=1 << 20,
+
+    def spec(request_id: str, group: int, own: list[int], max_tokens: int) -> Any:
+        return RequestSpec(
+            request_id=request_id, prompt=prefixes[group] + own, prefix=payloads[group], max_tokens=max_tokens,
             block_size=block, stop_tokens=frozenset(),
         )  # fmt: skip
-        sequence = SequenceState(spec)
+
+    return runner, spec
+
+
+def mlxkv_steps(
+    path: str, options: dict[str, Any], prefixes: list[list[int]], owns: list[list[int]], block: int
+) -> Callable[[], None]:
+    """A decode batch of mlxkv's runner with every row joined (row ``i`` over
+    ``prefixes[i % len(prefixes)]``); one call: one step."""
+    from mlxkv.actors.decode_batch import DecodeBatch
+    from mlxkv.actors.sequence import SequenceState
+
+    runner, spec = _mlxkv_runner(path, options, prefixes, block)
+    sequences = []
+    for index, own in enumerate(owns):
+        sequence = SequenceState(spec(f"r{index}", index % len(prefixes), own, 1 << 20))
         runner.start(sequence)
-        logits = runner.prefill(sequence, len(spec.prompt))
+        logits = runner.prefill(sequence, len(sequence.prompt))
         sequence.emitted(int(mx.argmax(logits).item()))
         sequences.append(sequence)
     batch = DecodeBatch(runner)
@@ -207,6 +305,66 @@ def mlxkv_steps(
         batch.advance(1)
 
     return step
+
+
+def mlxkv_prefills(
+    path: str, options: dict[str, Any], prefixes: list[list[int]], owns: list[list[int]], block: int
+) -> Callable[[], Callable[[], None]]:
+    """Each call: a prefill to run -- every row (row ``i`` over
+    ``prefixes[i % len(prefixes)]``) started and prefilled in one
+    ``prefill_batch``, its first token's logits evaluated."""
+    from mlxkv.actors.sequence import SequenceState
+
+    owns = uneven(owns)
+    runner, spec = _mlxkv_runner(path, options, prefixes, block)
+    numbers = itertools.count()
+    # Another request holds each group live, as a served group is held by its decoding rows.
+    holders = [SequenceState(spec(f"holder{g}", g, [33], 1)) for g in range(len(prefixes))]
+    for holder in holders:
+        runner.start(holder)
+
+    def prepare() -> Callable[[], None]:
+        number = next(numbers)
+        specs = [spec(f"p{number}-{i}", i % len(prefixes), own, 1) for i, own in enumerate(owns)]
+
+        def run() -> None:
+            rows = []
+            for one in specs:
+                sequence = SequenceState(one)
+                runner.start(sequence)
+                rows.append((sequence, len(one.prompt)))
+            logits = runner.prefill_batch(rows)
+            mx.eval([row for row in logits if row is not None])
+
+        return run
+
+    prepare.holders = holders  # type: ignore[attr-defined]
+    return prepare
+
+
+def mlx_lm_prefills(path: str, prefixes: list[list[int]], owns: list[list[int]]) -> Callable[[], Callable[[], None]]:
+    """Each call: a prefill to run -- mlx-lm's ``BatchGenerator`` given a copy
+    of each row's prefix cache, until every row's first token is out."""
+    from mlx_lm import load
+    from mlx_lm.generate import BatchGenerator
+
+    owns = uneven(owns)
+    model, _ = load(path)
+    caches = [prefix_cache(model, shared) for shared in prefixes]
+
+    def prepare() -> Callable[[], None]:
+        copies = [copy.deepcopy(caches[i % len(caches)]) for i in range(len(owns))]
+
+        def run() -> None:
+            generator = BatchGenerator(model, stop_tokens=[])
+            generator.insert(owns, [1 << 20] * len(owns), caches=copies)
+            started: set[int] = set()
+            while len(started) < len(owns):
+                started.update(response.uid for response in generator.next_generated())
+
+        return run
+
+    return prepare
 
 
 def mlx_lm_steps(path: str, prefixes: list[list[int]], owns: list[list[int]]) -> Callable[[], None]:
@@ -232,12 +390,13 @@ def mlx_lm_steps(path: str, prefixes: list[list[int]], owns: list[list[int]]) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="an mlx-lm model directory, or a built-in model's name (default: the built-in model)")
+    parser.add_argument("--phase", choices=("decode", "prefill"), default="decode", help="what to measure (decode)")
     parser.add_argument("--rows", default="8,32", help="rows decoding together, comma-separated (8,32)")
     parser.add_argument("--prefix", type=int, default=2048, help="tokens of the shared prefix (2048)")
     parser.add_argument("--groups", type=int, default=1, help="prefixes the rows are spread over (1)")
-    parser.add_argument("--own", type=int, default=32, help="each row's own tokens before decoding (32)")
+    parser.add_argument("--own", type=int, default=32, help="each row's own tokens before decoding; with --phase prefill, those prefilled (32)")
     parser.add_argument("--ways", help="shared-prefix ways, comma-separated (default: all)")
-    parser.add_argument("--steps", type=int, default=32, help="measured steps per method (32)")
+    parser.add_argument("--steps", type=int, default=32, help="measured steps (or prefills) per method (32)")
     parser.add_argument("--warmup", type=int, default=4, help="unmeasured steps first (4)")
     parser.add_argument("--json", help="also write the results as JSON to FILE")
     args = parser.parse_args()
@@ -251,34 +410,47 @@ def main() -> None:
     if args.groups < 1:
         parser.error("--groups must be at least 1")
     ways = [PrefixAttention(w) for w in args.ways.split(",")] if args.ways else list(PrefixAttention)
-    methods: dict[str, Callable[..., Callable[[], None]]] = {
-        f"mlxkv, {way.value}": (lambda s, o, way=way: mlxkv_steps(path, {"prefix_attention": way}, s, o, block))
+    prefill = args.phase == "prefill"
+    mlxkv_maker, mlx_lm_maker = (mlxkv_prefills, mlx_lm_prefills) if prefill else (mlxkv_steps, mlx_lm_steps)
+    methods: dict[str, Callable[..., Any]] = {
+        f"mlxkv, {way.value}": (lambda s, o, way=way: mlxkv_maker(path, {"prefix_attention": way}, s, o, block))
         for way in ways
     }
-    methods["mlxkv, copies"] = lambda s, o: mlxkv_steps(path, {"shared_prefix": False}, s, o, block)
-    methods["mlx-lm"] = lambda s, o: mlx_lm_steps(path, s, o)
+    methods["mlxkv, copies"] = lambda s, o: mlxkv_maker(path, {"shared_prefix": False}, s, o, block)
+    methods["mlx-lm"] = lambda s, o: mlx_lm_maker(path, s, o)
+    measured = measure_prefill if prefill else measure
     results: list[dict[str, Any]] = []
     print(
-        f"model {Path(path).name}, device {mx.default_device()}, {args.groups} prefix(es) of {args.prefix},"
-        f" own {args.own}, {args.steps} steps"
+        f"model {Path(path).name}, device {mx.default_device()}, {args.phase}, {args.groups} prefix(es) of"
+        f" {args.prefix}, own {args.own}, {args.steps} {'prefills' if prefill else 'steps'}"
     )
-    print("| rows | method | ops | non-view ops | build ms | wall ms | evals | async_evals |")
+    working = " (working)" if prefill else ""
+    print(f"| rows | method | ops | non-view ops | build ms | wall ms | evals{working} | async_evals |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for rows in [int(r) for r in args.rows.split(",")]:
         prefixes, owns = prompts(rows, args.prefix, args.own, args.groups)
         for name, make in methods.items():
             step = make(prefixes, owns)
-            row = {"rows": rows, "method": name, **measure(step, args.warmup, args.steps)}
+            row = {"rows": rows, "method": name, **measured(step, args.warmup, args.steps)}
             del step
             mx.clear_cache()
             results.append(row)
+            evals = f"{row['evals_per_step']:g}"
+            if prefill:
+                evals += f" ({row['working_evals_per_step']})"
             print(
                 f"| {rows} | {name} | {row['ops']} | {row['non_view_ops']} | {row['build_ms']:.2f} | {row['wall_ms']:.2f}"
-                f" | {row['evals_per_step']:g} | {row['async_evals_per_step']:g} |",
+                f" | {evals} | {row['async_evals_per_step']:g} |",
                 flush=True,
             )
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": Path(path).name, "device": str(mx.default_device()), "results": results}, indent=2) + "\n")
+        Path(args.json).write_text(
+            json.dumps(
+                {"model": Path(path).name, "device": str(mx.default_device()), "phase": args.phase, "results": results},
+                indent=2,
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

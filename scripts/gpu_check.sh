@@ -3,7 +3,7 @@
 #
 # On the lent GPU machine, from the checkout's root, after ../shared/gpu/prepare here
 # (see DEVELOPERS' "Tools"): the first call copies .gpu/part_aa to /root/stage/; then
-#     bash .gpu/install.sh && bash scripts/gpu_check.sh step batch memory chat
+#     bash .gpu/install.sh && bash scripts/gpu_check.sh step prefill batch memory chat
 #     bash scripts/gpu_check.sh serve tests          (a later call, if device time is left)
 # (carrying .gpu/extra too, when scripts/gpu_extra_wheels.sh wrote it: the wheels the
 # serve step's client and the README's openai example need, installed first here).
@@ -11,6 +11,8 @@
 #   attention  scripts/bench_attention.py: one call of each shared-prefix attention way
 #   step       scripts/bench_step.py: one decode step of the whole model, each way, against
 #              per-row copies and mlx-lm's BatchGenerator (graph ops, host and wall ms)
+#   prefill    the same for a prefill of the rows' own tokens over 4 prefixes (--phase prefill):
+#              graph ops, host and wall ms, and the evaluations that wait for the device
 #   batch      scripts/bench_batch.py --prefix-tokens 2048 at 1, 8 and 32 requests, each way
 #   memory     scripts/bench_memory.py --sizes 8,32 (peak memory against the floor), each way
 #   chat       scripts/bench_chat.py: shared prefixes against copies
@@ -29,7 +31,7 @@ export MLXKV_CACHE_DIR=${MLXKV_CACHE_DIR:-/tmp/mlxkv-cache} HF_HUB_OFFLINE=1
 model=${GPU_CHECK_MODEL:-bench-llama-722m-bf16}
 python=${PYTHON:-python3}
 quick=${GPU_CHECK_QUICK:-0}
-steps=${*:-attention step batch memory chat serve tests}
+steps=${*:-attention step prefill batch memory chat serve tests}
 if [ -d .gpu/extra ] && ls .gpu/extra/*.whl > /dev/null 2>&1; then
   "$python" -m pip install -q --no-index --no-deps --no-compile .gpu/extra/*.whl > "$out/extra.txt" 2>&1 \
     || echo "extra wheels: install failed (see extra.txt)" | tee -a "$out/log.txt"
@@ -54,11 +56,13 @@ if [ "$quick" = 1 ]; then
   sizes=(--sizes 2 --rounds 1)
   attention=(--quick --repeats 2 --warmup 1 --dtype float32 --heads 4 --kv-heads 2)
   step_options=(--rows 2 --prefix 128 --groups 2 --own 8 --steps 3 --warmup 1)
+  prefill_options=(--rows 2 --prefix 128 --groups 2 --own 40 --steps 2 --warmup 1)
 else
   settings=(--prefix-tokens 2048 --settings 1x64,8x48,32x48 --rounds 2)
   sizes=(--sizes 8,32 --rounds 2)
   attention=()
   step_options=(--rows 8,32 --prefix 2048 --steps 48)
+  prefill_options=(--rows 8,32 --prefix 512 --groups 4 --own 96 --steps 8)
 fi
 ways=()
 for way in ${GPU_CHECK_WAYS:-stacked}; do ways+=(--also "prefix_attention=$way"); done
@@ -66,6 +70,7 @@ for step in $steps; do
   case $step in
     attention) run attention 180 "$python" scripts/bench_attention.py "${attention[@]}" --json "$out/attention.json" ;;
     step) run step 240 "$python" scripts/bench_step.py --model "$model" "${step_options[@]}" --json "$out/step.json" ;;
+    prefill) run prefill 240 "$python" scripts/bench_step.py --phase prefill --model "$model" "${prefill_options[@]}" --json "$out/prefill.json" ;;
     batch) run batch 300 "$python" scripts/bench_batch.py --model "$model" "${settings[@]}" "${ways[@]}" --json "$out/batch.json" ;;
     memory) run memory 240 "$python" scripts/bench_memory.py --model "$model" "${sizes[@]}" "${ways[@]}" --json "$out/memory.json" ;;
     chat) run chat 180 "$python" scripts/bench_chat.py --model "$model" --rounds 2 --json "$out/chat.json" ;;

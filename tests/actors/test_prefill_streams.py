@@ -126,3 +126,39 @@ def test_no_cache_is_replaced_until_every_call_is_built(tiny_llama, monkeypatch)
     with pytest.raises(RuntimeError, match="injected"):
         runner.prefill_batch(rows)
     assert [(sequence.cache, sequence.num_computed) for sequence, _ in rows] == before
+
+
+def _has_work(arrays: Any) -> bool:
+    """Whether evaluating ``arrays`` runs anything (an evaluated array's graph is empty)."""
+    import io
+
+    from mlx.utils import tree_flatten
+
+    flat = [a for _, a in tree_flatten(arrays) if isinstance(a, mx.array)]
+    out = io.StringIO()
+    mx.export_to_dot(out, *flat)
+    return "shape=rectangle" in out.getvalue()
+
+
+@pytest.mark.parametrize("model_name", ["tiny_llama", "sliding_llama"])
+def test_a_padded_prefill_waits_for_the_device_once_a_call(request, model_name, monkeypatch):
+    """Rows of different lengths prefill right-padded; taking their caches out
+    reads each layer's padding on the host (mlx-lm's extract evaluates it a
+    layer at a time). One evaluation with work a call, for every layer: on a
+    GPU each is a wait for everything queued."""
+    model, tokenizer = request.getfixturevalue(model_name)
+    runner = TextRunner(model, tokenizer, RunnerConfig(prefill_streams=1, keep_caches=False))
+    rows = [(sequence, length - 1) for sequence, length in _rows(runner, [70, 50, 40, 33])]  # bodies only
+    working: list[int] = []
+    honest = mx.eval
+
+    def counting(*arrays: Any) -> None:
+        if any(_has_work(a) for a in arrays):
+            working.append(1)
+        honest(*arrays)
+
+    monkeypatch.setattr(mx, "eval", counting)
+    assert runner.prefill_batch(rows) == [None] * 4
+    # The padding, then the rows' caches (prefill_batch evaluates the KV of
+    # chunks that do not end their prompt).
+    assert len(working) == 2

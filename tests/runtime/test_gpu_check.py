@@ -26,12 +26,12 @@ def test_a_quick_dry_run_measures_every_way(model_dir: Path, tmp_path: Path):
         "GPU_CHECK_MODEL": TINY_LLAMA.name, "GPU_CHECK_QUICK": "1",
     }  # fmt: skip
     done = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "attention", "step", "batch"],
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "attention", "step", "prefill", "batch"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     log = (tmp_path / "log.txt").read_text()
-    for step in ("model", "attention", "step", "batch"):
+    for step in ("model", "attention", "step", "prefill", "batch"):
         assert f"== {step}: status 0 in" in log, log
     results = json.loads((tmp_path / "attention.json").read_text())["results"]
     ways = {r["way"] for r in results}
@@ -45,5 +45,13 @@ def test_a_quick_dry_run_measures_every_way(model_dir: Path, tmp_path: Path):
     for r in step:
         assert r["ops"] > 0 and r["non_view_ops"] <= r["ops"] and r["wall_ms"] >= r["build_ms"] > 0, r
         assert r["evals_per_step"] == (1 if r["method"] == "mlx-lm" else 0), r  # mlxkv's steps never block
+    prefill = json.loads((tmp_path / "prefill.json").read_text())
+    assert prefill["phase"] == "prefill" and {r["method"] for r in prefill["results"]} == methods
+    for r in prefill["results"]:
+        assert r["ops"] > 0 and r["wall_ms"] >= r["build_ms"] > 0, r
+        # At most one wait a call for its rows' padding (a call per prefill
+        # stream: two here) and one for the first tokens' logits, not one a
+        # layer; mlx-lm's prefill waits twice.
+        assert 1 <= r["working_evals_per_step"] <= 3, r
     batch = json.loads((tmp_path / "batch.json").read_text())
     assert {"mlxkv", "mlxkv, prefix_attention=stacked"} <= set(batch["2x4"])
