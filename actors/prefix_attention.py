@@ -238,11 +238,11 @@ def _decode_step(
     group built for a turn 2 -- stays on this path). The weights then split
     into one product a segment with its prefix's values and one for the
     batch with the suffixes'. Nothing of the KV is copied but the suffixes,
-    gathered into segment order when the batch's rows are not in it. Beyond
-    one segment, each costs a product, a slice and a gather of its queries,
-    not a softmax of its own: on the CPU a step's graph nodes are much of
-    its time (the built-in model's step over 4 groups of 2 rows: 419 nodes,
-    against 475 with a softmax a segment and 305 over per-row copies). The
+    gathered into segment order when the batch's rows are not in it (the
+    queries too, once: each segment's are then a slice). Beyond one segment,
+    each costs a product and slices, not a softmax of its own nor a gather:
+    on the CPU a step's graph nodes are much of its time, and on a GPU its
+    kernels are (docs/benchmarks.md has the counts). The
     softmax accumulates in float32 whatever the model's dtype (``precise``).
     """
     import mlx.core as mx
@@ -259,9 +259,11 @@ def _decode_step(
         weights = mx.softmax(own_scores, axis=-1, precise=True)
         return (weights @ values[:, :, None]).astype(queries.dtype).reshape(batch, heads, 1, -1)
     layout = _DecodeLayout.of(batch, segments, own_scores.dtype)
+    # One gather into segment order; each segment's queries are then a view.
+    q_sorted = q if layout.order is None else q[layout.order]
     parts = []
     for (_, prefix_keys, _, _), part in zip(segments, layout.parts):
-        q_rows = q if part.index is None else q[part.index]
+        q_rows = q_sorted if part.rows == batch else q_sorted[part.start : part.start + part.rows]
         scores = q_rows @ _leading(prefix_keys, part.longest)[:, :, None].swapaxes(-1, -2)  # (rows, kv, rep, 1, P)
         if part.hidden is not None:
             scores = scores + part.hidden
@@ -289,15 +291,13 @@ def _decode_step(
 
 @attrs.frozen
 class _SegmentPart:
-    """One segment of a decode step's layout: its ``rows`` (how many), their
-    ``index`` into the batch (None: the whole batch, in order), the
+    """One segment of a decode step's layout: its ``rows`` (how many), the
     ``start`` of its rows in segment order, the ``longest`` part of its
     prefix any of them sees, and ``hidden``: 0 where a row sees a position
     of that part, ``-inf`` where it does not ``(rows, 1, 1, 1, longest)``
     (None: every row sees all of it)."""
 
     rows: int
-    index: Any
     start: int
     longest: int
     hidden: Any
@@ -344,8 +344,7 @@ class _DecodeLayout:
             if min(lengths) < longest:
                 visible = mx.arange(longest)[None] < mx.array(lengths)[:, None]  # (rows, P)
                 hidden = _as_bias(visible[:, None, None, None, :], dtype)
-            index = None if len(rows) == batch else mx.array(rows)
-            parts.append(_SegmentPart(len(rows), index, start, longest, hidden))
+            parts.append(_SegmentPart(len(rows), start, longest, hidden))
             start += len(rows)
         order_index = mx.array(order) if permuted else None
         inverse = mx.array(_inverse(order)) if permuted else None
