@@ -676,12 +676,9 @@ class CacheRunner(abc.ABC):
             start = sequence.num_computed
             return {id(sequence): self._run(sequence, sequence.cache, start, start + len(tokens))[0, -1]}
         groups = spread([(row, len(row[1])) for row in rows], self._streams.count)
-        streams = self._streams.streams() if len(groups) > 1 else [None]
+        streams = self._streams.streams() if len(groups) > 1 else [mx.default_stream(mx.default_device())]
         done: list[tuple[SequenceState, list[Any], Any]] = []
         for group, stream in zip(groups, streams):
-            if stream is None:
-                done.extend(self._forward_group(group))
-                continue
             with mx.stream(stream):
                 done.extend(self._forward_group(group))
         # Every row's cache is taken out before any is replaced: if one cannot

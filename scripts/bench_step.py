@@ -185,12 +185,20 @@ def measure(step: Callable[[], None], warmup: int, steps: int) -> dict[str, Any]
                 evals.append(probe.evals)
                 async_evals.append(probe.async_evals)
         ops = probe.ops
+    return _summary(ops or (None, None), build, wall, evals, async_evals)
+
+
+def _summary(
+    ops: tuple[Any, Any], build: list[float], wall: list[float], evals: list[int], async_evals: list[int], **more: Any
+) -> dict[str, Any]:
+    """One method's row: its graph's ops, and the medians (means for counts) of its timed runs."""
     return {
-        "ops": ops[0] if ops else None,
-        "non_view_ops": ops[1] if ops else None,
+        "ops": ops[0],
+        "non_view_ops": ops[1],
         "build_ms": statistics.median(build) * 1e3,
         "wall_ms": statistics.median(wall) * 1e3,
         "evals_per_step": statistics.mean(evals),
+        **more,
         "async_evals_per_step": statistics.mean(async_evals),
     }
 
@@ -218,15 +226,7 @@ def measure_prefill(prepare: Callable[[], Callable[[], None]], warmup: int, repe
                 wall.append(ended - started)
                 evals.append(probe.evals)
                 async_evals.append(probe.async_evals)
-    return {
-        "ops": ops[0],
-        "non_view_ops": ops[1],
-        "build_ms": statistics.median(host) * 1e3,
-        "wall_ms": statistics.median(wall) * 1e3,
-        "evals_per_step": statistics.mean(evals),
-        "working_evals_per_step": working,
-        "async_evals_per_step": statistics.mean(async_evals),
-    }
+    return _summary(ops, host, wall, evals, async_evals, working_evals_per_step=working)
 
 
 def prompts(rows: int, prefix: int, own: int, groups: int = 1) -> tuple[list[list[int]], list[list[int]]]:
