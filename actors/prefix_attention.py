@@ -495,7 +495,14 @@ def stacked_attention(
     :data:`~mlxkv.cache.shared_prefix.SUFFIX_STEP` tokens): MLX's CUDA
     backend builds a cuDNN graph for every new shape of a fused call (a
     step whose key length grew by one built one every step) and caches
-    them by shape. Other arguments and the result as :func:`cascade_attention`'s.
+    them by shape. For the same reason a decode step's rows are padded up to
+    a power of two (:func:`stacked_rows`: a padded row's query sees one
+    zero key, its output is dropped) and its prefixes' parts to a multiple
+    of :data:`STACKED_PREFIX_QUANTUM` positions (zero keys no row sees):
+    rows come and go every few steps of a busy batch (32 requests over one
+    prefix on the built-in model: 42 shapes in 249 steps unpadded), and a
+    served batch's prefixes change with them. Other arguments and the
+    result as :func:`cascade_attention`'s.
     """
     import mlx.core as mx
 
@@ -508,27 +515,59 @@ def stacked_attention(
     kv_heads, suffix = keys.shape[1], keys.shape[2]
     longests, low, high = _per_layout("stacked", batch, segments, None, lambda: _stacked_spans(batch, segments))
     total = sum(longests)
-    parts_k = [_leading(prefix_keys, n) for (_, prefix_keys, _, _), n in zip(segments, longests)]
-    parts_v = [_leading(prefix_values, n) for (_, _, prefix_values, _), n in zip(segments, longests)]
-    parts_k.append(keys.transpose(1, 0, 2, 3).reshape(1, kv_heads, batch * suffix, dim))
-    parts_v.append(values.transpose(1, 0, 2, 3).reshape(1, kv_heads, batch * suffix, values.shape[3]))
+    rows, width = (stacked_rows(batch), _round_up(total, STACKED_PREFIX_QUANTUM)) if length == 1 else (batch, total)
+    # [each segment's part; zeros to `width`; the rows' suffixes; zeros for the padded rows]
+    stacked_k = [_leading(prefix_keys, n) for (_, prefix_keys, _, _), n in zip(segments, longests)]
+    stacked_v = [_leading(prefix_values, n) for (_, _, prefix_values, _), n in zip(segments, longests)]
+    for parts, side in ((stacked_k, keys), (stacked_v, values)):
+        parts.append(_zeros(side, (1, kv_heads, width - total, side.shape[3])))
+        parts.append(side.transpose(1, 0, 2, 3).reshape(1, kv_heads, batch * suffix, side.shape[3]))
+        parts.append(_zeros(side, (1, kv_heads, (rows - batch) * suffix, side.shape[3])))
 
     def build() -> Any:
-        columns = mx.arange(total)[None]
-        seen = (columns >= mx.array(low)[:, None]) & (columns < mx.array(high)[:, None])  # (batch, P)
+        padded = rows - batch
+        columns = mx.arange(width)[None]
+        # A padded row sees the first column only: every query sees a key.
+        starts, stops = mx.array(low + (0,) * padded)[:, None], mx.array(high + (1,) * padded)[:, None]
+        seen = (columns >= starts) & (columns < stops)  # (rows, width)
         own = _suffix_mask(mask, batch, length, used, width=suffix)[:, 0]  # (batch, L, C)
-        rows = mx.arange(batch)
-        same_row = (rows[:, None] == rows[None])[:, None, :, None]  # (batch, 1, batch, 1)
-        block = (same_row & own[:, :, None, :]).reshape(batch * length, batch * suffix)
-        prefix = mx.broadcast_to(seen[:, None, :], (batch, length, total)).reshape(batch * length, total)
+        if padded:
+            own = mx.concatenate([own, mx.zeros((padded, length, suffix), dtype=mx.bool_)])
+        index = mx.arange(rows)
+        same_row = (index[:, None] == index[None])[:, None, :, None]  # (rows, 1, rows, 1)
+        block = (same_row & own[:, :, None, :]).reshape(rows * length, rows * suffix)
+        prefix = mx.broadcast_to(seen[:, None, :], (rows, length, width)).reshape(rows * length, width)
         return _as_bias(mx.concatenate([prefix, block], axis=-1)[None, None], queries.dtype)
 
     full = _per_step(("stacked", batch, length, used, suffix, low, high), mask, build)
-    stacked = queries.transpose(1, 0, 2, 3).reshape(1, heads, batch * length, dim)
-    out = mx.fast.scaled_dot_product_attention(
-        stacked, mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2), scale=scale, mask=full
-    )
-    return out.reshape(heads, batch, length, -1).transpose(1, 0, 2, 3)
+    if rows > batch:
+        queries = mx.concatenate([queries, _zeros(queries, (rows - batch, heads, length, dim))])
+    stacked = queries.transpose(1, 0, 2, 3).reshape(1, heads, rows * length, dim)
+    all_keys = mx.concatenate([part for part in stacked_k if part.shape[2]], axis=2)
+    all_values = mx.concatenate([part for part in stacked_v if part.shape[2]], axis=2)
+    out = mx.fast.scaled_dot_product_attention(stacked, all_keys, all_values, scale=scale, mask=full)
+    return out.reshape(heads, rows, length, -1)[:, :batch].transpose(1, 0, 2, 3)
+
+
+#: A stacked decode step's prefix parts are padded to a multiple of this many
+#: positions (see :func:`stacked_attention`).
+STACKED_PREFIX_QUANTUM = 256
+
+
+def stacked_rows(batch: int) -> int:
+    """The rows a stacked decode step of ``batch`` rows runs: the next power of two."""
+    return 1 << (batch - 1).bit_length()
+
+
+def _round_up(n: int, quantum: int) -> int:
+    return -(-n // quantum) * quantum
+
+
+def _zeros(like: Any, shape: tuple[int, ...]) -> Any:
+    """Zeros of ``shape`` in ``like``'s dtype, as a broadcast scalar (no kernel of their own)."""
+    import mlx.core as mx
+
+    return mx.broadcast_to(mx.array(0, dtype=like.dtype), shape)
 
 
 def _stacked_spans(batch: int, segments: Sequence[Segment]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:

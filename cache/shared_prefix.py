@@ -325,15 +325,28 @@ class SharedPrefixCache(_OverSuffix):
         # The room the rows have for tokens to come stays theirs: written in
         # place, the batch never regrows (and never holds two copies).
         room = max((c.suffix.keys.shape[2] - c.suffix.offset for c in caches if c.suffix.keys is not None), default=0)
-        if room and suffix.keys is not None:
-            import mlx.core as mx
-
-            b, h, _, d = suffix.keys.shape
-            suffix.keys = mx.concatenate([suffix.keys, mx.zeros((b, h, room, d), dtype=suffix.keys.dtype)], axis=2)
-            suffix.values = mx.concatenate(
-                [suffix.values, mx.zeros((b, h, room, suffix.values.shape[3]), dtype=suffix.values.dtype)], axis=2
-            )
+        _whole_steps(suffix, room)
         return BatchSharedPrefixCache([(c.group, c.num_prefix) for c in caches], caches[0].layer, suffix)
+
+
+def _whole_steps(suffix: Any, room: int = 0) -> None:
+    """Give a batch suffix ``room`` more positions and then up to whole
+    :data:`SUFFIX_STEP` positions, in one copy (mlx-lm's ``BatchKVCache``
+    makes other sizes on ``merge`` and trims the rows' common left padding
+    on ``filter``): a stacked decode step attends over the whole buffer, so
+    its fused call keeps its shapes from one batch's rows to the next
+    (:func:`~mlxkv.actors.prefix_attention.stacked_attention`)."""
+    if suffix.keys is None:
+        return
+    import mlx.core as mx
+
+    size = suffix.keys.shape[2]
+    room = -(-(size + room) // SUFFIX_STEP) * SUFFIX_STEP - size
+    if room:
+        for name in ("keys", "values"):
+            old = getattr(suffix, name)
+            b, h, _, d = old.shape
+            setattr(suffix, name, mx.concatenate([old, mx.zeros((b, h, room, d), dtype=old.dtype)], axis=2))
 
 
 class BatchSharedPrefixCache(_OverSuffix):
@@ -451,10 +464,11 @@ class BatchSharedPrefixCache(_OverSuffix):
         indices = [int(i) for i in (batch_indices.tolist() if hasattr(batch_indices, "tolist") else batch_indices)]
         self.rows = [self.rows[i] for i in indices]
         self.suffix.filter(batch_indices)
+        _whole_steps(self.suffix)
 
     def extend(self, other: BatchSharedPrefixCache) -> None:
         self.rows = self.rows + other.rows
-        self.suffix.extend(other.suffix)
+        self.suffix.extend(other.suffix)  # (whole steps: the longer of two such buffers)
 
     def extract(self, idx: int) -> SharedPrefixCache:
         group, n = self.rows[idx]

@@ -314,8 +314,58 @@ class TestStackedOverTheSuffixBuffer:
         stacked_attention(q, kbuf[:, :, :5], kbuf[:, :, :5], mask, 0.3, [([0, 1, 2], kp, kp, [64] * 3)], suffix_buffer=(kbuf, kbuf))
         gathered_attention(q, kbuf[:, :, :5], kbuf[:, :, :5], mask, 0.3, [([0, 1, 2], kp, kp, [64] * 3)])
         (stacked, gathered) = calls
-        assert stacked == ((1, 4, 3, 8), (1, 2, 64 + 3 * 16, 8), mx.bfloat16, (1, 1, 3, 64 + 3 * 16))
+        # 3 rows padded to 4; the 64-position prefix to STACKED_PREFIX_QUANTUM.
+        assert stacked == ((1, 4, 4, 8), (1, 2, 256 + 4 * 16, 8), mx.bfloat16, (1, 1, 4, 256 + 4 * 16))
         assert gathered[2] == mx.bfloat16
+
+
+class TestStackedShapesPadded:
+    """A stacked decode step runs its rows padded to a power of two and its
+    prefixes' parts to a multiple of STACKED_PREFIX_QUANTUM: rows coming and
+    going, and prefixes of other lengths, keep the fused call's shapes (a
+    GPU builds a cuDNN graph for each new one), and the padding changes no
+    row's attention."""
+
+    def test_rows_and_prefixes_of_other_sizes_share_one_shape_and_attend_exactly(self, monkeypatch):
+        from mlxkv.actors.prefix_attention import STACKED_PREFIX_QUANTUM, stacked_rows
+
+        rng = np.random.default_rng(5)
+        heads, kv_heads, dim, capacity = 4, 2, 8, 16
+        shapes: set[tuple[Any, ...]] = set()
+        real = mx.fast.scaled_dot_product_attention
+
+        def spy(q: Any, k: Any, v: Any, *, scale: float, mask: Any = None) -> Any:
+            if mask is not None:  # (the reference below runs unmasked)
+                shapes.add((q.shape, k.shape, mask.shape))
+            return real(q, k, v, scale=scale, mask=mask)
+
+        monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", spy)
+        for batch, sizes in ((5, (40, 100)), (6, (200,)), (7, (96, 96)), (8, (17, 30, 150))):
+            q = mx.array(rng.standard_normal((batch, heads, 1, dim)), dtype=mx.float32)
+            kbuf = mx.array(rng.standard_normal((batch, kv_heads, capacity, dim)), dtype=mx.float32)
+            vbuf = mx.array(rng.standard_normal((batch, kv_heads, capacity, dim)), dtype=mx.float32)
+            used = [3 + (b % 4) for b in range(batch)]
+            # Rows left-padded to the longest; the buffer's room past it is masked.
+            mask = mx.array([[[[j >= max(used) - u for j in range(max(used))]]] for u in used])
+            prefixes = [(mx.array(rng.standard_normal((1, kv_heads, n, dim)), dtype=mx.float32),) * 2 for n in sizes]
+            segments = []
+            for g, (kp, vp) in enumerate(prefixes):
+                rows = [b for b in range(batch) if b % len(sizes) == g]
+                seen = [kp.shape[2] - (b % 3) for b in rows]
+                segments.append((rows, kp, vp, seen))
+            top = max(used)
+            out = stacked_attention(
+                q, kbuf[:, :, :top], vbuf[:, :, :top], mask, dim**-0.5, segments, suffix_buffer=(kbuf, vbuf)
+            )
+            assert out.shape == (batch, heads, 1, dim)
+            for rows, kp, vp, seen in segments:
+                for b, n in zip(rows, seen):
+                    own = slice(top - used[b], top)
+                    expected = _fused(q[b : b + 1], [kp[:, :, :n], kbuf[b : b + 1, :, own]], [vp[:, :, :n], vbuf[b : b + 1, :, own]])
+                    np.testing.assert_allclose(np.array(out[b : b + 1]), np.array(expected), atol=TOL, rtol=0)
+        width = STACKED_PREFIX_QUANTUM
+        assert shapes == {((1, heads, 8, dim), (1, kv_heads, width + 8 * capacity, dim), (1, 1, 8, width + 8 * capacity))}
+        assert [stacked_rows(n) for n in (1, 2, 3, 5, 8, 9, 32, 33)] == [1, 2, 4, 8, 8, 16, 32, 64]
 
 
 class TestDecodeLayoutKept:

@@ -76,7 +76,12 @@ class TestCaches:
 
     def test_batches_merge_filter_extend_and_extract_suffixes(self, tiny_llama):
         """A batch of requests over prefixes keeps each row's group and prefix
-        length; filtering, extending and extracting move suffixes only."""
+        length; filtering, extending and extracting move suffixes only; the
+        batch's buffer stays whole suffix steps long (mlx-lm's trims it to
+        the rows' longest on filter: a stacked decode step's shapes would
+        change with every row that leaves)."""
+        from mlxkv.cache.shared_prefix import SUFFIX_STEP
+
         model, _ = tiny_llama
         group = PrefixGroup.build(block_payloads(model, list(range(64)), 16))
         caches = []
@@ -88,11 +93,14 @@ class TestCaches:
         assert isinstance(batch, BatchSharedPrefixCache)
         assert np.array(batch.offset).tolist() == [67, 37, 7]
         assert [rows for rows, *_ in batch.segments()] == [[0, 1]]
-        batch.filter(mx.array([1, 2]))
-        assert np.array(batch.offset).tolist() == [37, 7]
+        whole = lambda: batch.suffix.keys.shape[2] % SUFFIX_STEP == batch.suffix.values.shape[2] % SUFFIX_STEP == 0  # noqa: E731
+        assert whole()
+        batch.filter(mx.array([0, 1]))  # mlx-lm's filter cuts the rows' common left padding (2)
+        assert np.array(batch.offset).tolist() == [67, 37] and whole()
         more = SharedPrefixCache.merge([caches[0]])
         batch.extend(more)
-        assert np.array(batch.offset).tolist() == [37, 7, 67]
+        assert np.array(batch.offset).tolist() == [67, 37, 67] and whole()
+        assert np.array(batch.extract(1).suffix.state[0]).tolist() == np.full((1, 2, 5, 16), 5.0).tolist()
         row = batch.extract(2)
         assert isinstance(row, SharedPrefixCache) and row.group is group and row.num_prefix == 64
         assert row.suffix.offset == 3 and float(row.suffix.keys[0, 0, 0, 0]) == 3.0
