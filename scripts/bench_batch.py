@@ -29,6 +29,12 @@ over. Ratios are medians of the per-round ratios (each round's methods ran
 back to back, so a slow patch of the machine affects both sides of a ratio).
 Greedy tokens are compared across the methods (they must agree).
 
+With ``--fused-shapes`` it also counts, per method, the distinct shapes of
+the attention calls MLX's CUDA backend would run through cuDNN (several
+queries a row, in a half-precision model), which builds a graph for every
+new shape (``scripts/fused_calls.py``): a figure of the CPU that says what
+a GPU would pay in graphs.
+
 With ``--also KEY=VALUE`` another ``mlxkv`` runtime with those options runs
 too (``--also prefix_attention=stacked``: another way of attending over the
 shared prefix). With ``--plain`` a fifth, ``mlxkv-plain``, runs ``mlxkv``'s workload on a
@@ -228,6 +234,16 @@ async def _mlxkv(rt: Any, prefix: list[int], owns: list[list[int]], tokens: int)
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    from fused_calls import AttentionShapes
+
+    with AttentionShapes() if args.fused_shapes else contextlib.nullcontext() as shapes:
+        results = await _run(args, shapes)
+    if shapes is not None:
+        results["fused_shapes"] = shapes.summary()
+    return results
+
+
+async def _run(args: argparse.Namespace, shapes: Any) -> dict[str, Any]:
     from mlxkv import CacheRuntime
     from mlxkv.default_model import model_path
 
@@ -262,6 +278,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 order = list(samples)[shift:] + list(samples)[:shift]
                 outs = {}
                 for method in order:
+                    if shapes is not None:
+                        shapes.label = method
                     if method in runtimes:
                         outs[method] = await _mlxkv(runtimes[method], prefix, owns, tokens)
                     elif method == "batch_generate":
@@ -271,6 +289,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     else:
                         outs[method] = mlx_lm.sequential(owns, tokens)
                     samples[method].append(outs[method])
+                    if shapes is not None:
+                        shapes.label = None
                 reference = outs["stream_generate"]["tokens"]
                 for method in [m for m in samples if m != "stream_generate"]:
                     if outs[method]["tokens"] != reference:
@@ -301,7 +321,7 @@ def _table(results: dict[str, Any]) -> str:
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for setting, row in results.items():
-        if not isinstance(row, dict):
+        if not isinstance(row, dict) or setting == "fused_shapes":
             continue
         for method, figures in row.items():
             ratio = figures["mlxkv_over_this"]
@@ -355,12 +375,20 @@ def main() -> None:
         "--settings", type=_settings, default=_settings(SETTINGS),
         help=f"comma-separated REQUESTSxTOKENS ({SETTINGS})",
     )  # fmt: skip
+    parser.add_argument(
+        "--fused-shapes",
+        action="store_true",
+        help="also count, per method, the shapes of the attention calls MLX's CUDA backend runs through"
+        " cuDNN (a graph built for each new shape)",
+    )
     args = parser.parse_args()
     if args.prefix_tokens < 64:
         parser.error("--prefix-tokens must be at least one block (64)")
     results = anyio.run(main_async, args)
     print(_table(results))
     print(f"\nmlxkv mean decode batch size: {results['mlxkv_mean_batch_size']:.1f}")
+    for method, counts in results.get("fused_shapes", {}).items():
+        print(f"{method}: {counts['shapes']} shapes of attention calls cuDNN would run, in {counts['calls']} calls")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
 

@@ -20,8 +20,11 @@ by a few rows. For each method, ``--steps`` steps after
 Per method and step: the operations the step puts in MLX's graph (the
 primitives ``mx.export_to_dot`` lists for what the step hands to
 ``mx.async_eval``; ``non-view``: less those that only view their input --
-transposes, broadcasts, slices, expanded or squeezed axes -- so roughly the
-kernels a GPU launches), the host's milliseconds to build the step (from
+transposes, broadcasts, slices, expanded or squeezed axes); ``CUDA
+kernels``: the non-view ops with each of MLX's fused calls counted as the
+one kernel MLX's CUDA backend runs for it where it has one (off a GPU they
+run as several: :class:`FusedCalls`) -- what a CUDA step launches, each
+launch costing the host tens of microseconds there), the host's milliseconds to build the step (from
 the step's start to its ``async_eval`` on a drained device: Python and MLX
 building the graph; on a GPU, encoding its kernels follows), the step's
 wall milliseconds (steps queued as the runtime queues them), and the
@@ -58,8 +61,8 @@ everything queued before it, a GPU's queue drained.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
-import io
 import itertools
 import json
 import statistics
@@ -72,18 +75,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_batch import _prefix  # noqa: E402
-
-#: Primitives that only view their input (no kernel of their own).
-VIEWS = frozenset({"Broadcast", "Transpose", "Slice", "ExpandDims", "Squeeze", "AsStrided", "StopGradient"})
-
-
-def graph_ops(*arrays: Any) -> tuple[int, int]:
-    """(primitives, non-view primitives) MLX would run to evaluate ``arrays``."""
-    out = io.StringIO()
-    mx.export_to_dot(out, *arrays)
-    labels = [line.split('label ="', 1)[1].split('"', 1)[0] for line in out.getvalue().splitlines() if "shape=rectangle" in line]
-    return len(labels), sum(label not in VIEWS for label in labels)
-
+from fused_calls import FusedCalls, graph_ops  # noqa: E402
 
 class StepProbe:
     """Counts what the code between two :meth:`mark` calls evaluates: wraps
@@ -91,23 +83,29 @@ class StepProbe:
     ``mx.`` sees the wrappers) while it is entered."""
 
     def __init__(self) -> None:
+        self.fused = FusedCalls()
         self.evals = 0
         self.async_evals = 0
         self.built_at: float | None = None
-        self.ops: tuple[int, int] | None = None
+        self.ops: tuple[int, int, int] | None = None
         self.count_ops = False
         #: count the graph of every evaluation into ``summed`` (a prefill's),
         #: and the blocking ones that had any to run (``working_evals``)
         self.sum_ops = False
-        self.summed = (0, 0)
+        self.summed = (0, 0, 0)
         self.working_evals = 0
         #: seconds spent inside blocking evaluations
         self.waiting = 0.0
 
     def _add_ops(self, args: Any) -> int:
         ops = graph_ops(*_flatten(args))
-        self.summed = (self.summed[0] + ops[0], self.summed[1] + ops[1])
+        self.summed = (self.summed[0] + ops[0], self.summed[1] + ops[1], self.summed[2] + ops[1])
         return ops[0]
+
+    def _with_kernels(self, ops: tuple[int, int, int]) -> tuple[int, int, int]:
+        """``ops`` with its third count, non-view ops so far, made the CUDA
+        kernels: less the fused calls' surplus since :meth:`mark`."""
+        return (ops[0], ops[1], ops[2] - self.fused.surplus)
 
     def __enter__(self) -> StepProbe:
         self._eval, self._async_eval = mx.eval, mx.async_eval
@@ -129,7 +127,8 @@ class StepProbe:
             # The last one queues the step (a suffix growth comes first).
             self.built_at = time.perf_counter()
             if self.count_ops:
-                self.ops = graph_ops(*[a for a in _flatten(args)])
+                ops = graph_ops(*[a for a in _flatten(args)])
+                self.ops = self._with_kernels((*ops, ops[1]))
                 self.count_ops = False
             return self._async_eval(*args)
 
@@ -142,7 +141,8 @@ class StepProbe:
     def mark(self) -> None:
         self.evals = self.async_evals = 0
         self.built_at = None
-        self.summed = (0, 0)
+        self.fused.surplus = 0
+        self.summed = (0, 0, 0)
         self.working_evals = 0
         self.waiting = 0.0
 
@@ -176,7 +176,10 @@ def measure(step: Callable[[], None], warmup: int, steps: int) -> dict[str, Any]
             probe.mark()
             probe.count_ops = index == warmup
             started = time.perf_counter()
-            step()
+            # The fused calls are watched in the counted step only (their
+            # wrappers would add to a timed step's host time).
+            with probe.fused if probe.count_ops else contextlib.nullcontext():
+                step()
             ended = time.perf_counter()
             if drained:
                 build.append((probe.built_at or ended) - started)
@@ -185,7 +188,7 @@ def measure(step: Callable[[], None], warmup: int, steps: int) -> dict[str, Any]
                 evals.append(probe.evals)
                 async_evals.append(probe.async_evals)
         ops = probe.ops
-    return _summary(ops or (None, None), build, wall, evals, async_evals)
+    return _summary(ops or (None, None, None), build, wall, evals, async_evals)
 
 
 def _summary(
@@ -195,6 +198,7 @@ def _summary(
     return {
         "ops": ops[0],
         "non_view_ops": ops[1],
+        "cuda_kernels": ops[2],
         "build_ms": statistics.median(build) * 1e3,
         "wall_ms": statistics.median(wall) * 1e3,
         "evals_per_step": statistics.mean(evals),
@@ -215,12 +219,13 @@ def measure_prefill(prepare: Callable[[], Callable[[], None]], warmup: int, repe
             probe.mark()
             probe.sum_ops = index == warmup
             started = time.perf_counter()
-            run()
+            with probe.fused if probe.sum_ops else contextlib.nullcontext():
+                run()
             ran = time.perf_counter()
             mx.synchronize()
             ended = time.perf_counter()
             if index == warmup:
-                ops, working = probe.summed, probe.working_evals
+                ops, working = probe._with_kernels(probe.summed), probe.working_evals
             elif index > warmup:
                 host.append(ran - started - probe.waiting)
                 wall.append(ended - started)
@@ -425,8 +430,8 @@ def main() -> None:
         f" {args.prefix}, own {args.own}, {args.steps} {'prefills' if prefill else 'steps'}"
     )
     working = " (working)" if prefill else ""
-    print(f"| rows | method | ops | non-view ops | build ms | wall ms | evals{working} | async_evals |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(f"| rows | method | ops | non-view ops | CUDA kernels | build ms | wall ms | evals{working} | async_evals |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for rows in [int(r) for r in args.rows.split(",")]:
         prefixes, owns = prompts(rows, args.prefix, args.own, args.groups)
         for name, make in methods.items():
@@ -439,7 +444,8 @@ def main() -> None:
             if prefill:
                 evals += f" ({row['working_evals_per_step']})"
             print(
-                f"| {rows} | {name} | {row['ops']} | {row['non_view_ops']} | {row['build_ms']:.2f} | {row['wall_ms']:.2f}"
+                f"| {rows} | {name} | {row['ops']} | {row['non_view_ops']} | {row['cuda_kernels']} | {row['build_ms']:.2f}"
+                f" | {row['wall_ms']:.2f}"
                 f" | {evals} | {row['async_evals_per_step']:g} |",
                 flush=True,
             )

@@ -10,10 +10,11 @@
 # Steps, in the order given (default: all of them):
 #   attention  scripts/bench_attention.py: one call of each shared-prefix attention way
 #   step       scripts/bench_step.py: one decode step of the whole model, each way, against
-#              per-row copies and mlx-lm's BatchGenerator (graph ops, host and wall ms)
+#              per-row copies and mlx-lm's BatchGenerator (graph ops, CUDA kernels, host and wall ms)
 #   prefill    the same for a prefill of the rows' own tokens over 4 prefixes (--phase prefill):
 #              graph ops, host and wall ms, and the evaluations that wait for the device
 #   batch      scripts/bench_batch.py --prefix-tokens 2048 at 1, 8 and 32 requests, each way
+#              (and the shapes of the attention calls each asked cuDNN for: --fused-shapes)
 #   memory     scripts/bench_memory.py --sizes 8,32 (peak memory against the floor), each way
 #   chat       scripts/bench_chat.py: shared prefixes against copies
 #   serve      scripts/bench_serve.py --servers mlxkv,mlx-lm
@@ -71,7 +72,7 @@ for step in $steps; do
     attention) run attention 180 "$python" scripts/bench_attention.py "${attention[@]}" --json "$out/attention.json" ;;
     step) run step 240 "$python" scripts/bench_step.py --model "$model" "${step_options[@]}" --json "$out/step.json" ;;
     prefill) run prefill 240 "$python" scripts/bench_step.py --phase prefill --model "$model" "${prefill_options[@]}" --json "$out/prefill.json" ;;
-    batch) run batch 300 "$python" scripts/bench_batch.py --model "$model" "${settings[@]}" "${ways[@]}" --json "$out/batch.json" ;;
+    batch) run batch 300 "$python" scripts/bench_batch.py --model "$model" "${settings[@]}" "${ways[@]}" --fused-shapes --json "$out/batch.json" ;;
     memory) run memory 240 "$python" scripts/bench_memory.py --model "$model" "${sizes[@]}" "${ways[@]}" --json "$out/memory.json" ;;
     chat) run chat 180 "$python" scripts/bench_chat.py --model "$model" --rounds 2 --json "$out/chat.json" ;;
     serve) run serve 300 "$python" scripts/bench_serve.py --servers mlxkv,mlx-lm --model "$model" --rounds 1 --json "$out/serve.json" --logs "$out/serve-logs" ;;

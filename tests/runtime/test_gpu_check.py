@@ -44,6 +44,8 @@ def test_a_quick_dry_run_measures_every_way(model_dir: Path, tmp_path: Path):
     assert methods == {f"mlxkv, {way.value}" for way in PrefixAttention} | {"mlxkv, copies", "mlx-lm"}
     for r in step:
         assert r["ops"] > 0 and r["non_view_ops"] <= r["ops"] and r["wall_ms"] >= r["build_ms"] > 0, r
+        # On CUDA each layer's norms and rotary embedding are one kernel, not a CPU fallback's several.
+        assert 0 < r["cuda_kernels"] < r["non_view_ops"], r
         assert r["evals_per_step"] == (1 if r["method"] == "mlx-lm" else 0), r  # mlxkv's steps never block
     prefill = json.loads((tmp_path / "prefill.json").read_text())
     assert prefill["phase"] == "prefill" and {r["method"] for r in prefill["results"]} == methods
@@ -55,3 +57,8 @@ def test_a_quick_dry_run_measures_every_way(model_dir: Path, tmp_path: Path):
         assert 1 <= r["working_evals_per_step"] <= 3, r
     batch = json.loads((tmp_path / "batch.json").read_text())
     assert {"mlxkv", "mlxkv, prefix_attention=stacked"} <= set(batch["2x4"])
+    # mlx-lm's prefill and the stacked way's every call run several queries a
+    # row (cuDNN on CUDA); the CPU's cascade runs no fused call of them.
+    shapes = batch["fused_shapes"]
+    assert {"batch_generate", "mlxkv, prefix_attention=stacked"} <= set(shapes) <= set(batch["2x4"]), shapes
+    assert all(c["calls"] >= c["shapes"] >= 1 for c in shapes.values()), shapes
