@@ -130,8 +130,8 @@ class AttentionShapes:
         mx.fast.scaled_dot_product_attention = self._real
 
     def summary(self) -> dict[str, dict[str, int]]:
-        """Per label: its distinct shapes and its calls."""
+        """Per label: its distinct shapes, its calls, and each shape's calls (most first)."""
         return {
-            label: {"shapes": len(counts), "calls": sum(counts.values())}
+            label: {"shapes": len(counts), "calls": sum(counts.values()), "calls_per_shape": sorted(counts.values(), reverse=True)}
             for label, counts in sorted(self.shapes.items())
         }
