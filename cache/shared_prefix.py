@@ -341,7 +341,7 @@ def _whole_steps(suffix: Any, room: int = 0) -> None:
     import mlx.core as mx
 
     size = suffix.keys.shape[2]
-    room = -(-(size + room) // SUFFIX_STEP) * SUFFIX_STEP - size
+    room = _capacity(size, room) - size
     if room:
         for name in ("keys", "values"):
             old = getattr(suffix, name)
