@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlx.core as mx
+
 from mlxkv.actors.prefix_attention import PrefixAttention
 from mlxkv.default_model import TINY_LLAMA, ensure_model
 
@@ -44,8 +46,11 @@ def test_a_quick_dry_run_measures_every_way(model_dir: Path, tmp_path: Path):
     assert methods == {f"mlxkv, {way.value}" for way in PrefixAttention} | {"mlxkv, copies", "mlx-lm"}
     for r in step:
         assert r["ops"] > 0 and r["non_view_ops"] <= r["ops"] and r["wall_ms"] >= r["build_ms"] > 0, r
-        # On CUDA each layer's norms and rotary embedding are one kernel, not a CPU fallback's several.
-        assert 0 < r["cuda_kernels"] < r["non_view_ops"], r
+        # On CUDA each layer's norms and rotary embedding are one kernel, not
+        # a CPU fallback's several (a GPU's graph holds them as one already).
+        assert 0 < r["cuda_kernels"] <= r["non_view_ops"], r
+        if mx.default_device().type == mx.DeviceType.cpu:
+            assert r["cuda_kernels"] < r["non_view_ops"], r
         assert r["evals_per_step"] == (1 if r["method"] == "mlx-lm" else 0), r  # mlxkv's steps never block
     prefill = json.loads((tmp_path / "prefill.json").read_text())
     assert prefill["phase"] == "prefill" and {r["method"] for r in prefill["results"]} == methods
