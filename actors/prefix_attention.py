@@ -407,13 +407,19 @@ def gathered_attention(
     row sees; a row sees its own part, the rest is masked), put before the
     suffixes, and one fused call runs over all of it: a batch entry a row.
     The prefix stays held once; the transient is freed with the layer's
-    attention. Arguments and result as :func:`cascade_attention`'s.
+    attention. A prefill chunk's call (several queries a row: cuDNN on
+    CUDA, a graph built for every new shape) runs its queries padded to a
+    multiple of :data:`GATHERED_QUERY_QUANTUM` (a padded query sees one key;
+    its output is dropped) and its keys to a multiple of
+    :data:`STACKED_PREFIX_QUANTUM` (zero keys no query sees): a served
+    chat's prefill calls differ in their rows' lengths almost every time.
+    Arguments and result as :func:`cascade_attention`'s.
     """
     import mlx.core as mx
 
     if _additive(mask) or not segments:
         return cascade_attention(queries, keys, values, mask, scale, segments)
-    batch, _, length, _ = queries.shape
+    batch, heads, length, _ = queries.shape
     kv_heads, dim, dtype = keys.shape[1], keys.shape[3], keys.dtype
     width = max(max(lengths) for _, _, _, lengths in segments)
     seen = [0] * batch
@@ -437,21 +443,37 @@ def gathered_attention(
         where = mx.array(_inverse(order))
         prefix_k, prefix_v = prefix_k[where], prefix_v[where]
     suffix = keys.shape[2]
+    if length > 1:
+        rows_len = _round_up(length, GATHERED_QUERY_QUANTUM)
+        room = _round_up(width + suffix, STACKED_PREFIX_QUANTUM) - width - suffix
+    else:
+        rows_len, room = length, 0
 
     def build() -> Any:
         visible = mx.arange(width)[None] < mx.array(seen)[:, None]  # (batch, W)
         own = _suffix_mask(mask, batch, length, suffix)  # (batch, 1, L, S)
-        full = mx.concatenate([mx.broadcast_to(visible[:, None, None, :], (batch, 1, length, width)), own], axis=-1)
+        parts = [mx.broadcast_to(visible[:, None, None, :], (batch, 1, length, width)), own]
+        if room:
+            parts.append(mx.zeros((batch, 1, length, room), dtype=mx.bool_))
+        full = mx.concatenate(parts, axis=-1)
+        if rows_len > length:
+            # A padded query sees the first key only: every query sees one.
+            first = mx.arange(full.shape[-1]) == 0
+            full = mx.concatenate([full, mx.broadcast_to(first, (batch, 1, rows_len - length, full.shape[-1]))], axis=2)
         return _as_bias(full, queries.dtype)
 
     full = _per_step(("gathered", batch, length, suffix, width, tuple(seen)), mask, build)
-    return mx.fast.scaled_dot_product_attention(
-        queries,
-        mx.concatenate([prefix_k, keys], axis=2),
-        mx.concatenate([prefix_v, values], axis=2),
-        scale=scale,
-        mask=full,
-    )
+    if rows_len > length:
+        queries = mx.concatenate([queries, _zeros(queries, (batch, heads, rows_len - length, queries.shape[3]))], axis=2)
+    all_keys = mx.concatenate([prefix_k, keys, _zeros(keys, (batch, kv_heads, room, dim))], axis=2)
+    all_values = mx.concatenate([prefix_v, values, _zeros(values, (batch, kv_heads, room, values.shape[3]))], axis=2)
+    out = mx.fast.scaled_dot_product_attention(queries, all_keys, all_values, scale=scale, mask=full)
+    return out if rows_len == length else out[:, :, :length]
+
+
+#: A gathered prefill call's queries are padded to a multiple of this many
+#: (see :func:`gathered_attention`).
+GATHERED_QUERY_QUANTUM = 32
 
 
 def mixed_attention(

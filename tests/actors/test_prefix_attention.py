@@ -368,6 +368,41 @@ class TestStackedShapesPadded:
         assert [stacked_rows(n) for n in (1, 2, 3, 5, 8, 9, 32, 33)] == [1, 2, 4, 8, 8, 16, 32, 64]
 
 
+class TestGatheredPrefillShapesPadded:
+    def test_prefill_chunks_of_other_lengths_share_one_shape_and_attend_exactly(self, monkeypatch):
+        """A gathered prefill call (the GPU default's) pads its queries to a
+        multiple of GATHERED_QUERY_QUANTUM and its keys to one of
+        STACKED_PREFIX_QUANTUM: chunks of 5 to 30 tokens over prefix parts of
+        40 to 200 share one fused shape, and each row's attention is exact."""
+        from mlxkv.actors.prefix_attention import GATHERED_QUERY_QUANTUM, STACKED_PREFIX_QUANTUM
+
+        rng = np.random.default_rng(9)
+        batch, heads, kv_heads, dim = 2, 4, 2, 8
+        shapes: set[tuple[Any, ...]] = set()
+        real = mx.fast.scaled_dot_product_attention
+
+        def spy(q: Any, k: Any, v: Any, *, scale: float, mask: Any = None) -> Any:
+            if mask is not None and not isinstance(mask, str) and mask.ndim == 4 and mask.shape[0] == batch:
+                shapes.add((q.shape, k.shape, mask.shape))
+            return real(q, k, v, scale=scale, mask=mask)
+
+        monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", spy)
+        for length, size, seen in ((5, 40, [40, 33]), (30, 200, [200, 120]), (17, 96, [64, 96])):
+            q = mx.array(rng.standard_normal((batch, heads, length, dim)), dtype=mx.float32)
+            ks = mx.array(rng.standard_normal((batch, kv_heads, length, dim)), dtype=mx.float32)
+            vs = mx.array(rng.standard_normal((batch, kv_heads, length, dim)), dtype=mx.float32)
+            kp = mx.array(rng.standard_normal((1, kv_heads, size, dim)), dtype=mx.float32)
+            vp = mx.array(rng.standard_normal((1, kv_heads, size, dim)), dtype=mx.float32)
+            out = gathered_attention(q, ks, vs, "causal", dim**-0.5, [([0, 1], kp, vp, seen)])
+            assert out.shape == (batch, heads, length, dim)
+            for b, n in enumerate(seen):
+                causal = mx.arange(n, n + length)[:, None] >= mx.arange(n + length)[None]
+                expected = _fused(q[b : b + 1], [kp[:, :, :n], ks[b : b + 1]], [vp[:, :, :n], vs[b : b + 1]], causal)
+                np.testing.assert_allclose(np.array(out[b : b + 1]), np.array(expected), atol=TOL, rtol=0)
+        rows, keys = GATHERED_QUERY_QUANTUM, STACKED_PREFIX_QUANTUM
+        assert shapes == {((batch, heads, rows, dim), (batch, kv_heads, keys, dim), (batch, 1, rows, keys))}
+
+
 class TestDecodeLayoutKept:
     """The cascade's decode step derives its row order and masks once for as
     long as the rows see the same parts of the same prefixes (every layer of
