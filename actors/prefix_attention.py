@@ -409,9 +409,9 @@ def gathered_attention(
     The prefix stays held once; the transient is freed with the layer's
     attention. A prefill chunk's call (several queries a row: cuDNN on
     CUDA, a graph built for every new shape) runs its queries padded to a
-    multiple of :data:`GATHERED_QUERY_QUANTUM` (a padded query sees one key;
+    multiple of :data:`QUERIES_QUANTUM` (a padded query sees one key;
     its output is dropped) and its keys to a multiple of
-    :data:`STACKED_PREFIX_QUANTUM` (zero keys no query sees): a served
+    :data:`KEYS_QUANTUM` (zero keys no query sees): a served
     chat's prefill calls differ in their rows' lengths almost every time.
     Arguments and result as :func:`cascade_attention`'s.
     """
@@ -420,7 +420,7 @@ def gathered_attention(
     if _additive(mask) or not segments:
         return cascade_attention(queries, keys, values, mask, scale, segments)
     batch, heads, length, _ = queries.shape
-    kv_heads, dim, dtype = keys.shape[1], keys.shape[3], keys.dtype
+    kv_heads, dim = keys.shape[1], keys.shape[3]
     width = max(max(lengths) for _, _, _, lengths in segments)
     seen = [0] * batch
     parts_k, parts_v, order = [], [], []
@@ -434,8 +434,8 @@ def gathered_attention(
     grouped = set(order)
     alone = [row for row in range(batch) if row not in grouped]
     if alone:
-        parts_k.append(mx.zeros((len(alone), kv_heads, width, dim), dtype=dtype))
-        parts_v.append(mx.zeros((len(alone), kv_heads, width, values.shape[3]), dtype=values.dtype))
+        parts_k.append(_zeros(keys, (len(alone), kv_heads, width, dim)))
+        parts_v.append(_zeros(values, (len(alone), kv_heads, width, values.shape[3])))
         order += alone
     prefix_k = parts_k[0] if len(parts_k) == 1 else mx.concatenate(parts_k)
     prefix_v = parts_v[0] if len(parts_v) == 1 else mx.concatenate(parts_v)
@@ -444,8 +444,8 @@ def gathered_attention(
         prefix_k, prefix_v = prefix_k[where], prefix_v[where]
     suffix = keys.shape[2]
     if length > 1:
-        rows_len = _round_up(length, GATHERED_QUERY_QUANTUM)
-        room = _round_up(width + suffix, STACKED_PREFIX_QUANTUM) - width - suffix
+        rows_len = _round_up(length, QUERIES_QUANTUM)
+        room = _round_up(width + suffix, KEYS_QUANTUM) - width - suffix
     else:
         rows_len, room = length, 0
 
@@ -465,15 +465,10 @@ def gathered_attention(
     full = _per_step(("gathered", batch, length, suffix, width, tuple(seen)), mask, build)
     if rows_len > length:
         queries = mx.concatenate([queries, _zeros(queries, (batch, heads, rows_len - length, queries.shape[3]))], axis=2)
-    all_keys = mx.concatenate([prefix_k, keys, _zeros(keys, (batch, kv_heads, room, dim))], axis=2)
-    all_values = mx.concatenate([prefix_v, values, _zeros(values, (batch, kv_heads, room, values.shape[3]))], axis=2)
+    all_keys = _joined([prefix_k, keys, _zeros(keys, (batch, kv_heads, room, dim))])
+    all_values = _joined([prefix_v, values, _zeros(values, (batch, kv_heads, room, values.shape[3]))])
     out = mx.fast.scaled_dot_product_attention(queries, all_keys, all_values, scale=scale, mask=full)
     return out if rows_len == length else out[:, :, :length]
-
-
-#: A gathered prefill call's queries are padded to a multiple of this many
-#: (see :func:`gathered_attention`).
-GATHERED_QUERY_QUANTUM = 32
 
 
 def mixed_attention(
@@ -520,7 +515,7 @@ def stacked_attention(
     them by shape. For the same reason a decode step's rows are padded up to
     a power of two (:func:`stacked_rows`: a padded row's query sees one
     zero key, its output is dropped) and its prefixes' parts to a multiple
-    of :data:`STACKED_PREFIX_QUANTUM` positions (zero keys no row sees):
+    of :data:`KEYS_QUANTUM` positions (zero keys no row sees):
     rows come and go every few steps of a busy batch (32 requests over one
     prefix on the built-in model: 42 shapes in 249 steps unpadded), and a
     served batch's prefixes change with them. Other arguments and the
@@ -537,7 +532,7 @@ def stacked_attention(
     kv_heads, suffix = keys.shape[1], keys.shape[2]
     longests, low, high = _per_layout("stacked", batch, segments, None, lambda: _stacked_spans(batch, segments))
     total = sum(longests)
-    rows, width = (stacked_rows(batch), _round_up(total, STACKED_PREFIX_QUANTUM)) if length == 1 else (batch, total)
+    rows, width = (stacked_rows(batch), _round_up(total, KEYS_QUANTUM)) if length == 1 else (batch, total)
     # [each segment's part; zeros to `width`; the rows' suffixes; zeros for the padded rows]
     stacked_k = [_leading(prefix_keys, n) for (_, prefix_keys, _, _), n in zip(segments, longests)]
     stacked_v = [_leading(prefix_values, n) for (_, _, prefix_values, _), n in zip(segments, longests)]
@@ -565,15 +560,18 @@ def stacked_attention(
     if rows > batch:
         queries = mx.concatenate([queries, _zeros(queries, (rows - batch, heads, length, dim))])
     stacked = queries.transpose(1, 0, 2, 3).reshape(1, heads, rows * length, dim)
-    all_keys = mx.concatenate([part for part in stacked_k if part.shape[2]], axis=2)
-    all_values = mx.concatenate([part for part in stacked_v if part.shape[2]], axis=2)
+    all_keys, all_values = _joined(stacked_k), _joined(stacked_v)
     out = mx.fast.scaled_dot_product_attention(stacked, all_keys, all_values, scale=scale, mask=full)
     return out.reshape(heads, rows, length, -1)[:, :batch].transpose(1, 0, 2, 3)
 
 
-#: A stacked decode step's prefix parts are padded to a multiple of this many
-#: positions (see :func:`stacked_attention`).
-STACKED_PREFIX_QUANTUM = 256
+#: A fused call's keys are padded to a multiple of this many positions (a
+#: stacked decode step's prefix parts, a gathered prefill call's keys), and
+#: a gathered prefill call's queries to a multiple of ``QUERIES_QUANTUM``:
+#: MLX's CUDA backend builds a cuDNN graph for every new shape (see
+#: :func:`stacked_attention` and :func:`gathered_attention`).
+KEYS_QUANTUM = 256
+QUERIES_QUANTUM = 32
 
 
 def stacked_rows(batch: int) -> int:
@@ -583,6 +581,13 @@ def stacked_rows(batch: int) -> int:
 
 def _round_up(n: int, quantum: int) -> int:
     return -(-n // quantum) * quantum
+
+
+def _joined(parts: Sequence[Any]) -> Any:
+    """``parts`` concatenated along the positions (axis 2), empty ones left out."""
+    import mlx.core as mx
+
+    return mx.concatenate([part for part in parts if part.shape[2]], axis=2)
 
 
 def _zeros(like: Any, shape: tuple[int, ...]) -> Any:
@@ -640,7 +645,7 @@ def _leading(array: Any, width: int) -> Any:
     if size > width:
         return array[:, :, :width]
     b, h, _, d = array.shape
-    return mx.concatenate([array, mx.zeros((b, h, width - size, d), dtype=array.dtype)], axis=2)
+    return mx.concatenate([array, _zeros(array, (b, h, width - size, d))], axis=2)
 
 
 def _suffix_mask(mask: Any, batch: int, length: int, suffix: int, width: Optional[int] = None) -> Any:

@@ -26,15 +26,17 @@ MLX runs on one); the op counts and the peak are the same anywhere.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import mlx.core as mx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fused_calls import graph_ops  # noqa: E402
 from mlxkv.actors.prefix_attention import cascade_attention, gathered_attention, stacked_attention
 
 #: (kind, rows, queries per row, prefix tokens, suffix tokens): the issue's shapes.
@@ -47,13 +49,6 @@ SHAPES = [
     ("prefill", 8, 48, 2048, 48),
 ]
 QUICK = [("decode", 8, 1, 512, 32), ("decode", 32, 1, 512, 32), ("prefill", 4, 64, 512, 64), ("prefill", 8, 16, 512, 16)]
-
-
-def graph_ops(*arrays: Any) -> int:
-    """The primitives MLX would run to evaluate ``arrays``."""
-    out = io.StringIO()
-    mx.export_to_dot(out, *arrays)
-    return out.getvalue().count("shape=rectangle")
 
 
 def inputs(rows: int, length: int, prefix: int, suffix: int, heads: int, kv_heads: int, dim: int, dtype: Any, seed: int = 0) -> dict[str, Any]:
@@ -93,7 +88,7 @@ def measure(call: Callable[[], Any], repeats: int, warmup: int) -> tuple[float, 
     for _ in range(warmup):
         mx.eval(call())
     mx.synchronize()
-    ops = graph_ops(call())
+    ops = graph_ops(call())[0]
     mx.reset_peak_memory()
     start = mx.get_active_memory()
     out = call()

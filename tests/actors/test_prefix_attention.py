@@ -314,20 +314,20 @@ class TestStackedOverTheSuffixBuffer:
         stacked_attention(q, kbuf[:, :, :5], kbuf[:, :, :5], mask, 0.3, [([0, 1, 2], kp, kp, [64] * 3)], suffix_buffer=(kbuf, kbuf))
         gathered_attention(q, kbuf[:, :, :5], kbuf[:, :, :5], mask, 0.3, [([0, 1, 2], kp, kp, [64] * 3)])
         (stacked, gathered) = calls
-        # 3 rows padded to 4; the 64-position prefix to STACKED_PREFIX_QUANTUM.
+        # 3 rows padded to 4; the 64-position prefix to KEYS_QUANTUM.
         assert stacked == ((1, 4, 4, 8), (1, 2, 256 + 4 * 16, 8), mx.bfloat16, (1, 1, 4, 256 + 4 * 16))
         assert gathered[2] == mx.bfloat16
 
 
 class TestStackedShapesPadded:
     """A stacked decode step runs its rows padded to a power of two and its
-    prefixes' parts to a multiple of STACKED_PREFIX_QUANTUM: rows coming and
+    prefixes' parts to a multiple of KEYS_QUANTUM: rows coming and
     going, and prefixes of other lengths, keep the fused call's shapes (a
     GPU builds a cuDNN graph for each new one), and the padding changes no
     row's attention."""
 
     def test_rows_and_prefixes_of_other_sizes_share_one_shape_and_attend_exactly(self, monkeypatch):
-        from mlxkv.actors.prefix_attention import STACKED_PREFIX_QUANTUM, stacked_rows
+        from mlxkv.actors.prefix_attention import KEYS_QUANTUM, stacked_rows
 
         rng = np.random.default_rng(5)
         heads, kv_heads, dim, capacity = 4, 2, 8, 16
@@ -363,7 +363,7 @@ class TestStackedShapesPadded:
                     own = slice(top - used[b], top)
                     expected = _fused(q[b : b + 1], [kp[:, :, :n], kbuf[b : b + 1, :, own]], [vp[:, :, :n], vbuf[b : b + 1, :, own]])
                     np.testing.assert_allclose(np.array(out[b : b + 1]), np.array(expected), atol=TOL, rtol=0)
-        width = STACKED_PREFIX_QUANTUM
+        width = KEYS_QUANTUM
         assert shapes == {((1, heads, 8, dim), (1, kv_heads, width + 8 * capacity, dim), (1, 1, 8, width + 8 * capacity))}
         assert [stacked_rows(n) for n in (1, 2, 3, 5, 8, 9, 32, 33)] == [1, 2, 4, 8, 8, 16, 32, 64]
 
@@ -371,10 +371,10 @@ class TestStackedShapesPadded:
 class TestGatheredPrefillShapesPadded:
     def test_prefill_chunks_of_other_lengths_share_one_shape_and_attend_exactly(self, monkeypatch):
         """A gathered prefill call (the GPU default's) pads its queries to a
-        multiple of GATHERED_QUERY_QUANTUM and its keys to one of
-        STACKED_PREFIX_QUANTUM: chunks of 5 to 30 tokens over prefix parts of
+        multiple of QUERIES_QUANTUM and its keys to one of
+        KEYS_QUANTUM: chunks of 5 to 30 tokens over prefix parts of
         40 to 200 share one fused shape, and each row's attention is exact."""
-        from mlxkv.actors.prefix_attention import GATHERED_QUERY_QUANTUM, STACKED_PREFIX_QUANTUM
+        from mlxkv.actors.prefix_attention import QUERIES_QUANTUM, KEYS_QUANTUM
 
         rng = np.random.default_rng(9)
         batch, heads, kv_heads, dim = 2, 4, 2, 8
@@ -399,7 +399,7 @@ class TestGatheredPrefillShapesPadded:
                 causal = mx.arange(n, n + length)[:, None] >= mx.arange(n + length)[None]
                 expected = _fused(q[b : b + 1], [kp[:, :, :n], ks[b : b + 1]], [vp[:, :, :n], vs[b : b + 1]], causal)
                 np.testing.assert_allclose(np.array(out[b : b + 1]), np.array(expected), atol=TOL, rtol=0)
-        rows, keys = GATHERED_QUERY_QUANTUM, STACKED_PREFIX_QUANTUM
+        rows, keys = QUERIES_QUANTUM, KEYS_QUANTUM
         assert shapes == {((batch, heads, rows, dim), (batch, kv_heads, keys, dim), (batch, 1, rows, keys))}
 
 
