@@ -20,6 +20,9 @@ segments) -> output`` (see :func:`cascade_attention` for the arguments):
   query sequence over ``[each group's prefix; every row's suffix]``, with a
   mask that lets a row see its part of its prefix and its own suffix only:
   one fused call, each prefix read once, one short transient.
+- :func:`mixed_attention` -- a decode step as matrix products a KV head
+  (every row's queries of a head against the prefixes in one product, each
+  head of a prefix read once for all of them), a prefill chunk gathered.
 
 On a GPU a call's kernels, not its bytes, dominate at these sizes (fused
 attention over per-row copies beat the cascade there, a prefill chunk by far
@@ -68,8 +71,9 @@ class PrefixAttention(enum.Enum):
     @classmethod
     def for_device(cls, device: Optional[Any] = None) -> PrefixAttention:
         """The way for ``device`` (default: MLX's default device): the cascade on
-        the CPU; on a GPU, the cascade for decode steps and gathered copies for
-        prefill chunks (measured on an H200: docs/benchmarks.md)."""
+        the CPU; on a GPU, ``mixed``: decode steps as products a KV head,
+        prefill chunks over gathered copies (the H200's figures and the
+        counts behind the choice: docs/benchmarks.md)."""
         import mlx.core as mx
 
         device = device if device is not None else mx.default_device()
@@ -162,13 +166,15 @@ def cascade_attention(
         # transient memory stays near SCORE_ELEMENTS floats (a decode step's
         # queries are few: one slice).
         step = max(256, SCORE_ELEMENTS // max(1, kv_heads * count * repeats * length))
+        # squeeze, not [0]: MLX indexes an integer with a gather, a copy of the prefix.
+        prefix_k, prefix_v = prefix_keys.squeeze(0), prefix_values.squeeze(0)
         prefix_out = prefix_lse = None
         for begin in range(0, size, step):
             stop = min(size, begin + step)
-            part = flat @ prefix_keys[0][:, begin:stop].swapaxes(-1, -2)  # (kv_heads, rows*repeats*L, step)
+            part = flat @ prefix_k[:, begin:stop].swapaxes(-1, -2)  # (kv_heads, rows*repeats*L, step)
             if keep is not None:
                 part = mx.where(keep[..., begin:stop], part, -mx.inf)
-            out, lse_part = _softmax_out(part, prefix_values[0][:, begin:stop], masked=keep is not None)
+            out, lse_part = _softmax_out(part, prefix_v[:, begin:stop], masked=keep is not None)
             if prefix_out is None:
                 prefix_out, prefix_lse = out, lse_part
             else:
@@ -474,14 +480,69 @@ def gathered_attention(
 def mixed_attention(
     queries: Any, keys: Any, values: Any, mask: Any, scale: float, segments: Sequence[Segment], **options: Any
 ) -> Any:
-    """A decode step (one query a row) by :func:`cascade_attention`, a prefill
-    chunk by :func:`gathered_attention`. On a GPU a decode step's gathered
-    copies cost as much time as the cascade and hold every layer's copies of
-    the prefix until the step's kernels finish (a peak several times the
-    cascade's), while a prefill chunk's cascade is several gathered calls'
-    time (the H200 figures: docs/benchmarks.md)."""
-    attend = cascade_attention if queries.shape[2] == 1 else gathered_attention
-    return attend(queries, keys, values, mask, scale, segments, **options)
+    """A decode step (one query a row) as products a KV head
+    (:func:`_decode_by_head`; a lone row, or an additive mask, by
+    :func:`cascade_attention`), a prefill chunk by :func:`gathered_attention`.
+    On a GPU a decode step's gathered copies cost as much time as the
+    cascade and hold every layer's copies of the prefix until the step's
+    kernels finish (a peak several times the cascade's), and the cascade's
+    prefix products are a vector product a row and query head; a prefill
+    chunk's cascade is several gathered calls' time (the H200 figures:
+    docs/benchmarks.md)."""
+    if queries.shape[2] > 1:
+        return gathered_attention(queries, keys, values, mask, scale, segments, **options)
+    if _additive(mask) or not segments or (queries.shape[0] == 1 and len(segments) == 1):
+        return cascade_attention(queries, keys, values, mask, scale, segments, **options)
+    return _decode_by_head(queries, keys, values, mask, scale, segments)
+
+
+def _decode_by_head(
+    queries: Any, keys: Any, values: Any, mask: Any, scale: float, segments: Sequence[Segment]
+) -> Any:
+    """A decode step over shared prefixes as products a KV head: the prefixes'
+    parts the rows see, laid end to end (one prefix: its buffer, no copy),
+    are scored against every row's queries of a KV head in one matrix product
+    -- ``(batch * repeats, head_dim) x (head_dim, W)``: each head of the
+    prefix read once for all of them, where :func:`cascade_attention`'s
+    decode runs a vector product a row and query head and a pair of them a
+    prefix -- and weighted the same way; each row sees its own part only
+    (``-inf`` elsewhere; the mask, with the suffix's, built once a step).
+    One softmax over the prefix and suffix scores side by side, in float32
+    (``precise``). A step's operations do not grow with its prefixes; the
+    price is scores a row does not see, the other prefixes' (a GPU's decode
+    step is its kernels, not this arithmetic; the CPU keeps the cascade: in
+    float32 there a call of either takes the same time, and the cascade
+    scores a row against its own prefix only).
+    Arguments and result as :func:`cascade_attention`'s (the mask boolean
+    or None).
+    """
+    import mlx.core as mx
+
+    batch, heads, _, dim = queries.shape
+    kv_heads, suffix = keys.shape[1], keys.shape[2]
+    repeats = heads // kv_heads
+    longests, low, high = _per_layout("by head", batch, segments, None, lambda: _stacked_spans(batch, segments))
+    width = sum(longests)
+    prefix_k = _joined([_leading(k, n) for (_, k, _, _), n in zip(segments, longests)]).squeeze(0)  # (kv, W, dim)
+    prefix_v = _joined([_leading(v, n) for (_, _, v, _), n in zip(segments, longests)]).squeeze(0)
+
+    def build() -> Any:
+        columns = mx.arange(width)[None]
+        seen = (columns >= mx.array(low)[:, None]) & (columns < mx.array(high)[:, None])  # (batch, W)
+        own = _suffix_mask(mask, batch, 1, suffix).reshape(batch, suffix)
+        return _as_bias(mx.concatenate([seen, own], axis=-1)[None, :, None, :], queries.dtype)  # (1, batch, 1, W + S)
+
+    bias = _per_step(("by head", batch, suffix, low, high), mask, build)
+    # Laid out a KV head first throughout: (kv_heads, batch, repeats, ...).
+    q = queries.reshape(batch, kv_heads, repeats, dim).transpose(1, 0, 2, 3) * scale
+    prefix_scores = q.reshape(kv_heads, batch * repeats, dim) @ prefix_k.swapaxes(-1, -2)
+    own_scores = q @ keys.transpose(1, 0, 3, 2)  # (kv, batch, rep, S)
+    scores = mx.concatenate([prefix_scores.reshape(kv_heads, batch, repeats, width), own_scores], axis=-1)
+    weights = mx.softmax(scores + bias, axis=-1, precise=True)
+    prefix_out = weights[..., :width].reshape(kv_heads, batch * repeats, width) @ prefix_v
+    own_out = weights[..., width:] @ values.transpose(1, 0, 2, 3)  # (kv, batch, rep, dim)
+    out = own_out.transpose(1, 0, 2, 3) + prefix_out.reshape(kv_heads, batch, repeats, dim).transpose(1, 0, 2, 3)
+    return out.reshape(batch, heads, 1, -1)
 
 
 def stacked_attention(
@@ -584,10 +645,12 @@ def _round_up(n: int, quantum: int) -> int:
 
 
 def _joined(parts: Sequence[Any]) -> Any:
-    """``parts`` concatenated along the positions (axis 2), empty ones left out."""
+    """``parts`` concatenated along the positions (axis 2), empty ones left out
+    (one part alone: itself, not a copy)."""
     import mlx.core as mx
 
-    return mx.concatenate([part for part in parts if part.shape[2]], axis=2)
+    kept = [part for part in parts if part.shape[2]]
+    return kept[0] if len(kept) == 1 else mx.concatenate(kept, axis=2)
 
 
 def _zeros(like: Any, shape: tuple[int, ...]) -> Any:

@@ -6,7 +6,8 @@ each row with its own ``S``-token suffix -- it times one layer's call of:
 
 - ``cascade`` (``evaluate_slices`` on, as the runner calls every layer but
   the last) and ``cascade-lazy`` (off);
-- ``gathered`` and ``stacked`` (:mod:`mlxkv.actors.prefix_attention`);
+- ``gathered``, ``stacked`` and ``mixed`` (:mod:`mlxkv.actors.prefix_attention`;
+  ``mixed``: a decode step's products a KV head, a prefill chunk gathered);
 - ``copies``: ``mx.fast.scaled_dot_product_attention`` over per-row copies
   of prefix + suffix made beforehand (what a runtime without shared prefixes
   runs; its copies are memory the others do not hold).
@@ -37,7 +38,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fused_calls import graph_ops  # noqa: E402
-from mlxkv.actors.prefix_attention import cascade_attention, gathered_attention, stacked_attention
+from mlxkv.actors.prefix_attention import cascade_attention, gathered_attention, mixed_attention, stacked_attention
 
 #: (kind, rows, queries per row, prefix tokens, suffix tokens): the issue's shapes.
 SHAPES = [
@@ -80,6 +81,7 @@ def ways(args: dict[str, Any], scale: float) -> dict[str, Callable[[], Any]]:
         "cascade-lazy": lambda: cascade_attention(q, ks, vs, mask, scale, segments, evaluate_slices=False),
         "gathered": lambda: gathered_attention(q, ks, vs, mask, scale, segments),
         "stacked": lambda: stacked_attention(q, ks, vs, mask, scale, segments),
+        "mixed": lambda: mixed_attention(q, ks, vs, mask, scale, segments),
     }
 
 

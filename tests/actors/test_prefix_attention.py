@@ -16,6 +16,7 @@ from mlxkv.actors.prefix_attention import (
     attention_for,
     cascade_attention,
     gathered_attention,
+    mixed_attention,
     stacked_attention,
 )
 
@@ -225,7 +226,9 @@ class TestCascade:
 class TestFusedWays:
     """What only the fused ways do: build a step's mask once for all its layers."""
 
-    @pytest.mark.parametrize("attend", [gathered_attention, stacked_attention], ids=["gathered", "stacked"])
+    @pytest.mark.parametrize(
+        "attend", [gathered_attention, stacked_attention, mixed_attention], ids=["gathered", "stacked", "mixed"]
+    )
     def test_a_steps_mask_is_built_once_for_every_layer(self, attend, monkeypatch):
         """Layers of one step pass the same mask object: only the first builds
         the full mask (the others add none of its operations); another mask
@@ -255,6 +258,51 @@ class TestFusedWays:
         assert len(built) == 3 * once
         monkeypatch.setattr(mx, "arange", real)
         np.testing.assert_array_equal(np.array(first), np.array(again))
+
+
+def _graph(*arrays: Any) -> list[str]:
+    """The primitives MLX would run to evaluate ``arrays``."""
+    import io
+
+    out = io.StringIO()
+    mx.export_to_dot(out, *arrays)
+    return [line.split('label ="', 1)[1].split('"', 1)[0] for line in out.getvalue().splitlines() if "shape=rectangle" in line]
+
+
+_VIEWS = {"Broadcast", "Transpose", "Slice", "ExpandDims", "Squeeze", "Reshape"}
+
+
+class TestMixedDecodeByHead:
+    """The mixed way's decode step (a KV head's rows in one product): its
+    operations do not grow with the prefixes, and it copies no prefix."""
+
+    @staticmethod
+    def _step(attend: Any, groups: int) -> list[str]:
+        """The primitives of a decode step's layer after its first (the step's
+        mask built and evaluated): 8 rows spread over ``groups`` prefixes."""
+        rng = np.random.default_rng(groups)
+        batch, heads, kv_heads, dim, suffix = 8, 4, 2, 8, 6
+        q = mx.array(rng.standard_normal((batch, heads, 1, dim)), dtype=mx.float32)
+        ks = mx.array(rng.standard_normal((batch, kv_heads, suffix, dim)), dtype=mx.float32)
+        prefixes = [mx.array(rng.standard_normal((1, kv_heads, 40 + g, dim)), dtype=mx.float32) for g in range(groups)]
+        segments = [(list(range(g, batch, groups)), kp, kp, [40] * len(range(g, batch, groups))) for g, kp in enumerate(prefixes)]
+        mask = mx.array(rng.random((batch, 1, 1, suffix)) < 0.8) | (mx.arange(suffix) == suffix - 1)
+        mx.eval(q, ks, mask, *prefixes, attend(q, ks, ks, mask, 0.3, segments))
+        return _graph(attend(q, ks, ks, mask, 0.3, segments))
+
+    def test_its_operations_do_not_grow_with_the_prefixes(self):
+        def working(ops: list[str]) -> int:
+            return sum(op not in _VIEWS for op in ops)
+
+        assert working(self._step(mixed_attention, 2)) == working(self._step(mixed_attention, 4))
+        # The cascade's decode, which a prefix costs two products: the count can tell.
+        assert working(self._step(cascade_attention, 4)) > working(self._step(cascade_attention, 2))
+
+    def test_one_prefix_is_read_where_it_is_held(self):
+        """One prefix: no gather (MLX's integer index) and no concatenation but
+        the scores'."""
+        ops = self._step(mixed_attention, 1)
+        assert "Gather" not in ops and ops.count("Concatenate") == 1
 
 
 class TestStackedOverTheSuffixBuffer:

@@ -48,11 +48,10 @@ class TestSharedPrefix:
         import mlxkv.actors.prefix_attention as module
 
         ran: list[str] = []
-        for name in ("cascade", "gathered", "stacked", "mixed"):
-            real = getattr(module, f"{name}_attention")
-            monkeypatch.setattr(
-                module, f"{name}_attention", lambda *a, _n=name, _f=real, **k: ran.append(_n) or _f(*a, **k)
-            )
+        functions = {name: f"{name}_attention" for name in ("cascade", "gathered", "stacked", "mixed")}
+        for name, function in {**functions, "by head": "_decode_by_head"}.items():
+            real = getattr(module, function)
+            monkeypatch.setattr(module, function, lambda *a, _n=name, _f=real, **k: ran.append(_n) or _f(*a, **k))
         path = str(ensure_model(TINY_LLAMA, model_dir))
         async with CacheRuntime(model=path, block_size=BS, keep_caches=False, prefix_attention=way) as rt:
             assert rt.model_info.shared_prefix
@@ -70,8 +69,11 @@ class TestSharedPrefix:
         assert stats.compute.num_shared_prefix_tokens == 6 * len(PREFIXES[0])
         assert stats.compute.mean_batch_size > 1
         chosen = way or PrefixAttention.for_device().value
-        # Mixed runs the cascade for decode steps and gathered copies for prefill chunks.
-        assert ran and set(ran) == ({"mixed", "cascade", "gathered"} if chosen == "mixed" else {chosen})
+        if chosen == "mixed":
+            # Decode steps by head (a lone row's by the cascade), prefill chunks over gathered copies.
+            assert {"mixed", "by head", "gathered"} <= set(ran) <= {"mixed", "by head", "gathered", "cascade"}
+        else:
+            assert ran and set(ran) == {chosen}
 
     async def test_the_same_tokens_with_and_without_sharing(self, model_dir):
         """Held once or copied per request, a warm request gives the same tokens."""
