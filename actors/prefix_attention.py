@@ -532,7 +532,7 @@ def _decode_by_head(
         own = _suffix_mask(mask, batch, 1, suffix).reshape(batch, suffix)
         return _as_bias(mx.concatenate([seen, own], axis=-1)[None, :, None, :], queries.dtype)  # (1, batch, 1, W + S)
 
-    bias = _per_step(("by head", batch, suffix, low, high), mask, build)
+    bias = _per_step(("by head", batch, suffix, width, low, high, queries.dtype), mask, build)
     # Laid out a KV head first throughout: (kv_heads, batch, repeats, ...).
     q = queries.reshape(batch, kv_heads, repeats, dim).transpose(1, 0, 2, 3) * scale
     prefix_scores = q.reshape(kv_heads, batch * repeats, dim) @ prefix_k.swapaxes(-1, -2)
@@ -579,7 +579,10 @@ def stacked_attention(
     of :data:`KEYS_QUANTUM` positions (zero keys no row sees):
     rows come and go every few steps of a busy batch (32 requests over one
     prefix on the built-in model: 42 shapes in 249 steps unpadded), and a
-    served batch's prefixes change with them. Other arguments and the
+    served batch's prefixes change with them. A prefill chunk's call pads
+    its rows' query sequence to a multiple of :data:`QUERIES_QUANTUM` (a
+    padded query sees one key; its output is dropped) and its keys to one of
+    :data:`KEYS_QUANTUM`, as :func:`gathered_attention` does. Other arguments and the
     result as :func:`cascade_attention`'s.
     """
     import mlx.core as mx
@@ -593,14 +596,21 @@ def stacked_attention(
     kv_heads, suffix = keys.shape[1], keys.shape[2]
     longests, low, high = _per_layout("stacked", batch, segments, None, lambda: _stacked_spans(batch, segments))
     total = sum(longests)
-    rows, width = (stacked_rows(batch), _round_up(total, KEYS_QUANTUM)) if length == 1 else (batch, total)
-    # [each segment's part; zeros to `width`; the rows' suffixes; zeros for the padded rows]
+    if length == 1:
+        # A decode step: padded rows, prefix parts padded; the suffix buffer's room is the keys' padding.
+        rows, width, room, queries_room = stacked_rows(batch), _round_up(total, KEYS_QUANTUM), 0, 0
+    else:
+        # A prefill chunk: the query sequence and the keys as a whole padded.
+        rows, width = batch, total
+        room = _round_up(total + batch * suffix, KEYS_QUANTUM) - total - batch * suffix
+        queries_room = _round_up(batch * length, QUERIES_QUANTUM) - batch * length
+    # [each segment's part; zeros to `width`; the rows' suffixes; zeros for the padded rows; zeros of `room`]
     stacked_k = [_leading(prefix_keys, n) for (_, prefix_keys, _, _), n in zip(segments, longests)]
     stacked_v = [_leading(prefix_values, n) for (_, _, prefix_values, _), n in zip(segments, longests)]
     for parts, side in ((stacked_k, keys), (stacked_v, values)):
         parts.append(_zeros(side, (1, kv_heads, width - total, side.shape[3])))
         parts.append(side.transpose(1, 0, 2, 3).reshape(1, kv_heads, batch * suffix, side.shape[3]))
-        parts.append(_zeros(side, (1, kv_heads, (rows - batch) * suffix, side.shape[3])))
+        parts.append(_zeros(side, (1, kv_heads, (rows - batch) * suffix + room, side.shape[3])))
 
     def build() -> Any:
         padded = rows - batch
@@ -615,20 +625,32 @@ def stacked_attention(
         same_row = (index[:, None] == index[None])[:, None, :, None]  # (rows, 1, rows, 1)
         block = (same_row & own[:, :, None, :]).reshape(rows * length, rows * suffix)
         prefix = mx.broadcast_to(seen[:, None, :], (rows, length, width)).reshape(rows * length, width)
-        return _as_bias(mx.concatenate([prefix, block], axis=-1)[None, None], queries.dtype)
+        parts = [prefix, block]
+        if room:
+            parts.append(mx.zeros((rows * length, room), dtype=mx.bool_))
+        full = mx.concatenate(parts, axis=-1)
+        if queries_room:
+            # A padded query sees the first column only; its output is dropped.
+            first = mx.arange(full.shape[-1]) == 0
+            full = mx.concatenate([full, mx.broadcast_to(first, (queries_room, full.shape[-1]))])
+        return _as_bias(full[None, None], queries.dtype)
 
     full = _per_step(("stacked", batch, length, used, suffix, low, high), mask, build)
     if rows > batch:
         queries = mx.concatenate([queries, _zeros(queries, (rows - batch, heads, length, dim))])
     stacked = queries.transpose(1, 0, 2, 3).reshape(1, heads, rows * length, dim)
+    if queries_room:
+        stacked = mx.concatenate([stacked, _zeros(stacked, (1, heads, queries_room, dim))], axis=2)
     all_keys, all_values = _joined(stacked_k), _joined(stacked_v)
     out = mx.fast.scaled_dot_product_attention(stacked, all_keys, all_values, scale=scale, mask=full)
+    if queries_room:
+        out = out[:, :, : rows * length]
     return out.reshape(heads, rows, length, -1)[:, :batch].transpose(1, 0, 2, 3)
 
 
 #: A fused call's keys are padded to a multiple of this many positions (a
-#: stacked decode step's prefix parts, a gathered prefill call's keys), and
-#: a gathered prefill call's queries to a multiple of ``QUERIES_QUANTUM``:
+#: stacked decode step's prefix parts, a prefill call's keys), and a
+#: prefill call's queries to a multiple of ``QUERIES_QUANTUM``:
 #: MLX's CUDA backend builds a cuDNN graph for every new shape (see
 #: :func:`stacked_attention` and :func:`gathered_attention`).
 KEYS_QUANTUM = 256

@@ -416,39 +416,46 @@ class TestStackedShapesPadded:
         assert [stacked_rows(n) for n in (1, 2, 3, 5, 8, 9, 32, 33)] == [1, 2, 4, 8, 8, 16, 32, 64]
 
 
-class TestGatheredPrefillShapesPadded:
-    def test_prefill_chunks_of_other_lengths_share_one_shape_and_attend_exactly(self, monkeypatch):
-        """A gathered prefill call (the GPU default's) pads its queries to a
-        multiple of QUERIES_QUANTUM and its keys to one of
-        KEYS_QUANTUM: chunks of 5 to 30 tokens over prefix parts of
-        40 to 200 share one fused shape, and each row's attention is exact."""
+class TestPrefillShapesPadded:
+    @pytest.mark.parametrize("way", ["gathered", "stacked"])
+    def test_prefill_chunks_of_other_lengths_share_one_shape_and_attend_exactly(self, way, monkeypatch):
+        """A fused way's prefill call (gathered: the GPU default's) pads its
+        queries to a multiple of QUERIES_QUANTUM (gathered: each row's;
+        stacked: the rows' sequence) and its keys to one of KEYS_QUANTUM:
+        chunks of 5 to 16 tokens over prefix parts of 33 to 200 share one
+        fused shape, and each row's attention is exact."""
         from mlxkv.actors.prefix_attention import QUERIES_QUANTUM, KEYS_QUANTUM
 
+        attend = {"gathered": gathered_attention, "stacked": stacked_attention}[way]
         rng = np.random.default_rng(9)
         batch, heads, kv_heads, dim = 2, 4, 2, 8
         shapes: set[tuple[Any, ...]] = set()
         real = mx.fast.scaled_dot_product_attention
 
         def spy(q: Any, k: Any, v: Any, *, scale: float, mask: Any = None) -> Any:
-            if mask is not None and not isinstance(mask, str) and mask.ndim == 4 and mask.shape[0] == batch:
+            if mask is not None and not isinstance(mask, str) and mask.ndim == 4:
                 shapes.add((q.shape, k.shape, mask.shape))
             return real(q, k, v, scale=scale, mask=mask)
 
         monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", spy)
-        for length, size, seen in ((5, 40, [40, 33]), (30, 200, [200, 120]), (17, 96, [64, 96])):
+        for length, size, seen in ((5, 40, [40, 33]), (16, 200, [200, 120]), (11, 96, [64, 96])):
             q = mx.array(rng.standard_normal((batch, heads, length, dim)), dtype=mx.float32)
             ks = mx.array(rng.standard_normal((batch, kv_heads, length, dim)), dtype=mx.float32)
             vs = mx.array(rng.standard_normal((batch, kv_heads, length, dim)), dtype=mx.float32)
             kp = mx.array(rng.standard_normal((1, kv_heads, size, dim)), dtype=mx.float32)
             vp = mx.array(rng.standard_normal((1, kv_heads, size, dim)), dtype=mx.float32)
-            out = gathered_attention(q, ks, vs, "causal", dim**-0.5, [([0, 1], kp, vp, seen)])
+            out = attend(q, ks, vs, "causal", dim**-0.5, [([0, 1], kp, vp, seen)])
             assert out.shape == (batch, heads, length, dim)
             for b, n in enumerate(seen):
                 causal = mx.arange(n, n + length)[:, None] >= mx.arange(n + length)[None]
                 expected = _fused(q[b : b + 1], [kp[:, :, :n], ks[b : b + 1]], [vp[:, :, :n], vs[b : b + 1]], causal)
                 np.testing.assert_allclose(np.array(out[b : b + 1]), np.array(expected), atol=TOL, rtol=0)
-        rows, keys = QUERIES_QUANTUM, KEYS_QUANTUM
-        assert shapes == {((batch, heads, rows, dim), (batch, kv_heads, keys, dim), (batch, 1, rows, keys))}
+        queries, keys = QUERIES_QUANTUM, KEYS_QUANTUM
+        if way == "gathered":
+            expected_shapes = {((batch, heads, queries, dim), (batch, kv_heads, keys, dim), (batch, 1, queries, keys))}
+        else:
+            expected_shapes = {((1, heads, queries, dim), (1, kv_heads, keys, dim), (1, 1, queries, keys))}
+        assert shapes == expected_shapes
 
 
 class TestDecodeLayoutKept:
