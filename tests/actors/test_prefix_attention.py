@@ -21,6 +21,7 @@ from mlxkv.actors.prefix_attention import (
 )
 
 from device_arithmetic import ATTENTION_ATOL
+from graph_ops import primitives
 
 TOL = ATTENTION_ATOL
 
@@ -260,15 +261,6 @@ class TestFusedWays:
         np.testing.assert_array_equal(np.array(first), np.array(again))
 
 
-def _graph(*arrays: Any) -> list[str]:
-    """The primitives MLX would run to evaluate ``arrays``."""
-    import io
-
-    out = io.StringIO()
-    mx.export_to_dot(out, *arrays)
-    return [line.split('label ="', 1)[1].split('"', 1)[0] for line in out.getvalue().splitlines() if "shape=rectangle" in line]
-
-
 _VIEWS = {"Broadcast", "Transpose", "Slice", "ExpandDims", "Squeeze", "Reshape"}
 
 
@@ -288,7 +280,7 @@ class TestMixedDecodeByHead:
         segments = [(list(range(g, batch, groups)), kp, kp, [40] * len(range(g, batch, groups))) for g, kp in enumerate(prefixes)]
         mask = mx.array(rng.random((batch, 1, 1, suffix)) < 0.8) | (mx.arange(suffix) == suffix - 1)
         mx.eval(q, ks, mask, *prefixes, attend(q, ks, ks, mask, 0.3, segments))
-        return _graph(attend(q, ks, ks, mask, 0.3, segments))
+        return primitives(attend(q, ks, ks, mask, 0.3, segments))
 
     def test_its_operations_do_not_grow_with_the_prefixes(self):
         def working(ops: list[str]) -> int:

@@ -9,6 +9,8 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 
 from mlxkv.default_model import TINY_LLAMA, ensure_model
 
+from graph_ops import primitives
+
 
 def _digest(path) -> str:
     return hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
@@ -91,8 +93,6 @@ class TestSpecs:
         its configuration is the 722M model's but for two widths (mlx-lm's
         Llama builds its graph from the rest), in the same dtype, and a step
         of it runs every layer."""
-        import io
-
         from mlx_lm import load
         from mlx_lm.models.cache import make_prompt_cache
 
@@ -107,6 +107,4 @@ class TestSpecs:
         model, _ = load(str(ensure_model(BENCH_LLAMA_722M_GRAPH, tmp_path)))
         cache = make_prompt_cache(model)
         model(mx.array([[1, 2, 3]]), cache=cache)
-        out = io.StringIO()
-        mx.export_to_dot(out, model(mx.array([[4]]), cache=cache))
-        assert out.getvalue().count("shape=rectangle") > 16 * 10  # every layer's operations, not a stub
+        assert len(primitives(model(mx.array([[4]]), cache=cache))) > 16 * 10  # every layer's operations, not a stub
