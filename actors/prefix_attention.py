@@ -44,6 +44,7 @@ from typing import Any, Callable, Optional
 import attrs
 
 __all__ = [
+    "JOINED_SCORES",
     "SCORE_ELEMENTS",
     "PrefixAttention",
     "Segment",
@@ -491,9 +492,23 @@ def mixed_attention(
     docs/benchmarks.md)."""
     if queries.shape[2] > 1:
         return gathered_attention(queries, keys, values, mask, scale, segments, **options)
-    if _additive(mask) or not segments or (queries.shape[0] == 1 and len(segments) == 1):
+    batch, heads = queries.shape[:2]
+    if (
+        _additive(mask)
+        or not segments
+        or (batch == 1 and len(segments) == 1)
+        or (len(segments) > 1 and batch * heads * sum(max(n) for *_, n in segments) > JOINED_SCORES)
+    ):
         return cascade_attention(queries, keys, values, mask, scale, segments, **options)
     return _decode_by_head(queries, keys, values, mask, scale, segments)
+
+
+#: The most prefix scores a decode step by head computes over several
+#: prefixes joined (each row scores every prefix, most of them masked):
+#: past it (many long prefixes at once) the step goes by the cascade, which
+#: scores a row against its own prefix only. 2^25: 64 MiB of half-precision
+#: scores a layer, e.g. 32 rows of 32 heads over 32,768 joined positions.
+JOINED_SCORES = 1 << 25
 
 
 def _decode_by_head(

@@ -290,6 +290,28 @@ class TestMixedDecodeByHead:
         # The cascade's decode, which a prefix costs two products: the count can tell.
         assert working(self._step(cascade_attention, 4)) > working(self._step(cascade_attention, 2))
 
+    def test_many_long_prefixes_go_by_the_cascade(self, monkeypatch):
+        """Past JOINED_SCORES joined prefix scores a step goes by the cascade
+        (a row scored against its own prefix only), exactly the same."""
+        from mlxkv.actors import prefix_attention as module
+
+        ran: list[str] = []
+        real = module._decode_by_head
+        monkeypatch.setattr(module, "_decode_by_head", lambda *a: ran.append("by head") or real(*a))
+        rng = np.random.default_rng(5)
+        q = mx.array(rng.standard_normal((8, 4, 1, 8)), dtype=mx.float32)
+        ks = mx.array(rng.standard_normal((8, 2, 6, 8)), dtype=mx.float32)
+        prefixes = [mx.array(rng.standard_normal((1, 2, 40 + g, 8)), dtype=mx.float32) for g in range(4)]
+        segments = [([g, g + 4], kp, kp, [40 + g, 30]) for g, kp in enumerate(prefixes)]
+        by_head = mixed_attention(q, ks, ks, None, 0.3, segments)
+        assert ran == ["by head"]
+        monkeypatch.setattr(module, "JOINED_SCORES", 8 * 4 * (40 + 41 + 42 + 43) - 1)  # 8 rows, 4 heads
+        capped = mixed_attention(q, ks, ks, None, 0.3, segments)
+        assert ran == ["by head"]  # not again
+        cascade = cascade_attention(q, ks, ks, None, 0.3, segments)
+        np.testing.assert_array_equal(np.array(capped), np.array(cascade))
+        np.testing.assert_allclose(np.array(by_head), np.array(cascade), atol=ATTENTION_ATOL, rtol=0)
+
     def test_one_prefix_is_read_where_it_is_held(self):
         """One prefix: no gather (MLX's integer index) and no concatenation but
         the scores'."""
