@@ -521,7 +521,9 @@ def _decode_by_head(
     prefix read once for all of them, where :func:`cascade_attention`'s
     decode runs a vector product a row and query head and a pair of them a
     prefix -- and weighted the same way; each row sees its own part only
-    (``-inf`` elsewhere; the mask, with the suffix's, built once a step).
+    (``-inf`` elsewhere; the mask, with the suffix's, built once a step; a
+    batch whose rows all see the whole of one prefix masks only the
+    suffixes' scores, not a pass over them all).
     One softmax over the prefix and suffix scores side by side, in float32
     (``precise``). A step's operations do not grow with its prefixes; the
     price is scores a row does not see, the other prefixes' (a GPU's decode
@@ -541,10 +543,15 @@ def _decode_by_head(
     prefix_k = _joined([_leading(k, n) for (_, k, _, _), n in zip(segments, longests)]).squeeze(0)  # (kv, W, dim)
     prefix_v = _joined([_leading(v, n) for (_, _, v, _), n in zip(segments, longests)]).squeeze(0)
 
+    # Every row sees all of one prefix (a batch over one system prompt): only the suffix is masked.
+    whole = len(segments) == 1 and min(high) == width
+
     def build() -> Any:
+        own = _suffix_mask(mask, batch, 1, suffix).reshape(batch, suffix)
+        if whole:
+            return None if mask is None else _as_bias(own[None, :, None, :], queries.dtype)  # (1, batch, 1, S)
         columns = mx.arange(width)[None]
         seen = (columns >= mx.array(low)[:, None]) & (columns < mx.array(high)[:, None])  # (batch, W)
-        own = _suffix_mask(mask, batch, 1, suffix).reshape(batch, suffix)
         return _as_bias(mx.concatenate([seen, own], axis=-1)[None, :, None, :], queries.dtype)  # (1, batch, 1, W + S)
 
     bias = _per_step(("by head", batch, suffix, width, low, high, queries.dtype), mask, build)
@@ -552,8 +559,10 @@ def _decode_by_head(
     q = queries.reshape(batch, kv_heads, repeats, dim).transpose(1, 0, 2, 3) * scale
     prefix_scores = q.reshape(kv_heads, batch * repeats, dim) @ prefix_k.swapaxes(-1, -2)
     own_scores = q @ keys.transpose(1, 0, 3, 2)  # (kv, batch, rep, S)
+    if whole and bias is not None:
+        own_scores = own_scores + bias
     scores = mx.concatenate([prefix_scores.reshape(kv_heads, batch, repeats, width), own_scores], axis=-1)
-    weights = mx.softmax(scores + bias, axis=-1, precise=True)
+    weights = mx.softmax(scores if whole else scores + bias, axis=-1, precise=True)
     prefix_out = weights[..., :width].reshape(kv_heads, batch * repeats, width) @ prefix_v
     own_out = weights[..., width:] @ values.transpose(1, 0, 2, 3)  # (kv, batch, rep, dim)
     out = own_out.transpose(1, 0, 2, 3) + prefix_out.reshape(kv_heads, batch, repeats, dim).transpose(1, 0, 2, 3)
