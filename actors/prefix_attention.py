@@ -482,8 +482,9 @@ def mixed_attention(
     queries: Any, keys: Any, values: Any, mask: Any, scale: float, segments: Sequence[Segment], **options: Any
 ) -> Any:
     """A decode step (one query a row) as products a KV head
-    (:func:`_decode_by_head`; a lone row, or an additive mask, by
-    :func:`cascade_attention`), a prefill chunk by :func:`gathered_attention`.
+    (:func:`_decode_by_head`; a lone row, an additive mask, or more than
+    :data:`JOINED_SCORES` joined prefix scores, by :func:`cascade_attention`),
+    a prefill chunk by :func:`gathered_attention`.
     On a GPU a decode step's gathered copies cost as much time as the
     cascade and hold every layer's copies of the prefix until the step's
     kernels finish (a peak several times the cascade's), and the cascade's
@@ -554,7 +555,7 @@ def _decode_by_head(
         seen = (columns >= mx.array(low)[:, None]) & (columns < mx.array(high)[:, None])  # (batch, W)
         return _as_bias(mx.concatenate([seen, own], axis=-1)[None, :, None, :], queries.dtype)  # (1, batch, 1, W + S)
 
-    bias = _per_step(("by head", batch, suffix, width, low, high, queries.dtype), mask, build)
+    bias = _per_step(("by head", batch, suffix, width, low, high, whole, queries.dtype), mask, build)
     # Laid out a KV head first throughout: (kv_heads, batch, repeats, ...).
     q = queries.reshape(batch, kv_heads, repeats, dim).transpose(1, 0, 2, 3) * scale
     prefix_scores = q.reshape(kv_heads, batch * repeats, dim) @ prefix_k.swapaxes(-1, -2)
