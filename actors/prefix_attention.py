@@ -464,9 +464,7 @@ def gathered_attention(
             parts.append(mx.zeros((batch, 1, length, room), dtype=mx.bool_))
         full = mx.concatenate(parts, axis=-1)
         if rows_len > length:
-            # A padded query sees the first key only: every query sees one.
-            first = mx.arange(full.shape[-1]) == 0
-            full = mx.concatenate([full, mx.broadcast_to(first, (batch, 1, rows_len - length, full.shape[-1]))], axis=2)
+            full = _with_padded_queries(full, rows_len - length, axis=2)
         return _as_bias(full, queries.dtype)
 
     full = _per_step(("gathered", batch, length, suffix, width, tuple(seen)), mask, build)
@@ -655,9 +653,7 @@ def stacked_attention(
             parts.append(mx.zeros((rows * length, room), dtype=mx.bool_))
         full = mx.concatenate(parts, axis=-1)
         if queries_room:
-            # A padded query sees the first column only; its output is dropped.
-            first = mx.arange(full.shape[-1]) == 0
-            full = mx.concatenate([full, mx.broadcast_to(first, (queries_room, full.shape[-1]))])
+            full = _with_padded_queries(full, queries_room, axis=0)
         return _as_bias(full[None, None], queries.dtype)
 
     full = _per_step(("stacked", batch, length, used, suffix, low, high), mask, build)
@@ -689,6 +685,18 @@ def stacked_rows(batch: int) -> int:
 
 def _round_up(n: int, quantum: int) -> int:
     return -(-n // quantum) * quantum
+
+
+def _with_padded_queries(visible: Any, count: int, *, axis: int) -> Any:
+    """The boolean mask ``visible`` with ``count`` padded queries more along
+    ``axis``, each seeing the first key only: every query must see a key (an
+    all-hidden row is 0/0), and a padded query's output is dropped."""
+    import mlx.core as mx
+
+    shape = list(visible.shape)
+    shape[axis] = count
+    first = mx.arange(visible.shape[-1]) == 0
+    return mx.concatenate([visible, mx.broadcast_to(first, shape)], axis=axis)
 
 
 def _joined(parts: Sequence[Any]) -> Any:

@@ -14,3 +14,12 @@ def primitives(*arrays: Any) -> list[str]:
     out = io.StringIO()
     mx.export_to_dot(out, *arrays)
     return [line.split('label ="', 1)[1].split('"', 1)[0] for line in out.getvalue().splitlines() if "shape=rectangle" in line]
+
+
+#: Primitives that (can) run as views of their input: no work of their own on any device.
+VIEWS = frozenset({"Broadcast", "Transpose", "Slice", "ExpandDims", "Squeeze", "Reshape"})
+
+
+def working(names: list[str]) -> int:
+    """How many of the primitives ``names`` do work of their own (are not views)."""
+    return sum(name not in VIEWS for name in names)
