@@ -24,7 +24,7 @@
 # $OUT/log.txt, and its last lines to standard output, so a step cut off by its
 # timeout still leaves what it printed. GPU_CHECK_MODEL and GPU_CHECK_QUICK=1 make
 # a small dry run of it anywhere (the tests run one on the CPU); GPU_CHECK_WAYS names the
-# shared-prefix attention ways batch and memory run beside the device's default.
+# shared-prefix attention ways batch and memory run beside the device's default (gathered stacked).
 set -u
 out=${OUT:-/tmp/gpu-check}
 mkdir -p "$out"
@@ -66,7 +66,7 @@ else
   prefill_options=(--rows 8,32 --prefix 512 --groups 4 --own 96 --steps 8)
 fi
 ways=()
-for way in ${GPU_CHECK_WAYS:-stacked}; do ways+=(--also "prefix_attention=$way"); done
+for way in ${GPU_CHECK_WAYS:-gathered stacked}; do ways+=(--also "prefix_attention=$way"); done
 for step in $steps; do
   case $step in
     attention) run attention 180 "$python" scripts/bench_attention.py "${attention[@]}" --json "$out/attention.json" ;;

@@ -313,6 +313,121 @@ class TestMixedDecodeByHead:
         assert "Gather" not in ops and ops.count("Concatenate") == 1
 
 
+class TestBandedPrefill:
+    """The mixed way's prefill in bands: rows of a prefix laid end to end over
+    one copy of it while the masked work stays near the rows' attended apart."""
+
+    @staticmethod
+    def _segment(rows: list[int], width: int) -> Any:
+        return (rows, None, None, [width] * len(rows))
+
+    @pytest.mark.parametrize(
+        "batch, groups, suffix, band",
+        [
+            (32, [32], 32, 16),  # 32 requests' own 32 tokens over 2,048 shared: two copies, not 32
+            (32, [32], 48, 8),
+            (8, [8], 48, 8),  # one copy
+            (20, [20], 8, 20),  # a band of all of them where that is cheaper than a power of two
+            (20, [20], 32, 4),  # 16 and 4 a band would leave 12 places empty
+            (4, [4], 2048, 1),  # long suffixes: a row its own copy (the gathered call)
+            (8, [2, 2, 2, 2], 96, 2),
+            (33, [32], 32, 4),  # a row in no prefix: a band of its own, mostly empty
+            (1, [1], 32, 1),
+        ],
+    )
+    def test_the_most_rows_whose_work_stays_within_the_bound(self, batch, groups, suffix, band):
+        from mlxkv.actors.prefix_attention import BAND_SHARE, prefill_band
+
+        width, start, segments = 2048, 0, []
+        for n in groups:
+            segments.append(self._segment(list(range(start, start + n)), width))
+            start += n
+        chosen = prefill_band(batch, segments, suffix)
+        assert chosen == band
+        counts = [*groups, batch - sum(groups)]
+
+        def work(k: int) -> int:
+            return sum(-(-n // k) for n in counts) * k * (width + k * suffix)
+
+        bound = batch * (width + suffix) * (1 + 1 / BAND_SHARE)
+        assert work(chosen) <= bound
+        larger = [1 << i for i in range(10) if chosen < 1 << i < max(groups)] + ([max(groups)] if chosen < max(groups) else [])
+        assert all(work(k) > bound for k in larger)
+
+    @pytest.mark.parametrize("band", [1, 2, 3, 4, 7])
+    @pytest.mark.parametrize("length", [1, 5])
+    @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+    def test_every_band_size_attends_exactly(self, band, length, dtype):
+        """Rows interleaved over three prefixes (one seeing part of its
+        prefix, one in none), left-padded suffixes, bands of any size (empty
+        places in the last band of a segment): each row equals fused
+        attention over its part of its prefix and its own suffix."""
+        from mlxkv.actors.prefix_attention import _banded_attention
+
+        rng = np.random.default_rng(band * 10 + length)
+        as_dtype = getattr(mx, dtype)
+        batch, heads, kv_heads, dim, suffix = 7, 4, 2, 8, 9
+        owner = [0, 1, 0, -1, 2, 1, 0]
+        sizes = [300, 45, 128]
+        pads = [0, 3, 1, 2, 0, 2, 3]
+        seen = [300, 45, 192, 0, 128, 45, 300]
+
+        def normal(shape):
+            return mx.array(rng.standard_normal(shape), dtype=mx.float32).astype(as_dtype)
+
+        q = normal((batch, heads, length, dim))
+        ks, vs = normal((batch, kv_heads, suffix, dim)), normal((batch, kv_heads, suffix, dim))
+        prefixes = [(normal((1, kv_heads, n, dim)), normal((1, kv_heads, n, dim))) for n in sizes]
+        segments = [
+            ([b for b in range(batch) if owner[b] == g], kp, vp, [seen[b] for b in range(batch) if owner[b] == g])
+            for g, (kp, vp) in enumerate(prefixes)
+        ]
+        causal = mx.arange(suffix - length, suffix)[:, None] >= mx.arange(suffix)[None]
+        mask = mx.stack([causal & (mx.arange(suffix) >= pad)[None] for pad in pads])[:, None]  # (batch, 1, L, S)
+        out = _banded_attention(q, ks, vs, mask, dim**-0.5, segments, band)
+        assert out.shape == q.shape and out.dtype == as_dtype
+        tolerance = TOL if dtype == "float32" else 2e-2
+        for b, pad in enumerate(pads):
+            parts_k, parts_v = [], []
+            if owner[b] >= 0:
+                parts_k.append(prefixes[owner[b]][0][:, :, : seen[b]])
+                parts_v.append(prefixes[owner[b]][1][:, :, : seen[b]])
+            up_k = [a.astype(mx.float32) for a in (*parts_k, ks[b : b + 1, :, pad:])]
+            up_v = [a.astype(mx.float32) for a in (*parts_v, vs[b : b + 1, :, pad:])]
+            own = suffix - pad
+            total = seen[b] + own
+            full = mx.arange(total - length, total)[:, None] >= mx.arange(total)[None]
+            expected = _fused(q[b : b + 1].astype(mx.float32), up_k, up_v, full)
+            np.testing.assert_allclose(
+                np.array(out[b : b + 1].astype(mx.float32)), np.array(expected), atol=tolerance, rtol=0
+            )
+
+    @pytest.mark.parametrize("suffix, copies", [(8, 1), (512, 8)])
+    def test_a_prefill_reads_one_copy_of_its_prefix_where_the_suffixes_are_short(self, suffix, copies, monkeypatch):
+        """Eight rows' prefill over one 512-token prefix: with 8 tokens each,
+        one band, so the fused call's keys hold the prefix once; with 512
+        each (suffixes as long as the prefix), a copy a row, as gathered."""
+        rng = np.random.default_rng(4)
+        batch, heads, kv_heads, dim, size, length = 8, 4, 2, 8, 512, 8
+        calls: list[tuple[Any, ...]] = []
+        real = mx.fast.scaled_dot_product_attention
+
+        def spy(q: Any, k: Any, v: Any, *, scale: float, mask: Any = None) -> Any:
+            calls.append(k.shape)
+            return real(q, k, v, scale=scale, mask=mask)
+
+        monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", spy)
+        q = mx.array(rng.standard_normal((batch, heads, length, dim)), dtype=mx.float32)
+        ks = mx.array(rng.standard_normal((batch, kv_heads, suffix, dim)), dtype=mx.float32)
+        kp = mx.array(rng.standard_normal((1, kv_heads, size, dim)), dtype=mx.float32)
+        out = mixed_attention(q, ks, ks, "causal", dim**-0.5, [(list(range(batch)), kp, kp, [size] * batch)])
+        assert len(calls) == 1 and calls[0][0] == copies
+        causal = mx.arange(size + suffix - length, size + suffix)[:, None] >= mx.arange(size + suffix)[None]
+        for b in range(batch):
+            expected = _fused(q[b : b + 1], [kp, ks[b : b + 1]], [kp, ks[b : b + 1]], causal)
+            np.testing.assert_allclose(np.array(out[b : b + 1]), np.array(expected), atol=TOL, rtol=0)
+
+
 class TestStackedOverTheSuffixBuffer:
     """A decode step of the stacked way attends over the batch cache's whole
     suffix buffer, its room masked out: the same attention, and the same
@@ -425,16 +540,17 @@ class TestStackedShapesPadded:
 
 
 class TestPrefillShapesPadded:
-    @pytest.mark.parametrize("way", ["gathered", "stacked"])
+    @pytest.mark.parametrize("way", ["gathered", "stacked", "mixed"])
     def test_prefill_chunks_of_other_lengths_share_one_shape_and_attend_exactly(self, way, monkeypatch):
-        """A fused way's prefill call (gathered: the GPU default's) pads its
-        queries to a multiple of QUERIES_QUANTUM (gathered: each row's;
-        stacked: the rows' sequence) and its keys to one of KEYS_QUANTUM:
+        """A fused way's prefill call pads its queries to a multiple of
+        QUERIES_QUANTUM (gathered: each row's; stacked: the rows' sequence;
+        mixed, the GPU default: each band's, here one of both rows) and its
+        keys to one of KEYS_QUANTUM:
         chunks of 5 to 16 tokens over prefix parts of 33 to 200 share one
         fused shape, and each row's attention is exact."""
         from mlxkv.actors.prefix_attention import QUERIES_QUANTUM, KEYS_QUANTUM
 
-        attend = {"gathered": gathered_attention, "stacked": stacked_attention}[way]
+        attend = {"gathered": gathered_attention, "stacked": stacked_attention, "mixed": mixed_attention}[way]
         rng = np.random.default_rng(9)
         batch, heads, kv_heads, dim = 2, 4, 2, 8
         shapes: set[tuple[Any, ...]] = set()

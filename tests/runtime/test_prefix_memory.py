@@ -49,7 +49,7 @@ class TestSharedPrefix:
 
         ran: list[str] = []
         functions = {name: f"{name}_attention" for name in ("cascade", "gathered", "stacked", "mixed")}
-        for name, function in {**functions, "by head": "_decode_by_head"}.items():
+        for name, function in {**functions, "by head": "_decode_by_head", "banded": "_banded_attention"}.items():
             real = getattr(module, function)
             monkeypatch.setattr(module, function, lambda *a, _n=name, _f=real, **k: ran.append(_n) or _f(*a, **k))
         path = str(ensure_model(TINY_LLAMA, model_dir))
@@ -70,10 +70,31 @@ class TestSharedPrefix:
         assert stats.compute.mean_batch_size > 1
         chosen = way or PrefixAttention.for_device().value
         if chosen == "mixed":
-            # Decode steps by head (a lone row's by the cascade), prefill chunks over gathered copies.
-            assert {"mixed", "by head", "gathered"} <= set(ran) <= {"mixed", "by head", "gathered", "cascade"}
-        else:
-            assert ran and set(ran) == {chosen}
+            # Decode steps by head (a lone row's by the cascade), prefill chunks in bands.
+            assert {"mixed", "by head", "banded"} <= set(ran) <= {"mixed", "by head", "banded", "cascade"}
+        else:  # gathered: bands of a row
+            assert chosen in ran and set(ran) <= {chosen, "banded"}
+
+    async def test_a_wave_over_one_prefix_prefills_rows_together_over_one_copy(self, model_dir, monkeypatch):
+        """Four requests with short tails over one cached prefix, served by
+        the GPU's way (``mixed``): their prefill lays the rows end to end over
+        one copy of the prefix (a band of more than one row), and each gives
+        its cold tokens and logits."""
+        import mlxkv.actors.prefix_attention as module
+
+        bands: list[int] = []
+        real = module._banded_attention
+        monkeypatch.setattr(module, "_banded_attention", lambda *a: bands.append(a[-1]) or real(*a))
+        path = str(ensure_model(TINY_LLAMA, model_dir))
+        async with CacheRuntime(model=path, block_size=BS, keep_caches=False, prefix_attention="mixed") as rt:
+            await run(rt, PREFIXES[0] + [7], max_tokens=1)
+            prompts = [PREFIXES[0] + _tokens(3 + i % 2, salt=i) for i in range(4)]
+            warm = await _together(rt, prompts)
+            for i, prompt in enumerate(prompts):
+                assert warm[i][1].cached_tokens == len(PREFIXES[0])
+                await assert_matches_cold(rt, prompt, warm[i], f"cold-{i}")
+            await assert_clean(rt)
+        assert max(bands) > 1
 
     async def test_the_same_tokens_with_and_without_sharing(self, model_dir):
         """Held once or copied per request, a warm request gives the same tokens."""
