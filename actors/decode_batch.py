@@ -14,7 +14,9 @@ the KV of a row always holds exactly its prompt and its emitted tokens.
 
 Rows join with the first token their prefill sampled (already emitted) and
 leave when finished or cancelled; joining and leaving copy the batch cache
-(mlx-lm's ``extend``/``filter``), once per request, not per token. A batch of
+(mlx-lm's ``extend``/``filter``), once per request, not per token; the
+copies are queued (``mx.async_eval``), not waited for, so a join or a leave
+does not drain the device of the step in flight. A batch of
 one row keeps that request's own cache (no merge, no padding mask), made
 ready to decode alone by the runner (:meth:`ModelRunner.alone`: over a
 shared prefix, one plain run of prefix and own tokens), so a lone request
@@ -169,8 +171,11 @@ class DecodeBatch:
                 for layer in self._cache:
                     layer.filter(kept)
                 # Cut now: evaluated with the next step, the old and the new
-                # batch cache would both be held through that step's transients.
-                mx.eval([layer.state for layer in self._cache])
+                # batch cache would both be held through that step's
+                # transients. Queued, not waited for: the old buffers go as
+                # soon as the copies are made, and the host goes on building
+                # the next step while the device runs the one in flight.
+                mx.async_eval([layer.state for layer in self._cache])
             except Exception as error:
                 raise BatchBroken(without_frames(error)) from None
         self.rows = [self.rows[i] for i in stay]
@@ -250,7 +255,7 @@ class DecodeBatch:
             try:
                 for layer, new in zip(self._cache, merged):
                     layer.extend(new)
-                mx.eval([layer.state for layer in self._cache])  # as in leave
+                mx.async_eval([layer.state for layer in self._cache])  # as in leave
             except Exception as error:
                 raise BatchBroken(without_frames(error)) from None
             self._next = mx.concatenate([self._next, tokens])

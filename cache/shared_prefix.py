@@ -322,11 +322,13 @@ class SharedPrefixCache(_OverSuffix):
 
         suffix = BatchKVCache.merge([c.suffix for c in caches])
         suffix.step = SUFFIX_STEP
+        longest = max(c.suffix.size() for c in caches)
+        padding = [longest - c.suffix.size() for c in caches]  # as merge pads them
         # The room the rows have for tokens to come stays theirs: written in
         # place, the batch never regrows (and never holds two copies).
         room = max((c.suffix.keys.shape[2] - c.suffix.offset for c in caches if c.suffix.keys is not None), default=0)
         _whole_steps(suffix, room)
-        return BatchSharedPrefixCache([(c.group, c.num_prefix) for c in caches], caches[0].layer, suffix)
+        return BatchSharedPrefixCache([(c.group, c.num_prefix) for c in caches], caches[0].layer, suffix, padding)
 
 
 def _whole_steps(suffix: Any, room: int = 0) -> None:
@@ -353,16 +355,27 @@ class BatchSharedPrefixCache(_OverSuffix):
     """A batch's cache of one attention layer: each row's shared prefix, and
     every row's own suffix in one mlx-lm ``BatchKVCache`` (left-padded).
 
+    Joining, leaving and extracting a row never wait for the device: mlx-lm's
+    ``filter`` and ``extract`` read the rows' left padding back from it (a
+    wait for every step queued before), so this cache keeps the padding on
+    the host too (``padding``, always equal to the suffix's
+    ``left_padding``) and cuts and extracts with it.
+
     Attributes:
         rows: ``(group, num_prefix)`` of each row, in batch order.
         layer: this layer's index in the groups' buffers.
         suffix: the rows' own tokens.
+        padding: each row's left padding in ``suffix``, on the host.
     """
 
-    def __init__(self, rows: list[tuple[Optional[PrefixGroup], int]], layer: int, suffix: Any) -> None:
+    def __init__(
+        self, rows: list[tuple[Optional[PrefixGroup], int]], layer: int, suffix: Any, padding: list[int]
+    ) -> None:
         self.rows = rows
         self.layer = layer
         self.suffix = suffix
+        self.padding = padding
+        self._right_padding: Optional[list[int]] = None
 
     @property
     def rows(self) -> list[tuple[Optional[PrefixGroup], int]]:
@@ -390,10 +403,19 @@ class BatchSharedPrefixCache(_OverSuffix):
         return self.suffix.make_mask(N, return_array=return_array)
 
     def prepare(self, **kwargs: Any) -> None:
+        """mlx-lm's ``BatchKVCache.prepare``; the padding it adds (left now,
+        right when :meth:`finalize` rolls it to the left) is kept here too."""
         self.suffix.prepare(**kwargs)
+        left, right = kwargs.get("left_padding"), kwargs.get("right_padding")
+        if left is not None:
+            self.padding = [n + int(extra) for n, extra in zip(self.padding, left)]
+        self._right_padding = [int(n) for n in right] if right is not None and max(right) > 0 else None
 
     def finalize(self) -> None:
         self.suffix.finalize()
+        if self._right_padding is not None:
+            self.padding = [n + extra for n, extra in zip(self.padding, self._right_padding)]
+            self._right_padding = None
 
     def trim(self, n: int) -> int:
         return self.suffix.trim(n)
@@ -461,18 +483,48 @@ class BatchSharedPrefixCache(_OverSuffix):
         return arrays
 
     def filter(self, batch_indices: Any) -> None:
+        """Keep the rows ``batch_indices`` (a host list or array), as mlx-lm's
+        ``BatchKVCache.filter`` does -- its rows' common left padding cut --
+        with the padding known here."""
+        import mlx.core as mx
+
         indices = [int(i) for i in (batch_indices.tolist() if hasattr(batch_indices, "tolist") else batch_indices)]
         self.rows = [self.rows[i] for i in indices]
-        self.suffix.filter(batch_indices)
-        _whole_steps(self.suffix)
+        padding = [self.padding[i] for i in indices]
+        cut = min(padding)
+        self.padding = [n - cut for n in padding]
+        suffix, kept = self.suffix, mx.array(indices)
+        if suffix.keys is not None:
+            suffix.keys = suffix.keys[kept][..., cut:, :] if cut else suffix.keys[kept]
+            suffix.values = suffix.values[kept][..., cut:, :] if cut else suffix.values[kept]
+        suffix.offset = suffix.offset[kept]
+        suffix.left_padding = mx.array(self.padding)
+        suffix._idx -= cut
+        _whole_steps(suffix)
 
     def extend(self, other: BatchSharedPrefixCache) -> None:
+        # mlx-lm right-justifies both at the longer one's index.
+        longest = max(self.suffix._idx, other.suffix._idx)
+        self.padding = [n + longest - self.suffix._idx for n in self.padding] + [
+            n + longest - other.suffix._idx for n in other.padding
+        ]
         self.rows = self.rows + other.rows
         self.suffix.extend(other.suffix)  # (whole steps: the longer of two such buffers)
 
     def extract(self, idx: int) -> SharedPrefixCache:
+        """Row ``idx``'s own cache (its suffix copied out, as mlx-lm's
+        ``BatchKVCache.extract`` makes it, with the padding known here)."""
+        import mlx.core as mx
+        from mlx_lm.models.cache import KVCache
+
         group, n = self.rows[idx]
-        return SharedPrefixCache(group, self.layer, n, self.suffix.extract(idx))
+        suffix, own = self.suffix, KVCache()
+        if suffix.keys is not None:
+            start = self.padding[idx]
+            own.keys = mx.contiguous(suffix.keys[idx : idx + 1, :, start : suffix._idx])
+            own.values = mx.contiguous(suffix.values[idx : idx + 1, :, start : suffix._idx])
+            own.offset = own.keys.shape[2]
+        return SharedPrefixCache(group, self.layer, n, own)
 
 
 #: Tokens a suffix's buffer grows by (mlx-lm grows a ``KVCache`` by 256): a

@@ -137,6 +137,47 @@ class TestNoWaits:
             assert row.generated[:40] == cold_tokens(runner, prompt, 40)
 
 
+    def test_rows_joining_and_leaving_a_running_batch_never_wait_for_the_device(self, runner, tiny_llama, monkeypatch):
+        """A merged batch over a shared prefix takes rows in and lets rows go
+        between steps, the batch cache cut or extended each time: neither
+        calls ``mx.eval`` (the copies are queued with ``async_eval``, which
+        is given the new cache), and every row's tokens are its cold run's."""
+        model, _ = tiny_llama
+        payloads = prefix_payloads(model)
+        prompts = [PREFIX + own(n, salt=n) for n in (3, 7, 12, 5)]
+        rows = [started(runner, f"r{i}", prompt, payloads) for i, prompt in enumerate(prompts)]
+        batch = DecodeBatch(runner)
+        batch.join(rows[:2])
+        decode(batch, 3)
+        waits: list[int] = []
+        queued: list[int] = []
+        real_eval, real_async = mx.eval, mx.async_eval
+
+        def counting(*arrays):
+            waits.append(1)
+            return real_eval(*arrays)
+
+        def queueing(*arrays):
+            queued.append(1)
+            return real_async(*arrays)
+
+        monkeypatch.setattr(mx, "eval", counting)
+        monkeypatch.setattr(mx, "async_eval", queueing)
+        batch.join(rows[2:])  # extends the merged cache
+        assert len(queued) == 1
+        decode(batch, 4)
+        queued.clear()
+        caches, failed = batch.leave([rows[1]], keep=[rows[1]])  # cuts it down to three rows
+        assert not failed and len(queued) == 1
+        decode(batch, 5)
+        monkeypatch.setattr(mx, "eval", real_eval)
+        monkeypatch.setattr(mx, "async_eval", real_async)
+        assert waits == []
+        assert rows[1].generated == cold_tokens(runner, prompts[1], len(rows[1].generated))
+        for row, prompt in zip([rows[0], *rows[2:]], [prompts[0], *prompts[2:]]):
+            assert row.generated == cold_tokens(runner, prompt, len(row.generated))
+
+
 class TestStepInvariantShapes:
     def test_a_stacked_decode_steps_fused_call_keeps_its_shapes_until_the_buffer_grows(self, tiny_llama, monkeypatch):
         """Three rows over a shared prefix decode 40 steps with the stacked

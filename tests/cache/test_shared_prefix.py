@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache
 
 from mlxkv.cache.shared_prefix import (
@@ -140,3 +143,78 @@ class TestCaches:
         )
 
 
+
+
+class TestPaddingOnTheHost:
+    """A batch keeps its rows' left padding on the host (mlx-lm's filter and
+    extract read it back from the device: a wait for every step queued)."""
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.data())
+    def test_it_always_equals_the_suffixs_and_cuts_and_extracts_as_mlx_lm_does(self, tiny_llama, data):
+        """Rows of any suffix lengths merged, then any run of leaves (any rows
+        kept), joins (another merged batch) and right-padded prefills (rolled
+        into the left padding by ``finalize``): the host padding equals the
+        suffix's ``left_padding``; each row's tokens and each extracted row
+        equal those of an mlx-lm ``BatchKVCache`` put through the same steps
+        with its own ``filter`` and ``extract``."""
+        import copy
+
+        model, _ = tiny_llama
+        group = PrefixGroup.build(block_payloads(model, list(range(32)), 16))
+        counter = [0]
+
+        def rows(n: int) -> BatchSharedPrefixCache:
+            caches = []
+            for _ in range(n):
+                own = data.draw(st.integers(0, 9))
+                counter[0] += 1
+                suffix = KVCache()
+                if own:
+                    k = mx.arange(own * 4, dtype=mx.float32).reshape(1, 1, own, 4) + 100 * counter[0]
+                    suffix.update_and_fetch(k, k)
+                caches.append(SharedPrefixCache(group, 0, 32, suffix))
+            return SharedPrefixCache.merge(caches)
+
+        def twin_of(suffix: Any) -> Any:
+            """An mlx-lm batch cache of its own (``+=`` on an MLX array changes it in place)."""
+            twin = copy.copy(suffix)
+            twin.left_padding, twin.offset = mx.array(suffix.left_padding), mx.array(suffix.offset)
+            return twin
+
+        def same(batch: BatchSharedPrefixCache, twin: Any) -> None:
+            assert batch.padding == batch.suffix.left_padding.tolist() == twin.left_padding.tolist()
+            assert batch.suffix._idx == twin._idx
+            if twin.keys is not None and twin._idx:
+                np.testing.assert_array_equal(
+                    np.array(batch.suffix.keys[..., : twin._idx, :]), np.array(twin.keys[..., : twin._idx, :])
+                )
+                for i in range(len(batch.padding)):
+                    mine, theirs = batch.extract(i).suffix, twin.extract(i)
+                    assert mine.offset == theirs.offset
+                    np.testing.assert_array_equal(np.array(mine.keys), np.array(theirs.keys))
+
+        batch = rows(data.draw(st.integers(1, 4)))
+        twin = twin_of(batch.suffix)
+        same(batch, twin)
+        for _ in range(data.draw(st.integers(1, 6))):
+            step = data.draw(st.sampled_from(["leave", "join", "prefill"]))
+            if step == "leave":
+                count = len(batch.padding)
+                kept = sorted(data.draw(st.sets(st.integers(0, count - 1), min_size=1, max_size=count)))
+                batch.filter(mx.array(kept))
+                twin.filter(mx.array(kept))
+            elif step == "join":
+                more = rows(data.draw(st.integers(1, 3)))
+                other = twin_of(more.suffix)
+                batch.extend(more)
+                twin.extend(other)
+            elif twin.keys is not None:
+                lengths = [data.draw(st.integers(1, 4)) for _ in batch.padding]
+                right = [max(lengths) - n for n in lengths]
+                k = mx.ones((len(lengths), 1, max(lengths), 4))
+                for cache in (batch, twin):
+                    cache.prepare(lengths=lengths, right_padding=right)
+                    cache.update_and_fetch(k, k) if cache is twin else cache.suffix.update_and_fetch(k, k)
+                    cache.finalize()
+            same(batch, twin)
