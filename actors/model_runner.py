@@ -39,6 +39,7 @@ from mlxkv.actors import attention_hook
 from mlxkv.actors.prefill_streams import StreamPool, default_prefill_streams, spread
 from mlxkv.actors.prefix_attention import PrefixAttention
 from mlxkv.cache.shared_prefix import (
+    BatchSharedPrefixCache,
     PrefixGroups,
     SharedPrefixCache,
     suffix_cache,
@@ -710,8 +711,10 @@ class CacheRunner(abc.ABC):
         # mlx-lm's extract reads a layer's padding (and a rotating layer's
         # offsets) on the host, evaluating them a layer at a time: each is
         # a wait for the device (on a GPU, for all work queued before it).
-        # One evaluation for every layer instead.
-        mx.eval([array for layer in merged for array in _read_by_extract(layer)])
+        # One evaluation for every layer instead (none over shared prefixes).
+        read = [array for layer in merged for array in _read_by_extract(layer)]
+        if read:
+            mx.eval(read)
         return [
             (sequence, self.extract(merged, row), logits[row, lengths[row] - 1])
             for row, (sequence, _) in enumerate(rows)
@@ -907,12 +910,13 @@ def context_unit(args: Any) -> int:
 
 def _read_by_extract(layer: Any) -> list[Any]:
     """The small arrays mlx-lm's ``extract`` of a batch cache layer reads on
-    the host: its rows' left padding, and a rotating layer's offsets too (of
-    a shared-prefix layer, its suffix's)."""
+    the host: its rows' left padding, and a rotating layer's offsets too
+    (none for a shared-prefix layer, which keeps its padding on the host)."""
     import mlx.core as mx
     from mlx_lm.models.cache import BatchRotatingKVCache
 
-    layer = getattr(layer, "suffix", layer)
+    if isinstance(layer, BatchSharedPrefixCache):
+        return []
     arrays = [getattr(layer, "left_padding", None)]
     if isinstance(layer, BatchRotatingKVCache):
         arrays.append(layer.offset)

@@ -137,12 +137,14 @@ def _has_work(arrays: Any) -> bool:
     return bool(primitives(*[a for _, a in tree_flatten(arrays) if isinstance(a, mx.array)]))
 
 
-@pytest.mark.parametrize("model_name", ["tiny_llama", "sliding_llama"])
-def test_a_padded_prefill_waits_for_the_device_once_a_call(request, model_name, monkeypatch):
+@pytest.mark.parametrize("model_name, waits", [("tiny_llama", 1), ("sliding_llama", 2)])
+def test_a_padded_prefill_waits_for_the_device_once_a_call(request, model_name, waits, monkeypatch):
     """Rows of different lengths prefill right-padded; taking their caches out
     reads each layer's padding on the host (mlx-lm's extract evaluates it a
-    layer at a time). One evaluation with work a call, for every layer: on a
-    GPU each is a wait for everything queued."""
+    layer at a time). One evaluation with work a call for every layer's
+    padding (on a GPU each is a wait for everything queued), and none where
+    the layers keep it on the host (shared-prefix caches: the tiny Llama's;
+    a sliding window's rotating caches are mlx-lm's own)."""
     model, tokenizer = request.getfixturevalue(model_name)
     runner = TextRunner(model, tokenizer, RunnerConfig(prefill_streams=1, keep_caches=False))
     rows = [(sequence, length - 1) for sequence, length in _rows(runner, [70, 50, 40, 33])]  # bodies only
@@ -156,6 +158,54 @@ def test_a_padded_prefill_waits_for_the_device_once_a_call(request, model_name, 
 
     monkeypatch.setattr(mx, "eval", counting)
     assert runner.prefill_batch(rows) == [None] * 4
-    # The padding, then the rows' caches (prefill_batch evaluates the KV of
-    # chunks that do not end their prompt).
-    assert len(working) == 2
+    # The padding (not over shared-prefix layers), then the rows' caches
+    # (prefill_batch evaluates the KV of chunks that do not end their prompt).
+    assert len(working) == waits
+
+
+def test_a_padded_prefill_over_a_shared_prefix_reads_no_padding_back(tiny_llama, monkeypatch):
+    """Over a shared prefix the batch cache keeps its rows' padding on the
+    host, so taking the rows' caches out reads nothing back from the device:
+    the call's one evaluation with work is the rows' caches, and each row's
+    cache then holds its prefix and its own tokens as a cold run does."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxkv.cache import kv_state
+    from mlxkv.cache.shared_prefix import SharedPrefixCache
+
+    model, tokenizer = tiny_llama
+    prefix = [(i * 37 + 5) % 250 for i in range(64)]
+    cold = make_prompt_cache(model)
+    model(mx.array(prefix)[None], cache=cold)
+    mx.eval([layer.state for layer in cold])
+    payloads = tuple(kv_state.slice_blocks(cold, 16, range(4), num_tokens=64))
+    runner = TextRunner(model, tokenizer, RunnerConfig(prefill_streams=1, keep_caches=False))
+    rows = []
+    for index, own in enumerate([20, 9, 14]):
+        prompt = prefix + [(i * 31 + index * 17) % 250 for i in range(own)]
+        spec = RequestSpec(
+            request_id=f"r{index}", prompt=prompt, prefix=payloads, max_tokens=4, block_size=16,
+            stop_tokens=frozenset(),
+        )  # fmt: skip
+        sequence = SequenceState(spec)
+        runner.start(sequence)
+        assert isinstance(sequence.cache[0], SharedPrefixCache) and sequence.cache[0].num_prefix == 64
+        rows.append((sequence, len(prompt) - 1))  # bodies only
+    working: list[int] = []
+    honest = mx.eval
+
+    def counting(*arrays: Any) -> None:
+        if any(_has_work(a) for a in arrays):
+            working.append(1)
+        honest(*arrays)
+
+    monkeypatch.setattr(mx, "eval", counting)
+    assert runner.prefill_batch(rows) == [None] * 3
+    monkeypatch.setattr(mx, "eval", honest)
+    assert len(working) == 1
+    for sequence, body in rows:
+        expected = make_prompt_cache(model)
+        model(mx.array(sequence.prompt[:body])[None], cache=expected)
+        plain = sequence.cache[0].to_plain()
+        assert plain.offset == body
+        assert mx.allclose(plain.keys[..., :body, :], expected[0].keys[..., :body, :], atol=1e-5).item()
