@@ -137,6 +137,21 @@ def _has_work(arrays: Any) -> bool:
     return bool(primitives(*[a for _, a in tree_flatten(arrays) if isinstance(a, mx.array)]))
 
 
+def _count_working_evals(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that gets an entry for every ``mx.eval`` with work to run (a wait
+    for the device), from now on."""
+    working: list[int] = []
+    honest = mx.eval
+
+    def counting(*arrays: Any) -> None:
+        if any(_has_work(a) for a in arrays):
+            working.append(1)
+        honest(*arrays)
+
+    monkeypatch.setattr(mx, "eval", counting)
+    return working
+
+
 @pytest.mark.parametrize("model_name, waits", [("tiny_llama", 1), ("sliding_llama", 2)])
 def test_a_padded_prefill_waits_for_the_device_once_a_call(request, model_name, waits, monkeypatch):
     """Rows of different lengths prefill right-padded; taking their caches out
@@ -148,15 +163,7 @@ def test_a_padded_prefill_waits_for_the_device_once_a_call(request, model_name, 
     model, tokenizer = request.getfixturevalue(model_name)
     runner = TextRunner(model, tokenizer, RunnerConfig(prefill_streams=1, keep_caches=False))
     rows = [(sequence, length - 1) for sequence, length in _rows(runner, [70, 50, 40, 33])]  # bodies only
-    working: list[int] = []
-    honest = mx.eval
-
-    def counting(*arrays: Any) -> None:
-        if any(_has_work(a) for a in arrays):
-            working.append(1)
-        honest(*arrays)
-
-    monkeypatch.setattr(mx, "eval", counting)
+    working = _count_working_evals(monkeypatch)
     assert runner.prefill_batch(rows) == [None] * 4
     # The padding (not over shared-prefix layers), then the rows' caches
     # (prefill_batch evaluates the KV of chunks that do not end their prompt).
@@ -191,18 +198,10 @@ def test_a_padded_prefill_over_a_shared_prefix_reads_no_padding_back(tiny_llama,
         runner.start(sequence)
         assert isinstance(sequence.cache[0], SharedPrefixCache) and sequence.cache[0].num_prefix == 64
         rows.append((sequence, len(prompt) - 1))  # bodies only
-    working: list[int] = []
-    honest = mx.eval
-
-    def counting(*arrays: Any) -> None:
-        if any(_has_work(a) for a in arrays):
-            working.append(1)
-        honest(*arrays)
-
-    monkeypatch.setattr(mx, "eval", counting)
+    working = _count_working_evals(monkeypatch)
     assert runner.prefill_batch(rows) == [None] * 3
-    monkeypatch.setattr(mx, "eval", honest)
     assert len(working) == 1
+    monkeypatch.undo()
     for sequence, body in rows:
         expected = make_prompt_cache(model)
         model(mx.array(sequence.prompt[:body])[None], cache=expected)

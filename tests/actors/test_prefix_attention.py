@@ -38,6 +38,59 @@ def _fused(q: Any, parts_k: list[Any], parts_v: list[Any], mask: Any = None) -> 
     )
 
 
+class _InterleavedGroups:
+    """A batch over several prefixes: rows interleaved, one row in no group,
+    rows left-padded, groups of different lengths, one row seeing only its
+    group's first blocks; ``length`` queries a row (causal over the suffix
+    past one), in ``dtype``. :meth:`check` compares an output with fused
+    attention over each row's part of its prefix and its own tokens (in half
+    precision within its rounding: the softmax arithmetic is float32 either
+    way)."""
+
+    batch, heads, kv_heads, dim, suffix = 7, 4, 2, 8, 9
+    owner = [0, 1, 0, -1, 2, 1, 0]
+    sizes = [300, 45, 128]
+    seen = [300, 45, 192, 0, 128, 45, 300]  # row 2 sees 192 of its group's 300
+
+    def __init__(self, seed: int, dtype: str, length: int) -> None:
+        rng = np.random.default_rng(seed)
+        self.dtype, self.length = getattr(mx, dtype), length
+        # Every query sees a token of its own: padding leaves at least `length`.
+        self.pads = [min(pad, self.suffix - length) for pad in (0, 3, 1, 8, 0, 2, 5)]
+
+        def normal(shape: tuple[int, ...]) -> Any:
+            return mx.array(rng.standard_normal(shape), dtype=mx.float32).astype(self.dtype)
+
+        batch, kv_heads, dim, suffix = self.batch, self.kv_heads, self.dim, self.suffix
+        self.q = normal((batch, self.heads, length, dim))
+        self.ks, self.vs = normal((batch, kv_heads, suffix, dim)), normal((batch, kv_heads, suffix, dim))
+        self.prefixes = [(normal((1, kv_heads, n, dim)), normal((1, kv_heads, n, dim))) for n in self.sizes]
+        self.segments = [
+            ([b for b in range(batch) if self.owner[b] == g], kp, vp, [self.seen[b] for b in range(batch) if self.owner[b] == g])
+            for g, (kp, vp) in enumerate(self.prefixes)
+        ]
+        causal = mx.arange(suffix - length, suffix)[:, None] >= mx.arange(suffix)[None]
+        self.mask = mx.stack([causal & (mx.arange(suffix) >= pad)[None] for pad in self.pads])[:, None]  # (batch, 1, L, S)
+        self.scale = dim**-0.5
+
+    def check(self, out: Any) -> None:
+        assert out.shape == self.q.shape and out.dtype == self.dtype
+        tolerance = TOL if self.dtype == mx.float32 else 2e-2
+        for b, pad in enumerate(self.pads):
+            parts_k, parts_v = [], []
+            if self.owner[b] >= 0:
+                parts_k.append(self.prefixes[self.owner[b]][0][:, :, : self.seen[b]])
+                parts_v.append(self.prefixes[self.owner[b]][1][:, :, : self.seen[b]])
+            up_k = [a.astype(mx.float32) for a in (*parts_k, self.ks[b : b + 1, :, pad:])]
+            up_v = [a.astype(mx.float32) for a in (*parts_v, self.vs[b : b + 1, :, pad:])]
+            total = self.seen[b] + self.suffix - pad
+            full = mx.arange(total - self.length, total)[:, None] >= mx.arange(total)[None]
+            expected = _fused(self.q[b : b + 1].astype(mx.float32), up_k, up_v, full)
+            np.testing.assert_allclose(
+                np.array(out[b : b + 1].astype(mx.float32)), np.array(expected), atol=tolerance, rtol=0
+            )
+
+
 class TestEveryWay:
     """Each way of attending over shared prefixes equals fused attention over
     each row's prefix part followed by its suffix."""
@@ -143,39 +196,9 @@ class TestEveryWay:
         seeing only its group's first blocks -- equals fused attention over
         each row's part of its prefix + suffix (in half precision within its
         rounding: the softmax arithmetic is float32 either way)."""
-        rng = np.random.default_rng(13)
-        batch, heads, kv_heads, dim, suffix = 7, 4, 2, 8, 9
-        owner = [0, 1, 0, -1, 2, 1, 0]
-        sizes = [300, 45, 128]
-        pads = [0, 3, 1, 8, 0, 2, 5]
-        as_dtype = getattr(mx, dtype)
-
-        def normal(shape):
-            return mx.array(rng.standard_normal(shape), dtype=mx.float32).astype(as_dtype)
-
-        q = normal((batch, heads, 1, dim))
-        ks, vs = normal((batch, kv_heads, suffix, dim)), normal((batch, kv_heads, suffix, dim))
-        prefixes = [(normal((1, kv_heads, n, dim)), normal((1, kv_heads, n, dim))) for n in sizes]
-        seen = [300, 45, 192, 0, 128, 45, 300]  # row 2 sees 192 of its group's 300
-        segments = [
-            ([b for b in range(batch) if owner[b] == g], kp, vp, [seen[b] for b in range(batch) if owner[b] == g])
-            for g, (kp, vp) in enumerate(prefixes)
-        ]
-        mask = mx.array([[[[j >= pad for j in range(suffix)]]] for pad in pads])
-        out = attend(q, ks, vs, mask, dim**-0.5, segments)
-        assert out.dtype == as_dtype
-        tolerance = TOL if dtype == "float32" else 2e-2
-        for b, pad in enumerate(pads):
-            parts_k, parts_v = [], []
-            if owner[b] >= 0:
-                parts_k.append(prefixes[owner[b]][0][:, :, : seen[b]])
-                parts_v.append(prefixes[owner[b]][1][:, :, : seen[b]])
-            up = [a.astype(mx.float32) for a in (*parts_k, ks[b : b + 1, :, pad:])]
-            vp_up = [a.astype(mx.float32) for a in (*parts_v, vs[b : b + 1, :, pad:])]
-            expected = _fused(q[b : b + 1].astype(mx.float32), up, vp_up)
-            np.testing.assert_allclose(
-                np.array(out[b : b + 1].astype(mx.float32)), np.array(expected), atol=tolerance, rtol=0
-            )
+        case = _InterleavedGroups(13, dtype, length=1)
+        out = attend(case.q, case.ks, case.vs, case.mask, case.scale, case.segments)
+        case.check(out)
 
 
 class TestCascade:
@@ -364,43 +387,8 @@ class TestBandedPrefill:
         attention over its part of its prefix and its own suffix."""
         from mlxkv.actors.prefix_attention import _banded_attention
 
-        rng = np.random.default_rng(band * 10 + length)
-        as_dtype = getattr(mx, dtype)
-        batch, heads, kv_heads, dim, suffix = 7, 4, 2, 8, 9
-        owner = [0, 1, 0, -1, 2, 1, 0]
-        sizes = [300, 45, 128]
-        pads = [0, 3, 1, 2, 0, 2, 3]
-        seen = [300, 45, 192, 0, 128, 45, 300]
-
-        def normal(shape):
-            return mx.array(rng.standard_normal(shape), dtype=mx.float32).astype(as_dtype)
-
-        q = normal((batch, heads, length, dim))
-        ks, vs = normal((batch, kv_heads, suffix, dim)), normal((batch, kv_heads, suffix, dim))
-        prefixes = [(normal((1, kv_heads, n, dim)), normal((1, kv_heads, n, dim))) for n in sizes]
-        segments = [
-            ([b for b in range(batch) if owner[b] == g], kp, vp, [seen[b] for b in range(batch) if owner[b] == g])
-            for g, (kp, vp) in enumerate(prefixes)
-        ]
-        causal = mx.arange(suffix - length, suffix)[:, None] >= mx.arange(suffix)[None]
-        mask = mx.stack([causal & (mx.arange(suffix) >= pad)[None] for pad in pads])[:, None]  # (batch, 1, L, S)
-        out = _banded_attention(q, ks, vs, mask, dim**-0.5, segments, band)
-        assert out.shape == q.shape and out.dtype == as_dtype
-        tolerance = TOL if dtype == "float32" else 2e-2
-        for b, pad in enumerate(pads):
-            parts_k, parts_v = [], []
-            if owner[b] >= 0:
-                parts_k.append(prefixes[owner[b]][0][:, :, : seen[b]])
-                parts_v.append(prefixes[owner[b]][1][:, :, : seen[b]])
-            up_k = [a.astype(mx.float32) for a in (*parts_k, ks[b : b + 1, :, pad:])]
-            up_v = [a.astype(mx.float32) for a in (*parts_v, vs[b : b + 1, :, pad:])]
-            own = suffix - pad
-            total = seen[b] + own
-            full = mx.arange(total - length, total)[:, None] >= mx.arange(total)[None]
-            expected = _fused(q[b : b + 1].astype(mx.float32), up_k, up_v, full)
-            np.testing.assert_allclose(
-                np.array(out[b : b + 1].astype(mx.float32)), np.array(expected), atol=tolerance, rtol=0
-            )
+        case = _InterleavedGroups(band * 10 + length, dtype, length)
+        case.check(_banded_attention(case.q, case.ks, case.vs, case.mask, case.scale, case.segments, band))
 
     @pytest.mark.parametrize("suffix, copies", [(8, 1), (512, 8)])
     def test_a_prefill_reads_one_copy_of_its_prefix_where_the_suffixes_are_short(self, suffix, copies, monkeypatch):
