@@ -575,14 +575,14 @@ def _banded_attention(
         return _as_bias(full[:, None], queries.dtype)  # (bands, 1, padded_len, keys)
 
     full = _per_step(("banded", batch, length, suffix, width, band, layout.slots, layout.seen), mask, build)
-    stacked = in_bands(queries)
+    banded = in_bands(queries)
     if padded_len > queries_len:
-        stacked = mx.concatenate([stacked, _zeros(stacked, (bands, heads, padded_len - queries_len, dim))], axis=2)
+        banded = mx.concatenate([banded, _zeros(banded, (bands, heads, padded_len - queries_len, dim))], axis=2)
     all_keys = _joined([prefix_parts(1, keys), in_bands(keys), _zeros(keys, (bands, kv_heads, room, dim))])
     all_values = _joined(
         [prefix_parts(2, values), in_bands(values), _zeros(values, (bands, kv_heads, room, values.shape[3]))]
     )
-    out = mx.fast.scaled_dot_product_attention(stacked, all_keys, all_values, scale=scale, mask=full)
+    out = mx.fast.scaled_dot_product_attention(banded, all_keys, all_values, scale=scale, mask=full)
     if padded_len > queries_len:
         out = out[:, :, :queries_len]
     if band > 1:

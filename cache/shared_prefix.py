@@ -505,11 +505,10 @@ class BatchSharedPrefixCache(_OverSuffix):
     def extend(self, other: BatchSharedPrefixCache) -> None:
         # mlx-lm right-justifies both at the longer one's index.
         longest = max(self.suffix._idx, other.suffix._idx)
-        self.padding = [n + longest - self.suffix._idx for n in self.padding] + [
-            n + longest - other.suffix._idx for n in other.padding
-        ]
-        self.rows = self.rows + other.rows
+        padding = [n + longest - self.suffix._idx for n in self.padding]
+        padding += [n + longest - other.suffix._idx for n in other.padding]
         self.suffix.extend(other.suffix)  # (whole steps: the longer of two such buffers)
+        self.rows, self.padding = self.rows + other.rows, padding
 
     def extract(self, idx: int) -> SharedPrefixCache:
         """Row ``idx``'s own cache (its suffix copied out, as mlx-lm's
