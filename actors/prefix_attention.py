@@ -494,11 +494,7 @@ class _Bands:
         index = inverse = None
         if slots != list(range(batch)):
             index = mx.array([max(row, 0) for row in slots])
-            places = [0] * batch
-            for at, row in enumerate(slots):
-                if row >= 0:
-                    places[row] = at
-            inverse = mx.array(places)
+            inverse = mx.array(_inverse(slots, batch))
         return _Bands(tuple(slots), segment_bands, tuple(seen), index, inverse)
 
 
@@ -914,8 +910,11 @@ def _as_bias(visible: Any, dtype: Any) -> Any:
     return mx.where(visible, mx.array(0, dtype=dtype), mx.array(-mx.inf, dtype=dtype))
 
 
-def _inverse(order: Sequence[int]) -> list[int]:
-    where = [0] * len(order)
+def _inverse(order: Sequence[int], rows: Optional[int] = None) -> list[int]:
+    """Each of ``rows`` rows' position in ``order`` (default: ``order`` holds
+    every row once; ``-1`` entries, empty places, are no row's)."""
+    where = [0] * (len(order) if rows is None else rows)
     for position, row in enumerate(order):
-        where[row] = position
+        if row >= 0:
+            where[row] = position
     return where
