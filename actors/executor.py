@@ -5,9 +5,25 @@ runner (and, through it, the kept caches), each live request's
 :class:`~mlxkv.actors.sequence.SequenceState` (its own cache while it
 prefills), and the decode batches (the caches of the requests decoding).
 :meth:`Executor.run` takes a :class:`~mlxkv.actors.plan.Plan`, does it
-in order -- publish, leave, join, decode steps, prefill -- and returns an
+in order -- publish, leave, join, prefill, decode steps -- and returns an
 immutable :class:`~mlxkv.actors.plan.Result`. It writes no scheduler
 state; everything it learns travels in the result.
+
+Reads last. Every piece of a plan queues its work (``mx.async_eval``) and
+nothing is read back before the plan's decode step, if it has one, is
+queued behind it. So a plan that publishes blocks, lets rows go (their
+answers sliced, their caches kept) or joins rows before it steps does not
+wait for the step in flight before it queues the next one, and what it
+reads -- the blocks and kept caches, evaluated by the MLX thread with the
+result -- waits for itself, not for its own step, which the device computes
+while the host hands the result over and makes the next plan. (A step
+reads the tokens of the step before it, queued by the plan before.) A
+prefill's first tokens are read last as well; the scheduler's plans
+prefill or decode, so a prefill plan's read waits for its chunks, and the
+device then waits for the next plan, as it does after mlx-lm's prefill.
+What is read at once still: a plain batch cache's padding when rows are
+taken out of it (mlx-lm's ``extract``), a request's start (its cache
+rebuilt from payloads) and its images' encoding.
 
 Failures. A step done for one request that raises (slicing, extracting,
 merging or keeping its cache, starting it, sampling its token,
@@ -21,6 +37,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
+
+import attrs
 
 from mlxkv.actors.decode_batch import BatchBroken, DecodeBatch, RowFailed, without_frames
 from mlxkv.actors.model_runner import ModelRunner, cache_tokens
@@ -66,7 +84,8 @@ class Executor:
         self._batches: list[DecodeBatch] = []
 
     def run(self, plan: Plan) -> Result:
-        """Do ``plan``; what happened."""
+        """Do ``plan``; what happened. Nothing is read back before its
+        decode step is queued (the module docstring)."""
         run = _ResultBuilder()
         run.stage = "publish"
         for piece in plan.publish:
@@ -75,12 +94,14 @@ class Executor:
         self._leave(plan.leave, run)
         run.stage = "join"
         self._join(plan.join, run)
+        run.stage = "prefill"
+        firsts = self._prefill(plan.prefill, run)
         run.stage = "decode"
         if plan.steps:
             self._decode(plan.steps, run)
         run.stage = "prefill"
-        if plan.prefill:
-            self._prefill(plan.prefill, run)
+        for first in firsts:
+            self._read_first_token(first, run)
         self._batches = [batch for batch in self._batches if len(batch)]
         return run.result()
 
@@ -185,10 +206,12 @@ class Executor:
             if failed:
                 self._remove_rows(batch, failed, run)
 
-    def _prefill(self, chunks: tuple[Chunk, ...], run: _ResultBuilder) -> None:
+    def _prefill(self, chunks: tuple[Chunk, ...], run: _ResultBuilder) -> list[_FirstToken]:
         """Start the new requests, then run every chunk: in one model call
-        where the model batches prefill, else each in its own."""
+        where the model batches prefill, else each in its own. The first
+        tokens of the prompts done, queued, to read (:meth:`_read_first_token`)."""
         runner = self._runner
+        firsts: list[_FirstToken] = []
         rows: list[tuple[SequenceState, int]] = []
         encodings: dict[str, Any] = {}
         by_id = {chunk.request_id: chunk for chunk in chunks}
@@ -224,8 +247,17 @@ class Executor:
                 chunk = by_id[sequence.request_id]
                 if last is None and chunk.published >= 0:
                     self._publish_chunk(sequence, chunk, run)
-                if sequence.request_id in self._live:
-                    self._chunk_done(sequence, last, encodings.get(sequence.request_id, _NOT_STARTED), run)
+                if sequence.request_id not in self._live:
+                    continue
+                encoding = encodings.get(sequence.request_id, _NOT_STARTED)
+                if last is None:
+                    run.chunks.append(_chunk_done(sequence, encoding))
+                    continue
+                try:
+                    firsts.append(_FirstToken(sequence, encoding, last, *_first_token(sequence, last)))
+                except Exception as error:
+                    self._let_go(sequence, error, run)
+        return firsts
 
     def _publish_chunk(self, sequence: SequenceState, chunk: Chunk, run: _ResultBuilder) -> None:
         """Slice the full blocks a (not last) chunk completed, at once."""
@@ -239,33 +271,17 @@ class Executor:
         except Exception as error:
             self._let_go(sequence, error, run)
 
-    def _chunk_done(self, sequence: SequenceState, logits: Any, encoding: Any, run: _ResultBuilder) -> None:
-        """Report a chunk; after the last one, sample the first token."""
-        first = logprobs = None
-        if logits is not None:
-            try:
-                first, logprobs = _first_token(sequence, logits)
-            except Exception as error:
-                self._let_go(sequence, error, run)
-                return
-            sequence.emitted(first)
-        started = encoding is not _NOT_STARTED
-        ran = None if not started or encoding is None else encoding.ran
+    def _read_first_token(self, first: _FirstToken, run: _ResultBuilder) -> None:
+        """A prompt's last chunk is done: its first token, read."""
+        sequence = first.sequence
+        try:
+            token = int(first.token.item())
+        except Exception as error:
+            self._let_go(sequence, error, run)
+            return
+        sequence.emitted(token)
         run.chunks.append(
-            ChunkDone(
-                sequence.request_id,
-                sequence.num_computed,
-                started=started,
-                num_cached=sequence.num_cached,
-                cold_fallback=sequence.cold_fallback,
-                reused_kept_cache=sequence.reused_kept_cache,
-                num_shared=sequence.num_shared,
-                encoder_ran=ran,
-                features=None if ran is None else encoding.features,
-                first_token=first,
-                logits=logits,
-                logprobs=logprobs,
-            )
+            _chunk_done(sequence, first.encoding, first_token=token, logits=first.logits, logprobs=first.logprobs)
         )
 
     # -- letting go -----------------------------------------------------------------
@@ -307,6 +323,38 @@ class Executor:
 _NOT_STARTED = object()
 
 
+@attrs.frozen(eq=False)
+class _FirstToken:
+    """A prompt's first token, sampled from the last chunk's ``logits`` and
+    queued, not read yet; ``encoding`` is its start's image encoding (or
+    :data:`_NOT_STARTED`)."""
+
+    sequence: SequenceState
+    encoding: Any
+    logits: Any
+    token: Any
+    logprobs: Any
+
+
+def _chunk_done(sequence: SequenceState, encoding: Any, **first: Any) -> ChunkDone:
+    """The record of a chunk ``sequence`` ran (a last one's: with ``first``,
+    its first token and what it was drawn from)."""
+    started = encoding is not _NOT_STARTED
+    ran = None if not started or encoding is None else encoding.ran
+    return ChunkDone(
+        sequence.request_id,
+        sequence.num_computed,
+        started=started,
+        num_cached=sequence.num_cached,
+        cold_fallback=sequence.cold_fallback,
+        reused_kept_cache=sequence.reused_kept_cache,
+        num_shared=sequence.num_shared,
+        encoder_ran=ran,
+        features=None if ran is None else encoding.features,
+        **first,
+    )
+
+
 class _ResultBuilder:
     """What one plan did so far (a builder of :class:`Result`)."""
 
@@ -333,9 +381,10 @@ class _ResultBuilder:
         )
 
 
-def _first_token(sequence: SequenceState, logits: Any) -> tuple[int, Any]:
+def _first_token(sequence: SequenceState, logits: Any) -> tuple[Any, Any]:
     """The first token, sampled from the last prompt position, and the
-    log-probabilities it was drawn from."""
+    log-probabilities it was drawn from: queued (``mx.async_eval``), with
+    the logits, not read."""
     import mlx.core as mx
 
     logprobs = logits - mx.logsumexp(logits, keepdims=True)
@@ -343,7 +392,8 @@ def _first_token(sequence: SequenceState, logits: Any) -> tuple[int, Any]:
         token = mx.argmax(logprobs)
     else:
         token = sequence.sampler(logprobs[None])[0]
-    return int(token.item()), logprobs
+    mx.async_eval(token, logprobs, logits)
+    return token, logprobs
 
 
 

@@ -281,8 +281,12 @@ class ModelRunner(Protocol):
         At every block end it passes, a model with recurrent layers records
         their state in the sequence's snapshots. Where ``end`` is the prompt's
         length, the last token runs on its own and the row's logits
-        (``(vocab,)``) are returned; otherwise None. If it raises, it changed
+        (``(vocab,)``) are returned, lazily; otherwise None. If it raises, it changed
         no row it did not finish (the caller may run each row again alone).
+        Nothing is waited for but what taking rows out of a plain batch cache
+        reads on the host (mlx-lm's ``extract`` reads its padding): the rows'
+        caches are queued (``mx.async_eval``), so the caller can queue more
+        work before it reads anything back.
         """
         ...
 
@@ -319,7 +323,9 @@ class ModelRunner(Protocol):
     def slice_blocks(
         self, sequence: SequenceState, cache: list[Any], start: int, stop: int
     ) -> tuple[BlockPayload, ...]:
-        """Owned, evaluated payloads of full blocks ``[start, stop)`` of ``cache``."""
+        """Owned payloads of full blocks ``[start, stop)`` of ``cache``, queued
+        (``mx.async_eval``), not waited for: a later read of them waits for
+        them alone, not for work queued after them."""
         ...
 
     def take_encoding(self, sequence: SequenceState) -> Optional[ImageEncoding]:
@@ -502,9 +508,11 @@ class CacheRunner(abc.ABC):
         tokens = sequence.tokens(0, min(cache[0].offset, num_tokens))
         for layer in cache:
             layer.trim(layer.offset - len(tokens))
-        # Evaluated now: a row taken out of a batch is a lazy slice of the
-        # batch's buffer, which it would keep alive for as long as it is kept.
-        mx.eval([layer.state for layer in cache])
+        # Queued now (not waited for: the executor reads nothing back before
+        # its plan's decode step is queued): a row taken out of a batch is a
+        # lazy slice of the batch's buffer, which its graph would keep alive
+        # for as long as it is kept; scheduled, it no longer holds the graph.
+        mx.async_eval([layer.state for layer in cache])
         entry = _KeptCache(
             cache=cache,
             tokens=tokens,
@@ -615,7 +623,7 @@ class CacheRunner(abc.ABC):
             self._record_snapshot(sequence, cache, body_end)
             sequence.computed(body_end)
         if end < total:
-            mx.eval([layer.state for layer in cache])
+            mx.async_eval([layer.state for layer in cache])
             return None
         logits = self._run(sequence, cache, total - 1, total)[0, -1]
         sequence.computed(total)
@@ -660,7 +668,7 @@ class CacheRunner(abc.ABC):
                 sequence.computed(end)
             else:
                 out.append(None)
-        mx.eval([layer.state for sequence, end in rows if end < len(sequence.prompt) for layer in sequence.cache])
+        mx.async_eval([layer.state for sequence, end in rows if end < len(sequence.prompt) for layer in sequence.cache])
         return out
 
     def _forward_rows(self, rows: list[tuple[SequenceState, Seq[int]]]) -> dict[int, Any]:
@@ -789,7 +797,7 @@ class CacheRunner(abc.ABC):
         size = sequence.block_size
         if self._groups is not None:
             return self._slice_suffix(cache, size, start, stop)
-        payloads = kv_state.slice_blocks(cache, size, range(start, stop), num_tokens=stop * size)
+        payloads = kv_state.slice_blocks(cache, size, range(start, stop), num_tokens=stop * size, wait=False)
         if self._info.has_recurrent:
             payloads = [_with_snapshot(p, sequence.snapshots.get(p.end)) for p in payloads]
         return tuple(payloads)
@@ -811,11 +819,13 @@ class CacheRunner(abc.ABC):
                 prefix.offset = layer.num_prefix
                 view.append(prefix)
             end = min(stop, shift)
-            payloads += kv_state.slice_blocks(view, size, range(start, end), num_tokens=end * size)
+            payloads += kv_state.slice_blocks(view, size, range(start, end), num_tokens=end * size, wait=False)
         if stop > shift:
             first = max(start, shift)
             view = [layer.suffix for layer in cache]
-            sliced = kv_state.slice_blocks(view, size, range(first - shift, stop - shift), num_tokens=(stop - shift) * size)
+            sliced = kv_state.slice_blocks(
+                view, size, range(first - shift, stop - shift), num_tokens=(stop - shift) * size, wait=False
+            )
             payloads += [attrs.evolve(p, start=p.start + shift * size) for p in sliced]
         return tuple(payloads)
 
@@ -883,7 +893,7 @@ def _with_snapshot(payload: BlockPayload, state: Optional[tuple[Any, ...]]) -> B
         group if layer_state is None else tuple(None if a is None else mx.array(a) for a in layer_state)
         for group, layer_state in zip(payload.arrays, state)
     )
-    mx.eval([a for group in arrays if group for a in group if a is not None])
+    mx.async_eval([a for group in arrays if group for a in group if a is not None])
     return attrs.evolve(payload, arrays=arrays)
 
 

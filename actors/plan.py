@@ -85,8 +85,9 @@ class Chunk:
 @attrs.frozen(kw_only=True)
 class Plan:
     """One job for the executor, done in this order: publish, leave, join,
-    ``steps`` decode steps, prefill (several chunks in one model call where
-    exact)."""
+    prefill (several chunks in one model call where exact), ``steps`` decode
+    steps; the prefill's first tokens are read last, with the step queued
+    behind them (:class:`~mlxkv.actors.executor.Executor`)."""
 
     publish: tuple[Slice, ...] = ()
     leave: tuple[Leave, ...] = ()

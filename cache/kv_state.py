@@ -493,6 +493,7 @@ def slice_blocks(
     block_indices: Optional[Iterable[int]] = None,
     *,
     num_tokens: Optional[int] = None,
+    wait: bool = True,
 ) -> list[BlockPayload]:
     """Cut a cache's state into per-block payloads that own their memory.
 
@@ -508,9 +509,13 @@ def slice_blocks(
             cache's length, may be less, never more. Required for a cache with
             no sequence layer, whose state is then taken to cover exactly
             ``num_tokens`` tokens.
+        wait: evaluate the payloads before returning; False queues them
+            (``mx.async_eval``) for a caller that queues more work before it
+            reads them: a read then waits for these, not for that work.
 
     Returns:
-        One evaluated payload per requested block, in the order requested.
+        One payload per requested block, in the order requested: evaluated,
+        or queued (``wait=False``).
 
     Raises:
         InvalidInput: bad ``block_size``, ``num_tokens`` or block index, or
@@ -567,7 +572,10 @@ def slice_blocks(
                 signature=signature,
             )
         )
-    mx.eval(fresh)
+    if wait:
+        mx.eval(fresh)
+    else:
+        mx.async_eval(fresh)
     logger.debug("sliced %d blocks of %d tokens, %d layers", len(payloads), block_size, len(views))
     return payloads
 

@@ -234,3 +234,108 @@ class TestFailures:
         executor.run(Plan(prefill=(_first(_spec("c", 6)),)))
         after = executor.run(Plan(join=("c",), steps=2))
         assert [e.request_id for e in after.emitted] == ["c"] and not after.failures
+
+
+class TestTheDeviceNeverWaitsForTheHost:
+    """Over the real runner (the tiny Llama, its rows over a shared prefix), not
+    the fake: what a plan queues and when it reads it back is MLX's."""
+
+    def test_a_plan_reads_nothing_back_before_its_step_is_queued(self, tiny_llama, monkeypatch):
+        """A plan that publishes, lets a row go (its answer sliced, its cache
+        kept), joins a row, prefills a prompt to its end and steps the batch:
+        nothing is evaluated before the step is queued, the first token is
+        read after it, and every array the result carries was queued before
+        the step, so reading it waits for it alone, not for the step (the
+        device computes the step while the host reads and plans). The first
+        token is a cold run's."""
+        from graph_ops import primitives
+        from mlx_lm.models.cache import make_prompt_cache
+
+        import mlxkv.actors.executor as executor_module
+        from mlxkv.actors.compute_config import RunnerConfig
+        from mlxkv.actors.mlx_thread import evaluate_arrays
+        from mlxkv.actors.model_runner import TextRunner
+        from mlxkv.cache import kv_state
+
+        model, tokenizer = tiny_llama
+        shared = [(i * 37 + 5) % 250 for i in range(64)]
+        cold = make_prompt_cache(model)
+        model(mx.array(shared)[None], cache=cold)
+        payloads = tuple(kv_state.slice_blocks(cold, 16, range(4), num_tokens=64))
+
+        def spec(request_id: str, own: int) -> RequestSpec:
+            prompt = shared + [(i * 31 + own) % 250 for i in range(own)]
+            return RequestSpec(
+                request_id=request_id, prompt=prompt, prefix=payloads, max_tokens=16, block_size=16,
+                stop_tokens=frozenset(),
+            )  # fmt: skip
+
+        runner = TextRunner(model, tokenizer, RunnerConfig(prefill_streams=1))
+        executor = Executor(runner, prefill_chunk=64)
+        a, b, c, d = spec("a", 20), spec("b", 9), spec("c", 16), spec("d", 12)
+        executor.run(Plan(prefill=(Chunk("a", 84, a), Chunk("b", 73, b))))
+        executor.run(Plan(join=("a", "b"), steps=2))
+        executor.run(Plan(prefill=(Chunk("c", 80, c),)))
+
+        log: list[str] = []
+        queued: set[int] = set()
+        honest_eval, honest_async_eval, honest_decode, honest_first = (
+            mx.eval, mx.async_eval, runner.decode, executor_module._first_token,
+        )  # fmt: skip
+
+        def arrays(tree: Any) -> list[Any]:
+            if isinstance(tree, mx.array):
+                return [tree]
+            return [a for item in tree for a in arrays(item)] if isinstance(tree, (list, tuple)) else []
+
+        def blocking(*trees: Any) -> None:
+            if primitives(*[a for tree in trees for a in arrays(tree)]):
+                log.append("eval")
+            honest_eval(*trees)
+
+        def queueing(*trees: Any) -> None:
+            if "decode" not in log:
+                queued.update(id(a) for tree in trees for a in arrays(tree))
+            honest_async_eval(*trees)
+
+        def decode(*args: Any) -> Any:
+            log.append("decode")
+            return honest_decode(*args)
+
+        class Read:
+            def __init__(self, token: Any) -> None:
+                self.token = token
+
+            def item(self) -> int:
+                log.append("read")
+                return self.token.item()
+
+        def first_token(*args: Any) -> tuple[Any, Any]:
+            token, logprobs = honest_first(*args)
+            return Read(token), logprobs
+
+        monkeypatch.setattr(mx, "eval", blocking)
+        monkeypatch.setattr(mx, "async_eval", queueing)
+        monkeypatch.setattr(runner, "decode", decode)
+        monkeypatch.setattr(executor_module, "_first_token", first_token)
+        result = executor.run(
+            Plan(
+                publish=(Slice("c", 4, 5),),
+                leave=(Leave("a", (4, 5), True, 86),),
+                join=("c",),
+                prefill=(Chunk("d", 76, d),),
+                steps=1,
+            )
+        )
+        carried = [id(a) for a in arrays([p.arrays for blocks in result.published for p in blocks.payloads])]
+        carried += [id(a) for chunk in result.chunks for a in (chunk.logits, chunk.logprobs)]
+        evaluate_arrays(result)  # what the MLX thread does with a job's result
+        monkeypatch.undo()
+
+        assert log == ["decode", "read"]
+        assert [(b.request_id, b.start, len(b.payloads)) for b in result.published] == [("c", 4, 1), ("a", 4, 1)]
+        assert len(carried) > 2 and set(carried) <= queued
+        (done,) = result.chunks
+        expected = model(mx.array(d.prompt)[None])[0, -1]
+        assert done.first_token == int(mx.argmax(expected).item())
+        assert [e.request_id for e in result.emitted] == ["b"] and result.steps == (2,)

@@ -20,6 +20,7 @@ from mlxkv.actors.prefill_streams import (
 from mlxkv.actors.request import RequestSpec
 from mlxkv.actors.sequence import SequenceState
 
+from device_arithmetic import ATTENTION_ATOL
 from graph_ops import primitives
 
 
@@ -152,28 +153,27 @@ def _count_working_evals(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return working
 
 
-@pytest.mark.parametrize("model_name, waits", [("tiny_llama", 1), ("sliding_llama", 2)])
-def test_a_padded_prefill_waits_for_the_device_once_a_call(request, model_name, waits, monkeypatch):
+@pytest.mark.parametrize("model_name, waits", [("tiny_llama", 0), ("sliding_llama", 1)])
+def test_a_padded_prefill_waits_for_the_device_once_a_call_at_most(request, model_name, waits, monkeypatch):
     """Rows of different lengths prefill right-padded; taking their caches out
     reads each layer's padding on the host (mlx-lm's extract evaluates it a
     layer at a time). One evaluation with work a call for every layer's
     padding (on a GPU each is a wait for everything queued), and none where
     the layers keep it on the host (shared-prefix caches: the tiny Llama's;
-    a sliding window's rotating caches are mlx-lm's own)."""
+    a sliding window's rotating caches are mlx-lm's own). The rows' caches
+    are queued, not waited for."""
     model, tokenizer = request.getfixturevalue(model_name)
     runner = TextRunner(model, tokenizer, RunnerConfig(prefill_streams=1, keep_caches=False))
     rows = [(sequence, length - 1) for sequence, length in _rows(runner, [70, 50, 40, 33])]  # bodies only
     working = _count_working_evals(monkeypatch)
     assert runner.prefill_batch(rows) == [None] * 4
-    # The padding (not over shared-prefix layers), then the rows' caches
-    # (prefill_batch evaluates the KV of chunks that do not end their prompt).
     assert len(working) == waits
 
 
 def test_a_padded_prefill_over_a_shared_prefix_reads_no_padding_back(tiny_llama, monkeypatch):
     """Over a shared prefix the batch cache keeps its rows' padding on the
     host, so taking the rows' caches out reads nothing back from the device:
-    the call's one evaluation with work is the rows' caches, and each row's
+    the call evaluates nothing (the rows' caches are queued), and each row's
     cache then holds its prefix and its own tokens as a cold run does."""
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -200,11 +200,11 @@ def test_a_padded_prefill_over_a_shared_prefix_reads_no_padding_back(tiny_llama,
         rows.append((sequence, len(prompt) - 1))  # bodies only
     working = _count_working_evals(monkeypatch)
     assert runner.prefill_batch(rows) == [None] * 3
-    assert len(working) == 1
+    assert not working
     monkeypatch.undo()
     for sequence, body in rows:
         expected = make_prompt_cache(model)
         model(mx.array(sequence.prompt[:body])[None], cache=expected)
         plain = sequence.cache[0].to_plain()
         assert plain.offset == body
-        assert mx.allclose(plain.keys[..., :body, :], expected[0].keys[..., :body, :], atol=1e-5).item()
+        assert mx.allclose(plain.keys[..., :body, :], expected[0].keys[..., :body, :], atol=ATTENTION_ATOL).item()

@@ -110,25 +110,6 @@ class Sim:
             if request_id in self.computed and not failing("join", request_id):
                 self.rows.append(request_id)
                 self.fed[request_id] = 0
-        for _ in range(plan.steps):
-            if not self.rows:
-                break
-            steps.append(len(self.rows))
-            done = False
-            for request_id in list(self.rows):
-                if failing("decode", request_id):
-                    done = True
-                    continue
-                index = self.fed[request_id]
-                self.fed[request_id] += 1
-                if index == 0:
-                    continue  # the first token, fed now, was sent by the prefill
-                token = self.token(request_id, index)
-                emitted.append(Emitted(request_id, index, token))
-                spec = self.spec(request_id)
-                done |= token == EOS or index + 1 >= spec.max_tokens
-            if done:
-                break
         for chunk in plan.prefill:
             request_id = chunk.request_id
             if failing("prefill", request_id):
@@ -153,6 +134,25 @@ class Sim:
                     first_token=self.token(request_id, 0) if last else None,
                 )
             )
+        for _ in range(plan.steps):
+            if not self.rows:
+                break
+            steps.append(len(self.rows))
+            done = False
+            for request_id in list(self.rows):
+                if failing("decode", request_id):
+                    done = True
+                    continue
+                index = self.fed[request_id]
+                self.fed[request_id] += 1
+                if index == 0:
+                    continue  # the first token, fed now, was sent by the prefill
+                token = self.token(request_id, index)
+                emitted.append(Emitted(request_id, index, token))
+                spec = self.spec(request_id)
+                done |= token == EOS or index + 1 >= spec.max_tokens
+            if done:
+                break
         self.batch_sizes.extend(steps)
         return Result(
             published=tuple(published), chunks=tuple(chunks), emitted=tuple(emitted), steps=tuple(steps),
