@@ -250,13 +250,23 @@ class TestSliceBlocks:
         blocks = slice_blocks([layer], 4, num_tokens=6)
         assert [b.has_snapshots for b in blocks] == [False, True]
 
-    def test_blocks_own_their_memory(self):
-        """Dropping the source keeps only the blocks' bytes; dropping blocks frees them."""
+    @pytest.mark.parametrize("wait", [True, False])
+    def test_blocks_own_their_memory(self, wait, monkeypatch):
+        """Dropping the source keeps only the blocks' bytes; dropping blocks
+        frees them. Queued blocks (``wait=False``: nothing evaluated, so no
+        wait for work queued before) own theirs once computed: scheduling
+        let go of the graph that held the source."""
         gc.collect()
         base = mx.get_active_memory()
         source = filled_kv(tokens=2048, heads=8, dim=64)  # 2 x 4 MiB of fp32
         source_bytes = source.nbytes
-        blocks = slice_blocks([source], 64)
+        evaluations = []
+        honest = mx.eval
+        monkeypatch.setattr(mx, "eval", lambda *a: (evaluations.append(len(a)), honest(*a)))
+        blocks = slice_blocks([source], 64, wait=wait)
+        monkeypatch.undo()
+        assert len(evaluations) == wait
+        mx.synchronize()
         del source
         gc.collect()
         held = mx.get_active_memory() - base
