@@ -298,6 +298,16 @@ def _decode_step(
     return out.astype(queries.dtype).reshape(batch, heads, 1, -1)
 
 
+def _head_first(weights: Any, values: Any) -> Any:
+    """``weights`` ``(rows, kv_heads, repeats, P)`` times one prefix's
+    ``values`` ``(kv_heads, P, dim)`` as one product a KV head over every row
+    -- ``(rows * repeats, P) x (P, dim)``, a single batched GEMM -- laid back
+    out a row first: ``(rows, kv_heads, repeats, dim)``."""
+    rows, kv_heads, repeats, width = weights.shape
+    out = weights.transpose(1, 0, 2, 3).reshape(kv_heads, rows * repeats, width) @ values
+    return out.reshape(kv_heads, rows, repeats, -1).transpose(1, 0, 2, 3)
+
+
 @attrs.frozen
 class _SegmentPart:
     """One segment of a decode step's layout: its ``rows`` (how many), the
@@ -670,17 +680,22 @@ def _decode_by_head(
         return _as_bias(mx.concatenate([seen, own], axis=-1)[None, :, None, :], queries.dtype)  # (1, batch, 1, W + S)
 
     bias = _per_step(("by head", batch, suffix, width, low, high, whole, queries.dtype), mask, build)
-    # Laid out a KV head first throughout: (kv_heads, batch, repeats, ...).
-    q = queries.reshape(batch, kv_heads, repeats, dim).transpose(1, 0, 2, 3) * scale
-    prefix_scores = q.reshape(kv_heads, batch * repeats, dim) @ prefix_k.swapaxes(-1, -2)
-    own_scores = q @ keys.transpose(1, 0, 3, 2)  # (kv, batch, rep, S)
+    # The prefix products a KV head first, (kv_heads, batch * repeats, ...): one
+    # product a head for every row. The suffix products a row first, (batch,
+    # kv_heads, ...), as the suffixes are held: their batch axes then collapse
+    # into one, and MLX's CUDA backend runs one cuBLAS call for the product,
+    # where it runs one a KV head for batch axes that do not (a KV head's
+    # rows of the suffixes are not one stride apart).
+    q_by_row = queries.reshape(batch, kv_heads, repeats, dim) * scale
+    q_by_head = q_by_row.transpose(1, 0, 2, 3)
+    prefix_scores = q_by_head.reshape(kv_heads, batch * repeats, dim) @ prefix_k.swapaxes(-1, -2)
+    own_scores = (q_by_row @ keys.swapaxes(-1, -2)).transpose(1, 0, 2, 3)  # (kv, batch, rep, S)
     if whole and bias is not None:
         own_scores = own_scores + bias
     scores = mx.concatenate([prefix_scores.reshape(kv_heads, batch, repeats, width), own_scores], axis=-1)
     weights = mx.softmax(scores if whole else scores + bias, axis=-1, precise=True)
-    prefix_out = weights[..., :width].reshape(kv_heads, batch * repeats, width) @ prefix_v
-    own_out = weights[..., width:] @ values.transpose(1, 0, 2, 3)  # (kv, batch, rep, dim)
-    out = own_out.transpose(1, 0, 2, 3) + prefix_out.reshape(kv_heads, batch, repeats, dim).transpose(1, 0, 2, 3)
+    by_row = weights.transpose(1, 0, 2, 3)  # (batch, kv, rep, W + S)
+    out = by_row[..., width:] @ values + _head_first(by_row[..., :width], prefix_v)
     return out.reshape(batch, heads, 1, -1)
 
 

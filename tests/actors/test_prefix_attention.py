@@ -3,6 +3,9 @@ fused attention over each row's prefix part followed by its suffix."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -601,3 +604,66 @@ class TestDecodeLayoutKept:
         out = pa.cascade_attention(q, k, v, None, 8**-0.5, second)
         assert pa._DecodeLayout.of(3, second, q.dtype) is not layout
         np.testing.assert_allclose(np.array(out), np.array(expected([0, 1], [3, 12])), atol=ATTENTION_ATOL)
+
+
+def _cuda_matmul() -> Any:
+    """``scripts/cuda_matmul.py``: MLX's CUDA GEMM calls for a product, off a GPU."""
+    path = Path(__file__).resolve().parents[2] / "scripts" / "cuda_matmul.py"
+    spec = importlib.util.spec_from_file_location("cuda_matmul", path)
+    module = sys.modules.setdefault("cuda_matmul", importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(module)
+    return module
+
+
+class _OnePrefixWhole(_InterleavedGroups):
+    """Every row over all of one prefix: a batch over one system prompt."""
+
+    owner = [0] * 7
+    sizes = [300]
+    seen = [300] * 7
+
+
+class TestOneGemmAProduct:
+    """MLX's CUDA backend runs a matrix product as one cuBLAS call when the
+    operands' batch axes collapse into one, and as one call for every index
+    of the axes before the last otherwise (``scripts/cuda_matmul.py`` reads
+    the layouts as the backend does: no GPU here, so the model of it is
+    checked on layouts whose calls its source fixes). Every product a GPU
+    candidate makes is one call: a KV head's query heads are a product's
+    rows, not a batch axis over which the keys or values are broadcast. The
+    cascade, the CPU's way, keeps its broadcast products: laid out as one
+    call each, its prefill steps measured 10-25% slower on the CPU
+    (docs/benchmarks.md, 2026-12-06)."""
+
+    def test_the_calls_of_known_layouts(self):
+        cuda = _cuda_matmul()
+        rng = np.random.default_rng(0)
+        batch, kv_heads, repeats, suffix, dim = 3, 2, 4, 5, 8
+
+        def normal(*shape: int) -> Any:
+            return mx.array(rng.standard_normal(shape), dtype=mx.float32)
+
+        q, keys = normal(batch, kv_heads, repeats, dim), normal(batch, kv_heads, suffix, dim)
+        assert cuda.gemm_calls(q, keys.swapaxes(-1, -2)) == cuda.Product(1, 0)
+        # Read a KV head first: the batch axes are not one stride apart.
+        by_head = cuda.gemm_calls(q.transpose(1, 0, 2, 3), keys.transpose(1, 0, 3, 2))
+        assert by_head == cuda.Product(kv_heads, 0)
+        # One query a product, values broadcast over the query heads: a call a row and KV head.
+        weights = normal(batch, kv_heads, repeats, 1, suffix)
+        assert cuda.gemm_calls(weights, keys[:, :, None]) == cuda.Product(batch * kv_heads, 0)
+        # ... but a vector product (the keys transposed) takes any batch layout in one.
+        assert cuda.gemm_calls(q[..., None, :], keys[:, :, None].swapaxes(-1, -2)) == cuda.Product(1, 0)
+        # Rows with a gap between them (a slice of the last axis) are copied first.
+        assert cuda.gemm_calls(normal(batch, kv_heads, repeats, 9)[..., 4:], keys) == cuda.Product(1, 1)
+
+    @pytest.mark.parametrize("length", [1, 4], ids=["decode", "prefill"])
+    @pytest.mark.parametrize("groups", [_InterleavedGroups, _OnePrefixWhole], ids=["interleaved", "one-prefix-whole"])
+    @pytest.mark.parametrize("way", [w for w in PrefixAttention if w is not PrefixAttention.CASCADE], ids=lambda w: w.value)
+    def test_every_product_of_a_gpu_way_is_one_call(self, way, groups, length):
+        cuda = _cuda_matmul()
+        attend = attention_for(way)
+        case = groups(7, "float32", length)
+        with cuda.GemmCalls() as counted:
+            out = attend(case.q, case.ks, case.vs, case.mask, case.scale, case.segments)
+        case.check(out)
+        assert [p.calls for p in counted.products] == [1] * len(counted.products)
