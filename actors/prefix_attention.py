@@ -683,9 +683,10 @@ def _decode_by_head(
     # The prefix products a KV head first, (kv_heads, batch * repeats, ...): one
     # product a head for every row. The suffix products a row first, (batch,
     # kv_heads, ...), as the suffixes are held: their batch axes then collapse
-    # into one, and MLX's CUDA backend runs one cuBLAS call for the product,
-    # where it runs one a KV head for batch axes that do not (a KV head's
-    # rows of the suffixes are not one stride apart).
+    # into one, one cuBLAS call on MLX's CUDA backend, which runs batch axes
+    # that do not (a KV head's rows of the suffixes are not one stride apart)
+    # as a kernel writing a pointer array and a call over it
+    # (scripts/cuda_matmul.py).
     q_by_row = queries.reshape(batch, kv_heads, repeats, dim) * scale
     q_by_head = q_by_row.transpose(1, 0, 2, 3)
     prefix_scores = q_by_head.reshape(kv_heads, batch * repeats, dim) @ prefix_k.swapaxes(-1, -2)

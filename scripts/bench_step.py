@@ -30,11 +30,12 @@ building the graph; on a GPU, encoding its kernels follows), the step's
 wall milliseconds (steps queued as the runtime queues them), and the
 blocking evaluations (``mx.eval``) and ``async_eval`` calls a step makes.
 Decode steps also count the step's matrix products (``@`` and
-``mx.matmul``: the model's own projections and attention's) and the cuBLAS
-GEMM calls and operand copies MLX's CUDA backend makes for them, read off
-each product's layouts as its source does (:mod:`cuda_matmul`): a product
-whose batch axes do not collapse into one is a call for each of their
-leading indices.
+``mx.matmul``: the model's own projections and attention's) and the kernel
+launches and operand copies MLX's CUDA backend makes for them, read off
+each product's layouts as its source does (:mod:`cuda_matmul`): one
+launch a product whose batch axes collapse into one (or a vector product),
+two one whose axes do not (a pointer array and a cuBLAS call, MLX built
+with CUDA 12.9 or later).
 The graph and the evaluations are the same on every device; on a CPU the
 build time stands for the host's share of a GPU step, and the wall time is
 the CPU's arithmetic -- only a GPU's says what a GPU step costs.
@@ -81,7 +82,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_batch import _prefix  # noqa: E402
-from cuda_matmul import GemmCalls  # noqa: E402
+from cuda_matmul import GemmLaunches  # noqa: E402
 from fused_calls import FusedCalls, graph_ops  # noqa: E402
 
 class StepProbe:
@@ -173,7 +174,7 @@ def measure(step: Callable[[], None], warmup: int, steps: int) -> dict[str, Any]
     the host's time to build one: the device's work in flight, on a CPU's
     other cores, would only add noise to it."""
     build, wall, evals, async_evals = [], [], [], []
-    gemms = GemmCalls()
+    gemms = GemmLaunches()
     with StepProbe() as probe:
         for index in range(warmup + 2 * steps):
             drained = index >= warmup + steps
@@ -186,7 +187,7 @@ def measure(step: Callable[[], None], warmup: int, steps: int) -> dict[str, Any]
             started = time.perf_counter()
             # The fused calls are watched in the counted step only (their
             # wrappers would add to a timed step's host time); the products'
-            # GEMM calls in the last unmeasured one (their count evaluates
+            # launches in the last unmeasured one (their count evaluates
             # the operands).
             watch = probe.fused if probe.count_ops else gemms if index == warmup - 1 else contextlib.nullcontext()
             with watch:
@@ -199,7 +200,7 @@ def measure(step: Callable[[], None], warmup: int, steps: int) -> dict[str, Any]
                 evals.append(probe.evals)
                 async_evals.append(probe.async_evals)
         ops = probe.ops
-    counted = {"gemm_products": len(gemms.products), "gemm_calls": gemms.calls, "gemm_copies": gemms.copies}
+    counted = {"gemm_products": len(gemms.products), "gemm_launches": gemms.launches, "gemm_copies": gemms.copies}
     return _summary(ops or (None, None, None), build, wall, evals, async_evals, **(counted if warmup else {}))
 
 
@@ -442,7 +443,7 @@ def main() -> None:
         f" {args.prefix}, own {args.own}, {args.steps} {'prefills' if prefill else 'steps'}"
     )
     working = " (working)" if prefill else ""
-    gemms = "" if prefill else " products (GEMM calls, copies) |"
+    gemms = "" if prefill else " products (launches, copies) |"
     print(f"| rows | method | ops | non-view ops | CUDA kernels |{gemms} build ms | wall ms | evals{working} | async_evals |")
     print("| --- " * (9 if prefill else 10) + "|")
     for rows in [int(r) for r in args.rows.split(",")]:
@@ -458,7 +459,7 @@ def main() -> None:
                 evals += f" ({row['working_evals_per_step']})"
             print(
                 f"| {rows} | {name} | {row['ops']} | {row['non_view_ops']} | {row['cuda_kernels']} |"
-                + ("" if prefill else f" {row.get('gemm_products', '-')} ({row.get('gemm_calls', '-')}, {row.get('gemm_copies', '-')}) |")
+                + ("" if prefill else f" {row.get('gemm_products', '-')} ({row.get('gemm_launches', '-')}, {row.get('gemm_copies', '-')}) |")
                 + f" {row['build_ms']:.2f}"
                 f" | {row['wall_ms']:.2f}"
                 f" | {evals} | {row['async_evals_per_step']:g} |",

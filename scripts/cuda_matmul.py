@@ -1,4 +1,4 @@
-"""The GEMM calls MLX's CUDA backend makes for a matrix product, counted off a GPU.
+"""The kernel launches MLX's CUDA backend makes for a matrix product, counted off a GPU.
 
 MLX 0.32's CUDA ``Matmul`` (``mlx/backend/cuda/matmul.cpp``) takes each
 operand's last two axes as they are if they are row- or column-major with
@@ -7,16 +7,21 @@ collapses the batch axes that are one stride apart in both operands
 (``collapse_batches``). A vector product (``gemv``: one row with the right
 operand transposed, or one column) takes any batch layout in one kernel;
 otherwise cuBLAS runs the last collapsed batch axis as one strided-batched
-call, and the product makes one such call for every index of the axes
-before it (``CublasGemm::run_batched``). So a product whose batch axes do
-not collapse -- a KV head's rows of a ``(batch, kv_heads, S, dim)`` buffer
-read KV head first, say -- launches many cuBLAS calls where one would do.
+call. Batch axes that do not collapse into one -- a KV head's rows of a
+``(batch, kv_heads, S, dim)`` buffer read KV head first, say -- go through
+``CublasGemm::run_batched``, which MLX builds one of two ways by the CUDA
+toolkit it is compiled with: from 12.9 (``cublas_gemm_batched_12_9.cu``;
+the ``cuda13`` wheel) a kernel writes every matrix's address into a
+pointer array (allocated for the call) and one cuBLAS call runs them all:
+two launches; before 12.9 (``cublas_gemm_batched_12_0.cpp``) one cuBLAS
+call for every index of the axes before the last.
 
 The layout of an operand is MLX's own: the same view rules run on every
 device, and an evaluated array's strides are readable through the buffer
-protocol. :func:`gemm_calls` gives the calls and copies of one product;
-:class:`GemmCalls` counts them for every ``mx.matmul`` and ``@`` while it is entered
-(it evaluates the operands it sees: count in a step that is not timed).
+protocol. :func:`gemm_launches` gives the launches and copies of one
+product; :class:`GemmLaunches` counts them for every ``mx.matmul`` and
+``@`` while it is entered (it evaluates the operands it sees: count in a
+step that is not timed).
 """
 
 from __future__ import annotations
@@ -33,16 +38,21 @@ _SIZE_CAP = 2**31 - 1
 
 @attrs.frozen
 class Product:
-    """One product as MLX's CUDA backend runs it: ``calls`` GEMM launches
-    (cuBLAS or its own vector kernel) and ``copies`` operands copied first."""
+    """One product as MLX's CUDA backend runs it: ``launches``, the kernels
+    it launches for the product (cuBLAS calls, MLX's vector kernel, the
+    kernel that writes a pointer array), and ``copies``, operands copied
+    first (a launch each, not in ``launches``)."""
 
-    calls: int
+    launches: int
     copies: int
 
 
-def gemm_calls(a: Any, b: Any) -> Product:
+def gemm_launches(a: Any, b: Any, *, pointer_array: bool = True) -> Product:
     """The launches ``mx.matmul(a, b)`` makes on MLX 0.32's CUDA backend (``a``
-    and ``b`` at least 2-D; they are evaluated)."""
+    and ``b`` at least 2-D; they are evaluated). ``pointer_array``: MLX built
+    with CUDA 12.9 or later (batch axes that do not collapse: a pointer
+    array and one cuBLAS call); False: an earlier toolkit's (a cuBLAS call
+    for every index of the batch axes before the last)."""
     mx.eval(a, b)
     batch = tuple(mx.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
     a_shape, a_strides = _broadcast(a, batch)
@@ -61,7 +71,10 @@ def gemm_calls(a: Any, b: Any) -> Product:
         return Product(1, copies)  # the batch folded into the rows
     if (m == 1 and b_transposed) or (n == 1 and not a_transposed):
         return Product(1, copies)  # gemv: any batch layout
-    return Product(max(1, count // shape[-1]), copies)
+    outer = count // shape[-1]
+    if outer <= 1:
+        return Product(1, copies)
+    return Product(2 if pointer_array else outer, copies)
 
 
 def _broadcast(array: Any, batch: tuple[int, ...]) -> tuple[list[int], list[int]]:
@@ -117,19 +130,20 @@ def _collapse(shape: list[int], strides: list[list[int]]) -> tuple[list[int], li
     return out_shape, [[st[g[-1]] for g in groups] for st in strides]
 
 
-class GemmCalls:
+class GemmLaunches:
     """While entered, every ``mx.matmul`` and ``a @ b`` is counted as MLX's CUDA
-    backend runs it: ``products`` (one :class:`Product` each, in order)."""
+    backend (built with CUDA 12.9 or later) runs it: ``products`` (one
+    :class:`Product` each, in order)."""
 
     def __init__(self) -> None:
         self.products: list[Product] = []
 
-    def __enter__(self) -> GemmCalls:
+    def __enter__(self) -> GemmLaunches:
         self._honest = honest = mx.matmul, mx.array.__matmul__
 
         def counting(product: Any) -> Any:
             def counted(a: Any, b: Any, **kwargs: Any) -> Any:
-                self.products.append(gemm_calls(a, b))
+                self.products.append(gemm_launches(a, b))
                 return product(a, b, **kwargs)
 
             return counted
@@ -141,8 +155,8 @@ class GemmCalls:
         mx.matmul, mx.array.__matmul__ = self._honest
 
     @property
-    def calls(self) -> int:
-        return sum(p.calls for p in self.products)
+    def launches(self) -> int:
+        return sum(p.launches for p in self.products)
 
     @property
     def copies(self) -> int:

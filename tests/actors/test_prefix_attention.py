@@ -623,19 +623,21 @@ class _OnePrefixWhole(_InterleavedGroups):
     seen = [300] * 7
 
 
-class TestOneGemmAProduct:
+class TestOneLaunchAProduct:
     """MLX's CUDA backend runs a matrix product as one cuBLAS call when the
-    operands' batch axes collapse into one, and as one call for every index
-    of the axes before the last otherwise (``scripts/cuda_matmul.py`` reads
-    the layouts as the backend does: no GPU here, so the model of it is
-    checked on layouts whose calls its source fixes). Every product a GPU
-    candidate makes is one call: a KV head's query heads are a product's
-    rows, not a batch axis over which the keys or values are broadcast. The
+    operands' batch axes collapse into one; otherwise, built with CUDA 12.9
+    or later, as a kernel writing a pointer array and one cuBLAS call over
+    it (earlier: a call for every index of the axes before the last).
+    ``scripts/cuda_matmul.py`` reads the layouts as the backend does: no GPU
+    here, so the model of it is checked on layouts whose launches its source
+    fixes. Every product a GPU candidate makes is one launch: a KV head's
+    query heads are a product's rows, not a batch axis over which the keys
+    or values are broadcast, and the suffixes are read as they are held. The
     cascade, the CPU's way, keeps its broadcast products: laid out as one
-    call each, its prefill steps measured 10-25% slower on the CPU
-    (docs/benchmarks.md, 2026-12-06)."""
+    launch each, its prefill measured 10-28% slower on the CPU
+    (docs/benchmarks.md, 2026-12-06, fourth session)."""
 
-    def test_the_calls_of_known_layouts(self):
+    def test_the_launches_of_known_layouts(self):
         cuda = _cuda_matmul()
         rng = np.random.default_rng(0)
         batch, kv_heads, repeats, suffix, dim = 3, 2, 4, 5, 8
@@ -643,27 +645,33 @@ class TestOneGemmAProduct:
         def normal(*shape: int) -> Any:
             return mx.array(rng.standard_normal(shape), dtype=mx.float32)
 
+        def launches(a: Any, b: Any) -> tuple[Any, Any]:
+            """With a pointer array (CUDA 12.9+), and with a call an index (earlier)."""
+            return cuda.gemm_launches(a, b), cuda.gemm_launches(a, b, pointer_array=False)
+
         q, keys = normal(batch, kv_heads, repeats, dim), normal(batch, kv_heads, suffix, dim)
-        assert cuda.gemm_calls(q, keys.swapaxes(-1, -2)) == cuda.Product(1, 0)
+        assert launches(q, keys.swapaxes(-1, -2)) == (cuda.Product(1, 0), cuda.Product(1, 0))
         # Read a KV head first: the batch axes are not one stride apart.
-        by_head = cuda.gemm_calls(q.transpose(1, 0, 2, 3), keys.transpose(1, 0, 3, 2))
-        assert by_head == cuda.Product(kv_heads, 0)
-        # One query a product, values broadcast over the query heads: a call a row and KV head.
+        by_head = launches(q.transpose(1, 0, 2, 3), keys.transpose(1, 0, 3, 2))
+        assert by_head == (cuda.Product(2, 0), cuda.Product(kv_heads, 0))
+        # One query a product, values broadcast over the query heads.
         weights = normal(batch, kv_heads, repeats, 1, suffix)
-        assert cuda.gemm_calls(weights, keys[:, :, None]) == cuda.Product(batch * kv_heads, 0)
+        assert launches(weights, keys[:, :, None]) == (cuda.Product(2, 0), cuda.Product(batch * kv_heads, 0))
         # ... but a vector product (the keys transposed) takes any batch layout in one.
-        assert cuda.gemm_calls(q[..., None, :], keys[:, :, None].swapaxes(-1, -2)) == cuda.Product(1, 0)
+        assert launches(q[..., None, :], keys[:, :, None].swapaxes(-1, -2)) == (cuda.Product(1, 0),) * 2
+        # A batch over a matrix broadcast to it is folded into the rows: one call.
+        assert launches(q.reshape(batch * kv_heads, repeats, dim), keys[0, 0].T) == (cuda.Product(1, 0),) * 2
         # Rows with a gap between them (a slice of the last axis) are copied first.
-        assert cuda.gemm_calls(normal(batch, kv_heads, repeats, 9)[..., 4:], keys) == cuda.Product(1, 1)
+        assert launches(normal(batch, kv_heads, repeats, 9)[..., 4:], keys) == (cuda.Product(1, 1),) * 2
 
     @pytest.mark.parametrize("length", [1, 4], ids=["decode", "prefill"])
     @pytest.mark.parametrize("groups", [_InterleavedGroups, _OnePrefixWhole], ids=["interleaved", "one-prefix-whole"])
     @pytest.mark.parametrize("way", [w for w in PrefixAttention if w is not PrefixAttention.CASCADE], ids=lambda w: w.value)
-    def test_every_product_of_a_gpu_way_is_one_call(self, way, groups, length):
+    def test_every_product_of_a_gpu_way_is_one_launch(self, way, groups, length):
         cuda = _cuda_matmul()
         attend = attention_for(way)
         case = groups(7, "float32", length)
-        with cuda.GemmCalls() as counted:
+        with cuda.GemmLaunches() as counted:
             out = attend(case.q, case.ks, case.vs, case.mask, case.scale, case.segments)
         case.check(out)
-        assert [p.calls for p in counted.products] == [1] * len(counted.products)
+        assert [p.launches for p in counted.products] == [1] * len(counted.products)
