@@ -302,8 +302,10 @@ class ModelRunner(Protocol):
         """One batch cache holding every given request cache, in order."""
         ...
 
-    def extract(self, cache: list[Any], row: int) -> list[Any]:
-        """A request cache holding ``row`` of a batch cache."""
+    def extract(self, cache: list[Any], row: int, *, copy: bool = True) -> list[Any]:
+        """A request cache holding ``row`` of a batch cache (``copy=False``: a
+        shared prefix's suffixes as views of the batch's, for a cache that is
+        copied again soon; see :meth:`BatchSharedPrefixCache.extract`)."""
         ...
 
     def alone(self, sequence: SequenceState, cache: list[Any]) -> list[Any]:
@@ -684,7 +686,7 @@ class CacheRunner(abc.ABC):
             sequence, tokens = rows[0]
             start = sequence.num_computed
             return {id(sequence): self._run(sequence, sequence.cache, start, start + len(tokens))[0, -1]}
-        groups = spread([(row, len(row[1])) for row in rows], self._streams.count)
+        groups = spread([(row, len(row[1])) for row in _by_prefix(rows)], self._streams.count)
         streams = self._streams.streams() if len(groups) > 1 else [mx.default_stream(mx.default_device())]
         done: list[tuple[SequenceState, list[Any], Any]] = []
         for group, stream in zip(groups, streams):
@@ -723,8 +725,10 @@ class CacheRunner(abc.ABC):
         read = [array for layer in merged for array in _read_by_extract(layer)]
         if read:
             mx.eval(read)
+        # A shared prefix's rows keep views of the batch's suffixes: each is
+        # copied again when it joins a decode batch or the next chunk's batch.
         return [
-            (sequence, self.extract(merged, row), logits[row, lengths[row] - 1])
+            (sequence, self.extract(merged, row, copy=False), logits[row, lengths[row] - 1])
             for row, (sequence, _) in enumerate(rows)
         ]
 
@@ -752,10 +756,13 @@ class CacheRunner(abc.ABC):
             return caches[0]
         return [type(layers[0]).merge(list(layers)) for layers in zip(*caches)]
 
-    def extract(self, cache: list[Any], row: int) -> list[Any]:
+    def extract(self, cache: list[Any], row: int, *, copy: bool = True) -> list[Any]:
         if not self._info.batchable:
             return cache
-        return [layer.extract(row) for layer in cache]
+        return [
+            layer.extract(row, copy=copy) if isinstance(layer, BatchSharedPrefixCache) else layer.extract(row)
+            for layer in cache
+        ]
 
     def alone(self, sequence: SequenceState, cache: list[Any]) -> list[Any]:
         """Over a shared prefix: the prefix and the request's own tokens as
@@ -895,6 +902,23 @@ def _with_snapshot(payload: BlockPayload, state: Optional[tuple[Any, ...]]) -> B
     )
     mx.async_eval([a for group in arrays if group for a in group if a is not None])
     return attrs.evolve(payload, arrays=arrays)
+
+
+def _by_prefix(rows: list[tuple[SequenceState, Seq[int]]]) -> list[tuple[SequenceState, Seq[int]]]:
+    """``rows`` with those over the same shared prefix side by side (prefixes
+    in the order first seen; rows over none last; otherwise in their order):
+    a batch merged from them groups its rows as they are held, so attention
+    in bands takes each prefix's rows without gathering them into place and
+    back (four gathers a layer on a GPU)."""
+    first_seen: dict[int, int] = {}
+
+    def place(row: tuple[SequenceState, Seq[int]]) -> int:
+        layer = row[0].cache[0] if row[0].cache else None
+        if not isinstance(layer, SharedPrefixCache) or layer.group is None or not layer.num_prefix:
+            return len(rows)
+        return first_seen.setdefault(id(layer.group), len(first_seen))
+
+    return sorted(rows, key=place)
 
 
 def _room(sequence: SequenceState, num_tokens: int) -> int:

@@ -510,9 +510,16 @@ class BatchSharedPrefixCache(_OverSuffix):
         self.suffix.extend(other.suffix)  # (whole steps: the longer of two such buffers)
         self.rows, self.padding = self.rows + other.rows, padding
 
-    def extract(self, idx: int) -> SharedPrefixCache:
+    def extract(self, idx: int, *, copy: bool = True) -> SharedPrefixCache:
         """Row ``idx``'s own cache (its suffix copied out, as mlx-lm's
-        ``BatchKVCache.extract`` makes it, with the padding known here)."""
+        ``BatchKVCache.extract`` makes it, with the padding known here).
+
+        ``copy=False``: the suffix as a view of the batch's buffer, which
+        then lives as long as any row's view of it -- for a row whose cache
+        is copied again soon (a batched prefill's rows: merged into a decode
+        batch or the next chunk's batch). A copy is a kernel launch a row
+        and a layer for keys and values each on a GPU.
+        """
         import mlx.core as mx
         from mlx_lm.models.cache import KVCache
 
@@ -520,8 +527,10 @@ class BatchSharedPrefixCache(_OverSuffix):
         suffix, own = self.suffix, KVCache()
         if suffix.keys is not None:
             start = self.padding[idx]
-            own.keys = mx.contiguous(suffix.keys[idx : idx + 1, :, start : suffix._idx])
-            own.values = mx.contiguous(suffix.values[idx : idx + 1, :, start : suffix._idx])
+            own.keys = suffix.keys[idx : idx + 1, :, start : suffix._idx]
+            own.values = suffix.values[idx : idx + 1, :, start : suffix._idx]
+            if copy:
+                own.keys, own.values = mx.contiguous(own.keys), mx.contiguous(own.values)
             own.offset = own.keys.shape[2]
         return SharedPrefixCache(group, self.layer, n, own)
 

@@ -21,15 +21,19 @@ Per method and step: the operations the step puts in MLX's graph (the
 primitives ``mx.export_to_dot`` lists for what the step hands to
 ``mx.async_eval``; ``non-view``: less those that only view their input --
 transposes, broadcasts, slices, expanded or squeezed axes); ``CUDA
-kernels``: the non-view ops with each of MLX's fused calls counted as the
-one kernel MLX's CUDA backend runs for it where it has one (off a GPU they
-run as several: :class:`FusedCalls`) -- what a CUDA step launches, each
-launch costing the host tens of microseconds there), the host's milliseconds to build the step (from
+kernels``: what a CUDA step launches, each launch costing the host tens of
+microseconds there -- the non-view ops (a concatenation once an input:
+MLX's CUDA backend copies each in with a kernel of its own), each of MLX's
+fused calls counted as the one kernel the backend runs for it where it has
+one (off a GPU they run as several: :class:`FusedCalls`), and the launches
+its matrix products make beyond one each and the copies inside them
+(below); a ``Reshape`` that needs no copy is counted though it launches
+nothing. Then the host's milliseconds to build the step (from
 the step's start to its ``async_eval`` on a drained device: Python and MLX
 building the graph; on a GPU, encoding its kernels follows), the step's
 wall milliseconds (steps queued as the runtime queues them), and the
 blocking evaluations (``mx.eval``) and ``async_eval`` calls a step makes.
-Decode steps also count the step's matrix products (``@`` and
+Decode steps (and prefills, in their kernels only) also count the step's matrix products (``@`` and
 ``mx.matmul``: the model's own projections and attention's) and the kernel
 launches and operand copies MLX's CUDA backend makes for them, read off
 each product's layouts as its source does (:mod:`cuda_matmul`): one
@@ -107,11 +111,11 @@ class StepProbe:
 
     def _add_ops(self, args: Any) -> int:
         ops = graph_ops(*_flatten(args))
-        self.summed = (self.summed[0] + ops[0], self.summed[1] + ops[1], self.summed[2] + ops[1])
+        self.summed = (self.summed[0] + ops[0], self.summed[1] + ops[1], self.summed[2] + ops[2])
         return ops[0]
 
     def _with_kernels(self, ops: tuple[int, int, int]) -> tuple[int, int, int]:
-        """``ops`` with its third count, non-view ops so far, made the CUDA
+        """``ops`` with its third count, launches so far, made the CUDA
         kernels: less the fused calls' surplus since :meth:`mark`."""
         return (ops[0], ops[1], ops[2] - self.fused.surplus)
 
@@ -135,8 +139,7 @@ class StepProbe:
             # The last one queues the step (a suffix growth comes first).
             self.built_at = time.perf_counter()
             if self.count_ops:
-                ops = graph_ops(*[a for a in _flatten(args)])
-                self.ops = self._with_kernels((*ops, ops[1]))
+                self.ops = self._with_kernels(graph_ops(*_flatten(args)))
                 self.count_ops = False
             return self._async_eval(*args)
 
@@ -200,18 +203,32 @@ def measure(step: Callable[[], None], warmup: int, steps: int) -> dict[str, Any]
                 evals.append(probe.evals)
                 async_evals.append(probe.async_evals)
         ops = probe.ops
-    counted = {"gemm_products": len(gemms.products), "gemm_launches": gemms.launches, "gemm_copies": gemms.copies}
-    return _summary(ops or (None, None, None), build, wall, evals, async_evals, **(counted if warmup else {}))
+    return _summary(ops or (None, None, None), build, wall, evals, async_evals, **_with_products(gemms, warmup))
+
+
+def _with_products(gemms: GemmLaunches, warmup: int) -> dict[str, Any]:
+    """What ``gemms`` counted (in a warmup run: none without one): the
+    products, their launches and the copies inside them, and the launches
+    a CUDA step makes beyond one a product (``extra_launches``)."""
+    if not warmup:
+        return {}
+    return {
+        "gemm_products": len(gemms.products),
+        "gemm_launches": gemms.launches,
+        "gemm_copies": gemms.copies,
+        "extra_launches": gemms.launches - len(gemms.products) + gemms.copies,
+    }
 
 
 def _summary(
     ops: tuple[Any, Any], build: list[float], wall: list[float], evals: list[int], async_evals: list[int], **more: Any
 ) -> dict[str, Any]:
     """One method's row: its graph's ops, and the medians (means for counts) of its timed runs."""
+    extra = more.get("extra_launches", 0)
     return {
         "ops": ops[0],
         "non_view_ops": ops[1],
-        "cuda_kernels": ops[2],
+        "cuda_kernels": None if ops[2] is None else ops[2] + extra,
         "build_ms": statistics.median(build) * 1e3,
         "wall_ms": statistics.median(wall) * 1e3,
         "evals_per_step": statistics.mean(evals),
@@ -225,6 +242,7 @@ def measure_prefill(prepare: Callable[[], Callable[[], None]], warmup: int, repe
     graphs, then ``repeats`` times timed, each on a drained device (the
     runtime waits for a prefill's first token before it goes on)."""
     host, wall, evals, async_evals = [], [], [], []
+    gemms = GemmLaunches()
     with StepProbe() as probe:
         for index in range(warmup + 1 + repeats):
             run = prepare()
@@ -232,7 +250,8 @@ def measure_prefill(prepare: Callable[[], Callable[[], None]], warmup: int, repe
             probe.mark()
             probe.sum_ops = index == warmup
             started = time.perf_counter()
-            with probe.fused if probe.sum_ops else contextlib.nullcontext():
+            watch = probe.fused if probe.sum_ops else gemms if index == warmup - 1 else contextlib.nullcontext()
+            with watch:
                 run()
             ran = time.perf_counter()
             mx.synchronize()
@@ -244,7 +263,7 @@ def measure_prefill(prepare: Callable[[], Callable[[], None]], warmup: int, repe
                 wall.append(ended - started)
                 evals.append(probe.evals)
                 async_evals.append(probe.async_evals)
-    return _summary(ops, host, wall, evals, async_evals, working_evals_per_step=working)
+    return _summary(ops, host, wall, evals, async_evals, working_evals_per_step=working, **_with_products(gemms, warmup))
 
 
 def prompts(rows: int, prefix: int, own: int, groups: int = 1) -> tuple[list[list[int]], list[list[int]]]:

@@ -22,12 +22,26 @@ import mlx.core as mx
 VIEWS = frozenset({"Broadcast", "Transpose", "Slice", "ExpandDims", "Squeeze", "AsStrided", "StopGradient"})
 
 
-def graph_ops(*arrays: Any) -> tuple[int, int]:
-    """(primitives, non-view primitives) MLX would run to evaluate ``arrays``."""
+def graph_ops(*arrays: Any) -> tuple[int, int, int]:
+    """(primitives, non-view primitives, their launches) MLX would run to
+    evaluate ``arrays``. Launches count a ``Concatenate`` once an input: MLX's
+    CUDA backend copies each input into the output with a kernel of its own
+    (``concatenate_gpu``); every other non-view primitive once (a ``Reshape``
+    that needs no copy launches nothing, which a graph does not say)."""
     out = io.StringIO()
     mx.export_to_dot(out, *arrays)
-    labels = [line.split('label ="', 1)[1].split('"', 1)[0] for line in out.getvalue().splitlines() if "shape=rectangle" in line]
-    return len(labels), sum(label not in VIEWS for label in labels)
+    lines = out.getvalue().splitlines()
+    # (node, label) a line, not a set: a compiled function's primitive can be
+    # one node for every call of it (mlx-lm's ``swiglu``, once a layer).
+    nodes = [
+        (line.split("{", 1)[1].split("[", 1)[0].strip(), line.split('label ="', 1)[1].split('"', 1)[0])
+        for line in lines
+        if "shape=rectangle" in line
+    ]
+    inputs = collections.Counter(line.rsplit("->", 1)[1].strip() for line in lines if "->" in line)
+    non_view = [(node, label) for node, label in nodes if label not in VIEWS]
+    launches = sum(inputs[node] if label == "Concatenate" else 1 for node, label in non_view)
+    return len(nodes), len(non_view), launches
 
 
 class FusedCalls:
@@ -85,7 +99,7 @@ class FusedCalls:
             fresh_kwargs = {k: like(v) for k, v in kwargs.items()}
             inputs = [a for a in [*fresh_args, *fresh_kwargs.values()] if isinstance(a, mx.array)]
             out = real(*fresh_args, **fresh_kwargs)
-            self._sizes[key] = max(1, graph_ops(out)[1] - graph_ops(*inputs)[1])
+            self._sizes[key] = max(1, graph_ops(out)[2] - graph_ops(*inputs)[2])
         return self._sizes[key]
 
 

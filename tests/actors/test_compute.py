@@ -812,11 +812,11 @@ class TestFaults:
                     raise RuntimeError("injected merge failure")
                 return honest(self, caches)
         else:
-            def failing(self: Any, cache: Any, row: int) -> Any:
+            def failing(self: Any, cache: Any, row: int, **options: Any) -> Any:
                 if victims(cache)[row] >= 149:
                     sizes.append(len(victims(cache)))
                     raise RuntimeError("injected extract failure")
-                return honest(self, cache, row)
+                return honest(self, cache, row, **options)
 
         gate = Gate()
         actor = _actor((Wrapped(model, gate), tokenizer), prefill_streams=streams)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import mlx.core as mx
 import pytest
@@ -119,11 +119,11 @@ def test_no_cache_is_replaced_until_every_call_is_built(tiny_llama, monkeypatch)
     honest = TextRunner.extract
     calls: list[int] = []
 
-    def failing(self: Any, cache: Any, row: int) -> Any:
+    def failing(self: Any, cache: Any, row: int, **options: Any) -> Any:
         calls.append(row)
         if len(calls) == 3:  # the first row of the second call
             raise RuntimeError("injected extract failure")
-        return honest(self, cache, row)
+        return honest(self, cache, row, **options)
 
     monkeypatch.setattr(TextRunner, "extract", failing)
     with pytest.raises(RuntimeError, match="injected"):
@@ -170,41 +170,101 @@ def test_a_padded_prefill_waits_for_the_device_once_a_call_at_most(request, mode
     assert len(working) == waits
 
 
-def test_a_padded_prefill_over_a_shared_prefix_reads_no_padding_back(tiny_llama, monkeypatch):
-    """Over a shared prefix the batch cache keeps its rows' padding on the
-    host, so taking the rows' caches out reads nothing back from the device:
-    the call evaluates nothing (the rows' caches are queued), and each row's
-    cache then holds its prefix and its own tokens as a cold run does."""
+def _shared_prefix_rows(
+    runner: TextRunner, model: Any, owns: list[int], prefixes: Optional[list[int]] = None
+) -> list[SequenceState]:
+    """Requests of ``owns`` own tokens each after a 64-token prefix (request
+    ``i`` after prefix ``prefixes[i]``; default: one for all), started over
+    its blocks (their caches share it)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlxkv.cache import kv_state
     from mlxkv.cache.shared_prefix import SharedPrefixCache
 
-    model, tokenizer = tiny_llama
-    prefix = [(i * 37 + 5) % 250 for i in range(64)]
-    cold = make_prompt_cache(model)
-    model(mx.array(prefix)[None], cache=cold)
-    mx.eval([layer.state for layer in cold])
-    payloads = tuple(kv_state.slice_blocks(cold, 16, range(4), num_tokens=64))
-    runner = TextRunner(model, tokenizer, RunnerConfig(prefill_streams=1, keep_caches=False))
-    rows = []
-    for index, own in enumerate([20, 9, 14]):
-        prompt = prefix + [(i * 31 + index * 17) % 250 for i in range(own)]
+    prefixes = prefixes or [0] * len(owns)
+    texts, payloads = {}, {}
+    for which in sorted(set(prefixes)):
+        texts[which] = [(i * 37 + 5 + which * 11) % 250 for i in range(64)]
+        cold = make_prompt_cache(model)
+        model(mx.array(texts[which])[None], cache=cold)
+        mx.eval([layer.state for layer in cold])
+        payloads[which] = tuple(kv_state.slice_blocks(cold, 16, range(4), num_tokens=64))
+    sequences = []
+    for index, (own, which) in enumerate(zip(owns, prefixes)):
+        prompt = texts[which] + [(i * 31 + index * 17) % 250 for i in range(own)]
         spec = RequestSpec(
-            request_id=f"r{index}", prompt=prompt, prefix=payloads, max_tokens=4, block_size=16,
+            request_id=f"r{index}", prompt=prompt, prefix=payloads[which], max_tokens=4, block_size=16,
             stop_tokens=frozenset(),
         )  # fmt: skip
         sequence = SequenceState(spec)
         runner.start(sequence)
         assert isinstance(sequence.cache[0], SharedPrefixCache) and sequence.cache[0].num_prefix == 64
-        rows.append((sequence, len(prompt) - 1))  # bodies only
+        sequences.append(sequence)
+    return sequences
+
+
+def _holds_its_cold_run(model: Any, sequence: SequenceState, length: int) -> None:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    expected = make_prompt_cache(model)
+    model(mx.array(sequence.prompt[:length])[None], cache=expected)
+    plain = sequence.cache[0].to_plain()
+    assert plain.offset == length
+    assert mx.allclose(plain.keys[..., :length, :], expected[0].keys[..., :length, :], atol=ATTENTION_ATOL).item()
+
+
+def test_a_padded_prefill_over_a_shared_prefix_reads_no_padding_back(tiny_llama, monkeypatch):
+    """Over a shared prefix the batch cache keeps its rows' padding on the
+    host, so taking the rows' caches out reads nothing back from the device:
+    the call evaluates nothing (the rows' caches are queued), and each row's
+    cache then holds its prefix and its own tokens as a cold run does."""
+    model, tokenizer = tiny_llama
+    runner = TextRunner(model, tokenizer, RunnerConfig(prefill_streams=1, keep_caches=False))
+    rows = [(sequence, len(sequence.prompt) - 1) for sequence in _shared_prefix_rows(runner, model, [20, 9, 14])]
     working = _count_working_evals(monkeypatch)
-    assert runner.prefill_batch(rows) == [None] * 3
+    assert runner.prefill_batch(rows) == [None] * 3  # bodies only
     assert not working
     monkeypatch.undo()
     for sequence, body in rows:
-        expected = make_prompt_cache(model)
-        model(mx.array(sequence.prompt[:body])[None], cache=expected)
-        plain = sequence.cache[0].to_plain()
-        assert plain.offset == body
-        assert mx.allclose(plain.keys[..., :body, :], expected[0].keys[..., :body, :], atol=ATTENTION_ATOL).item()
+        _holds_its_cold_run(model, sequence, body)
+
+
+def test_a_batched_prefill_over_a_shared_prefix_copies_no_row_out(tiny_llama):
+    """A batched prefill's rows keep their own tokens as views of the batch's
+    suffixes: each is copied again when it joins a decode batch (or the next
+    chunk's batch), so a copy out of the batch as well would be a kernel
+    launch a row and layer for keys and values each on a GPU, for nothing.
+    The rows' caches hold what a cold run does."""
+    model, tokenizer = tiny_llama
+    runner = TextRunner(model, tokenizer, RunnerConfig(prefill_streams=1, keep_caches=False))
+    sequences = _shared_prefix_rows(runner, model, [20, 9, 14])
+    logits = runner.prefill_batch([(sequence, len(sequence.prompt)) for sequence in sequences])
+    assert all(row is not None for row in logits)
+    suffixes = [array for sequence in sequences for layer in sequence.cache for array in (layer.suffix.keys, layer.suffix.values)]
+    assert "Contiguous" not in primitives(*suffixes)  # the rows' caches are left lazy: their graph is there
+    for sequence in sequences:
+        _holds_its_cold_run(model, sequence, len(sequence.prompt))
+
+
+def test_a_banded_prefill_is_the_same_graph_whatever_its_rows_order(tiny_llama):
+    """Rows over two prefixes, arriving interleaved or grouped: the runner
+    lays each prefix's rows side by side before it merges them, so attention
+    in bands (the GPU's) takes them as held, without gathering them into
+    place and back in every layer: the same primitives either way, and each
+    row's cache that of a cold run."""
+    from collections import Counter
+
+    from mlxkv.actors.prefix_attention import PrefixAttention
+
+    model, tokenizer = tiny_llama
+    graphs = []
+    for prefixes in ([0, 1, 0, 1], [0, 0, 1, 1]):
+        config = RunnerConfig(prefill_streams=1, keep_caches=False, prefix_attention=PrefixAttention.MIXED)
+        runner = TextRunner(model, tokenizer, config)
+        sequences = _shared_prefix_rows(runner, model, [20, 9, 14, 11], prefixes)
+        logits = runner.prefill_batch([(sequence, len(sequence.prompt)) for sequence in sequences])
+        caches = [array for sequence in sequences for layer in sequence.cache for array in (layer.suffix.keys, layer.suffix.values)]
+        graphs.append(Counter(primitives(*logits, *caches)))
+        for sequence in sequences:
+            _holds_its_cold_run(model, sequence, len(sequence.prompt))
+    assert graphs[0] == graphs[1]

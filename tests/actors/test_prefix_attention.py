@@ -3,9 +3,6 @@ fused attention over each row's prefix part followed by its suffix."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -25,6 +22,7 @@ from mlxkv.actors.prefix_attention import (
 
 from device_arithmetic import ATTENTION_ATOL
 from graph_ops import primitives, working
+from script_modules import script_module
 
 TOL = ATTENTION_ATOL
 
@@ -607,12 +605,8 @@ class TestDecodeLayoutKept:
 
 
 def _cuda_matmul() -> Any:
-    """``scripts/cuda_matmul.py``: MLX's CUDA GEMM calls for a product, off a GPU."""
-    path = Path(__file__).resolve().parents[2] / "scripts" / "cuda_matmul.py"
-    spec = importlib.util.spec_from_file_location("cuda_matmul", path)
-    module = sys.modules.setdefault("cuda_matmul", importlib.util.module_from_spec(spec))
-    spec.loader.exec_module(module)
-    return module
+    """``scripts/cuda_matmul.py``: MLX's CUDA launches for a product, off a GPU."""
+    return script_module("cuda_matmul")
 
 
 class _OnePrefixWhole(_InterleavedGroups):

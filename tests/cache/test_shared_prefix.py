@@ -18,6 +18,7 @@ from mlxkv.cache.shared_prefix import (
     suffix_cache,
 )
 
+from graph_ops import primitives, working
 from model_blocks import block_payloads
 
 
@@ -107,6 +108,28 @@ class TestCaches:
         row = batch.extract(2)
         assert isinstance(row, SharedPrefixCache) and row.group is group and row.num_prefix == 64
         assert row.suffix.offset == 3 and float(row.suffix.keys[0, 0, 0, 0]) == 3.0
+
+    def test_a_row_taken_out_without_a_copy_views_the_batch(self, tiny_llama):
+        """``extract(copy=False)`` gives a row's suffix as the copy does, as
+        views of the batch's buffer (nothing of their own to run); the
+        default copies it (what a kept cache holds must not pin the batch's
+        buffer)."""
+        model, _ = tiny_llama
+        group = PrefixGroup.build(block_payloads(model, list(range(64)), 16))
+        caches = []
+        for n, own in ((64, 3), (32, 5)):
+            suffix = KVCache()
+            suffix.update_and_fetch(mx.ones((1, 2, own, 16)) * own, mx.ones((1, 2, own, 16)) * -own)
+            caches.append(SharedPrefixCache(group, 0, n, suffix))
+        batch = SharedPrefixCache.merge(caches)
+        mx.eval(batch.suffix.keys, batch.suffix.values)
+        for row, own in ((0, 3), (1, 5)):
+            view, copied = batch.extract(row, copy=False).suffix, batch.extract(row).suffix
+            assert working(primitives(view.keys, view.values)) == 0
+            assert primitives(copied.keys, copied.values).count("Contiguous") == 2
+            assert view.offset == copied.offset == own
+            for mine, theirs in ((view.keys, copied.keys), (view.values, copied.values)):
+                assert mine.shape == theirs.shape == (1, 2, own, 16) and mx.array_equal(mine, theirs).item()
 
     def test_a_batch_suffix_grows_ahead_of_the_step_that_needs_room(self, tiny_llama):
         """``reserve`` grows the rows' suffixes only when the next tokens would
