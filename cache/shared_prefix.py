@@ -317,18 +317,42 @@ class SharedPrefixCache(_OverSuffix):
 
     @classmethod
     def merge(cls, caches: Sequence[SharedPrefixCache]) -> BatchSharedPrefixCache:
-        """One batch cache of these requests' caches, in order (suffixes copied once)."""
+        """One batch cache of these requests' caches, in order (suffixes copied once).
+
+        The suffixes left-padded to the longest, as mlx-lm's
+        ``BatchKVCache.merge`` lays them, in a buffer made whole
+        :data:`SUFFIX_STEP` steps long at once, with the room the rows have for
+        tokens to come: written in place, the batch never regrows (and never
+        holds two copies). One buffer, not mlx-lm's and then a longer one (a
+        concatenation: three launches a layer for keys and values each on a
+        GPU).
+        """
+        import mlx.core as mx
         from mlx_lm.models.cache import BatchKVCache
 
-        suffix = BatchKVCache.merge([c.suffix for c in caches])
+        suffixes = [c.suffix for c in caches]
+        longest = max(s.size() for s in suffixes)
+        padding = [longest - s.size() for s in suffixes]
+        rows = [(c.group, c.num_prefix) for c in caches]
+        if longest == 0:
+            suffix = BatchKVCache(padding)
+        else:
+            room = max((s.keys.shape[2] - s.offset for s in suffixes if s.keys is not None), default=0)
+            size = _capacity(longest, room)
+            held = [s for s in suffixes if s.keys is not None]
+            heads, dtype = held[0].keys.shape[1], held[0].keys.dtype
+            keys = mx.zeros((len(caches), heads, size, held[0].keys.shape[3]), dtype=dtype)
+            values = mx.zeros((len(caches), heads, size, held[0].values.shape[3]), dtype=dtype)
+            for i, (pad, s) in enumerate(zip(padding, suffixes)):
+                if s.keys is not None:
+                    keys[i : i + 1, :, pad:longest] = s.keys[..., : s.offset, :]
+                    values[i : i + 1, :, pad:longest] = s.values[..., : s.offset, :]
+            suffix = BatchKVCache(padding)
+            suffix.keys, suffix.values = keys, values
+            suffix.offset += longest
+            suffix._idx = longest
         suffix.step = SUFFIX_STEP
-        longest = max(c.suffix.size() for c in caches)
-        padding = [longest - c.suffix.size() for c in caches]  # as merge pads them
-        # The room the rows have for tokens to come stays theirs: written in
-        # place, the batch never regrows (and never holds two copies).
-        room = max((c.suffix.keys.shape[2] - c.suffix.offset for c in caches if c.suffix.keys is not None), default=0)
-        _whole_steps(suffix, room)
-        return BatchSharedPrefixCache([(c.group, c.num_prefix) for c in caches], caches[0].layer, suffix, padding)
+        return BatchSharedPrefixCache(rows, caches[0].layer, suffix, padding)
 
 
 def _whole_steps(suffix: Any, room: int = 0) -> None:

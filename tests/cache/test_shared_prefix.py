@@ -80,8 +80,9 @@ class TestCaches:
 
     def test_batches_merge_filter_extend_and_extract_suffixes(self, tiny_llama):
         """A batch of requests over prefixes keeps each row's group and prefix
-        length; filtering, extending and extracting move suffixes only; the
-        batch's buffer stays whole suffix steps long (mlx-lm's trims it to
+        length; merging writes the rows into one buffer; filtering, extending
+        and extracting move suffixes only; the batch's buffer stays whole
+        suffix steps long (mlx-lm's trims it to
         the rows' longest on filter: a stacked decode step's shapes would
         change with every row that leaves)."""
         from mlxkv.cache.shared_prefix import SUFFIX_STEP
@@ -95,6 +96,8 @@ class TestCaches:
             caches.append(SharedPrefixCache(group if n else None, 0, n, suffix))
         batch = SharedPrefixCache.merge(caches)
         assert isinstance(batch, BatchSharedPrefixCache)
+        # The rows written into one buffer of whole steps: no second, longer one.
+        assert "Concatenate" not in primitives(batch.suffix.keys, batch.suffix.values)
         assert np.array(batch.offset).tolist() == [67, 37, 7]
         assert [rows for rows, *_ in batch.segments()] == [[0, 1]]
         whole = lambda: batch.suffix.keys.shape[2] % SUFFIX_STEP == batch.suffix.values.shape[2] % SUFFIX_STEP == 0  # noqa: E731
