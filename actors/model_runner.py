@@ -658,11 +658,20 @@ class CacheRunner(abc.ABC):
             stop = end if end < total else total - 1
             if stop > sequence.num_computed:
                 bodies.append((sequence, sequence.num_computed, stop))
-        self._forward_rows([(s, s.prompt[a:b]) for s, a, b in bodies])
-        for sequence, _, stop in bodies:
-            sequence.computed(stop)
+        body_rows = [(s, s.prompt[a:b]) for s, a, b in bodies]
         finishing = [sequence for sequence, end in rows if end == len(sequence.prompt)]
-        last = self._forward_rows([(s, s.prompt[-1:]) for s in finishing])
+        if self._body_then_last(body_rows, finishing):
+            # Every row ends here, in one batch: its last tokens run on the
+            # body's batch (as mlx-lm's BatchGenerator does), not on a second
+            # merge of the rows taken out of it.
+            last = self._forward_rows(body_rows, then_last=True)
+            for sequence, _, stop in bodies:
+                sequence.computed(stop)
+        else:
+            self._forward_rows(body_rows)
+            for sequence, _, stop in bodies:
+                sequence.computed(stop)
+            last = self._forward_rows([(s, s.prompt[-1:]) for s in finishing])
         out: list[Optional[Any]] = []
         for sequence, end in rows:
             if end == len(sequence.prompt):
@@ -673,25 +682,42 @@ class CacheRunner(abc.ABC):
         mx.async_eval([layer.state for sequence, end in rows if end < len(sequence.prompt) for layer in sequence.cache])
         return out
 
-    def _forward_rows(self, rows: list[tuple[SequenceState, Seq[int]]]) -> dict[int, Any]:
+    def _body_then_last(self, body_rows: list[tuple[SequenceState, Seq[int]]], finishing: list[SequenceState]) -> bool:
+        """Whether a batched prefill's rows all have a body and end here, over
+        shared-prefix caches, in one model call (one prefill stream's worth):
+        the last tokens can then run on the body's batch."""
+        if len(body_rows) < 2 or len(finishing) != len(body_rows):
+            return False
+        if {id(s) for s, _ in body_rows} != {id(s) for s in finishing}:
+            return False
+        if not all(s.cache and isinstance(s.cache[0], SharedPrefixCache) for s, _ in body_rows):
+            return False
+        return len(spread([(row, len(row[1])) for row in body_rows], self._streams.count)) == 1
+
+    def _forward_rows(self, rows: list[tuple[SequenceState, Seq[int]]], *, then_last: bool = False) -> dict[int, Any]:
         """Run each row's tokens after its cache, all in one call (one row:
         on its own cache) or, with enough tokens, one call per prefill
         stream (:func:`~mlxkv.actors.prefill_streams.spread`); each row's
-        last-position logits, by ``id``."""
+        last-position logits, by ``id``. ``then_last`` (several rows, one
+        call): the tokens are prompts' bodies, and each prompt's last token
+        then runs on the same batch in a call of one position a row; its
+        logits are returned."""
         import mlx.core as mx
 
         if not rows:
             return {}
         if len(rows) == 1:
+            assert not then_last, "a lone row's last token runs on its own"
             sequence, tokens = rows[0]
             start = sequence.num_computed
             return {id(sequence): self._run(sequence, sequence.cache, start, start + len(tokens))[0, -1]}
         groups = spread([(row, len(row[1])) for row in _by_prefix(rows)], self._streams.count)
+        assert not then_last or len(groups) == 1, "the last tokens run on the body's one batch"
         streams = self._streams.streams() if len(groups) > 1 else [mx.default_stream(mx.default_device())]
         done: list[tuple[SequenceState, list[Any], Any]] = []
         for group, stream in zip(groups, streams):
             with mx.stream(stream):
-                done.extend(self._forward_group(group))
+                done.extend(self._forward_group(group, then_last=then_last))
         # Every row's cache is taken out before any is replaced: if one cannot
         # be, no request's state has changed (each can be run again alone).
         out = {}
@@ -700,10 +726,13 @@ class CacheRunner(abc.ABC):
             out[id(sequence)] = logits
         return out
 
-    def _forward_group(self, rows: list[tuple[SequenceState, Seq[int]]]) -> list[tuple[SequenceState, list[Any], Any]]:
+    def _forward_group(
+        self, rows: list[tuple[SequenceState, Seq[int]]], *, then_last: bool = False
+    ) -> list[tuple[SequenceState, list[Any], Any]]:
         """Rows' tokens through one model call over their caches merged
         (right-padded): each row, its cache taken out of the batch, and its
-        last-position logits. No row's own cache changes."""
+        last-position logits (``then_last``: of each row's prompt's last
+        token, run next on the batch). No row's own cache changes."""
         import mlx.core as mx
 
         merged = self.merge([sequence.cache for sequence, _ in rows])
@@ -718,6 +747,9 @@ class CacheRunner(abc.ABC):
         if max(padding):
             for layer in merged:
                 layer.finalize()
+        if then_last:
+            logits = self._forward(mx.array([[sequence.prompt[-1]] for sequence, _ in rows]), merged)
+            lengths = [1] * len(rows)
         # mlx-lm's extract reads a layer's padding (and a rotating layer's
         # offsets) on the host, evaluating them a layer at a time: each is
         # a wait for the device (on a GPU, for all work queued before it).

@@ -66,7 +66,7 @@ and ``async_eval`` calls it makes: a blocking one with work waits for
 everything queued before it, a GPU's queue drained.
 
     .venv/bin/python scripts/bench_step.py [--model NAME|PATH] [--phase decode|prefill] [--rows 8,32]
-        [--prefix 2048] [--groups 1] [--own 32] [--ways cascade,stacked] [--steps 32] [--json FILE]
+        [--prefix 2048] [--groups 1] [--own 32] [--ways cascade,stacked] [--steps 32] [--prefill-streams N] [--json FILE]
 """
 
 from __future__ import annotations
@@ -433,6 +433,9 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=1, help="prefixes the rows are spread over (1)")
     parser.add_argument("--own", type=int, default=32, help="each row's own tokens before decoding; with --phase prefill, those prefilled (32)")
     parser.add_argument("--ways", help="shared-prefix ways, comma-separated (default: all)")
+    parser.add_argument(
+        "--prefill-streams", type=int, help="mlxkv's prefill streams (default: the device's; a GPU's is 1)"
+    )
     parser.add_argument("--steps", type=int, default=32, help="measured steps (or prefills) per method (32)")
     parser.add_argument("--warmup", type=int, default=4, help="unmeasured steps first (4)")
     parser.add_argument("--json", help="also write the results as JSON to FILE")
@@ -449,11 +452,12 @@ def main() -> None:
     ways = [PrefixAttention(w) for w in args.ways.split(",")] if args.ways else list(PrefixAttention)
     prefill = args.phase == "prefill"
     mlxkv_maker, mlx_lm_maker = (mlxkv_prefills, mlx_lm_prefills) if prefill else (mlxkv_steps, mlx_lm_steps)
+    streams = {} if args.prefill_streams is None else {"prefill_streams": args.prefill_streams}
     methods: dict[str, Callable[..., Any]] = {
-        f"mlxkv, {way.value}": (lambda s, o, way=way: mlxkv_maker(path, {"prefix_attention": way}, s, o, block))
+        f"mlxkv, {way.value}": (lambda s, o, way=way: mlxkv_maker(path, {"prefix_attention": way, **streams}, s, o, block))
         for way in ways
     }
-    methods["mlxkv, copies"] = lambda s, o: mlxkv_maker(path, {"shared_prefix": False}, s, o, block)
+    methods["mlxkv, copies"] = lambda s, o: mlxkv_maker(path, {"shared_prefix": False, **streams}, s, o, block)
     methods["mlx-lm"] = lambda s, o: mlx_lm_maker(path, s, o)
     measured = measure_prefill if prefill else measure
     results: list[dict[str, Any]] = []

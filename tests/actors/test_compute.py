@@ -839,10 +839,14 @@ class TestFaults:
         assert isinstance(final, Failed) and "injected" in str(final.error)
         for name, theirs in alone.items():
             _assert_same(runs[name], theirs)
-        # It failed first where all four were together: merged into the decode
-        # batch, or taking caches out of the prefill's one call -- or, over two
-        # streams, of the victim's own call (149 tokens against 39 + 54 + 69).
-        assert sizes[0] == (1 if where == "extract" and streams == 2 else 4)
+        # It failed first where the victim's whole prompt was in and others
+        # with it. One stream: taking caches out of the prefill's one batch
+        # (its last tokens ran on it), or merging into the decode batch with
+        # the blocker (5 rows). Two streams: taking them out of the victim's
+        # own call (149 tokens against 39 + 54 + 69), or merging the four
+        # for their last tokens.
+        expected = {("extract", 1): 4, ("extract", 2): 1, ("merge", 1): 5, ("merge", 2): 4}
+        assert sizes[0] == expected[where, streams]
         assert stats.num_live == 0
 
     async def test_a_failing_decode_step_fails_its_rows_only(self, running, tiny_llama):

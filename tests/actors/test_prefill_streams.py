@@ -229,21 +229,32 @@ def test_a_padded_prefill_over_a_shared_prefix_reads_no_padding_back(tiny_llama,
         _holds_its_cold_run(model, sequence, body)
 
 
-def test_a_batched_prefill_over_a_shared_prefix_copies_no_row_out(tiny_llama):
+def test_a_batched_prefill_over_a_shared_prefix_copies_no_row_out(tiny_llama, monkeypatch):
     """A batched prefill's rows keep their own tokens as views of the batch's
     suffixes: each is copied again when it joins a decode batch (or the next
     chunk's batch), so a copy out of the batch as well would be a kernel
     launch a row and layer for keys and values each on a GPU, for nothing.
-    The rows' caches hold what a cold run does."""
+    Rows that all end here run their last tokens on the body's batch (one
+    merge, not a second of the rows taken out). The rows' caches hold what
+    a cold run does, and their logits are a cold run's."""
+    from mlxkv.actors import model_runner
+
+    from device_arithmetic import LOGITS_ATOL
+
     model, tokenizer = tiny_llama
     runner = TextRunner(model, tokenizer, RunnerConfig(prefill_streams=1, keep_caches=False))
     sequences = _shared_prefix_rows(runner, model, [20, 9, 14])
+    merges = []
+    honest = model_runner.CacheRunner.merge
+    monkeypatch.setattr(model_runner.CacheRunner, "merge", lambda self, caches: merges.append(len(caches)) or honest(self, caches))
     logits = runner.prefill_batch([(sequence, len(sequence.prompt)) for sequence in sequences])
-    assert all(row is not None for row in logits)
+    assert merges == [3]
     suffixes = [array for sequence in sequences for layer in sequence.cache for array in (layer.suffix.keys, layer.suffix.values)]
     assert "Contiguous" not in primitives(*suffixes)  # the rows' caches are left lazy: their graph is there
-    for sequence in sequences:
+    for sequence, row in zip(sequences, logits):
         _holds_its_cold_run(model, sequence, len(sequence.prompt))
+        cold = model(mx.array(sequence.prompt)[None])[0, -1]
+        assert row is not None and mx.allclose(row, cold, atol=LOGITS_ATOL).item()
 
 
 def test_a_banded_prefill_is_the_same_graph_whatever_its_rows_order(tiny_llama):
