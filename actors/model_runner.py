@@ -510,6 +510,8 @@ class CacheRunner(abc.ABC):
         tokens = sequence.tokens(0, min(cache[0].offset, num_tokens))
         for layer in cache:
             layer.trim(layer.offset - len(tokens))
+            if isinstance(layer, SharedPrefixCache):
+                layer.own_suffix()  # a row straight out of a batched prefill views its batch
         # Queued now (not waited for: the executor reads nothing back before
         # its plan's decode step is queued): a row taken out of a batch is a
         # lazy slice of the batch's buffer, which its graph would keep alive

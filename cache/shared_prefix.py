@@ -249,6 +249,16 @@ class SharedPrefixCache(_OverSuffix):
         """Drop the last ``n`` suffix tokens (never into the prefix)."""
         return self.suffix.trim(min(n, self.suffix.offset))
 
+    def own_suffix(self) -> None:
+        """Hold the suffix in buffers of its own: a batched prefill's rows
+        hold views of the batch's (:meth:`BatchSharedPrefixCache.extract`),
+        which a cache kept for long must not pin. Nothing is copied where the
+        suffix has its own (MLX's ``contiguous`` then shares the buffer)."""
+        import mlx.core as mx
+
+        if self.suffix.keys is not None:
+            self.suffix.keys, self.suffix.values = mx.contiguous(self.suffix.keys), mx.contiguous(self.suffix.values)
+
     def size(self) -> int:
         return self.offset
 

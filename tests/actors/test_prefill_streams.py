@@ -279,3 +279,28 @@ def test_a_banded_prefill_is_the_same_graph_whatever_its_rows_order(tiny_llama):
         for sequence in sequences:
             _holds_its_cold_run(model, sequence, len(sequence.prompt))
     assert graphs[0] == graphs[1]
+
+
+def test_a_row_kept_straight_out_of_a_batched_prefill_pins_no_batch(tiny_llama):
+    """A request that ends at its first token is kept straight out of its
+    batched prefill, whose rows view the batch's suffixes: the kept cache
+    then holds its own tokens in buffers of its own, not views that keep
+    every row's suffix alive for as long as it is kept."""
+    import gc
+
+    model, tokenizer = tiny_llama
+    runner = TextRunner(model, tokenizer, RunnerConfig(prefill_streams=1))
+    sequences = _shared_prefix_rows(runner, model, [300, 280, 260, 240])
+    gc.collect()
+    mx.synchronize()
+    base = mx.get_active_memory()
+    mx.eval(runner.prefill_batch([(sequence, len(sequence.prompt)) for sequence in sequences]))
+    kept = sequences[0]
+    own = sum(2 * layer.suffix.keys[..., : layer.suffix.offset, :].nbytes for layer in kept.cache)
+    runner.keep(kept, kept.cache, len(kept.prompt))
+    del sequences, kept
+    gc.collect()
+    mx.synchronize()
+    held = mx.get_active_memory() - base
+    # The batch's suffixes are ~3.6x one row's: a view of them would hold them all.
+    assert held <= own * 1.5
