@@ -685,14 +685,12 @@ class CacheRunner(abc.ABC):
         return out
 
     def _body_then_last(self, body_rows: list[tuple[SequenceState, Seq[int]]], finishing: list[SequenceState]) -> bool:
-        """Whether a batched prefill's rows all have a body and end here, over
-        shared-prefix caches, in one model call (one prefill stream's worth):
-        the last tokens can then run on the body's batch."""
+        """Whether a batched prefill's rows all have a body and end here, in
+        one model call (one prefill stream's worth): the last tokens can then
+        run on the body's batch."""
         if len(body_rows) < 2 or len(finishing) != len(body_rows):
             return False
         if {id(s) for s, _ in body_rows} != {id(s) for s in finishing}:
-            return False
-        if not all(s.cache and isinstance(s.cache[0], SharedPrefixCache) for s, _ in body_rows):
             return False
         return len(spread([(row, len(row[1])) for row in body_rows], self._streams.count)) == 1
 

@@ -304,3 +304,35 @@ def test_a_row_kept_straight_out_of_a_batched_prefill_pins_no_batch(tiny_llama):
     held = mx.get_active_memory() - base
     # The batch's suffixes are ~3.6x one row's: a view of them would hold them all.
     assert held <= own * 1.5
+
+
+@pytest.mark.parametrize(
+    "model_name, shared_prefix", [("tiny_llama", True), ("tiny_llama", False), ("sliding_llama", True)]
+)
+def test_rows_that_all_end_in_one_call_take_their_last_tokens_on_its_batch(request, model_name, shared_prefix, monkeypatch):
+    """Prompts of different lengths prefilled to their ends in one call (one
+    stream): their last tokens run on the body's batch, whatever the cache
+    layers (shared-prefix suffixes, mlx-lm's plain or rotating batch
+    caches) -- one merge, not a second of the rows taken out -- and each
+    row's logits and cache are a cold run's."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxkv.actors import model_runner
+
+    from device_arithmetic import LOGITS_ATOL
+
+    model, tokenizer = request.getfixturevalue(model_name)
+    config = RunnerConfig(prefill_streams=1, keep_caches=False, shared_prefix=shared_prefix)
+    runner = TextRunner(model, tokenizer, config)
+    rows = _rows(runner, [70, 50, 40, 33])
+    merges = []
+    honest = model_runner.CacheRunner.merge
+    monkeypatch.setattr(model_runner.CacheRunner, "merge", lambda self, caches: merges.append(len(caches)) or honest(self, caches))
+    logits = runner.prefill_batch(rows)
+    monkeypatch.undo()
+    assert merges == [4]
+    for (sequence, length), row in zip(rows, logits):
+        cold_cache = make_prompt_cache(model)
+        cold = model(mx.array(sequence.prompt)[None], cache=cold_cache)[0, -1]
+        assert row is not None and mx.allclose(row, cold, atol=LOGITS_ATOL).item()
+        assert sequence.num_computed == length and sequence.cache[0].offset == length
