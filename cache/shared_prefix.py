@@ -518,19 +518,24 @@ class BatchSharedPrefixCache(_OverSuffix):
 
     def filter(self, batch_indices: Any) -> None:
         """Keep the rows ``batch_indices`` (a host list or array), as mlx-lm's
-        ``BatchKVCache.filter`` does -- its rows' common left padding cut --
-        with the padding known here."""
+        ``BatchKVCache.filter`` does, with the padding known here: the rows'
+        common left padding is cut as far as the buffer stays whole
+        :data:`SUFFIX_STEP` positions (up to a step less than mlx-lm cuts),
+        so that the kept rows are taken in one gather a side, not a gather
+        and then a longer copy to whole steps."""
         import mlx.core as mx
 
         indices = [int(i) for i in (batch_indices.tolist() if hasattr(batch_indices, "tolist") else batch_indices)]
         self.rows = [self.rows[i] for i in indices]
         padding = [self.padding[i] for i in indices]
-        cut = min(padding)
-        self.padding = [n - cut for n in padding]
         suffix, kept = self.suffix, mx.array(indices)
+        cut = min(padding)
         if suffix.keys is not None:
-            suffix.keys = suffix.keys[kept][..., cut:, :] if cut else suffix.keys[kept]
-            suffix.values = suffix.values[kept][..., cut:, :] if cut else suffix.values[kept]
+            size = suffix.keys.shape[2]
+            cut = max(size - _capacity(size - cut, 0), 0)
+            suffix.keys = suffix.keys[kept, :, cut:] if cut else suffix.keys[kept]
+            suffix.values = suffix.values[kept, :, cut:] if cut else suffix.values[kept]
+        self.padding = [n - cut for n in padding]
         suffix.offset = suffix.offset[kept]
         suffix.left_padding = mx.array(self.padding)
         suffix._idx -= cut
