@@ -36,7 +36,7 @@ shared it.
 from __future__ import annotations
 
 import traceback
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Optional
 
 import attrs
@@ -336,23 +336,30 @@ class DecodeBatch:
         return emitted, [failure for failure in failed if id(failure.sequence) not in done]
 
     def _sample(self, logprobs: Any) -> tuple[Any, list[RowFailed]]:
-        """Each row's next token: one argmax for greedy rows, each sampler for the rest."""
+        """Each row's next token: one argmax for the greedy rows and one draw
+        for the rows of each of :func:`_draw_groups` (a batch that all draws
+        together: that draw alone), written over the argmax in place. A draw
+        that raises fails its rows (their argmax stands in, never emitted:
+        failed rows leave)."""
         import mlx.core as mx
 
-        greedy = mx.argmax(logprobs, axis=-1).astype(mx.uint32)
-        if all(sequence.sampler is None for sequence in self.rows):
-            return greedy, []
-        tokens = []
-        failed = []
-        for index, sequence in enumerate(self.rows):
-            token = greedy[index]
-            if sequence.sampler is not None:
-                try:
-                    token = sequence.sampler(logprobs[index : index + 1])[0].astype(mx.uint32)
-                except Exception as error:
-                    failed.append(RowFailed(sequence, without_frames(error)))
-            tokens.append(token)
-        return mx.stack(tokens), failed
+        groups = _draw_groups(self.rows)
+        if len(groups) == 1 and len(groups[0]) == len(self.rows):
+            try:
+                return self.rows[0].sampler(logprobs).astype(mx.uint32), []
+            except Exception as error:
+                groups, failed = [], [RowFailed(row, without_frames(error)) for row in self.rows]
+        else:
+            failed = []
+        tokens = mx.argmax(logprobs, axis=-1).astype(mx.uint32)
+        for rows in groups:
+            try:
+                drawn = self.rows[rows[0]].sampler(logprobs[mx.array(rows)])
+            except Exception as error:
+                failed.extend(RowFailed(self.rows[row], without_frames(error)) for row in rows)
+                continue
+            tokens[mx.array(rows)] = drawn.astype(mx.uint32)
+        return tokens, failed
 
     def _snapshot_block_ends(self, fresh: list[bool]) -> tuple[list[Any], list[RowFailed]]:
         """Record recurrent state of rows whose KV ends on a block boundary after this step."""
@@ -373,6 +380,20 @@ class DecodeBatch:
                 sequence.snapshot(position, state)
                 arrays.extend(a for group in state if group for a in group if a is not None)
         return arrays, failed
+
+
+def _draw_groups(rows: Sequence[SequenceState]) -> list[list[int]]:
+    """The indices of the rows that sample (not greedy), in groups drawn by one
+    call each: rows whose samplers share a ``batch_key``
+    (:attr:`mlxkv.actors.sampling._Draw.batch_key`) together, any other row
+    alone; in order of their first row."""
+    groups: dict[Any, list[int]] = {}
+    for index, sequence in enumerate(rows):
+        sampler = sequence.sampler
+        if sampler is not None:
+            key = getattr(sampler, "batch_key", None)
+            groups.setdefault(("alone", index) if key is None else ("shared", key), []).append(index)
+    return list(groups.values())
 
 
 def _done(item: RowToken) -> bool:

@@ -10,6 +10,12 @@ with ``(seed, n)``, and the generator is reseeded from the OS right after, so
 neither the other requests in a batch nor the order in which rows are
 sampled change a seeded request's tokens (as long as its logits are the same),
 and no unseeded request draws from a predictable generator.
+
+A decode step draws the rows of unseeded requests with the same settings
+together, in one call of one of their samplers (:attr:`_Draw.batch_key`): a
+draw a row would be a few kernels a row and step on a GPU, where a step of
+a batch is its kernels. A seeded request draws alone (its generator is its
+own).
 """
 
 from __future__ import annotations
@@ -114,6 +120,14 @@ class _Draw:
         self._sampling = sampling
         self._base: Optional[Sampler] = None
         self._draws = 0
+
+    @property
+    def batch_key(self) -> Optional[Sampling]:
+        """What rows drawn together share: the settings of an unseeded
+        request (any of its rows' samplers draws for all of them, a token a
+        row of ``(rows, vocab)`` log-probabilities, independently); None for
+        a seeded one, which draws alone."""
+        return self._sampling if self._sampling.seed is None else None
 
     def __call__(self, logprobs: Any) -> Any:
         import mlx.core as mx

@@ -15,6 +15,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlxkv.actors.decode_batch import DecodeBatch
 from mlxkv.actors.model_runner import TextRunner
 from mlxkv.actors.request import RequestSpec
+from mlxkv.actors.sampling import Sampling, _Draw
 from mlxkv.actors.sequence import SequenceState
 from mlxkv.cache import kv_state
 from mlxkv.cache.shared_prefix import BatchSharedPrefixCache, SharedPrefixCache
@@ -40,11 +41,13 @@ def prefix_payloads(model) -> tuple:
     return tuple(kv_state.slice_blocks(cache, BS, range(len(PREFIX) // BS), num_tokens=len(PREFIX)))
 
 
-def started(runner, request_id: str, prompt: list[int], prefix: tuple = ()) -> SequenceState:
-    """A request whose prefill is done: its first token sampled (greedy)."""
+def started(
+    runner, request_id: str, prompt: list[int], prefix: tuple = (), sampling: Sampling = Sampling()
+) -> SequenceState:
+    """A request whose prefill is done: its first token the argmax (whatever its ``sampling``)."""
     spec = RequestSpec(
         request_id=request_id, prompt=prompt, prefix=prefix, max_tokens=64,
-        block_size=BS, stop_tokens=frozenset(),
+        block_size=BS, stop_tokens=frozenset(), sampling=sampling,
     )  # fmt: skip
     sequence = SequenceState(spec)
     runner.start(sequence)
@@ -222,3 +225,60 @@ class TestStepInvariantShapes:
         cold_runner = TextRunner(model, tokenizer)
         for row, prompt in zip(rows, prompts):
             assert row.generated[:20] == cold_tokens(cold_runner, prompt, 20)
+
+
+class TestDraws:
+    """A step draws the rows of unseeded requests with the same settings in one
+    call; a seeded request, and other settings, in calls of their own; each
+    row gets its own token."""
+
+    NARROW = Sampling(temperature=2.0, top_k=1)  # its draws are the argmax
+
+    def _batch(self, runner, samplings: list[Sampling]) -> tuple[DecodeBatch, list[SequenceState]]:
+        batch = DecodeBatch(runner)
+        rows = [started(runner, f"r{i}", own(12 + 3 * i, salt=i), sampling=s) for i, s in enumerate(samplings)]
+        batch.join(rows)
+        return batch, rows
+
+    @pytest.fixture
+    def draws(self, monkeypatch) -> list[int]:
+        """The rows each draw of a request's sampler was given."""
+        seen: list[int] = []
+        draw = _Draw.__call__
+
+        def counted(self: _Draw, logprobs: Any) -> Any:
+            seen.append(logprobs.shape[0])
+            return draw(self, logprobs)
+
+        monkeypatch.setattr(_Draw, "__call__", counted)
+        return seen
+
+    def test_rows_of_one_setting_draw_together(self, runner, draws):
+        hot = Sampling(temperature=1.0)
+        seeded = Sampling(temperature=1.0, seed=5)
+        batch, _ = self._batch(runner, [hot, Sampling(), hot, self.NARROW, seeded, hot])
+        decode(batch, 1)
+        assert sorted(draws) == [1, 1, 3]  # the three hot rows, the narrow one, the seeded one
+        draws.clear()
+        alike, _ = self._batch(runner, [hot] * 4)
+        decode(alike, 1)
+        assert draws == [4]
+
+    def test_each_row_gets_its_own_token(self, runner, draws):
+        """Rows that draw the argmax (``top_k=1``), together, alone and seeded,
+        between greedy rows: every row's tokens are its greedy ones."""
+        other = Sampling(temperature=3.0, top_k=1)
+        seeded = Sampling(temperature=2.0, top_k=1, seed=2)
+        samplings = [Sampling(), self.NARROW, Sampling(), self.NARROW, seeded, other]
+        batch, rows = self._batch(runner, samplings)
+        greedy, plain = self._batch(runner, [Sampling()] * len(samplings))
+        decode(batch, 5)
+        decode(greedy, 5)
+        assert sorted(draws[:3]) == [1, 1, 2]  # a step: the two narrow rows together, the seeded, the other
+        assert [row.generated for row in rows] == [row.generated for row in plain]
+        assert len({tuple(row.generated) for row in plain}) == len(plain), "the rows' tokens differ"
+        narrow, _ = self._batch(runner, [self.NARROW] * 3)
+        decode(narrow, 3)
+        assert draws[-1] == 3  # a batch that all draws together: one draw, no argmax to write over
+        assert all(len(row.generated) == 3 for row in narrow.rows)
+        assert [row.generated for row in narrow.rows] == [row.generated[:3] for row in plain[:3]]
