@@ -36,13 +36,14 @@ shared it.
 from __future__ import annotations
 
 import traceback
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any, Optional
 
 import attrs
 
 from mlxkv.actors.model_runner import ModelRunner
 from mlxkv.actors.request import stop_reason
+from mlxkv.actors.sampling import draw_rows
 from mlxkv.actors.sequence import SequenceState
 from mlxkv.cache.shared_prefix import BatchSharedPrefixCache
 
@@ -336,30 +337,11 @@ class DecodeBatch:
         return emitted, [failure for failure in failed if id(failure.sequence) not in done]
 
     def _sample(self, logprobs: Any) -> tuple[Any, list[RowFailed]]:
-        """Each row's next token: one argmax for the greedy rows and one draw
-        for the rows of each of :func:`_draw_groups` (a batch that all draws
-        together: that draw alone), written over the argmax in place. A draw
-        that raises fails its rows (their argmax stands in, never emitted:
-        failed rows leave)."""
-        import mlx.core as mx
-
-        groups = _draw_groups(self.rows)
-        if len(groups) == 1 and len(groups[0]) == len(self.rows):
-            try:
-                return self.rows[0].sampler(logprobs).astype(mx.uint32), []
-            except Exception as error:
-                groups, failed = [], [RowFailed(row, without_frames(error)) for row in self.rows]
-        else:
-            failed = []
-        tokens = mx.argmax(logprobs, axis=-1).astype(mx.uint32)
-        for rows in groups:
-            try:
-                drawn = self.rows[rows[0]].sampler(logprobs[mx.array(rows)])
-            except Exception as error:
-                failed.extend(RowFailed(self.rows[row], without_frames(error)) for row in rows)
-                continue
-            tokens[mx.array(rows)] = drawn.astype(mx.uint32)
-        return tokens, failed
+        """Each row's next token (:func:`~mlxkv.actors.sampling.draw_rows`:
+        one draw for the rows that share sampling settings); the rows whose
+        draw raised."""
+        tokens, failed = draw_rows([sequence.sampler for sequence in self.rows], logprobs)
+        return tokens, [RowFailed(self.rows[row], without_frames(error)) for row, error in failed]
 
     def _snapshot_block_ends(self, fresh: list[bool]) -> tuple[list[Any], list[RowFailed]]:
         """Record recurrent state of rows whose KV ends on a block boundary after this step."""
@@ -380,20 +362,6 @@ class DecodeBatch:
                 sequence.snapshot(position, state)
                 arrays.extend(a for group in state if group for a in group if a is not None)
         return arrays, failed
-
-
-def _draw_groups(rows: Sequence[SequenceState]) -> list[list[int]]:
-    """The indices of the rows that sample (not greedy), in groups drawn by one
-    call each: rows whose samplers share a ``batch_key``
-    (:attr:`mlxkv.actors.sampling._Draw.batch_key`) together, any other row
-    alone; in order of their first row."""
-    groups: dict[Any, list[int]] = {}
-    for index, sequence in enumerate(rows):
-        sampler = sequence.sampler
-        if sampler is not None:
-            key = getattr(sampler, "batch_key", None)
-            groups.setdefault(("alone", index) if key is None else ("shared", key), []).append(index)
-    return list(groups.values())
 
 
 def _done(item: RowToken) -> bool:

@@ -43,6 +43,7 @@ import attrs
 from mlxkv.actors.decode_batch import BatchBroken, DecodeBatch, RowFailed, without_frames
 from mlxkv.actors.model_runner import ModelRunner, cache_tokens
 from mlxkv.actors.request import blocks_out_at_start, next_chunk_end
+from mlxkv.actors.sampling import draw_rows
 from mlxkv.actors.plan import (
     Blocks,
     Chunk,
@@ -243,6 +244,7 @@ class Executor:
                 self._let_go(group[0][0], error, run)
                 continue
             run.prefill_calls.append(len(group))
+            done: list[tuple[SequenceState, Any, Any]] = []
             for (sequence, _), last in zip(group, logits):
                 chunk = by_id[sequence.request_id]
                 if last is None and chunk.published >= 0:
@@ -253,11 +255,32 @@ class Executor:
                 if last is None:
                     run.chunks.append(_chunk_done(sequence, encoding))
                     continue
-                try:
-                    firsts.append(_FirstToken(sequence, encoding, last, *_first_token(sequence, last)))
-                except Exception as error:
-                    self._let_go(sequence, error, run)
+                done.append((sequence, encoding, last))
+            if done:
+                firsts.extend(self._first_tokens(done, run))
         return firsts
+
+    def _first_tokens(self, done: list[tuple[SequenceState, Any, Any]], run: _ResultBuilder) -> list[_FirstToken]:
+        """The first tokens of the prompts a model call finished, ``(sequence,
+        encoding, last position's logits)`` each: drawn together
+        (:func:`~mlxkv.actors.sampling.draw_rows`, from one log-softmax of
+        them all) and queued at once (``mx.async_eval``), not read. A row
+        whose draw raised is let go."""
+        import mlx.core as mx
+
+        try:
+            logits = mx.stack([last for *_, last in done])
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            tokens, failed = draw_rows([sequence.sampler for sequence, *_ in done], logprobs)
+        except Exception as error:
+            tokens, logprobs, failed = None, None, [(row, error) for row in range(len(done))]
+        errors = dict(failed)
+        drawn = [(row, tokens[row], logprobs[row]) for row in range(len(done)) if row not in errors]
+        # Each row's own views too: what the result carries is queued before the step.
+        mx.async_eval([(token, row_logprobs, done[row][2]) for row, token, row_logprobs in drawn])
+        for row, error in errors.items():
+            self._let_go(done[row][0], error, run)
+        return [_FirstToken(*done[row], token, row_logprobs) for row, token, row_logprobs in drawn]
 
     def _publish_chunk(self, sequence: SequenceState, chunk: Chunk, run: _ResultBuilder) -> None:
         """Slice the full blocks a (not last) chunk completed, at once."""
@@ -379,21 +402,3 @@ class _ResultBuilder:
             num_model_errors=self.num_model_errors,
             prefill_calls=tuple(self.prefill_calls),
         )
-
-
-def _first_token(sequence: SequenceState, logits: Any) -> tuple[Any, Any]:
-    """The first token, sampled from the last prompt position, and the
-    log-probabilities it was drawn from: queued (``mx.async_eval``), with
-    the logits, not read."""
-    import mlx.core as mx
-
-    logprobs = logits - mx.logsumexp(logits, keepdims=True)
-    if sequence.sampler is None:
-        token = mx.argmax(logprobs)
-    else:
-        token = sequence.sampler(logprobs[None])[0]
-    mx.async_eval(token, logprobs, logits)
-    return token, logprobs
-
-
-

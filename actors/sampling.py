@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import attrs
 
 from mlxkv.cache.errors import InvalidInput
 
-__all__ = ["GREEDY", "Sampler", "Sampling"]
+__all__ = ["GREEDY", "Sampler", "Sampling", "draw_rows"]
 
 #: Log-probabilities of shape ``(1, vocab)`` -> sampled token ids ``(1,)``.
 Sampler = Callable[[Any], Any]
@@ -169,3 +169,46 @@ def _restore_key(key: Any) -> None:
 def _mix_seed(seed: int, draw: int) -> int:
     # Any fixed mix that separates (seed, draw) pairs will do; keep it in uint64.
     return (seed * 0x9E3779B97F4A7C15 + draw * 0xBF58476D1CE4E5B9 + 1) % (1 << 64)
+
+
+def draw_rows(samplers: Sequence[Optional[Sampler]], logprobs: Any) -> tuple[Any, list[tuple[int, Exception]]]:
+    """The next token of each row of ``logprobs`` ``(rows, vocab)``, row ``i``
+    by ``samplers[i]`` (None: greedy), as ``uint32`` ``(rows,)``, and the rows
+    whose draw raised, with what it raised.
+
+    One argmax for the greedy rows and one call for each group of
+    :func:`_draw_groups`, written over the argmax in place (a batch that
+    all draws together: that call alone). A call that raises fails the rows
+    it was for; their argmax stands in (never to be emitted).
+    """
+    import mlx.core as mx
+
+    groups = _draw_groups(samplers)
+    failed: list[tuple[int, Exception]] = []
+    if len(groups) == 1 and len(groups[0]) == len(samplers):
+        try:
+            return samplers[0](logprobs).astype(mx.uint32), []  # type: ignore[misc]
+        except Exception as error:
+            groups, failed = [], [(row, error) for row in groups[0]]
+    tokens = mx.argmax(logprobs, axis=-1).astype(mx.uint32)
+    for rows in groups:
+        try:
+            drawn = samplers[rows[0]](logprobs[mx.array(rows)])  # type: ignore[misc]
+        except Exception as error:
+            failed.extend((row, error) for row in rows)
+            continue
+        tokens[mx.array(rows)] = drawn.astype(mx.uint32)
+    return tokens, failed
+
+
+def _draw_groups(samplers: Sequence[Optional[Sampler]]) -> list[list[int]]:
+    """The indices of the rows that sample (not None), in groups drawn by one
+    call each: rows whose samplers share a ``batch_key``
+    (:attr:`_Draw.batch_key`) together, any other row alone; in order of
+    their first row."""
+    groups: dict[Any, list[int]] = {}
+    for index, sampler in enumerate(samplers):
+        if sampler is not None:
+            key = getattr(sampler, "batch_key", None)
+            groups.setdefault(("alone", index) if key is None else ("shared", key), []).append(index)
+    return list(groups.values())

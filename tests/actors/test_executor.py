@@ -213,6 +213,42 @@ class TestFailures:
         assert result.chunks[0].request_id == "good" and result.chunks[0].first_token is not None
         assert result.prefill_calls == (1,)
 
+    def test_first_tokens_are_drawn_together_and_a_raising_draw_fails_its_row(self, monkeypatch):
+        """A model call's first tokens: the rows of one unseeded setting in one
+        draw, a greedy row by the argmax, a sampler that raises failing its
+        row alone (``top_k=1``: the drawn rows' tokens are the argmax)."""
+        from mlxkv.actors.sampling import Sampling, _Draw
+
+        class Broken(Sampling):
+            def make_sampler(self) -> Any:
+                def sample(logprobs: Any) -> Any:
+                    raise RuntimeError("sampler broke")
+
+                return sample
+
+        draws: list[int] = []
+        honest = _Draw.__call__
+
+        def counted(self: _Draw, logprobs: Any) -> Any:
+            draws.append(logprobs.shape[0])
+            return honest(self, logprobs)
+
+        monkeypatch.setattr(_Draw, "__call__", counted)
+        narrow = Sampling(temperature=1.0, top_k=1)
+        specs = [
+            attrs.evolve(_spec("a", 6), sampling=narrow),
+            attrs.evolve(_spec("bad", 7), sampling=Broken(temperature=1.0)),
+            _spec("g", 8),
+            attrs.evolve(_spec("bb", 9), sampling=narrow),
+        ]
+        executor = Executor(FakeRunner(), prefill_chunk=CHUNK)
+        result = executor.run(Plan(prefill=tuple(_first(spec) for spec in specs)))
+        assert draws == [2]
+        assert [(f.request_id, f.stage) for f in result.failures] == [("bad", "prefill")]
+        assert {c.request_id: c.first_token for c in result.chunks} == {
+            spec.request_id: _next(spec.prompt[-1]) for spec in specs if spec.request_id != "bad"
+        }
+
     @pytest.mark.parametrize("batch_prefill", [True, False])
     def test_prefill_batches_only_where_the_model_does(self, batch_prefill):
         runner = FakeRunner(batch_prefill=batch_prefill)
@@ -280,7 +316,7 @@ class TestTheDeviceNeverWaitsForTheHost:
         log: list[str] = []
         queued: set[int] = set()
         honest_eval, honest_async_eval, honest_decode, honest_first = (
-            mx.eval, mx.async_eval, runner.decode, executor_module._first_token,
+            mx.eval, mx.async_eval, runner.decode, executor_module._FirstToken,
         )  # fmt: skip
 
         def arrays(tree: Any) -> list[Any]:
@@ -310,14 +346,13 @@ class TestTheDeviceNeverWaitsForTheHost:
                 log.append("read")
                 return self.token.item()
 
-        def first_token(*args: Any) -> tuple[Any, Any]:
-            token, logprobs = honest_first(*args)
-            return Read(token), logprobs
+        def first_token(sequence: Any, encoding: Any, logits: Any, token: Any, logprobs: Any) -> Any:
+            return honest_first(sequence, encoding, logits, Read(token), logprobs)  # read through the probe
 
         monkeypatch.setattr(mx, "eval", blocking)
         monkeypatch.setattr(mx, "async_eval", queueing)
         monkeypatch.setattr(runner, "decode", decode)
-        monkeypatch.setattr(executor_module, "_first_token", first_token)
+        monkeypatch.setattr(executor_module, "_FirstToken", first_token)
         result = executor.run(
             Plan(
                 publish=(Slice("c", 4, 5),),
