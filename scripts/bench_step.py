@@ -44,6 +44,11 @@ The graph and the evaluations are the same on every device; on a CPU the
 build time stands for the host's share of a GPU step, and the wall time is
 the CPU's arithmetic -- only a GPU's says what a GPU step costs.
 
+``--temperature T`` (and ``--top-p``): every row sampled, not greedy --
+mlxkv's requests unseeded with the same settings (the server's default is
+a temperature of 1), mlx-lm's ``BatchGenerator`` given one sampler for its
+batch.
+
 ``--phase prefill``: instead of decode steps, the prefill of the rows' own
 tokens after their cached prefixes (row ``i``'s first ``S - i * S // (2R)``
 of its ``S``: requests differ in length, so the batch is right-padded),
@@ -74,6 +79,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import itertools
 import json
 import statistics
@@ -293,11 +299,11 @@ def prefix_cache(model: Any, shared: list[int]) -> list[Any]:
 
 
 def _mlxkv_runner(
-    path: str, options: dict[str, Any], prefixes: list[list[int]], block: int
+    path: str, options: dict[str, Any], prefixes: list[list[int]], block: int, sampling: Any = None
 ) -> tuple[Any, Callable[..., Any]]:
     """mlxkv's runner with ``options``, and a maker of request specs over
     ``prefixes`` (their blocks computed by the model): ``spec(request_id,
-    group, own tokens, max_tokens)``."""
+    group, own tokens, max_tokens)``, sampled by ``sampling`` (default greedy)."""
     from mlxkv.actors.compute_config import RunnerConfig
     from mlxkv.actors.model_runner import TextRunner
     from mlxkv.actors.request import RequestSpec
@@ -313,21 +319,23 @@ def _mlxkv_runner(
     def spec(request_id: str, group: int, own: list[int], max_tokens: int) -> Any:
         return RequestSpec(
             request_id=request_id, prompt=prefixes[group] + own, prefix=payloads[group], max_tokens=max_tokens,
-            block_size=block, stop_tokens=frozenset(),
+            block_size=block, stop_tokens=frozenset(), **({} if sampling is None else {"sampling": sampling}),
         )  # fmt: skip
 
     return runner, spec
 
 
 def mlxkv_steps(
-    path: str, options: dict[str, Any], prefixes: list[list[int]], owns: list[list[int]], block: int
+    path: str, options: dict[str, Any], prefixes: list[list[int]], owns: list[list[int]], block: int,
+    sampling: Any = None,
 ) -> Callable[[], None]:
     """A decode batch of mlxkv's runner with every row joined (row ``i`` over
-    ``prefixes[i % len(prefixes)]``); one call: one step."""
+    ``prefixes[i % len(prefixes)]``), each row sampled by ``sampling``
+    (default greedy); one call: one step."""
     from mlxkv.actors.decode_batch import DecodeBatch
     from mlxkv.actors.sequence import SequenceState
 
-    runner, spec = _mlxkv_runner(path, options, prefixes, block)
+    runner, spec = _mlxkv_runner(path, options, prefixes, block, sampling)
     sequences = []
     for index, own in enumerate(owns):
         sequence = SequenceState(spec(f"r{index}", index % len(prefixes), own, 1 << 20))
@@ -404,15 +412,18 @@ def mlx_lm_prefills(path: str, prefixes: list[list[int]], owns: list[list[int]])
     return prepare
 
 
-def mlx_lm_steps(path: str, prefixes: list[list[int]], owns: list[list[int]]) -> Callable[[], None]:
+def mlx_lm_steps(
+    path: str, prefixes: list[list[int]], owns: list[list[int]], sampler: Any = None
+) -> Callable[[], None]:
     """mlx-lm's ``BatchGenerator`` past every row's first token (row ``i``
-    given a copy of ``prefixes[i % len(prefixes)]``'s cache); one call: one step."""
+    given a copy of ``prefixes[i % len(prefixes)]``'s cache), its rows drawn
+    by one ``sampler`` (default greedy); one call: one step."""
     from mlx_lm import load
     from mlx_lm.generate import BatchGenerator
 
     model, _ = load(path)
     caches = [prefix_cache(model, shared) for shared in prefixes]
-    generator = BatchGenerator(model, stop_tokens=[])
+    generator = BatchGenerator(model, stop_tokens=[], sampler=sampler)
     generator.insert(owns, [1 << 20] * len(owns), caches=[copy.deepcopy(caches[i % len(caches)]) for i in range(len(owns))])
     started: set[int] = set()
     while len(started) < len(owns):
@@ -436,6 +447,11 @@ def main() -> None:
     parser.add_argument(
         "--prefill-streams", type=int, help="mlxkv's prefill streams (default: the device's; a GPU's is 1)"
     )
+    parser.add_argument(
+        "--temperature", type=float, default=0.0,
+        help="decode: every row sampled at this temperature (unseeded; mlx-lm: one sampler for its batch); 0: greedy",
+    )  # fmt: skip
+    parser.add_argument("--top-p", type=float, default=0.0, help="decode, with --temperature: nucleus sampling (0: off)")
     parser.add_argument("--steps", type=int, default=32, help="measured steps (or prefills) per method (32)")
     parser.add_argument("--warmup", type=int, default=4, help="unmeasured steps first (4)")
     parser.add_argument("--json", help="also write the results as JSON to FILE")
@@ -451,7 +467,17 @@ def main() -> None:
         parser.error("--groups must be at least 1")
     ways = [PrefixAttention(w) for w in args.ways.split(",")] if args.ways else list(PrefixAttention)
     prefill = args.phase == "prefill"
+    if prefill and (args.temperature or args.top_p):
+        parser.error("--temperature and --top-p are for decode steps")
     mlxkv_maker, mlx_lm_maker = (mlxkv_prefills, mlx_lm_prefills) if prefill else (mlxkv_steps, mlx_lm_steps)
+    if args.temperature:
+        from mlx_lm.sample_utils import make_sampler
+
+        from mlxkv.actors.sampling import Sampling
+
+        sampling = Sampling(temperature=args.temperature, top_p=args.top_p)
+        mlxkv_maker = functools.partial(mlxkv_steps, sampling=sampling)
+        mlx_lm_maker = functools.partial(mlx_lm_steps, sampler=make_sampler(temp=args.temperature, top_p=args.top_p))
     streams = {} if args.prefill_streams is None else {"prefill_streams": args.prefill_streams}
     methods: dict[str, Callable[..., Any]] = {
         f"mlxkv, {way.value}": (lambda s, o, way=way: mlxkv_maker(path, {"prefix_attention": way, **streams}, s, o, block))
@@ -464,6 +490,7 @@ def main() -> None:
     print(
         f"model {Path(path).name}, device {mx.default_device()}, {args.phase}, {args.groups} prefix(es) of"
         f" {args.prefix}, own {args.own}, {args.steps} {'prefills' if prefill else 'steps'}"
+        + (f", sampled at temperature {args.temperature:g}, top_p {args.top_p:g}" if args.temperature else "")
     )
     working = " (working)" if prefill else ""
     gemms = "" if prefill else " products (launches, copies) |"
