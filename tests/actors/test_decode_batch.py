@@ -282,3 +282,36 @@ class TestDraws:
         assert draws[-1] == 3  # a batch that all draws together: one draw, no argmax to write over
         assert all(len(row.generated) == 3 for row in narrow.rows)
         assert [row.generated for row in narrow.rows] == [row.generated[:3] for row in plain[:3]]
+
+    def test_a_steps_draws_do_not_grow_with_the_rows_that_share_them(self, runner, monkeypatch):
+        """The operations a step puts in MLX's graph are the same for 2 and 6
+        rows of one unseeded setting (a GPU launches a kernel an operation:
+        a draw a row was ~24 a row), and grow with seeded rows, which draw
+        alone."""
+        from graph_ops import primitives
+
+        def step_ops(samplings: list[Sampling]) -> int:
+            batch, _ = self._batch(runner, samplings)
+            decode(batch, 1)
+            graphs: list[int] = []
+            honest = mx.async_eval
+
+            def queued(*trees: Any) -> None:
+                graphs.append(len(primitives(*[a for a in _arrays(trees)])))
+                honest(*trees)
+
+            monkeypatch.setattr(mx, "async_eval", queued)
+            decode(batch, 1)
+            monkeypatch.undo()
+            return max(graphs)
+
+        hot = Sampling(temperature=1.0, top_p=0.9)
+        assert step_ops([hot] * 2) == step_ops([hot] * 6)
+        seeded = [Sampling(temperature=1.0, top_p=0.9, seed=s) for s in range(6)]
+        assert step_ops(seeded) > step_ops([hot] * 6) + 4 * 5
+
+
+def _arrays(tree: Any) -> list[Any]:
+    if isinstance(tree, mx.array):
+        return [tree]
+    return [a for item in tree for a in _arrays(item)] if isinstance(tree, (list, tuple)) else []
