@@ -18,6 +18,7 @@
 #   memory     scripts/bench_memory.py --sizes 8,32 (peak memory against the floor), each way
 #   chat       scripts/bench_chat.py: shared prefixes against copies
 #   serve      scripts/bench_serve.py --servers mlxkv,mlx-lm
+#   sampled    the same at temperature 1, OpenAI's default (not run unless named)
 #   tests      the suite with pytest -n 12
 # on the 722M bfloat16 Llama of the issue (written first: --model bench-llama-722m-bf16).
 # Each step's output goes to $OUT/STEP.txt (and .json), its status and seconds to
@@ -76,6 +77,7 @@ for step in $steps; do
     memory) run memory 240 "$python" scripts/bench_memory.py --model "$model" "${sizes[@]}" "${ways[@]}" --json "$out/memory.json" ;;
     chat) run chat 180 "$python" scripts/bench_chat.py --model "$model" --rounds 2 --json "$out/chat.json" ;;
     serve) run serve 300 "$python" scripts/bench_serve.py --servers mlxkv,mlx-lm --model "$model" --rounds 1 --json "$out/serve.json" --logs "$out/serve-logs" ;;
+    sampled) run sampled 300 "$python" scripts/bench_serve.py --servers mlxkv,mlx-lm --model "$model" --rounds 1 --temperature 1 --json "$out/sampled.json" ;;
     tests) run tests 420 "$python" -m pytest -n 12 -p no:benchmark -q --timeout 120 -p no:cacheprovider ;;
     *) echo "unknown step $step" >&2 ;;
   esac
