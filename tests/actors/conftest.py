@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 import pytest
@@ -33,3 +34,19 @@ async def _running(actor: Actor) -> AsyncIterator[ActorRef]:
 def running():
     """``async with running(actor) as ref``: the actor runs until the block ends."""
     return _running
+
+
+@pytest.fixture
+def sampler_draws(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many rows each draw of a request's sampler was given, in order."""
+    from mlxkv.actors.sampling import _Draw
+
+    seen: list[int] = []
+    honest = _Draw.__call__
+
+    def counted(self: _Draw, logprobs: Any) -> Any:
+        seen.append(logprobs.shape[0])
+        return honest(self, logprobs)
+
+    monkeypatch.setattr(_Draw, "__call__", counted)
+    return seen

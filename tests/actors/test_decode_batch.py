@@ -15,7 +15,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlxkv.actors.decode_batch import DecodeBatch
 from mlxkv.actors.model_runner import TextRunner
 from mlxkv.actors.request import RequestSpec
-from mlxkv.actors.sampling import Sampling, _Draw
+from mlxkv.actors.sampling import Sampling
 from mlxkv.actors.sequence import SequenceState
 from mlxkv.cache import kv_state
 from mlxkv.cache.shared_prefix import BatchSharedPrefixCache, SharedPrefixCache
@@ -241,17 +241,8 @@ class TestDraws:
         return batch, rows
 
     @pytest.fixture
-    def draws(self, monkeypatch) -> list[int]:
-        """The rows each draw of a request's sampler was given."""
-        seen: list[int] = []
-        draw = _Draw.__call__
-
-        def counted(self: _Draw, logprobs: Any) -> Any:
-            seen.append(logprobs.shape[0])
-            return draw(self, logprobs)
-
-        monkeypatch.setattr(_Draw, "__call__", counted)
-        return seen
+    def draws(self, sampler_draws: list[int]) -> list[int]:
+        return sampler_draws
 
     def test_rows_of_one_setting_draw_together(self, runner, draws):
         hot = Sampling(temperature=1.0)

@@ -213,11 +213,11 @@ class TestFailures:
         assert result.chunks[0].request_id == "good" and result.chunks[0].first_token is not None
         assert result.prefill_calls == (1,)
 
-    def test_first_tokens_are_drawn_together_and_a_raising_draw_fails_its_row(self, monkeypatch):
+    def test_first_tokens_are_drawn_together_and_a_raising_draw_fails_its_row(self, sampler_draws):
         """A model call's first tokens: the rows of one unseeded setting in one
         draw, a greedy row by the argmax, a sampler that raises failing its
         row alone (``top_k=1``: the drawn rows' tokens are the argmax)."""
-        from mlxkv.actors.sampling import Sampling, _Draw
+        from mlxkv.actors.sampling import Sampling
 
         class Broken(Sampling):
             def make_sampler(self) -> Any:
@@ -226,14 +226,6 @@ class TestFailures:
 
                 return sample
 
-        draws: list[int] = []
-        honest = _Draw.__call__
-
-        def counted(self: _Draw, logprobs: Any) -> Any:
-            draws.append(logprobs.shape[0])
-            return honest(self, logprobs)
-
-        monkeypatch.setattr(_Draw, "__call__", counted)
         narrow = Sampling(temperature=1.0, top_k=1)
         specs = [
             attrs.evolve(_spec("a", 6), sampling=narrow),
@@ -243,7 +235,7 @@ class TestFailures:
         ]
         executor = Executor(FakeRunner(), prefill_chunk=CHUNK)
         result = executor.run(Plan(prefill=tuple(_first(spec) for spec in specs)))
-        assert draws == [2]
+        assert sampler_draws == [2]
         assert [(f.request_id, f.stage) for f in result.failures] == [("bad", "prefill")]
         assert {c.request_id: c.first_token for c in result.chunks} == {
             spec.request_id: _next(spec.prompt[-1]) for spec in specs if spec.request_id != "bad"
