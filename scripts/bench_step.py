@@ -27,8 +27,9 @@ MLX's CUDA backend copies each in with a kernel of its own), each of MLX's
 fused calls counted as the one kernel the backend runs for it where it has
 one (off a GPU they run as several: :class:`FusedCalls`), and the launches
 its matrix products make beyond one each and the copies inside them
-(below); a ``Reshape`` that needs no copy is counted though it launches
-nothing. Then the host's milliseconds to build the step (from
+(below), less the reshapes that need no copy (``scripts/cuda_reshape.py``:
+those Python code asks for, read off their inputs' layouts; a fold of a
+product's rows, ``Flatten``/``Unflatten``, is a view). Then the host's milliseconds to build the step (from
 the step's start to its ``async_eval`` on a drained device: Python and MLX
 building the graph; on a GPU, encoding its kernels follows), the step's
 wall milliseconds (steps queued as the runtime queues them), and the
@@ -93,6 +94,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_batch import _prefix  # noqa: E402
 from cuda_matmul import GemmLaunches  # noqa: E402
+from cuda_reshape import ReshapeViews  # noqa: E402
 from fused_calls import FusedCalls, graph_ops  # noqa: E402
 
 class StepProbe:
@@ -183,7 +185,7 @@ def measure(step: Callable[[], None], warmup: int, steps: int) -> dict[str, Any]
     the host's time to build one: the device's work in flight, on a CPU's
     other cores, would only add noise to it."""
     build, wall, evals, async_evals = [], [], [], []
-    gemms = GemmLaunches()
+    gemms, reshapes = GemmLaunches(), ReshapeViews()
     with StepProbe() as probe:
         for index in range(warmup + 2 * steps):
             drained = index >= warmup + steps
@@ -196,10 +198,9 @@ def measure(step: Callable[[], None], warmup: int, steps: int) -> dict[str, Any]
             started = time.perf_counter()
             # The fused calls are watched in the counted step only (their
             # wrappers would add to a timed step's host time); the products'
-            # launches in the last unmeasured one (their count evaluates
-            # the operands).
-            watch = probe.fused if probe.count_ops else gemms if index == warmup - 1 else contextlib.nullcontext()
-            with watch:
+            # launches and the reshapes' copies in the last unmeasured one
+            # (their counts evaluate the operands).
+            with _watch(probe, gemms, reshapes, counted=probe.count_ops, layouts=index == warmup - 1):
                 step()
             ended = time.perf_counter()
             if drained:
@@ -209,20 +210,38 @@ def measure(step: Callable[[], None], warmup: int, steps: int) -> dict[str, Any]
                 evals.append(probe.evals)
                 async_evals.append(probe.async_evals)
         ops = probe.ops
-    return _summary(ops or (None, None, None), build, wall, evals, async_evals, **_with_products(gemms, warmup))
+    return _summary(ops or (None, None, None), build, wall, evals, async_evals, **_with_products(gemms, reshapes, warmup))
 
 
-def _with_products(gemms: GemmLaunches, warmup: int) -> dict[str, Any]:
-    """What ``gemms`` counted (in a warmup run: none without one): the
-    products, their launches and the copies inside them, and the launches
-    a CUDA step makes beyond one a product (``extra_launches``)."""
+def _watch(probe: StepProbe, gemms: GemmLaunches, reshapes: ReshapeViews, *, counted: bool, layouts: bool) -> Any:
+    """What watches a run: the fused calls in the counted one, the products
+    and reshapes (whose counts evaluate their operands) in ``layouts``,
+    nothing in a timed one."""
+    if counted:
+        return probe.fused
+    if layouts:
+        stack = contextlib.ExitStack()
+        stack.enter_context(gemms)
+        stack.enter_context(reshapes)
+        return stack
+    return contextlib.nullcontext()
+
+
+def _with_products(gemms: GemmLaunches, reshapes: ReshapeViews, warmup: int) -> dict[str, Any]:
+    """What ``gemms`` and ``reshapes`` counted (in a warmup run: none without
+    one): the products, their launches and the copies inside them, the
+    reshapes that launch nothing, and the launches a CUDA step makes
+    beyond one a non-view op (``extra_launches``: a product's beyond one,
+    its operands' copies, less the reshapes the graph counts that are
+    views)."""
     if not warmup:
         return {}
     return {
         "gemm_products": len(gemms.products),
         "gemm_launches": gemms.launches,
         "gemm_copies": gemms.copies,
-        "extra_launches": gemms.launches - len(gemms.products) + gemms.copies,
+        "reshape_views": reshapes.views,
+        "extra_launches": gemms.launches - len(gemms.products) + gemms.copies - reshapes.views,
     }
 
 
@@ -248,7 +267,7 @@ def measure_prefill(prepare: Callable[[], Callable[[], None]], warmup: int, repe
     graphs, then ``repeats`` times timed, each on a drained device (the
     runtime waits for a prefill's first token before it goes on)."""
     host, wall, evals, async_evals = [], [], [], []
-    gemms = GemmLaunches()
+    gemms, reshapes = GemmLaunches(), ReshapeViews()
     with StepProbe() as probe:
         for index in range(warmup + 1 + repeats):
             run = prepare()
@@ -256,8 +275,7 @@ def measure_prefill(prepare: Callable[[], Callable[[], None]], warmup: int, repe
             probe.mark()
             probe.sum_ops = index == warmup
             started = time.perf_counter()
-            watch = probe.fused if probe.sum_ops else gemms if index == warmup - 1 else contextlib.nullcontext()
-            with watch:
+            with _watch(probe, gemms, reshapes, counted=probe.sum_ops, layouts=index == warmup - 1):
                 run()
             ran = time.perf_counter()
             mx.synchronize()
@@ -269,7 +287,9 @@ def measure_prefill(prepare: Callable[[], Callable[[], None]], warmup: int, repe
                 wall.append(ended - started)
                 evals.append(probe.evals)
                 async_evals.append(probe.async_evals)
-    return _summary(ops, host, wall, evals, async_evals, working_evals_per_step=working, **_with_products(gemms, warmup))
+    return _summary(
+        ops, host, wall, evals, async_evals, working_evals_per_step=working, **_with_products(gemms, reshapes, warmup)
+    )
 
 
 def prompts(rows: int, prefix: int, own: int, groups: int = 1) -> tuple[list[list[int]], list[list[int]]]:

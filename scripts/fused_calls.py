@@ -18,8 +18,16 @@ from typing import Any, Callable, Optional
 
 import mlx.core as mx
 
-#: Primitives that only view their input (no kernel of their own).
-VIEWS = frozenset({"Broadcast", "Transpose", "Slice", "ExpandDims", "Squeeze", "AsStrided", "StopGradient"})
+#: Primitives that only view their input (no kernel of their own). A
+#: ``Flatten`` and ``Unflatten`` are reshapes (MLX's ``reshape_gpu``: a copy
+#: only where the input's strides cannot be regrouped) that MLX's matrix
+#: product puts around every product of a batch of rows with a matrix --
+#: ``(B, L, in) @ (in, out)`` folds ``B * L`` into one axis and back -- over
+#: contiguous activations: views there. A ``Reshape`` is counted (most of
+#: those in these steps follow a transpose, and copy).
+VIEWS = frozenset(
+    {"Broadcast", "Transpose", "Slice", "ExpandDims", "Squeeze", "AsStrided", "StopGradient", "Flatten", "Unflatten"}
+)
 
 
 def graph_ops(*arrays: Any) -> tuple[int, int, int]:

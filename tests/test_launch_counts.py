@@ -44,3 +44,33 @@ def test_a_compiled_function_called_twice_is_two_launches():
     mx.eval(x)
     out = twice_then_add(twice_then_add(x, x), x)
     assert graph_ops(out)[1:] == (2, 2)
+
+
+def test_a_products_folds_of_its_rows_launch_nothing():
+    """``(B, L, in) @ (in, out)``: MLX folds the rows with a Flatten and an
+    Unflatten around the product, reshapes of contiguous rows (views)."""
+    graph_ops = script_module("fused_calls").graph_ops
+    x, w = mx.ones((2, 3, 4)), mx.ones((4, 5))
+    mx.eval(x, w)
+    primitives, non_view, launches = graph_ops(x @ w)
+    assert primitives == 3 and (non_view, launches) == (1, 1)
+
+
+def test_a_reshape_copies_only_where_its_input_cannot_be_regrouped():
+    """MLX's ``prepare_reshape`` rule, as the scripts read it: a contiguous
+    input, or runs of axes that split into the new shape, are viewed; a
+    transpose merged across its axes, or a broadcast flattened, is copied."""
+    module = script_module("cuda_reshape")
+    a = mx.arange(2 * 3 * 4).reshape(2, 3, 4)
+    mx.eval(a)
+    assert module.reshape_is_view(a, (6, 4))
+    assert not module.reshape_is_view(a.transpose(1, 0, 2), (6, 4))
+    assert module.reshape_is_view(a.transpose(1, 0, 2), (3, 2, 2, 2))  # splits the last axis only
+    assert module.reshape_is_view(a[:, :, :2], (2, 3, 2, 1))
+    assert not module.reshape_is_view(a[:, :, :2], (12,))  # the gap between rows
+    assert not module.reshape_is_view(mx.broadcast_to(a[:1], (4, 3, 4)), (48,))
+    with module.ReshapeViews() as seen:
+        a.reshape(6, 4)
+        mx.reshape(a.transpose(1, 0, 2), (6, 4))
+        a.reshape(2, 3, 4)  # its own shape: no node
+    assert (seen.views, seen.copies) == (1, 1)
