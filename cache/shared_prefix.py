@@ -422,15 +422,32 @@ class BatchSharedPrefixCache(_OverSuffix):
         self._rows = rows
         self._grouping: Optional[list[tuple[PrefixGroup, list[int], list[int]]]] = None
         self._prefix_lengths: Any = None
+        self._offset: Optional[tuple[Any, Any]] = None
 
     @property
     def offset(self) -> Any:
-        """Each row's tokens before its next one: prefix and suffix."""
+        """Each row's tokens before its next one: prefix and suffix.
+
+        One array until the suffix changes: a layer reads it twice (its
+        queries' and its keys' rotary positions) before it writes, and each
+        sum is a kernel on a GPU. Kept with the suffix offset it was made
+        from (a new array at each change in mlx-lm's ``BatchKVCache``) and
+        dropped by every method here that changes the suffix (those that
+        change the rows, by the rows' setter)."""
         import mlx.core as mx
 
+        suffix_offset = self.suffix.offset
+        if self._offset is not None and self._offset[0] is suffix_offset:
+            return self._offset[1]
         if self._prefix_lengths is None:
             self._prefix_lengths = mx.array([n for _, n in self.rows])
-        return self._prefix_lengths + self.suffix.offset
+        total = self._prefix_lengths + suffix_offset
+        self._offset = (suffix_offset, total)
+        return total
+
+    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        self._offset = None
+        return self.suffix.update_and_fetch(keys, values)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> Any:
         assert window_size is None, "a shared prefix serves full attention only"
@@ -439,6 +456,7 @@ class BatchSharedPrefixCache(_OverSuffix):
     def prepare(self, **kwargs: Any) -> None:
         """mlx-lm's ``BatchKVCache.prepare``; the padding it adds (left now,
         right when :meth:`finalize` rolls it to the left) is kept here too."""
+        self._offset = None
         self.suffix.prepare(**kwargs)
         left, right = kwargs.get("left_padding"), kwargs.get("right_padding")
         if left is not None:
@@ -446,12 +464,14 @@ class BatchSharedPrefixCache(_OverSuffix):
         self._right_padding = [int(n) for n in right] if right is not None and max(right) > 0 else None
 
     def finalize(self) -> None:
+        self._offset = None
         self.suffix.finalize()
         if self._right_padding is not None:
             self.padding = [n + extra for n, extra in zip(self.padding, self._right_padding)]
             self._right_padding = None
 
     def trim(self, n: int) -> int:
+        self._offset = None
         return self.suffix.trim(n)
 
     def size(self) -> int:

@@ -115,6 +115,50 @@ class TestCaches:
         assert isinstance(row, SharedPrefixCache) and row.group is group and row.num_prefix == 64
         assert row.suffix.offset == 3 and float(row.suffix.keys[0, 0, 0, 0]) == 3.0
 
+    def test_the_offset_is_one_sum_until_the_suffix_changes(self, tiny_llama):
+        """A layer reads a batch's offset twice (its queries' and its keys'
+        positions): one array, until a write, a trim, a leave or a join changes
+        the suffix -- also where the suffix's offset changes in place (an
+        mlx-lm that wrote ``+=`` would keep its identity)."""
+        model, _ = tiny_llama
+        group = PrefixGroup.build(block_payloads(model, list(range(64)), 16))
+
+        def batch_of(rows: tuple[tuple[int, int], ...]) -> BatchSharedPrefixCache:
+            caches = []
+            for n, own in rows:
+                suffix = KVCache()
+                suffix.update_and_fetch(mx.ones((1, 2, own, 16)), mx.ones((1, 2, own, 16)))
+                caches.append(SharedPrefixCache(group if n else None, 0, n, suffix))
+            return SharedPrefixCache.merge(caches)
+
+        batch = batch_of(((64, 3), (32, 5), (0, 7)))
+        first = batch.offset
+        assert batch.offset is first and first.tolist() == [67, 37, 7]
+        step = mx.ones((3, 2, 1, 16))
+        batch.update_and_fetch(step, step)
+        assert batch.offset.tolist() == [68, 38, 8]
+        batch.trim(1)
+        assert batch.offset.tolist() == [67, 37, 7]
+        batch.filter([0, 2])
+        assert batch.offset.tolist() == [67, 7]
+        batch.extend(batch_of(((16, 2),)))
+        assert batch.offset.tolist() == [67, 7, 18]
+
+        honest = batch.suffix.update_and_fetch
+
+        def in_place(keys: Any, values: Any) -> Any:
+            offset = batch.suffix.offset
+            out = honest(keys, values)
+            offset += keys.shape[2]  # the same array object, its value changed
+            batch.suffix.offset = offset
+            return out
+
+        batch.suffix.update_and_fetch = in_place
+        before = batch.offset
+        batch.update_and_fetch(step, step)
+        assert batch.suffix.offset is not None and batch.offset.tolist() == [68, 8, 19]
+        assert before.tolist() == [67, 7, 18]
+
     def test_a_row_taken_out_without_a_copy_views_the_batch(self, tiny_llama):
         """``extract(copy=False)`` gives a row's suffix as the copy does, as
         views of the batch's buffer (nothing of their own to run); the
