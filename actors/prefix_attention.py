@@ -39,6 +39,7 @@ transient; the fused ways have none to bound).
 from __future__ import annotations
 
 import enum
+import functools
 import threading
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
@@ -672,11 +673,14 @@ def _decode_by_head(
     whole = len(segments) == 1 and min(high) == width
 
     def build() -> Any:
+        if whole and mask is None:
+            return None
         own = _suffix_mask(mask, batch, 1, suffix).reshape(batch, suffix)
         if whole:
-            return None if mask is None else _as_bias(own[None, :, None, :], queries.dtype)  # (1, batch, 1, S)
-        columns = mx.arange(width)[None]
-        seen = (columns >= mx.array(low)[:, None]) & (columns < mx.array(high)[:, None])  # (batch, W)
+            seen = mx.ones((batch, width), dtype=mx.bool_)
+        else:
+            columns = mx.arange(width)[None]
+            seen = (columns >= mx.array(low)[:, None]) & (columns < mx.array(high)[:, None])  # (batch, W)
         return _as_bias(mx.concatenate([seen, own], axis=-1)[None, :, None, :], queries.dtype)  # (1, batch, 1, W + S)
 
     bias = _per_step(("by head", batch, suffix, width, low, high, whole, queries.dtype), mask, build)
@@ -686,18 +690,29 @@ def _decode_by_head(
     # into one, one cuBLAS call on MLX's CUDA backend, which runs batch axes
     # that do not (a KV head's rows of the suffixes are not one stride apart)
     # as a kernel writing a pointer array and a call over it
-    # (scripts/cuda_matmul.py).
-    q_by_row = queries.reshape(batch, kv_heads, repeats, dim) * scale
+    # (scripts/cuda_matmul.py). The scale and the mask go on the joined
+    # scores in one fused kernel (a multiply of the queries and an add of
+    # the mask were a kernel each).
+    q_by_row = queries.reshape(batch, kv_heads, repeats, dim)
     q_by_head = q_by_row.transpose(1, 0, 2, 3)
     prefix_scores = q_by_head.reshape(kv_heads, batch * repeats, dim) @ prefix_k.swapaxes(-1, -2)
     own_scores = (q_by_row @ keys.swapaxes(-1, -2)).transpose(1, 0, 2, 3)  # (kv, batch, rep, S)
-    if whole and bias is not None:
-        own_scores = own_scores + bias
     scores = mx.concatenate([prefix_scores.reshape(kv_heads, batch, repeats, width), own_scores], axis=-1)
-    weights = mx.softmax(scores if whole else scores + bias, axis=-1, precise=True)
+    weights = mx.softmax(_scaled(scale, masked=bias is not None)(scores, bias), axis=-1, precise=True)
     by_row = weights.transpose(1, 0, 2, 3)  # (batch, kv, rep, W + S)
     out = by_row[..., width:] @ values + _head_first(by_row[..., :width], prefix_v)
     return out.reshape(batch, heads, 1, -1)
+
+
+@functools.lru_cache(maxsize=None)
+def _scaled(scale: float, *, masked: bool) -> Callable[[Any, Any], Any]:
+    """``scores * scale`` (``+ bias`` where ``masked``; else the bias is
+    None) as one compiled function: one kernel on a GPU for any shape."""
+    import mlx.core as mx
+
+    if masked:
+        return mx.compile(lambda scores, bias: scores * scale + bias, shapeless=True)
+    return mx.compile(lambda scores, _bias: scores * scale, shapeless=True)
 
 
 def stacked_attention(
