@@ -9,6 +9,13 @@ from typing import Any
 import mlx.core as mx
 
 
+def arrays_in(tree: Any) -> list[Any]:
+    """The MLX arrays in ``tree`` (an array, or lists and tuples of them and of other things), in order."""
+    if isinstance(tree, mx.array):
+        return [tree]
+    return [a for item in tree for a in arrays_in(item)] if isinstance(tree, (list, tuple)) else []
+
+
 def primitives(*arrays: Any) -> list[str]:
     """The names of the primitives MLX would run to evaluate ``arrays``, one per node."""
     out = io.StringIO()

@@ -279,7 +279,7 @@ class TestDraws:
         rows of one unseeded setting (a GPU launches a kernel an operation:
         a draw a row was ~24 a row), and grow with seeded rows, which draw
         alone."""
-        from graph_ops import primitives
+        from graph_ops import arrays_in, primitives
 
         def step_ops(samplings: list[Sampling]) -> int:
             batch, _ = self._batch(runner, samplings)
@@ -288,7 +288,7 @@ class TestDraws:
             honest = mx.async_eval
 
             def queued(*trees: Any) -> None:
-                graphs.append(len(primitives(*[a for a in _arrays(trees)])))
+                graphs.append(len(primitives(*arrays_in(trees))))
                 honest(*trees)
 
             monkeypatch.setattr(mx, "async_eval", queued)
@@ -300,9 +300,3 @@ class TestDraws:
         assert step_ops([hot] * 2) == step_ops([hot] * 6)
         seeded = [Sampling(temperature=1.0, top_p=0.9, seed=s) for s in range(6)]
         assert step_ops(seeded) > step_ops([hot] * 6) + 4 * 5
-
-
-def _arrays(tree: Any) -> list[Any]:
-    if isinstance(tree, mx.array):
-        return [tree]
-    return [a for item in tree for a in _arrays(item)] if isinstance(tree, (list, tuple)) else []

@@ -276,7 +276,7 @@ class TestTheDeviceNeverWaitsForTheHost:
         the step, so reading it waits for it alone, not for the step (the
         device computes the step while the host reads and plans). The first
         token is a cold run's."""
-        from graph_ops import primitives
+        from graph_ops import arrays_in, primitives
         from mlx_lm.models.cache import make_prompt_cache
 
         import mlxkv.actors.executor as executor_module
@@ -311,19 +311,14 @@ class TestTheDeviceNeverWaitsForTheHost:
             mx.eval, mx.async_eval, runner.decode, executor_module._FirstToken,
         )  # fmt: skip
 
-        def arrays(tree: Any) -> list[Any]:
-            if isinstance(tree, mx.array):
-                return [tree]
-            return [a for item in tree for a in arrays(item)] if isinstance(tree, (list, tuple)) else []
-
         def blocking(*trees: Any) -> None:
-            if primitives(*[a for tree in trees for a in arrays(tree)]):
+            if primitives(*[a for tree in trees for a in arrays_in(tree)]):
                 log.append("eval")
             honest_eval(*trees)
 
         def queueing(*trees: Any) -> None:
             if "decode" not in log:
-                queued.update(id(a) for tree in trees for a in arrays(tree))
+                queued.update(id(a) for tree in trees for a in arrays_in(tree))
             honest_async_eval(*trees)
 
         def decode(*args: Any) -> Any:
@@ -354,7 +349,7 @@ class TestTheDeviceNeverWaitsForTheHost:
                 steps=1,
             )
         )
-        carried = [id(a) for a in arrays([p.arrays for blocks in result.published for p in blocks.payloads])]
+        carried = [id(a) for a in arrays_in([p.arrays for blocks in result.published for p in blocks.payloads])]
         carried += [id(a) for chunk in result.chunks for a in (chunk.logits, chunk.logprobs)]
         evaluate_arrays(result)  # what the MLX thread does with a job's result
         monkeypatch.undo()
