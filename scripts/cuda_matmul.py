@@ -65,7 +65,7 @@ def gemm_launches(a: Any, b: Any, *, pointer_array: bool = True) -> Product:
     copies += copied
     if not batch:
         return Product(1, copies)
-    shape, (a_batch, b_batch) = _collapse(list(batch), [a_strides[:-2], b_strides[:-2]])
+    shape, (a_batch, b_batch) = collapse_axes(list(batch), [a_strides[:-2], b_strides[:-2]])
     count = math.prod(batch)
     if count > 1 and not a_transposed and len(shape) == 1 and a_strides[-2] == k and a_batch[-1] == m * k and b_batch[-1] == 0:
         return Product(1, copies)  # the batch folded into the rows
@@ -80,8 +80,7 @@ def gemm_launches(a: Any, b: Any, *, pointer_array: bool = True) -> Product:
 def _broadcast(array: Any, batch: tuple[int, ...]) -> tuple[list[int], list[int]]:
     """``array``'s shape and element strides broadcast to the ``batch`` axes (a
     broadcast axis has stride 0)."""
-    view = memoryview(array)
-    strides = [s // array.itemsize for s in view.strides]
+    strides = element_strides(array)
     extra = len(batch) - (array.ndim - 2)
     shape = [1] * extra + list(array.shape)
     strides = [0] * extra + strides
@@ -110,8 +109,15 @@ def _row_major(shape: list[int]) -> list[int]:
     return strides[::-1]
 
 
-def _collapse(shape: list[int], strides: list[list[int]]) -> tuple[list[int], list[list[int]]]:
-    """``collapse_contiguous_dims`` over several operands' strides."""
+def element_strides(array: Any) -> list[int]:
+    """An evaluated array's strides in elements, read through the buffer protocol."""
+    return [s // array.itemsize for s in memoryview(array).strides]
+
+
+def collapse_axes(shape: list[int], strides: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+    """``collapse_contiguous_dims`` over several operands' strides: runs of
+    axes one stride apart in every operand merged (size-1 axes dropped),
+    each run's size and its innermost stride in each operand."""
     if not shape:
         return [1], [[0] for _ in strides]
     groups: list[list[int]] = [[0]] if shape[0] != 1 else [[]]

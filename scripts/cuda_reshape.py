@@ -13,31 +13,26 @@ as MLX's own view rules lay it out on every device.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cuda_matmul import collapse_axes, element_strides  # noqa: E402
 
 
 def reshape_is_view(array: Any, shape: Sequence[int]) -> bool:
     """Whether MLX reshapes ``array`` (evaluated here) to ``shape`` without a
     copy: ``prepare_reshape``'s rule over the array's element strides."""
     mx.eval(array)
-    if array.size == 0 or array.ndim == 0:
+    axes = [(n, s) for n, s in zip(array.shape, element_strides(array)) if n != 1] if array.ndim else []
+    if array.size == 0 or not axes:
         return True
-    view = memoryview(array)
-    axes = [(n, s // array.itemsize) for n, s in zip(array.shape, view.strides) if n != 1]
-    if not axes:
-        return True
-    # Runs of axes one stride apart, outermost first (MLX's collapse_contiguous_dims).
-    runs = [list(axes[0])]
-    for n, stride in axes[1:]:
-        if runs[-1][1] == n * stride:
-            runs[-1] = [runs[-1][0] * n, stride]
-        else:
-            runs.append([n, stride])
-    if len(runs) == 1 and runs[0][1] == 1:
+    sizes, (strides,) = collapse_axes([n for n, _ in axes], [[s for _, s in axes]])
+    if len(sizes) == 1 and strides[0] == 1:
         return True  # row-contiguous
-    sizes = [n for n, _ in runs]
     j = 0
     for n in shape:
         if j < len(sizes) and sizes[j] % n == 0:

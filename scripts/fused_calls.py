@@ -23,8 +23,9 @@ import mlx.core as mx
 #: only where the input's strides cannot be regrouped) that MLX's matrix
 #: product puts around every product of a batch of rows with a matrix --
 #: ``(B, L, in) @ (in, out)`` folds ``B * L`` into one axis and back -- over
-#: contiguous activations: views there. A ``Reshape`` is counted (most of
-#: those in these steps follow a transpose, and copy).
+#: contiguous activations: views there. A ``Reshape`` is counted here;
+#: ``bench_step.py`` takes off those that need no copy, read off their
+#: inputs' layouts (``cuda_reshape.py``).
 VIEWS = frozenset(
     {"Broadcast", "Transpose", "Slice", "ExpandDims", "Squeeze", "AsStrided", "StopGradient", "Flatten", "Unflatten"}
 )
