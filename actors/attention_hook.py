@@ -96,6 +96,7 @@ def _dispatcher(original: Callable[..., Any]) -> Callable[..., Any]:
         options: dict[str, Any] = {"evaluate_slices": not cache.last_layer}
         if queries.shape[2] == 1 and isinstance(cache, BatchSharedPrefixCache):
             options["suffix_buffer"] = cache.suffix_buffer()
+            options["padding"] = cache.padding
         return _CHOSEN.attend(queries, keys, values, mask, scale, segments, **options)
 
     scaled_dot_product_attention.__wrapped__ = original  # type: ignore[attr-defined]

@@ -123,9 +123,11 @@ class RunnerConfig:
             statistics; the CPU's way), ``"gathered"`` (fused attention over
             each row's prefix part copied beside its suffix for the call),
             ``"stacked"`` (fused attention, the rows' queries as one sequence
-            over the prefix and every suffix) or ``"mixed"`` (decode steps by
-            the cascade, prefill chunks gathered: a GPU's way); None (the
-            default): the device's way
+            over the prefix and every suffix), ``"mixed"`` (decode steps as
+            products a KV head, prefill chunks in bands: a GPU's way) or
+            ``"kernel"`` (as ``"mixed"``, but decode steps by one CUDA kernel
+            a layer where MLX runs on CUDA: ``mlxkv.actors.decode_kernel``;
+            ``"mixed"`` where it does not); None (the default): the device's way
             (:meth:`~mlxkv.actors.prefix_attention.PrefixAttention.for_device`).
             All are exact; ``model_info.prefix_attention`` says which serves.
             Held as a :class:`~mlxkv.actors.prefix_attention.PrefixAttention`.

@@ -35,7 +35,7 @@ from mlxkv.cache import kv_state
 from mlxkv.cache.errors import InvalidInput
 from mlxkv.cache.kv_state import BlockPayload
 from mlxkv.cache.tiers.kv_layout import KVLayout
-from mlxkv.actors import attention_hook
+from mlxkv.actors import attention_hook, decode_kernel
 from mlxkv.actors.prefill_streams import StreamPool, default_prefill_streams, spread
 from mlxkv.actors.prefix_attention import PrefixAttention
 from mlxkv.cache.shared_prefix import (
@@ -102,8 +102,10 @@ class ModelInfo:
             holds a copy.
         prefix_attention: how attention reads a shared prefix
             (:class:`~mlxkv.actors.prefix_attention.PrefixAttention`'s value:
-            ``cascade``, ``gathered`` or ``stacked``; chosen per device
-            unless given), or None without shared prefixes.
+            ``cascade``, ``gathered``, ``stacked``, ``mixed`` or ``kernel``;
+            chosen per device unless given; ``kernel`` asked for where its
+            kernel does not serve is ``mixed``), or None without shared
+            prefixes.
         batch_prefill: whether requests' prefill chunks run together in
             one model call (right-padded, as mlx-lm's ``BatchGenerator``
             prefills): plain and sliding-window KV layers of a text model;
@@ -1078,6 +1080,8 @@ class TextRunner(CacheRunner):
         )
         if fields["shared_prefix"]:
             way = config.prefix_attention or PrefixAttention.for_device()
+            if way is PrefixAttention.KERNEL and not decode_kernel.usable():
+                way = PrefixAttention.MIXED  # no kernel here (not CUDA, or it failed its check: logged)
             attention_hook.use(way)
             fields["prefix_attention"] = way.value
         args = getattr(model, "args", None)

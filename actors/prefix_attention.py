@@ -25,6 +25,10 @@ segments) -> output`` (see :func:`cascade_attention` for the arguments):
   head of a prefix read once for all of them), a prefill chunk in bands:
   rows of a prefix laid end to end over one copy of it, as many a band as
   leave the masked work near the gathered call's.
+- :func:`kernel_attention` -- a decode step by one CUDA kernel a layer
+  (:mod:`~mlxkv.actors.decode_kernel`: every row over its part of its prefix
+  where it is held and its own suffix) where MLX runs on CUDA and the kernel
+  takes the step; everything else as :func:`mixed_attention`.
 
 On a GPU a call's kernels, not its bytes, dominate at these sizes (fused
 attention over per-row copies beat the cascade there, a prefill chunk by far
@@ -54,6 +58,7 @@ __all__ = [
     "attention_for",
     "cascade_attention",
     "gathered_attention",
+    "kernel_attention",
     "mixed_attention",
     "stacked_attention",
 ]
@@ -71,6 +76,8 @@ class PrefixAttention(enum.Enum):
     STACKED = "stacked"
     #: decode steps as products a KV head, prefill chunks in bands
     MIXED = "mixed"
+    #: decode steps by one CUDA kernel a layer where it serves, else as ``mixed``
+    KERNEL = "kernel"
 
     @classmethod
     def for_device(cls, device: Optional[Any] = None) -> PrefixAttention:
@@ -91,6 +98,7 @@ def attention_for(way: PrefixAttention) -> Callable[..., Any]:
         PrefixAttention.GATHERED: gathered_attention,
         PrefixAttention.STACKED: stacked_attention,
         PrefixAttention.MIXED: mixed_attention,
+        PrefixAttention.KERNEL: kernel_attention,
     }[way]
 
 
@@ -627,6 +635,51 @@ def mixed_attention(
     ):
         return cascade_attention(queries, keys, values, mask, scale, segments, **options)
     return _decode_by_head(queries, keys, values, mask, scale, segments)
+
+
+def kernel_attention(
+    queries: Any,
+    keys: Any,
+    values: Any,
+    mask: Any,
+    scale: float,
+    segments: Sequence[Segment],
+    *,
+    suffix_buffer: Optional[tuple[Any, Any]] = None,
+    padding: Optional[Sequence[int]] = None,
+    **options: Any,
+) -> Any:
+    """A decode step by one kernel a layer
+    (:func:`~mlxkv.actors.decode_kernel.decode_attention`) where it serves:
+    MLX's CUDA backend, a batch cache's step (``suffix_buffer``: its whole
+    suffix buffers; ``padding``: its rows' left padding, which its boolean
+    mask -- or none, for no padding -- says again), shapes and prefixes the
+    kernel takes, and a kernel of that build that passed its check in this
+    process (the first step of a build checks it: a wait, once).
+    Everything else -- prefill chunks, other devices, an additive mask -- as
+    :func:`mixed_attention`. The rows' layout for the kernel is made once a
+    step (its layers share it)."""
+    from mlxkv.actors import decode_kernel
+
+    if (
+        queries.shape[2] == 1
+        and suffix_buffer is not None
+        and padding is not None
+        and not _additive(mask)
+        and decode_kernel.supported(queries, segments, suffix_buffer)
+        and decode_kernel.usable(queries.dtype, queries.shape[3], queries.shape[1], keys.shape[1], len(segments))
+    ):
+        import mlx.core as mx
+
+        length = keys.shape[2]
+        layout = (tuple((tuple(rows), tuple(lengths)) for rows, _, _, lengths in segments), tuple(padding), length)
+        info = _per_step(
+            ("kernel", queries.shape[0], layout),
+            None,
+            lambda: mx.array(decode_kernel.row_info(queries.shape[0], segments, padding, length), dtype=mx.int32),
+        )
+        return decode_kernel.decode_attention(queries, *suffix_buffer, length, padding, scale, segments, info)
+    return mixed_attention(queries, keys, values, mask, scale, segments, suffix_buffer=suffix_buffer, **options)
 
 
 #: The most prefix scores a decode step by head computes over several

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import attrs
 
 from mlxkv.actors.compute_config import RunnerConfig, SchedulingConfig
+from mlxkv.actors.prefix_attention import PrefixAttention
 
 if TYPE_CHECKING:
     from mlxkv.runtime import RuntimeConfig
@@ -122,6 +123,15 @@ def add_runtime_options(parser: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="bytes the caches of the generations that finished last may hold beside the pool,"
         " e.g. 1GiB ({default} bytes)",
+    )
+    option(
+        "--prefix-attention",
+        "prefix_attention",
+        RunnerConfig,
+        type=str,
+        choices=[way.value for way in PrefixAttention],
+        help="how attention reads a shared prefix (default: the device's: cascade on the CPU, mixed on a GPU;"
+        " kernel: mixed with decode steps by one CUDA kernel a layer where MLX runs on CUDA)",
     )
     option(
         "--prefill-streams",

@@ -6,8 +6,10 @@ each row with its own ``S``-token suffix -- it times one layer's call of:
 
 - ``cascade`` (``evaluate_slices`` on, as the runner calls every layer but
   the last) and ``cascade-lazy`` (off);
-- ``gathered``, ``stacked`` and ``mixed`` (:mod:`mlxkv.actors.prefix_attention`;
-  ``mixed``: a decode step's products a KV head, a prefill chunk in bands);
+- ``gathered``, ``stacked``, ``mixed`` and ``kernel`` (:mod:`mlxkv.actors.prefix_attention`;
+  ``mixed``: a decode step's products a KV head, a prefill chunk in bands;
+  ``kernel``: a decode step by one CUDA kernel where MLX runs on CUDA,
+  :mod:`mlxkv.actors.decode_kernel`, else as ``mixed``);
 - ``copies``: ``mx.fast.scaled_dot_product_attention`` over per-row copies
   of prefix + suffix made beforehand (what a runtime without shared prefixes
   runs; its copies are memory the others do not hold).
@@ -41,7 +43,13 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fused_calls import graph_ops  # noqa: E402
-from mlxkv.actors.prefix_attention import cascade_attention, gathered_attention, mixed_attention, stacked_attention
+from mlxkv.actors.prefix_attention import (
+    cascade_attention,
+    gathered_attention,
+    kernel_attention,
+    mixed_attention,
+    stacked_attention,
+)
 
 #: (kind, rows, queries per row, prefix tokens, suffix tokens): the issue's shapes.
 SHAPES = [
@@ -86,6 +94,11 @@ def ways(args: dict[str, Any], scale: float) -> dict[str, Callable[[], Any]]:
         "gathered": lambda: gathered_attention(q, ks, vs, mask, scale, segments),
         "stacked": lambda: stacked_attention(q, ks, vs, mask, scale, segments),
         "mixed": lambda: mixed_attention(q, ks, vs, mask, scale, segments),
+        # A decode step by the CUDA kernel where MLX runs on CUDA (else as mixed):
+        # the suffixes as a batch cache's whole buffers, no padding.
+        "kernel": lambda: kernel_attention(
+            q, ks, vs, mask, scale, segments, suffix_buffer=(ks, vs), padding=[0] * q.shape[0]
+        ),
     }
 
 

@@ -6,7 +6,8 @@ requests in flight; each run on a fresh runtime) on the built-in model (or
 ``--model``), alternating two runtimes per round:
 
 - ``shared``: ``shared_prefix=True`` (the default): requests over the same
-  cached blocks hold one copy of them and attend to it through the cascade;
+  cached blocks hold one copy of them and attend to it the device's way
+  (``--prefix-attention``: another);
 - ``copies``: ``shared_prefix=False``: each request rebuilds its own copy of
   its cached prefix and attends through fused attention over it.
 
@@ -17,7 +18,7 @@ wall time and warm TTFT p50/p95 (medians over rounds), and the paired ratio
 shared / copies (the median of each round's own ratio). Rounds rotate the
 order and seed the texts by round.
 
-    .venv/bin/python scripts/bench_chat.py [--rounds 5] [--model DIR] [--json FILE]
+    .venv/bin/python scripts/bench_chat.py [--rounds 5] [--model DIR] [--prefix-attention WAY] [--json FILE]
 """
 
 from __future__ import annotations
@@ -41,11 +42,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     model = model_path(args.model)
     runs: list[dict[str, Any]] = []
+    way = {"prefix_attention": args.prefix_attention} if args.prefix_attention else {}
     for round_ in range(args.rounds):
         order = list(METHODS) if round_ % 2 == 0 else list(METHODS)[::-1]
         for method in order:
             config = WorkloadConfig(
-                runtime=RuntimeConfig(model=model, shared_prefix=METHODS[method]),
+                runtime=RuntimeConfig(model=model, shared_prefix=METHODS[method], **way),
                 requests=args.requests,
                 concurrency=args.concurrency,
                 max_tokens=args.max_tokens,
@@ -125,6 +127,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per answer (32)")
     parser.add_argument("--prompt-tokens", type=int, default=512, help="tokens per system prompt (512)")
     parser.add_argument("--user-tokens", type=int, default=48, help="tokens per user turn (48)")
+    parser.add_argument(
+        "--prefix-attention",
+        choices=["cascade", "gathered", "stacked", "mixed", "kernel"],
+        help="the way shared prefixes are attended to (default: the device's)",
+    )
     parser.add_argument("--json", help="also write the runs and their summary as JSON to FILE")
     args = parser.parse_args(argv)
     if args.rounds < 1:

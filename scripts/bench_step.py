@@ -45,6 +45,13 @@ The graph and the evaluations are the same on every device; on a CPU the
 build time stands for the host's share of a GPU step, and the wall time is
 the CPU's arithmetic -- only a GPU's says what a GPU step costs.
 
+``--kernel-stand-in``: where MLX has no CUDA backend, the ``kernel`` way's
+decode steps call a stand-in for its CUDA kernel -- one fused attention call
+over the suffix buffers, counted as the one launch the kernel is -- so that
+its counts say what a CUDA step of that way would launch (its output is not
+the kernel's: its times say nothing). Without it, the ``kernel`` way runs
+as ``mixed`` off CUDA.
+
 ``--temperature T`` (and ``--top-p``): every row sampled, not greedy --
 mlxkv's requests unseeded with the same settings (the server's default is
 a temperature of 1), mlx-lm's ``BatchGenerator`` given one sampler for its
@@ -455,6 +462,24 @@ def mlx_lm_steps(
     return step
 
 
+def stand_in_kernel() -> None:
+    """Where MLX has no CUDA backend, the decode kernel (:mod:`mlxkv.actors.decode_kernel`)
+    replaced by one fused attention call over the suffix buffers: the one
+    launch the kernel is, for the counts (not its output)."""
+    from mlxkv.actors import decode_kernel
+
+    if decode_kernel.usable():
+        return
+
+    def one_launch(queries: Any, suffix_keys: Any, suffix_values: Any, length: int, padding: Any, scale: float,
+                   segments: Any, info: Any = None) -> Any:  # fmt: skip
+        return mx.fast.scaled_dot_product_attention(queries, suffix_keys, suffix_values, scale=scale)
+
+    decode_kernel.usable = lambda *build: True
+    decode_kernel.supported = lambda queries, segments, suffix=(): queries.shape[2] == 1
+    decode_kernel.decode_attention = one_launch
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="an mlx-lm model directory, or a built-in model's name (default: the built-in model)")
@@ -472,6 +497,10 @@ def main() -> None:
         help="decode: every row sampled at this temperature (unseeded; mlx-lm: one sampler for its batch); 0: greedy",
     )  # fmt: skip
     parser.add_argument("--top-p", type=float, default=0.0, help="decode, with --temperature: nucleus sampling (0: off)")
+    parser.add_argument(
+        "--kernel-stand-in", action="store_true",
+        help="off CUDA, count the kernel way's decode steps with a one-launch stand-in for its CUDA kernel",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=32, help="measured steps (or prefills) per method (32)")
     parser.add_argument("--warmup", type=int, default=4, help="unmeasured steps first (4)")
     parser.add_argument("--json", help="also write the results as JSON to FILE")
@@ -487,6 +516,8 @@ def main() -> None:
         parser.error("--groups must be at least 1")
     ways = [PrefixAttention(w) for w in args.ways.split(",")] if args.ways else list(PrefixAttention)
     prefill = args.phase == "prefill"
+    if args.kernel_stand_in:
+        stand_in_kernel()
     if prefill and (args.temperature or args.top_p):
         parser.error("--temperature and --top-p are for decode steps")
     mlxkv_maker, mlx_lm_maker = (mlxkv_prefills, mlx_lm_prefills) if prefill else (mlxkv_steps, mlx_lm_steps)

@@ -25,7 +25,9 @@
 # $OUT/log.txt, and its last lines to standard output, so a step cut off by its
 # timeout still leaves what it printed. GPU_CHECK_MODEL and GPU_CHECK_QUICK=1 make
 # a small dry run of it anywhere (the tests run one on the CPU); GPU_CHECK_WAYS names the
-# shared-prefix attention ways batch and memory run beside the device's default (gathered stacked).
+# shared-prefix attention ways batch and memory run beside the device's default (kernel stacked);
+# GPU_CHECK_WAY runs chat, serve and sampled with that way instead of the default (their outputs
+# then named STEP-WAY).
 set -u
 out=${OUT:-/tmp/gpu-check}
 mkdir -p "$out"
@@ -67,7 +69,15 @@ else
   prefill_options=(--rows 8,32 --prefix 512 --groups 4 --own 96 --steps 8)
 fi
 ways=()
-for way in ${GPU_CHECK_WAYS:-gathered stacked}; do ways+=(--also "prefix_attention=$way"); done
+for way in ${GPU_CHECK_WAYS:-kernel stacked}; do ways+=(--also "prefix_attention=$way"); done
+way=${GPU_CHECK_WAY:-}
+suffix=${way:+-$way}
+chat_way=()
+serve_way=()
+if [ -n "$way" ]; then
+  chat_way=(--prefix-attention "$way")
+  serve_way=(--mlxkv-args "--prefix-attention $way")
+fi
 for step in $steps; do
   case $step in
     attention) run attention 180 "$python" scripts/bench_attention.py "${attention[@]}" --json "$out/attention.json" ;;
@@ -75,9 +85,9 @@ for step in $steps; do
     prefill) run prefill 240 "$python" scripts/bench_step.py --phase prefill --model "$model" "${prefill_options[@]}" --json "$out/prefill.json" ;;
     batch) run batch 300 "$python" scripts/bench_batch.py --model "$model" "${settings[@]}" "${ways[@]}" --fused-shapes --json "$out/batch.json" ;;
     memory) run memory 240 "$python" scripts/bench_memory.py --model "$model" "${sizes[@]}" "${ways[@]}" --json "$out/memory.json" ;;
-    chat) run chat 180 "$python" scripts/bench_chat.py --model "$model" --rounds 2 --json "$out/chat.json" ;;
-    serve) run serve 300 "$python" scripts/bench_serve.py --servers mlxkv,mlx-lm --model "$model" --rounds 1 --json "$out/serve.json" --logs "$out/serve-logs" ;;
-    sampled) run sampled 300 "$python" scripts/bench_serve.py --servers mlxkv,mlx-lm --model "$model" --rounds 1 --temperature 1 --json "$out/sampled.json" ;;
+    chat) run "chat$suffix" 180 "$python" scripts/bench_chat.py --model "$model" --rounds 2 "${chat_way[@]}" --json "$out/chat$suffix.json" ;;
+    serve) run "serve$suffix" 300 "$python" scripts/bench_serve.py --servers mlxkv,mlx-lm --model "$model" --rounds 1 "${serve_way[@]}" --json "$out/serve$suffix.json" --logs "$out/serve$suffix-logs" ;;
+    sampled) run "sampled$suffix" 300 "$python" scripts/bench_serve.py --servers mlxkv,mlx-lm --model "$model" --rounds 1 --temperature 1 "${serve_way[@]}" --json "$out/sampled$suffix.json" ;;
     tests) run tests 420 "$python" -m pytest -n 12 -p no:benchmark -q --timeout 120 -p no:cacheprovider ;;
     *) echo "unknown step $step" >&2 ;;
   esac

@@ -37,7 +37,7 @@ def test_a_quick_dry_run_measures_every_way(model_dir: Path, tmp_path: Path):
         assert f"== {step}: status 0 in" in log, log
     results = json.loads((tmp_path / "attention.json").read_text())["results"]
     ways = {r["way"] for r in results}
-    assert ways == {"copies", "cascade", "cascade-lazy", "gathered", "stacked", "mixed"}
+    assert ways == {"copies", "cascade", "cascade-lazy", "gathered", "stacked", "mixed", "kernel"}
     assert len(results) == 4 * len(ways)
     for r in results:
         assert r["ms"] > 0 and r["ops"] > 0 and r["max_diff"] < ATTENTION_ATOL, r

@@ -13,6 +13,7 @@ import anyio
 import pytest
 
 from mlxkv import CacheRuntime
+from mlxkv.actors import decode_kernel
 from mlxkv.actors.prefix_attention import PrefixAttention
 from mlxkv.default_model import TINY_HYBRID, TINY_LLAMA, TINY_SLIDING_LLAMA, ensure_model
 
@@ -39,23 +40,25 @@ async def _together(rt: CacheRuntime, prompts: list[list[int]]) -> list[Any]:
 
 
 class TestSharedPrefix:
-    @pytest.mark.parametrize("way", [None, "cascade", "gathered", "stacked", "mixed"])
+    @pytest.mark.parametrize("way", [None, "cascade", "gathered", "stacked", "mixed", "kernel"])
     async def test_concurrent_requests_over_two_prefixes_are_exact(self, model_dir, way, monkeypatch):
         """Six requests over two cached prefixes (three each), with tails of
         different lengths, decode together over one copy of each prefix and
         give their cold tokens and logits, whichever way attention reads the
-        prefixes (None: the device's), and that way is the one that ran."""
+        prefixes (None: the device's), and that way is the one that ran
+        (``kernel`` off MLX's CUDA backend: ``mixed``, and said so)."""
         import mlxkv.actors.prefix_attention as module
 
         ran: list[str] = []
-        functions = {name: f"{name}_attention" for name in ("cascade", "gathered", "stacked", "mixed")}
+        functions = {name: f"{name}_attention" for name in ("cascade", "gathered", "stacked", "mixed", "kernel")}
         for name, function in {**functions, "by head": "_decode_by_head", "banded": "_banded_attention"}.items():
             real = getattr(module, function)
             monkeypatch.setattr(module, function, lambda *a, _n=name, _f=real, **k: ran.append(_n) or _f(*a, **k))
         path = str(ensure_model(TINY_LLAMA, model_dir))
         async with CacheRuntime(model=path, block_size=BS, keep_caches=False, prefix_attention=way) as rt:
             assert rt.model_info.shared_prefix
-            assert rt.model_info.prefix_attention == (way or PrefixAttention.for_device().value)
+            served = "mixed" if way == "kernel" and not decode_kernel.usable() else way
+            assert rt.model_info.prefix_attention == (served or PrefixAttention.for_device().value)
             for prefix in PREFIXES:
                 await run(rt, prefix + [7], max_tokens=1)  # caches the prefix's blocks
             prompts = [PREFIXES[i % 2] + _tokens(5 + 3 * i, salt=i) for i in range(6)]
@@ -68,8 +71,11 @@ class TestSharedPrefix:
         assert stats.compute is not None
         assert stats.compute.num_shared_prefix_tokens == 6 * len(PREFIXES[0])
         assert stats.compute.mean_batch_size > 1
-        chosen = way or PrefixAttention.for_device().value
-        if chosen == "mixed":
+        chosen = served or PrefixAttention.for_device().value
+        if chosen == "kernel":
+            # Decode steps by the kernel, the rest as mixed.
+            assert "kernel" in ran and "by head" not in ran
+        elif chosen == "mixed":
             # Decode steps by head (a lone row's by the cascade), prefill chunks in bands.
             assert {"mixed", "by head", "banded"} <= set(ran) <= {"mixed", "by head", "banded", "cascade"}
         else:  # gathered: bands of a row

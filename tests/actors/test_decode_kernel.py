@@ -1,0 +1,293 @@
+"""The shared-prefix decode kernel (actors/decode_kernel.py) without a GPU:
+its source compiled by ``nvcc`` as NVRTC would take it (where ``nvcc`` is
+installed), and the same source run on the CPU under an emulation of CUDA's
+blocks, warps and shuffles (``tests/cuda_source.py``; where ``g++`` is),
+against plain attention over each row's keys. On MLX's CUDA backend the
+kernel itself runs in ``TestOnTheDevice``. The rest -- which way serves, the
+rows' layout -- runs everywhere."""
+
+from __future__ import annotations
+
+import shutil
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxkv.actors import decode_kernel
+from mlxkv.actors.decode_kernel import (
+    MAX_GROUPS,
+    input_names,
+    kernel_source,
+    launch,
+    reference_attention,
+    row_info,
+    supported,
+)
+from mlxkv.actors.prefix_attention import cascade_attention
+
+import cuda_source
+
+ON_CUDA = decode_kernel._on_cuda()
+
+
+def _problem(heads: int, kv_heads: int, dim: int, *, seed: int = 0):
+    """Three rows over two prefixes (row 1 over none), left padding, a suffix
+    buffer with room past the suffix: numpy float32 arrays and the layout.
+    Row 2's keys take each warp of a block several rounds of 32."""
+    rng = np.random.default_rng(seed)
+    batch, capacity, length = 3, 48, 30
+    q = rng.standard_normal((batch, heads, 1, dim), dtype=np.float32)
+    sk = rng.standard_normal((batch, kv_heads, capacity, dim), dtype=np.float32)
+    sv = rng.standard_normal((batch, kv_heads, capacity, dim), dtype=np.float32)
+    prefixes = [
+        (rng.standard_normal((1, kv_heads, n, dim), dtype=np.float32),
+         rng.standard_normal((1, kv_heads, n, dim), dtype=np.float32))
+        for n in (40, 300)
+    ]  # fmt: skip
+    # Row 2 sees more keys than a block's warps take in one round of 32 each.
+    segments = [([0], *prefixes[0], [33]), ([2], *prefixes[1], [300])]
+    return q, sk, sv, segments, [0, 5, 17], length
+
+
+def _mx_segments(segments):
+    return [(rows, mx.array(k), mx.array(v), lengths) for rows, k, v, lengths in segments]
+
+
+def _cascade(q, sk, sv, segments, padding, length, scale):
+    """The portable path: the cascade over the suffix positions, the padding masked."""
+    batch = q.shape[0]
+    keys, values = mx.array(sk[:, :, :length]), mx.array(sv[:, :, :length])
+    mask = mx.array(np.arange(length)[None, :] >= np.array(padding)[:, None]).reshape(batch, 1, 1, length)
+    return cascade_attention(mx.array(q), keys, values, mask, scale, _mx_segments(segments))
+
+
+class TestLayout:
+    def test_rows_name_their_prefix_and_what_they_see(self):
+        segments = [([0, 3], None, None, [64, 40]), ([2], None, None, [128])]
+        assert row_info(4, segments, [0, 2, 0, 1], 9) == [[0, 64, 0, 9], [0, 0, 2, 9], [1, 128, 0, 9], [0, 40, 1, 9]]
+
+    def test_padding_must_cover_the_batch(self):
+        with pytest.raises(ValueError, match="rows"):
+            row_info(3, [], [0, 0], 4)
+
+    @pytest.mark.parametrize(
+        ("heads", "kv_heads", "dim", "expected"),
+        [(32, 8, 64, (1024, 8)), (32, 8, 128, (1024, 8)), (8, 8, 64, (256, 8)), (64, 4, 128, (1024, 2)),
+         (128, 4, 128, (1024, 1)), (256, 4, 128, None), (8, 3, 64, None), (8, 2, 80, None), (8, 2, 256, None)],
+    )  # fmt: skip
+    def test_launch_takes_a_warp_a_query_head_and_slice(self, heads, kv_heads, dim, expected):
+        assert launch(heads, kv_heads, dim) == expected
+
+    def test_the_source_picks_each_prefix_input(self):
+        assert "pk2_shape" in kernel_source(3) and "pk3" not in kernel_source(3)
+        assert input_names(2) == ["q", "scale", "info", "sk", "sv", "pk0", "pv0", "pk1", "pv1"]
+        with pytest.raises(ValueError):
+            kernel_source(MAX_GROUPS + 1)
+
+    @pytest.mark.skipif(ON_CUDA, reason="off MLX's CUDA backend only")
+    def test_off_cuda_the_kernel_is_not_used(self):
+        q = mx.zeros((2, 8, 1, 64))
+        assert not supported(q, [([0], mx.zeros((1, 2, 4, 64)), mx.zeros((1, 2, 4, 64)), [4])])
+        assert not decode_kernel.usable()
+
+    def test_the_reference_is_the_cascade(self):
+        q, sk, sv, segments, padding, length = _problem(8, 2, 64)
+        want = _cascade(q, sk, sv, segments, padding, length, 0.125)
+        got = reference_attention(mx.array(q), mx.array(sk), mx.array(sv), length, padding, 0.125, _mx_segments(segments))
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5, rtol=0)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ for the emulation")
+class TestEmulated:
+    """The kernel's source, run on the CPU a CUDA thread a host thread."""
+
+    @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(8, 2, 64), (4, 4, 128), (6, 2, 32)])
+    def test_equals_attention_over_each_rows_keys(self, tmp_path, heads, kv_heads, dim):
+        q, sk, sv, segments, padding, length = _problem(heads, kv_heads, dim, seed=dim)
+        scale = dim**-0.5
+        threads, split = launch(heads, kv_heads, dim)
+        info = np.array(row_info(3, segments, padding, length), dtype=np.int32)
+        prefixes = [(name, a) for g, (_, k, v, _) in enumerate(segments) for name, a in ((f"pk{g}", k), (f"pv{g}", v))]
+        (out,) = cuda_source.emulate(
+            kernel_source(len(segments)),
+            [("q", q), ("scale", np.array([scale], dtype=np.float32)), ("info", info), ("sk", sk), ("sv", sv), *prefixes],
+            [("out", q.shape)],
+            [("T", "float32"), ("D", dim), ("REP", heads // kv_heads), ("SPLIT", split)],
+            grid=(threads, kv_heads, 3),
+            threadgroup=(threads, 1, 1),
+            folder=tmp_path,
+        )
+        want = np.array(_cascade(q, sk, sv, segments, padding, length, scale))
+        np.testing.assert_allclose(out, want, atol=2e-5, rtol=0)
+        # What it is checked against moves: a row's padding read as none is far off.
+        moved = np.array(_cascade(q, sk, sv, segments, [0, 0, 17], length, scale))
+        assert np.abs(moved - want).max() > 1e-2
+
+
+@pytest.mark.skipif(cuda_source.nvcc() is None, reason="needs nvcc")
+class TestCompiles:
+    """The source as MLX's CUDA backend compiles it (its generated signature),
+    for each dtype and a one- and a three-prefix batch; and each block's
+    threads fit an SM's registers."""
+
+    @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+    @pytest.mark.parametrize(("groups", "heads", "kv_heads", "dim"), [(1, 32, 8, 64), (3, 32, 8, 128), (8, 32, 1, 128)])
+    def test_nvcc_compiles_it(self, tmp_path, dtype, groups, heads, kv_heads, dim):
+        threads, split = launch(heads, kv_heads, dim)
+        names = input_names(groups)
+        kinds = {"scale": ("float32", 1), "info": ("int32", 2)}
+        inputs = [(name, *kinds.get(name, (dtype, 4))) for name in names]
+        source = cuda_source.wrapped(
+            "mlxkv_decode", kernel_source(groups), inputs, [("out", dtype)],
+            [("T", dtype), ("D", dim), ("REP", heads // kv_heads), ("SPLIT", split)],
+        )  # fmt: skip
+        built = cuda_source.compile_cuda(source, tmp_path)
+        assert built.returncode == 0, built.stderr[-4000:]
+        ptx = (tmp_path / "kernel.ptx").read_text()
+        assert ".entry" in ptx
+        registers = cuda_source.registers(tmp_path / "kernel.ptx")
+        assert registers is None or registers * threads <= 65536, (registers, threads)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend")
+class TestOnTheDevice:
+    @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+    @pytest.mark.parametrize(("head_dim", "heads", "kv_heads", "groups"), [(64, 8, 2, 1), (64, 32, 8, 3), (128, 4, 4, 2)])
+    def test_the_kernel_agrees_with_plain_operations(self, dtype, head_dim, heads, kv_heads, groups):
+        assert decode_kernel.self_check(dtype, head_dim, heads, kv_heads, groups) is None
+
+    def test_it_serves_once_checked(self):
+        assert decode_kernel.usable()
+
+
+def test_registers_parsed():
+    assert cuda_source.parse_registers("ptxas info    : Used 96 registers, 24 bytes smem") == 96
+    assert cuda_source.parse_registers("nothing") is None
+
+
+def _from_info(queries, suffix_keys, suffix_values, length, padding, scale, segments, info):
+    """What the kernel computes, read off the inputs it is given (``info`` a
+    row: prefix input, positions seen, padding, suffix length): a stand-in
+    for the kernel where MLX has no CUDA backend."""
+    rows = np.array(info).tolist()
+    batch, heads, _, dim = queries.shape
+    repeats = heads // suffix_keys.shape[1]
+    outs = []
+    for row, (group, seen, pad, stop) in enumerate(rows):
+        assert stop == length and pad == padding[row]
+        k, v = suffix_keys[row, :, pad:stop], suffix_values[row, :, pad:stop]
+        if seen:
+            _, pk, pv, _ = segments[group]
+            k = mx.concatenate([pk[0, :, :seen], k], axis=1)
+            v = mx.concatenate([pv[0, :, :seen], v], axis=1)
+        k = mx.repeat(k.astype(mx.float32), repeats, axis=0)
+        v = mx.repeat(v.astype(mx.float32), repeats, axis=0)
+        q = queries[row, :, 0].astype(mx.float32)[:, None] * scale
+        outs.append((mx.softmax(q @ k.swapaxes(-1, -2), axis=-1) @ v).astype(queries.dtype)[None])
+    return mx.concatenate(outs).reshape(batch, heads, 1, dim)
+
+
+class TestThroughTheHook:
+    def test_a_batch_caches_step_reaches_the_kernel_with_its_rows(self, tiny_llama, monkeypatch):
+        """A decode step of a batch over two prefixes (a row over none), its
+        suffixes left-padded, served by the ``kernel`` way: the kernel is
+        called once a layer with the batch's whole suffix buffers, padding
+        and rows' layout, and -- the kernel replaced by plain operations on
+        those inputs, as no CUDA backend runs here (a stand-in, said so) --
+        the step gives the logits of plain per-row caches."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from mlxkv.actors import attention_hook
+        from mlxkv.actors.attention_hook import install
+        from mlxkv.actors.prefix_attention import PrefixAttention
+        from mlxkv.cache.shared_prefix import PrefixGroup, SharedPrefixCache, suffix_cache
+
+        from device_arithmetic import LOGITS_ATOL
+        from model_blocks import block_payloads
+
+        calls: list[tuple[Any, ...]] = []
+
+        def stand_in(queries, suffix_keys, suffix_values, length, padding, scale, segments, info):
+            calls.append((suffix_keys.shape, length, list(padding), np.array(info).tolist()))
+            return _from_info(queries, suffix_keys, suffix_values, length, padding, scale, segments, info)
+
+        monkeypatch.setattr(decode_kernel, "usable", lambda *build: True)
+        monkeypatch.setattr(decode_kernel, "supported", lambda queries, segments, suffix=(): True)
+        monkeypatch.setattr(decode_kernel, "decode_attention", stand_in)
+        model, _ = tiny_llama
+        assert install(model)
+        attention_hook.use(PrefixAttention.KERNEL)
+        try:
+            prompts = [list(range(3, 67)), list(range(100, 132))]
+            groups = [PrefixGroup.build(block_payloads(model, prompt, 16)) for prompt in prompts]
+            layers = len(groups[0].keys)
+            own = [[70, 71, 72, 73, 74], [80, 81], [90, 91, 92]]
+            seen = [(0, 48), (None, 0), (1, 32)]
+            rows = []
+            for (group, n), tokens in zip(seen, own):
+                caches = [
+                    SharedPrefixCache(None if group is None else groups[group], i, n, s)
+                    for i, s in enumerate(suffix_cache((), 8, layers))
+                ]
+                model(mx.array([tokens]), cache=caches)
+                rows.append(caches)
+            batch = [SharedPrefixCache.merge([row[i] for row in rows]) for i in range(layers)]
+            assert batch[0].padding == [0, 3, 2]
+            step = model(mx.array([[5], [6], [7]]), cache=batch)[:, -1]
+        finally:
+            attention_hook.use(PrefixAttention.for_device())
+        assert len(calls) == layers
+        buffer_shape, length, padding, info = calls[0]
+        assert buffer_shape[0] == 3 and buffer_shape[2] >= length == 6 and padding == [0, 3, 2]
+        assert info == [[0, 48, 0, 6], [0, 0, 3, 6], [1, 32, 2, 6]]
+        for r, ((group, n), tokens) in enumerate(zip(seen, own)):
+            plain = make_prompt_cache(model)
+            context = ([] if group is None else prompts[group][:n]) + tokens
+            model(mx.array([context]), cache=plain)
+            want = model(mx.array([[5 + r]]), cache=plain)[:, -1]
+            assert mx.allclose(step[r : r + 1], want, atol=LOGITS_ATOL, rtol=0).item(), r
+
+
+class TestSelfCheck:
+    """The check a kernel build passes before it serves, with the kernel
+    replaced by plain operations (a stand-in: no CUDA backend here)."""
+
+    @pytest.mark.parametrize(("head_dim", "heads", "kv_heads", "groups"), [(64, 8, 2, 1), (128, 32, 8, 3)])
+    def test_a_right_kernel_passes_and_a_wrong_one_does_not(self, monkeypatch, head_dim, heads, kv_heads, groups):
+        seen: list[Any] = []
+
+        def right(queries, suffix_keys, suffix_values, length, padding, scale, segments, info=None):
+            info = mx.array(row_info(queries.shape[0], segments, padding, length), dtype=mx.int32)
+            seen.append(np.array(info).tolist())
+            return _from_info(queries, suffix_keys, suffix_values, length, padding, scale, segments, info)
+
+        monkeypatch.setattr(decode_kernel, "decode_attention", right)
+        assert decode_kernel.self_check(mx.float32, head_dim, heads, kv_heads, groups) is None
+        rows = seen[0]
+        # A row over each prefix (the first over part of it, past a block's first round of keys), one over none.
+        assert len(rows) == groups + 1 and rows[-1][1] == 0 and [row[0] for row in rows[:-1]] == list(range(groups))
+        assert rows[0][1] > 32 * 8 and any(row[2] for row in rows)
+
+        def padding_ignored(queries, suffix_keys, suffix_values, length, padding, scale, segments, info=None):
+            return right(queries, suffix_keys, suffix_values, length, [0] * len(padding), scale, segments)
+
+        monkeypatch.setattr(decode_kernel, "decode_attention", padding_ignored)
+        assert "max difference" in decode_kernel.self_check(mx.float32, head_dim, heads, kv_heads, groups)
+
+    def test_a_build_that_fails_is_not_used_again(self, monkeypatch):
+        """On a CUDA device (said to be one here) a build whose check raises is
+        logged and refused, without a second check."""
+        checks: list[Any] = []
+
+        def failing(*build):
+            checks.append(build)
+            raise RuntimeError("Failed to compile kernel")
+
+        monkeypatch.setattr(decode_kernel, "_on_cuda", lambda: True)
+        monkeypatch.setattr(decode_kernel, "self_check", failing)
+        monkeypatch.setattr(decode_kernel, "_CHECKED", {})
+        assert not decode_kernel.usable(mx.bfloat16, 64, 32, 8, 1)
+        assert not decode_kernel.usable(mx.bfloat16, 64, 32, 8, 1)
+        assert len(checks) == 1
