@@ -128,6 +128,7 @@ class RunnerConfig:
             ``"kernel"`` (as ``"mixed"``, but decode steps by one CUDA kernel
             a layer where MLX runs on CUDA: ``mlxkv.actors.decode_kernel``;
             ``"mixed"`` where it does not); None (the default): the device's way
+            (the cascade on the CPU, ``"kernel"`` on CUDA, ``"mixed"`` on Metal)
             (:meth:`~mlxkv.actors.prefix_attention.PrefixAttention.for_device`).
             All are exact; ``model_info.prefix_attention`` says which serves.
             Held as a :class:`~mlxkv.actors.prefix_attention.PrefixAttention`.

@@ -33,7 +33,7 @@ from typing import Any, Optional
 from mlxkv.actors.event_log import EventLog
 
 __all__ = [
-    "HEAD_DIMS",
+    "MAX_HEAD_DIM",
     "MAX_GROUPS",
     "MAX_THREADS",
     "decode_attention",
@@ -55,10 +55,11 @@ MAX_GROUPS = 8
 #: 65,536 at it: ``tests/actors/test_decode_kernel.py`` asks ``ptxas``).
 MAX_THREADS = 1024
 
-#: The head sizes the kernel takes: a lane's share of a head is whole, and a
-#: block's shared memory (its warps' partial outputs and its queries, float32)
-#: stays within the 48 KiB a kernel has without asking.
-HEAD_DIMS = (32, 64, 96, 128)
+#: The largest head the kernel takes: a block's shared memory (its warps'
+#: partial outputs and its queries, float32) stays within the 48 KiB a kernel
+#: has without asking. A head's size must be a multiple of 8 too: a key row
+#: is read in 16-byte loads.
+MAX_HEAD_DIM = 128
 
 _LOG = EventLog(component="decode_kernel")
 
@@ -71,7 +72,7 @@ _LOG = EventLog(component="decode_kernel")
 # switch that picks a row's prefix input.
 _BODY = """
     constexpr int WARP = 32;
-    constexpr int DL = D / WARP;
+    constexpr int DL = (D + WARP - 1) / WARP;  // a lane's share of the head's outputs
     constexpr int PER = 16 / sizeof(T);
     constexpr float NONE = -1e30f;
     const int b = blockIdx.z;
@@ -154,7 +155,9 @@ _BODY = """
         if (js < total) {
           const T* vp = js < seen ? pv + (size_t)js * D : sv_row + (size_t)(pad + js - seen) * D;
           for (int e = 0; e < DL; ++e) {
-            acc[e] += ps * static_cast<float>(vp[lane * DL + e]);
+            if (lane * DL + e < D) {
+              acc[e] += ps * static_cast<float>(vp[lane * DL + e]);
+            }
           }
         }
       }
@@ -168,7 +171,9 @@ _BODY = """
       shared_l[warp] = l;
     }
     for (int e = 0; e < DL; ++e) {
-      shared_acc[warp * D + lane * DL + e] = acc[e];
+      if (lane * DL + e < D) {
+        shared_acc[warp * D + lane * DL + e] = acc[e];
+      }
     }
     __syncthreads();
     if (split == 0) {
@@ -186,13 +191,17 @@ _BODY = """
         const float f = expf(shared_m[slot] - top);
         total_l += shared_l[slot] * f;
         for (int e = 0; e < DL; ++e) {
-          o[e] += shared_acc[slot * D + lane * DL + e] * f;
+          if (lane * DL + e < D) {
+            o[e] += shared_acc[slot * D + lane * DL + e] * f;
+          }
         }
       }
       const float inverse = total_l > 0.f ? 1.f / total_l : 0.f;
       T* op = out + ((size_t)b * heads + h) * D;
       for (int e = 0; e < DL; ++e) {
-        op[lane * DL + e] = static_cast<T>(o[e] * inverse);
+        if (lane * DL + e < D) {
+          op[lane * DL + e] = static_cast<T>(o[e] * inverse);
+        }
       }
     }
 """
@@ -217,7 +226,7 @@ def launch(heads: int, kv_heads: int, head_dim: int) -> Optional[tuple[int, int]
     """``(threads a block, SPLIT)`` for these heads (a warp a query head and
     slice of the keys; as many slices as the block's thread bound allows,
     at most 8), or None where the kernel does not take them."""
-    if head_dim not in HEAD_DIMS or kv_heads < 1 or heads % kv_heads:
+    if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM or kv_heads < 1 or heads % kv_heads:
         return None
     repeats = heads // kv_heads
     split = min(8, MAX_THREADS // (32 * repeats))

@@ -82,13 +82,19 @@ class PrefixAttention(enum.Enum):
     @classmethod
     def for_device(cls, device: Optional[Any] = None) -> PrefixAttention:
         """The way for ``device`` (default: MLX's default device): the cascade on
-        the CPU; on a GPU, ``mixed``: decode steps as products a KV head,
-        prefill chunks in bands over a copy of the prefix each (the H200's figures and the
-        counts behind the choice: docs/benchmarks.md)."""
+        the CPU; on a GPU, ``mixed`` -- decode steps as products a KV head,
+        prefill chunks in bands over a copy of the prefix each (the H200's
+        figures and the counts behind the choice: docs/benchmarks.md) --
+        with its decode steps in one kernel a layer where MLX runs on CUDA
+        (``kernel``: by its launches, a decode step's fewest; its own check
+        at first use falls back to ``mixed``)."""
         import mlx.core as mx
 
         device = device if device is not None else mx.default_device()
-        return cls.CASCADE if device.type == mx.DeviceType.cpu else cls.MIXED
+        if device.type == mx.DeviceType.cpu:
+            return cls.CASCADE
+        cuda = getattr(mx, "cuda", None)
+        return cls.KERNEL if cuda is not None and cuda.is_available() else cls.MIXED
 
 
 def attention_for(way: PrefixAttention) -> Callable[..., Any]:

@@ -130,8 +130,8 @@ def add_runtime_options(parser: argparse.ArgumentParser) -> None:
         RunnerConfig,
         type=str,
         choices=[way.value for way in PrefixAttention],
-        help="how attention reads a shared prefix (default: the device's: cascade on the CPU, mixed on a GPU;"
-        " kernel: mixed with decode steps by one CUDA kernel a layer where MLX runs on CUDA)",
+        help="how attention reads a shared prefix (default: the device's: cascade on the CPU, kernel on CUDA,"
+        " mixed on Metal; kernel: mixed with decode steps by one CUDA kernel a layer where MLX runs on CUDA)",
     )
     option(
         "--prefill-streams",

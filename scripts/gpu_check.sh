@@ -25,7 +25,8 @@
 # $OUT/log.txt, and its last lines to standard output, so a step cut off by its
 # timeout still leaves what it printed. GPU_CHECK_MODEL and GPU_CHECK_QUICK=1 make
 # a small dry run of it anywhere (the tests run one on the CPU); GPU_CHECK_WAYS names the
-# shared-prefix attention ways batch and memory run beside the device's default (kernel stacked);
+# shared-prefix attention ways batch and memory run beside the device's default (mixed stacked;
+# the default on CUDA is kernel);
 # GPU_CHECK_WAY runs chat, serve and sampled with that way instead of the default (their outputs
 # then named STEP-WAY).
 set -u
@@ -69,7 +70,7 @@ else
   prefill_options=(--rows 8,32 --prefix 512 --groups 4 --own 96 --steps 8)
 fi
 ways=()
-for way in ${GPU_CHECK_WAYS:-kernel stacked}; do ways+=(--also "prefix_attention=$way"); done
+for way in ${GPU_CHECK_WAYS:-mixed stacked}; do ways+=(--also "prefix_attention=$way"); done
 way=${GPU_CHECK_WAY:-}
 suffix=${way:+-$way}
 chat_way=()

@@ -75,7 +75,8 @@ class TestLayout:
     @pytest.mark.parametrize(
         ("heads", "kv_heads", "dim", "expected"),
         [(32, 8, 64, (1024, 8)), (32, 8, 128, (1024, 8)), (8, 8, 64, (256, 8)), (64, 4, 128, (1024, 2)),
-         (128, 4, 128, (1024, 1)), (256, 4, 128, None), (8, 3, 64, None), (8, 2, 80, None), (8, 2, 256, None)],
+         (128, 4, 128, (1024, 1)), (4, 2, 16, (512, 8)), (8, 2, 80, (1024, 8)), (256, 4, 128, None), (8, 3, 64, None),
+         (8, 2, 12, None), (8, 2, 256, None)],
     )  # fmt: skip
     def test_launch_takes_a_warp_a_query_head_and_slice(self, heads, kv_heads, dim, expected):
         assert launch(heads, kv_heads, dim) == expected
@@ -85,6 +86,17 @@ class TestLayout:
         assert input_names(2) == ["q", "scale", "info", "sk", "sv", "pk0", "pv0", "pk1", "pv1"]
         with pytest.raises(ValueError):
             kernel_source(MAX_GROUPS + 1)
+
+    def test_the_devices_way(self, monkeypatch):
+        """The cascade on the CPU; on a GPU the kernel where MLX has CUDA, else (Metal) mixed."""
+        from mlxkv.actors.prefix_attention import PrefixAttention
+
+        gpu = mx.Device(mx.DeviceType.gpu)
+        assert PrefixAttention.for_device(mx.Device(mx.DeviceType.cpu)) is PrefixAttention.CASCADE
+        monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+        assert PrefixAttention.for_device(gpu) is PrefixAttention.KERNEL
+        monkeypatch.setattr(mx.cuda, "is_available", lambda: False)
+        assert PrefixAttention.for_device(gpu) is PrefixAttention.MIXED
 
     @pytest.mark.skipif(ON_CUDA, reason="off MLX's CUDA backend only")
     def test_off_cuda_the_kernel_is_not_used(self):
@@ -103,7 +115,7 @@ class TestLayout:
 class TestEmulated:
     """The kernel's source, run on the CPU a CUDA thread a host thread."""
 
-    @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(8, 2, 64), (4, 4, 128), (6, 2, 32)])
+    @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(8, 2, 64), (4, 4, 128), (6, 2, 32), (4, 2, 16), (4, 2, 40)])
     def test_equals_attention_over_each_rows_keys(self, tmp_path, heads, kv_heads, dim):
         q, sk, sv, segments, padding, length = _problem(heads, kv_heads, dim, seed=dim)
         scale = dim**-0.5
@@ -133,7 +145,9 @@ class TestCompiles:
     threads fit an SM's registers."""
 
     @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
-    @pytest.mark.parametrize(("groups", "heads", "kv_heads", "dim"), [(1, 32, 8, 64), (3, 32, 8, 128), (8, 32, 1, 128)])
+    @pytest.mark.parametrize(
+        ("groups", "heads", "kv_heads", "dim"), [(1, 32, 8, 64), (3, 32, 8, 128), (8, 32, 1, 128), (2, 4, 2, 16)]
+    )
     def test_nvcc_compiles_it(self, tmp_path, dtype, groups, heads, kv_heads, dim):
         threads, split = launch(heads, kv_heads, dim)
         names = input_names(groups)
@@ -154,7 +168,9 @@ class TestCompiles:
 @pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend")
 class TestOnTheDevice:
     @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
-    @pytest.mark.parametrize(("head_dim", "heads", "kv_heads", "groups"), [(64, 8, 2, 1), (64, 32, 8, 3), (128, 4, 4, 2)])
+    @pytest.mark.parametrize(
+        ("head_dim", "heads", "kv_heads", "groups"), [(64, 8, 2, 1), (64, 32, 8, 3), (128, 4, 4, 2), (16, 4, 2, 2)]
+    )
     def test_the_kernel_agrees_with_plain_operations(self, dtype, head_dim, heads, kv_heads, groups):
         assert decode_kernel.self_check(dtype, head_dim, heads, kv_heads, groups) is None
 
