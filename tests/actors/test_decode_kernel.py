@@ -138,6 +138,38 @@ class TestEmulated:
         assert np.abs(moved - want).max() > 1e-2
 
 
+    def test_edges_of_a_round_and_a_lone_key(self, tmp_path):
+        """Row 0's keys fill a block's rounds exactly (8 warps of 32, twice);
+        row 1 sees no prefix and one key of its suffix (all padding but the
+        last); heads of 16 (half the lanes hold no output)."""
+        heads, kv_heads, dim = 4, 2, 16
+        rng = np.random.default_rng(7)
+        q = rng.standard_normal((2, heads, 1, dim), dtype=np.float32)
+        sk = rng.standard_normal((2, kv_heads, 32, dim), dtype=np.float32)
+        sv = rng.standard_normal((2, kv_heads, 32, dim), dtype=np.float32)
+        pk = rng.standard_normal((1, kv_heads, 500, dim), dtype=np.float32)
+        pv = rng.standard_normal((1, kv_heads, 500, dim), dtype=np.float32)
+        threads, split = launch(heads, kv_heads, dim)
+        assert (threads, split) == (512, 8)
+        length, padding = 30, [0, 29]
+        segments = [([0], pk, pv, [2 * 32 * split - length])]  # 482 + 30 = 512 keys
+        info = np.array(row_info(2, segments, padding, length), dtype=np.int32)
+        (out,) = cuda_source.emulate(
+            kernel_source(1),
+            [("q", q), ("scale", np.array([0.25], dtype=np.float32)), ("info", info), ("sk", sk), ("sv", sv),
+             ("pk0", pk), ("pv0", pv)],
+            [("out", q.shape)],
+            [("T", "float32"), ("D", dim), ("REP", heads // kv_heads), ("SPLIT", split)],
+            grid=(threads, kv_heads, 2),
+            threadgroup=(threads, 1, 1),
+            folder=tmp_path,
+        )  # fmt: skip
+        want = np.array(_cascade(q, sk, sv, segments, padding, length, 0.25))
+        np.testing.assert_allclose(out, want, atol=2e-5, rtol=0)
+        # One key: its value, for every query head of its KV head.
+        np.testing.assert_allclose(out[1, :, 0], np.repeat(sv[1, :, 29], heads // kv_heads, axis=0), atol=1e-6)
+
+
 @pytest.mark.skipif(cuda_source.nvcc() is None, reason="needs nvcc")
 class TestCompiles:
     """The source as MLX's CUDA backend compiles it (its generated signature),
