@@ -146,6 +146,14 @@ class RunnerConfig:
             None (the default): for a model the runner loads, where MLX's
             default device is the CPU; for a model handed in (the caller's
             object), only when True.
+        fuse_projections: hold each layer's sibling projections (queries,
+            keys and values; an MLP's gate and up) as one matrix product,
+            in place, as the model loads (:mod:`mlxkv.actors.fused_projections`):
+            the same outputs (bit for bit on the CPU; within float noise on
+            a GPU), a launch where there were two or three (a GPU's decode
+            step is its launches). None (the default): for a model the
+            runner loads, on every device; for a model handed in, only when
+            True.
         keep_caches: the runner keeps the KV of the generations that
             finished last (up to
             :data:`~mlxkv.actors.model_runner.MAX_KEPT_CACHES`, of at most
@@ -171,6 +179,7 @@ class RunnerConfig:
     prefix_attention: Optional[PrefixAttention] = attrs.field(default=None, converter=_prefix_attention)
     kv_bits: Optional[int] = attrs.field(default=None, validator=_kv_bits)
     transpose_weights: Optional[bool] = attrs.field(default=None, validator=is_optional_bool)
+    fuse_projections: Optional[bool] = attrs.field(default=None, validator=is_optional_bool)
     keep_caches: bool = attrs.field(default=True, validator=is_bool)
     kept_cache_memory: int = attrs.field(
         default=64 << 20, converter=lambda value: parse_bytes(value, argument="kept_cache_memory")

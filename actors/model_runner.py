@@ -30,7 +30,7 @@ import attrs
 from mlxkv.actors.compute_config import RunnerConfig
 from mlxkv.actors.sequence import SequenceState
 from mlxkv.actors.token_bound import max_chars_per_token
-from mlxkv.actors.weight_layout import transpose_linear_weights, wanted
+from mlxkv.actors.weight_layout import hold_weights, loading
 from mlxkv.cache import kv_state
 from mlxkv.cache.errors import InvalidInput
 from mlxkv.cache.kv_state import BlockPayload
@@ -131,6 +131,8 @@ class ModelInfo:
             block of this model could not be cut.
         transposed_layers: linear layers held transposed
             (:mod:`mlxkv.actors.weight_layout`; 0: the model's own layout).
+        fused_projections: sets of sibling projections held as one product
+            (:mod:`mlxkv.actors.fused_projections`; 0: none).
     """
 
     vocab_size: Optional[int]
@@ -149,6 +151,7 @@ class ModelInfo:
     state_bytes: int = 0
     kv_layout: Optional[KVLayout] = None
     transposed_layers: int = 0
+    fused_projections: int = 0
 
     def block_bytes(self, block_size: int) -> int:
         """Bytes one stored block of ``block_size`` tokens takes, snapshot included."""
@@ -1056,8 +1059,9 @@ class TextRunner(CacheRunner):
 
         Args:
             config: how to hold the model and its caches (:class:`RunnerConfig`).
-                Its ``transpose_weights`` changes the model in place
-                (:mod:`mlxkv.actors.weight_layout`) only when True: a model
+                Its ``transpose_weights`` and ``fuse_projections`` change the
+                model in place (:func:`~mlxkv.actors.weight_layout.hold_weights`)
+                only when True: a model
                 handed in is the caller's (:meth:`load` decides for the
                 models it loads). With ``kv_bits``, the plain attention
                 layers' KV is quantized (``QuantizedKVCache``, in groups of
@@ -1071,7 +1075,7 @@ class TextRunner(CacheRunner):
         """
         kv_bits = config.kv_bits
         self._runner_config = config
-        transposed = transpose_linear_weights(model) if config.transpose_weights is True else 0
+        fused, transposed = hold_weights(model, config)
         self._model = model
         self._tokenizer = tokenizer
         self._kv_group = self._group_size() if kv_bits else 0
@@ -1093,17 +1097,19 @@ class TextRunner(CacheRunner):
             max_context=max_context if isinstance(max_context, int) and max_context > 0 else None,
             context_unit=context_unit(args),
             transposed_layers=transposed,
+            fused_projections=fused,
             **fields,
         )
 
     @classmethod
     def load(cls, path: str, config: RunnerConfig = RunnerConfig()) -> TextRunner:
         """Load an mlx-lm model directory (or repo id) with ``mlx_lm.load``
-        (``config.transpose_weights`` None: where MLX runs on the CPU)."""
+        (``config.transpose_weights`` None: where MLX runs on the CPU;
+        ``fuse_projections`` None: fused)."""
         from mlx_lm import load
 
         model, tokenizer = load(str(path))
-        return cls(model, tokenizer, attrs.evolve(config, transpose_weights=wanted(config.transpose_weights)))
+        return cls(model, tokenizer, loading(config))
 
     def preparer(self) -> TextPreparer:
         return TextPreparer(self._tokenizer)

@@ -44,7 +44,7 @@ from mlxkv.actors.model_runner import (
 )
 from mlxkv.actors.sequence import SequenceState
 from mlxkv.actors.token_bound import max_chars_per_token
-from mlxkv.actors.weight_layout import transpose_linear_weights, wanted
+from mlxkv.actors.weight_layout import hold_weights, loading
 from mlxkv.cache.errors import InvalidInput, counted, plural
 
 __all__ = ["EncodedImages", "VisionInputs", "VisionPreparer", "VisionRunner"]
@@ -273,10 +273,11 @@ class VisionRunner(CacheRunner):
             config: how to hold the model and its caches
                 (:class:`~mlxkv.actors.compute_config.RunnerConfig`). Requests
                 hold their own copy of a prefix here: ``shared_prefix`` and
-                ``prefix_attention`` are not served. ``transpose_weights``
-                changes the linear weights of the vision tower and the
-                language model in place only when True: a model handed in is
-                the caller's (:meth:`load` decides for its own).
+                ``prefix_attention`` are not served. ``transpose_weights`` and
+                ``fuse_projections`` change the linear weights of the vision
+                tower and the language model in place only when True: a
+                model handed in is the caller's (:meth:`load` decides for
+                its own).
 
         Raises:
             ValueError: the model is not of the Qwen2-VL family (no
@@ -297,7 +298,7 @@ class VisionRunner(CacheRunner):
                 f"vision-language model type {getattr(model.config, 'model_type', '?')!r} is not"
                 " supported: mlxkv runs Qwen2-VL-style models (mrope positions)"
             )
-        transposed = transpose_linear_weights(model) if config.transpose_weights is True else 0
+        fused, transposed = hold_weights(model, config)
         self._runner_config = config
         self._model = model
         self._language = language
@@ -315,13 +316,15 @@ class VisionRunner(CacheRunner):
             max_context=max_context if isinstance(max_context, int) and max_context > 0 else None,
             context_unit=context_unit(args),
             transposed_layers=transposed,
+            fused_projections=fused,
             **fields,
         )
 
     @classmethod
     def load(cls, path: str, config: RunnerConfig = RunnerConfig()) -> VisionRunner:
         """Load a vision-language model directory with ``mlx_vlm.load``
-        (``config.transpose_weights`` None: where MLX runs on the CPU).
+        (``config.transpose_weights`` None: where MLX runs on the CPU;
+        ``fuse_projections`` None: fused).
 
         Raises:
             ValueError: mlx-vlm is not installed, or the constructor's.
@@ -333,7 +336,7 @@ class VisionRunner(CacheRunner):
                 "this is a vision-language model: install the vlm extra (pip install 'mlxkv[vlm]')"
             ) from error
         model, processor = load(str(path))
-        return cls(model, processor, attrs.evolve(config, transpose_weights=wanted(config.transpose_weights)))
+        return cls(model, processor, loading(config))
 
     def preparer(self) -> VisionPreparer:
         return VisionPreparer(self._processor, self._tokenizer, self._config.image_token_id)

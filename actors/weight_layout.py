@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Optional
 
-__all__ = ["transpose_linear_weights", "transposed_linear", "wanted"]
+__all__ = ["hold_weights", "loading", "transpose_linear_weights", "transposed_linear", "wanted"]
 
 
 def wanted(choice: Optional[bool]) -> bool:
@@ -112,3 +112,32 @@ def transpose_linear_weights(model: Any) -> int:
     if made:
         mx.clear_cache()  # the originals' buffers, not kept for reuse
     return len(made)
+
+
+def hold_weights(model: Any, config: Any) -> tuple[int, int]:
+    """Lay out ``model``'s weights as ``config`` (a
+    :class:`~mlxkv.actors.compute_config.RunnerConfig`) says, in place, each
+    only where its field is True: sibling projections fused first
+    (:func:`~mlxkv.actors.fused_projections.fuse_projections`, transposed
+    with the rest where ``transpose_weights``), then every other plain
+    linear layer transposed.
+
+    Returns:
+        (sets of projections fused, linear layers transposed).
+    """
+    from mlxkv.actors.fused_projections import fuse_projections
+
+    transpose = config.transpose_weights is True
+    fused = fuse_projections(model, transposed=transpose) if config.fuse_projections is True else 0
+    return fused, transpose_linear_weights(model) if transpose else 0
+
+
+def loading(config: Any) -> Any:
+    """``config`` with its layout choices made for a model the runner loads
+    itself: weights transposed where MLX runs on the CPU (unless given),
+    projections fused (unless off)."""
+    import attrs
+
+    return attrs.evolve(
+        config, transpose_weights=wanted(config.transpose_weights), fuse_projections=config.fuse_projections is not False
+    )

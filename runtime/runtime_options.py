@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = ["add_runtime_options", "add_tier_option", "runtime_config"]
 
-#: ``--transpose-weights``'s words, as ``RunnerConfig.transpose_weights``.
+#: ``--transpose-weights``' and ``--fuse-projections``' words, as ``RunnerConfig``'s fields.
 _WEIGHT_LAYOUTS = {"auto": None, "on": True, "off": False}
 
 
@@ -123,6 +123,15 @@ def add_runtime_options(parser: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="bytes the caches of the generations that finished last may hold beside the pool,"
         " e.g. 1GiB ({default} bytes)",
+    )
+    option(
+        "--fuse-projections",
+        "fuse_projections",
+        RunnerConfig,
+        type=_weight_layout,
+        metavar="{auto,on,off}",
+        help="hold each layer's query, key and value projections (and an MLP's gate and up) as one product:"
+        " the same outputs, fewer kernel launches (auto, the default: on)",
     )
     option(
         "--prefix-attention",

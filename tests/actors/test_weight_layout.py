@@ -145,8 +145,9 @@ class TestRunner:
     def test_a_model_it_loads_follows_the_device_by_default(self, choice, model_dir):
         """``TextRunner.load`` decides for the model it loads: None
         transposes where MLX runs on the CPU."""
-        runner = TextRunner.load(str(ensure_model(TINY_LLAMA, model_dir)), RunnerConfig(transpose_weights=choice))
+        config = RunnerConfig(transpose_weights=choice, fuse_projections=False)
+        runner = TextRunner.load(str(ensure_model(TINY_LLAMA, model_dir)), config)
         kinds = {type(m) for _, m in runner._model.named_modules()}
         assert (transposed_linear() in kinds) is wanted(choice)
-        # 2 layers x (4 attention + 3 MLP projections) + the output layer
+        # 2 layers x (4 attention + 3 MLP projections) + the output layer (none fused)
         assert runner.info.transposed_layers == (15 if wanted(choice) else 0)
