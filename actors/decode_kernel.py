@@ -13,9 +13,10 @@ a time, the slices merged through shared memory.
 It runs only on MLX's CUDA backend (``mx.fast.cuda_kernel``); everywhere
 else, and for shapes it does not take (:func:`supported`), the callers keep
 their portable path. The first use of each build of it (dtype, head size
-and counts, prefixes) in a process checks it against plain MLX operations on
-a small problem (:func:`usable`); a build that fails to compile or to agree
-is not used again, and says so in the log.
+and counts) in a process checks it against plain MLX operations on a small
+problem (:func:`usable`; a runner checks its model's build as it is made); a
+build that fails to compile or to agree is not used again, and says so in
+the log.
 
 The kernel's source is plain CUDA with no MLX device header beyond the types
 the wrapper MLX generates: ``tests/actors/test_decode_kernel.py`` compiles it
@@ -40,6 +41,8 @@ __all__ = [
     "input_names",
     "kernel_source",
     "launch",
+    "model_build",
+    "prefix_inputs",
     "reference_attention",
     "row_info",
     "self_check",
@@ -260,15 +263,38 @@ def _on_cuda() -> bool:
     return mx.default_device().type == mx.DeviceType.gpu and cuda is not None and cuda.is_available()
 
 
-@functools.lru_cache(maxsize=None)
-def _kernel(groups: int) -> Any:
+def prefix_inputs(segments: Sequence[Any]) -> list[Any]:
+    """The kernel's prefix inputs for ``segments``: each prefix's keys and
+    values, then the first's again up to :data:`MAX_GROUPS` (one build for
+    any number of prefixes; no row reads the repeats)."""
+    inputs = [array for _, keys, values, _ in segments for array in (keys, values)]
+    return inputs + inputs[:2] * (MAX_GROUPS - len(segments))
+
+
+def model_build(model: Any) -> Optional[tuple[Any, int, int, int]]:
+    """``(dtype, head_dim, heads, kv_heads)`` of ``model``'s attention, read
+    off its first attention layer (mlx-lm's ``n_heads``, ``n_kv_heads`` and
+    key projection), or None where it does not say."""
+    for _, layer in model.named_modules():
+        heads, kv_heads = getattr(layer, "n_heads", None), getattr(layer, "n_kv_heads", None)
+        projection = getattr(layer, "k_proj", None)
+        weight = getattr(projection, "weight", None)
+        if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads > 0 and weight is not None:
+            return weight.dtype, weight.shape[0] // kv_heads, heads, kv_heads
+    return None
+
+
+@functools.cache
+def _kernel() -> Any:
+    """The kernel over :data:`MAX_GROUPS` prefix inputs (a step over fewer
+    repeats one), so that a model compiles one build of it."""
     import mlx.core as mx
 
     return mx.fast.cuda_kernel(
-        name=f"mlxkv_shared_prefix_decode_{groups}",
-        input_names=input_names(groups),
+        name="mlxkv_shared_prefix_decode",
+        input_names=input_names(MAX_GROUPS),
         output_names=["out"],
-        source=kernel_source(groups),
+        source=kernel_source(MAX_GROUPS),
     )
 
 
@@ -308,9 +334,8 @@ def decode_attention(
     threads, split = launch(heads, kv_heads, dim)  # type: ignore[misc]
     if info is None:
         info = mx.array(row_info(batch, segments, padding, length), dtype=mx.int32)
-    prefixes = [array for _, keys, values, _ in segments for array in (keys, values)]
-    (out,) = _kernel(len(segments))(
-        inputs=[queries, _scale(scale), info, suffix_keys, suffix_values, *prefixes],
+    (out,) = _kernel()(
+        inputs=[queries, _scale(scale), info, suffix_keys, suffix_values, *prefix_inputs(segments)],
         template=[("T", queries.dtype), ("D", dim), ("REP", heads // kv_heads), ("SPLIT", split)],
         grid=(threads, kv_heads, batch),
         threadgroup=(threads, 1, 1),
@@ -328,16 +353,16 @@ def _scale(scale: float) -> Any:
     return mx.array([scale], dtype=mx.float32)
 
 
-#: ``(dtype, head_dim, heads, kv_heads, prefixes)`` -> whether the kernel of
-#: that build passed its check in this process. Written by the MLX threads that
+#: ``(dtype, head_dim, heads, kv_heads)`` -> whether the kernel of that build
+#: passed its check in this process. Written by the MLX threads that
 #: check (no lock: two runners checking one build at once each check it, and
 #: write the same answer).
-_CHECKED: dict[tuple[str, int, int, int, int], bool] = {}
+_CHECKED: dict[tuple[str, int, int, int], bool] = {}
 
 
-def usable(dtype: Any = None, head_dim: int = 64, heads: int = 8, kv_heads: int = 2, groups: int = 2) -> bool:
+def usable(dtype: Any = None, head_dim: int = 64, heads: int = 8, kv_heads: int = 2) -> bool:
     """Whether the kernel built for these (a dtype, default float32; head size
-    and counts; prefixes) serves on this device: on MLX's CUDA backend, once
+    and counts) serves on this device: on MLX's CUDA backend, once
     it has compiled and agreed with plain MLX operations on a small problem
     of that build (checked once a process; a failure is logged and that
     build is not used again). False everywhere else."""
@@ -346,12 +371,12 @@ def usable(dtype: Any = None, head_dim: int = 64, heads: int = 8, kv_heads: int 
     if not _on_cuda():
         return False
     dtype = dtype or mx.float32
-    key = (str(dtype), head_dim, heads, kv_heads, groups)
+    key = (str(dtype), head_dim, heads, kv_heads)
     known = _CHECKED.get(key)
     if known is not None:
         return known
     try:
-        error = self_check(dtype, head_dim, heads, kv_heads, groups)
+        error = self_check(dtype, head_dim, heads, kv_heads)
     except Exception as exc:  # a compile or launch failure: the portable path serves
         error = f"{type(exc).__name__}: {exc}"
     _CHECKED[key] = error is None
@@ -363,7 +388,7 @@ def usable(dtype: Any = None, head_dim: int = 64, heads: int = 8, kv_heads: int 
 
 
 def self_check(
-    dtype: Any = None, head_dim: int = 64, heads: int = 8, kv_heads: int = 2, groups: int = 2
+    dtype: Any = None, head_dim: int = 64, heads: int = 8, kv_heads: int = 2, groups: int = 3
 ) -> Optional[str]:
     """Run the kernel of this build on a small problem against plain MLX
     operations -- a row over each prefix (the first seeing part of it, more

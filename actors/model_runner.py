@@ -1084,8 +1084,8 @@ class TextRunner(CacheRunner):
         )
         if fields["shared_prefix"]:
             way = config.prefix_attention or PrefixAttention.for_device()
-            if way is PrefixAttention.KERNEL and not decode_kernel.usable():
-                way = PrefixAttention.MIXED  # no kernel here (not CUDA, or it failed its check: logged)
+            if way is PrefixAttention.KERNEL and not decode_kernel.usable(*(decode_kernel.model_build(model) or ())):
+                way = PrefixAttention.MIXED  # no kernel here (not CUDA, or its build failed its check: logged)
             attention_hook.use(way)
             fields["prefix_attention"] = way.value
         args = getattr(model, "args", None)

@@ -673,7 +673,7 @@ def kernel_attention(
         and padding is not None
         and not _additive(mask)
         and decode_kernel.supported(queries, segments, suffix_buffer)
-        and decode_kernel.usable(queries.dtype, queries.shape[3], queries.shape[1], keys.shape[1], len(segments))
+        and decode_kernel.usable(queries.dtype, queries.shape[3], queries.shape[1], keys.shape[1])
     ):
         import mlx.core as mx
 

@@ -21,6 +21,7 @@ from mlxkv.actors.decode_kernel import (
     input_names,
     kernel_source,
     launch,
+    prefix_inputs,
     reference_attention,
     row_info,
     supported,
@@ -87,6 +88,15 @@ class TestLayout:
         with pytest.raises(ValueError):
             kernel_source(MAX_GROUPS + 1)
 
+    def test_a_models_build_is_read_off_its_attention(self, tiny_llama):
+        """What a runner checks as it is made: the tiny Llama's float32 heads
+        of 16, 4 query and 2 KV heads; a model without attention: none."""
+        import mlx.nn as nn
+
+        model, _ = tiny_llama
+        assert decode_kernel.model_build(model) == (mx.float32, 16, 4, 2)
+        assert decode_kernel.model_build(nn.Sequential(nn.Linear(2, 2))) is None
+
     def test_the_devices_way(self, monkeypatch):
         """The cascade on the CPU; on a GPU the kernel where MLX has CUDA, else (Metal) mixed."""
         from mlxkv.actors.prefix_attention import PrefixAttention
@@ -111,6 +121,26 @@ class TestLayout:
         np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5, rtol=0)
 
 
+def _emulated(q, sk, sv, segments, padding, length, scale, folder):
+    """The kernel's output, run as :func:`~mlxkv.actors.decode_kernel.decode_attention`
+    runs it (its one build over :data:`MAX_GROUPS` prefix inputs), under the emulation."""
+    batch, heads, _, dim = q.shape
+    kv_heads = sk.shape[1]
+    threads, split = launch(heads, kv_heads, dim)
+    info = np.array(row_info(batch, segments, padding, length), dtype=np.int32)
+    arrays = [q, np.array([scale], dtype=np.float32), info, sk, sv, *prefix_inputs(segments)]
+    (out,) = cuda_source.emulate(
+        kernel_source(MAX_GROUPS),
+        list(zip(input_names(MAX_GROUPS), arrays)),
+        [("out", q.shape)],
+        [("T", "float32"), ("D", dim), ("REP", heads // kv_heads), ("SPLIT", split)],
+        grid=(threads, kv_heads, batch),
+        threadgroup=(threads, 1, 1),
+        folder=folder,
+    )
+    return out
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ for the emulation")
 class TestEmulated:
     """The kernel's source, run on the CPU a CUDA thread a host thread."""
@@ -119,24 +149,12 @@ class TestEmulated:
     def test_equals_attention_over_each_rows_keys(self, tmp_path, heads, kv_heads, dim):
         q, sk, sv, segments, padding, length = _problem(heads, kv_heads, dim, seed=dim)
         scale = dim**-0.5
-        threads, split = launch(heads, kv_heads, dim)
-        info = np.array(row_info(3, segments, padding, length), dtype=np.int32)
-        prefixes = [(name, a) for g, (_, k, v, _) in enumerate(segments) for name, a in ((f"pk{g}", k), (f"pv{g}", v))]
-        (out,) = cuda_source.emulate(
-            kernel_source(len(segments)),
-            [("q", q), ("scale", np.array([scale], dtype=np.float32)), ("info", info), ("sk", sk), ("sv", sv), *prefixes],
-            [("out", q.shape)],
-            [("T", "float32"), ("D", dim), ("REP", heads // kv_heads), ("SPLIT", split)],
-            grid=(threads, kv_heads, 3),
-            threadgroup=(threads, 1, 1),
-            folder=tmp_path,
-        )
+        out = _emulated(q, sk, sv, segments, padding, length, scale, tmp_path)
         want = np.array(_cascade(q, sk, sv, segments, padding, length, scale))
         np.testing.assert_allclose(out, want, atol=2e-5, rtol=0)
         # What it is checked against moves: a row's padding read as none is far off.
         moved = np.array(_cascade(q, sk, sv, segments, [0, 0, 17], length, scale))
         assert np.abs(moved - want).max() > 1e-2
-
 
     def test_edges_of_a_round_and_a_lone_key(self, tmp_path):
         """Row 0's keys fill a block's rounds exactly (8 warps of 32, twice);
@@ -149,37 +167,45 @@ class TestEmulated:
         sv = rng.standard_normal((2, kv_heads, 32, dim), dtype=np.float32)
         pk = rng.standard_normal((1, kv_heads, 500, dim), dtype=np.float32)
         pv = rng.standard_normal((1, kv_heads, 500, dim), dtype=np.float32)
-        threads, split = launch(heads, kv_heads, dim)
-        assert (threads, split) == (512, 8)
+        assert launch(heads, kv_heads, dim) == (512, 8)
         length, padding = 30, [0, 29]
-        segments = [([0], pk, pv, [2 * 32 * split - length])]  # 482 + 30 = 512 keys
-        info = np.array(row_info(2, segments, padding, length), dtype=np.int32)
-        (out,) = cuda_source.emulate(
-            kernel_source(1),
-            [("q", q), ("scale", np.array([0.25], dtype=np.float32)), ("info", info), ("sk", sk), ("sv", sv),
-             ("pk0", pk), ("pv0", pv)],
-            [("out", q.shape)],
-            [("T", "float32"), ("D", dim), ("REP", heads // kv_heads), ("SPLIT", split)],
-            grid=(threads, kv_heads, 2),
-            threadgroup=(threads, 1, 1),
-            folder=tmp_path,
-        )  # fmt: skip
+        segments = [([0], pk, pv, [2 * 32 * 8 - length])]  # 482 + 30 = 512 keys
+        out = _emulated(q, sk, sv, segments, padding, length, 0.25, tmp_path)
         want = np.array(_cascade(q, sk, sv, segments, padding, length, 0.25))
         np.testing.assert_allclose(out, want, atol=2e-5, rtol=0)
         # One key: its value, for every query head of its KV head.
         np.testing.assert_allclose(out[1, :, 0], np.repeat(sv[1, :, 29], heads // kv_heads, axis=0), atol=1e-6)
 
+    def test_rows_read_their_own_prefix_among_many(self, tmp_path):
+        """Eight prefixes (the most one build takes), the rows over the last
+        three inputs (one over its prefix's first positions only)."""
+        heads, kv_heads, dim = 4, 2, 32
+        rng = np.random.default_rng(11)
+        prefixes = [rng.standard_normal((2, 1, kv_heads, 40 + 9 * g, dim), dtype=np.float32) for g in range(MAX_GROUPS)]
+        rows = [0, 7, 6]
+        segments = [([], *prefixes[g], []) for g in range(MAX_GROUPS) if g not in rows]
+        segments += [([i], *prefixes[g], [40 + 9 * g if i else 5]) for i, g in enumerate(rows)]
+        q = rng.standard_normal((3, heads, 1, dim), dtype=np.float32)
+        sk = rng.standard_normal((3, kv_heads, 16, dim), dtype=np.float32)
+        sv = rng.standard_normal((3, kv_heads, 16, dim), dtype=np.float32)
+        out = _emulated(q, sk, sv, segments, [3, 0, 8], 12, 0.2, tmp_path)
+        want = np.array(_cascade(q, sk, sv, [seg for seg in segments if seg[0]], [3, 0, 8], 12, 0.2))
+        np.testing.assert_allclose(out, want, atol=2e-5, rtol=0)
+
 
 @pytest.mark.skipif(cuda_source.nvcc() is None, reason="needs nvcc")
 class TestCompiles:
-    """The source as MLX's CUDA backend compiles it (its generated signature),
-    for each dtype and a one- and a three-prefix batch; and each block's
-    threads fit an SM's registers."""
+    """The source as MLX's CUDA backend compiles it (its generated signature;
+    the one build over :data:`MAX_GROUPS` prefix inputs, and a one-prefix
+    source), for each dtype and several heads; and each block's threads fit
+    an SM's registers."""
 
     @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
     @pytest.mark.parametrize(
-        ("groups", "heads", "kv_heads", "dim"), [(1, 32, 8, 64), (3, 32, 8, 128), (8, 32, 1, 128), (2, 4, 2, 16)]
-    )
+        ("groups", "heads", "kv_heads", "dim"),
+        [(MAX_GROUPS, 32, 8, 64), (MAX_GROUPS, 32, 8, 128), (MAX_GROUPS, 32, 1, 128), (MAX_GROUPS, 4, 2, 16),
+         (1, 8, 2, 96)],
+    )  # fmt: skip
     def test_nvcc_compiles_it(self, tmp_path, dtype, groups, heads, kv_heads, dim):
         threads, split = launch(heads, kv_heads, dim)
         names = input_names(groups)
@@ -336,6 +362,6 @@ class TestSelfCheck:
         monkeypatch.setattr(decode_kernel, "_on_cuda", lambda: True)
         monkeypatch.setattr(decode_kernel, "self_check", failing)
         monkeypatch.setattr(decode_kernel, "_CHECKED", {})
-        assert not decode_kernel.usable(mx.bfloat16, 64, 32, 8, 1)
-        assert not decode_kernel.usable(mx.bfloat16, 64, 32, 8, 1)
+        assert not decode_kernel.usable(mx.bfloat16, 64, 32, 8)
+        assert not decode_kernel.usable(mx.bfloat16, 64, 32, 8)
         assert len(checks) == 1
