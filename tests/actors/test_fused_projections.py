@@ -6,9 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx.utils import tree_flatten
 from mlx_lm import load
-from mlx_lm.models.cache import make_prompt_cache
 
 from mlxkv.actors.fused_projections import fuse_projections, fused_linear
 from mlxkv.actors.weight_layout import transpose_linear_weights
@@ -16,21 +14,7 @@ from mlxkv.default_model import TINY_HYBRID, TINY_LLAMA, TINY_SLIDING_LLAMA, ens
 
 from device_arithmetic import LOGITS_ATOL, ON_CPU
 from graph_ops import primitives
-
-
-def _logits(model, prompt, steps):
-    """Logits of a prefill of ``prompt`` and of ``steps`` greedy decode steps after it."""
-    cache = make_prompt_cache(model)
-    out = [model(mx.array([prompt]), cache=cache)]
-    for _ in range(steps):
-        token = mx.argmax(out[-1][:, -1:], axis=-1)
-        out.append(model(token, cache=cache))
-    mx.eval(out)
-    return out
-
-
-def _nbytes(model):
-    return sum(a.nbytes for _, a in tree_flatten(model.parameters()))
+from model_weights import parameter_bytes, prefill_and_decode_logits
 
 
 def _same(got, want):
@@ -44,7 +28,7 @@ def _same(got, want):
 class TestFuseProjections:
     @pytest.mark.parametrize("transposed", [False, True], ids=["layout", "transposed"])
     @pytest.mark.parametrize("spec", [TINY_LLAMA, TINY_SLIDING_LLAMA, TINY_HYBRID], ids=lambda s: s.name)
-    def test_a_model_computes_the_same_logits(self, spec, model_dir, transposed):
+    def test_a_model_computes_the_sameprefill_and_decode_logits(self, spec, model_dir, transposed):
         """Every attention's k/v and every MLP's gate/up of an mlx-lm model
         become one product a set, the model's parameters take the same bytes,
         and its prefill and decode logits equal the untouched model's (bit
@@ -54,15 +38,15 @@ class TestFuseProjections:
         model, _ = load(path)
         plain, _ = load(path)
         prompt = list(range(3, 40))
-        want = _logits(plain, prompt, 4)
-        before = _nbytes(model)
+        want = prefill_and_decode_logits(plain, prompt, 4)
+        before = parameter_bytes(model)
         sets = fuse_projections(model, transposed=transposed)
         if transposed:
             transpose_linear_weights(model)
         assert sets >= len(model.layers)  # at least each layer's MLP
-        assert _nbytes(model) == before
+        assert parameter_bytes(model) == before
         assert fuse_projections(model) == 0  # once
-        _same(_logits(model, prompt, 4), want)
+        _same(prefill_and_decode_logits(model, prompt, 4), want)
 
     def test_one_product_a_set(self, tiny_llama_fresh):
         """A layer's key and value projections put one product in the graph

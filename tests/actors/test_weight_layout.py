@@ -5,9 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx.utils import tree_flatten
 from mlx_lm import load
-from mlx_lm.models.cache import make_prompt_cache
 
 from mlxkv.actors.compute_config import RunnerConfig
 from mlxkv.actors.compute import ComputeActor, ComputeHandle
@@ -16,25 +14,11 @@ from mlxkv.actors.weight_layout import transpose_linear_weights, transposed_line
 from mlxkv.default_model import TINY_HYBRID, TINY_LLAMA, TINY_SLIDING_LLAMA, ensure_model
 
 from device_arithmetic import LOGITS_ATOL, ON_CPU
+from model_weights import parameter_bytes, prefill_and_decode_logits
 
 
 def _load(spec, model_dir):
     return load(str(ensure_model(spec, model_dir)))
-
-
-def _logits(model, prompt, steps):
-    """Logits of a prefill of ``prompt`` and of ``steps`` greedy decode steps after it."""
-    cache = make_prompt_cache(model)
-    out = [model(mx.array([prompt]), cache=cache)]
-    for _ in range(steps):
-        token = mx.argmax(out[-1][:, -1:], axis=-1)
-        out.append(model(token, cache=cache))
-    mx.eval(out)
-    return out
-
-
-def _nbytes(model):
-    return sum(a.nbytes for _, a in tree_flatten(model.parameters()))
 
 
 class _Net(nn.Module):
@@ -63,15 +47,15 @@ class TestTransposeLinearWeights:
         plain, _ = _load(spec, model_dir)
         model, _ = _load(spec, model_dir)
         prompt = [3 + (i * 7) % 200 for i in range(150)]
-        expected = _logits(plain, prompt, 4)
-        before = _nbytes(model)
+        expected = prefill_and_decode_logits(plain, prompt, 4)
+        before = parameter_bytes(model)
         linears = sum(type(m) is nn.Linear for _, m in model.named_modules())
         assert transpose_linear_weights(model) == linears > 0
         assert not any(type(m) is nn.Linear for _, m in model.named_modules())
-        assert _nbytes(model) == before
+        assert parameter_bytes(model) == before
         if ON_CPU:
             assert mx.get_cache_memory() == 0  # the originals' buffers were given back
-        for got, want in zip(_logits(model, prompt, 4), expected):
+        for got, want in zip(prefill_and_decode_logits(model, prompt, 4), expected):
             if ON_CPU:
                 assert mx.array_equal(got, want).item()
             else:
