@@ -42,8 +42,10 @@ SIBLINGS = (("k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
 class _Product:
     """One set's weights side by side and the last product over them.
 
-    Owns: ``weight`` (``(in, out)`` contiguous where ``transposed``, else
-    ``(out, in)``), ``bias`` or None, each sibling's column range, and
+    Reads: the joint ``weight`` (``(in, out)`` contiguous where
+    ``transposed``, else ``(out, in)``) and ``bias`` (or None) off the set's
+    first sibling, whose parameters they are (so that a model's update of
+    its parameters reaches the product). Owns: each sibling's column range, and
     ``last``: the input the product was last computed for, the product, and
     the siblings that have not taken their columns of it yet (dropped when
     the last of them has, so no activation outlives its layer's call);
@@ -54,13 +56,20 @@ class _Product:
     only (:func:`fused_linear`), so the model's parameters count it once.
     """
 
-    def __init__(self, weight: Any, bias: Any, ranges: dict[str, tuple[int, int]], transposed: bool) -> None:
-        self.weight = weight
-        self.bias = bias
+    def __init__(self, ranges: dict[str, tuple[int, int]], transposed: bool) -> None:
+        self.owner: Any = None
         self.ranges = ranges
         self.transposed = transposed
         self.last: Optional[tuple[Any, Any, set[str]]] = None
         self.apart = False
+
+    @property
+    def weight(self) -> Any:
+        return self.owner.weight_joint
+
+    @property
+    def bias(self) -> Any:
+        return self.owner.get("bias_joint")
 
     def columns(self, name: str) -> Any:
         """Sibling ``name``'s weight as ``(out, in)``: a view of the joint weight."""
@@ -123,14 +132,17 @@ def fused_linear() -> Any:
               sibling only.
         """
 
-        def __init__(self, product: _Product, name: str, owner: bool) -> None:
+        def __init__(self, product: _Product, name: str, joint: Optional[tuple[Any, Any]] = None) -> None:
+            """A sibling ``name`` of ``product``'s set; the first one is given
+            the ``joint`` weight and bias (or None) as its parameters."""
             super().__init__()
             self._ref = _Ref(product)
             self._name = name
-            if owner:
-                self.weight_joint = product.weight
-                if product.bias is not None:
-                    self.bias_joint = product.bias
+            if joint is not None:
+                self.weight_joint = joint[0]
+                if joint[1] is not None:
+                    self.bias_joint = joint[1]
+                product.owner = self
 
         @property
         def weight(self) -> Any:
@@ -179,10 +191,10 @@ def fuse_projections(model: Any, *, transposed: bool = False) -> int:
             for name, w in zip(names, weights):
                 ranges[name] = (start, start + w.shape[0])
                 start += w.shape[0]
-            product = _Product(joint, bias, ranges, transposed)
+            product = _Product(ranges, transposed)
             cls = fused_linear()
             for index, name in enumerate(names):
-                module[name] = cls(product, name, owner=index == 0)
+                module[name] = cls(product, name, (joint, bias) if index == 0 else None)
             fused += 1
     if fused:
         mx.clear_cache()  # the originals' buffers, not kept for reuse

@@ -83,6 +83,18 @@ class TestFuseProjections:
         assert mx.array_equal(mlp.gate_proj(y), y @ gate_up["gate_proj"].T).item()  # up never called for x
         assert mlp.gate_proj._ref.product.apart
 
+    def test_an_update_of_the_parameters_reaches_the_product(self, tiny_llama_fresh):
+        """The joint weight is the first sibling's parameter: a model's
+        ``update`` of it (zeroed here) is what the set multiplies by."""
+        from mlx.utils import tree_map
+
+        model = tiny_llama_fresh
+        fuse_projections(model)
+        attn = model.model.layers[0].self_attn
+        attn.k_proj.update(tree_map(mx.zeros_like, attn.k_proj.parameters()))
+        x = mx.random.normal((1, 2, model.args.hidden_size))
+        assert not mx.any(attn.k_proj(x)).item() and not mx.any(attn.v_proj(x)).item()
+
     def test_weights_read_as_before(self, tiny_llama_fresh):
         """A fused layer's ``weight`` is its original ``(out, in)`` weight."""
         model = tiny_llama_fresh
