@@ -21,6 +21,7 @@ merging batches copy only suffixes.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -385,6 +386,26 @@ def _whole_steps(suffix: Any, room: int = 0) -> None:
             setattr(suffix, name, mx.concatenate([old, mx.zeros((b, h, room, d), dtype=old.dtype)], axis=2))
 
 
+_LAST_OFFSETS = threading.local()
+
+
+def _host_offsets(prefixes: Optional[tuple[int, ...]], index: int, padding: tuple[int, ...]) -> Any:
+    """Each row's prefix length (``prefixes``; None: the suffix's own offsets,
+    no prefix) plus its own tokens (``index`` less its padding), as one array
+    made on the host: the calling thread's last such array when the numbers
+    are the same (a step's layers)."""
+    import mlx.core as mx
+
+    kind = "suffix" if prefixes is None else "batch"
+    key = (prefixes, index, padding)
+    last = getattr(_LAST_OFFSETS, kind, None)
+    if last is not None and last[0] == key:
+        return last[1]
+    offsets = mx.array([n + index - pad for n, pad in zip(prefixes or [0] * len(padding), padding)])
+    setattr(_LAST_OFFSETS, kind, (key, offsets))
+    return offsets
+
+
 class BatchSharedPrefixCache(_OverSuffix):
     """A batch's cache of one attention layer: each row's shared prefix, and
     every row's own suffix in one mlx-lm ``BatchKVCache`` (left-padded).
@@ -421,33 +442,28 @@ class BatchSharedPrefixCache(_OverSuffix):
     def rows(self, rows: list[tuple[Optional[PrefixGroup], int]]) -> None:
         self._rows = rows
         self._grouping: Optional[list[tuple[PrefixGroup, list[int], list[int]]]] = None
-        self._prefix_lengths: Any = None
-        self._offset: Optional[tuple[Any, Any]] = None
 
     @property
     def offset(self) -> Any:
         """Each row's tokens before its next one: prefix and suffix.
 
-        One array until the suffix changes: a layer reads it twice (its
-        queries' and its keys' rotary positions) before it writes, and each
-        sum is a kernel on a GPU. Kept with the suffix offset it was made
-        from (a new array at each change in mlx-lm's ``BatchKVCache``) and
-        dropped by every method here that changes the suffix (those that
-        change the rows, by the rows' setter)."""
-        import mlx.core as mx
-
-        suffix_offset = self.suffix.offset
-        if self._offset is not None and self._offset[0] is suffix_offset:
-            return self._offset[1]
-        if self._prefix_lengths is None:
-            self._prefix_lengths = mx.array([n for _, n in self.rows])
-        total = self._prefix_lengths + suffix_offset
-        self._offset = (suffix_offset, total)
-        return total
+        Known on the host: mlx-lm's ``BatchKVCache`` keeps a row's offset
+        equal to its write index less the row's left padding, both of which
+        this cache knows without the device (``padding``). So it is an
+        array made from host numbers, not a sum on the device: a layer reads
+        it twice (its queries' and its keys' rotary positions), each sum a
+        kernel on a GPU, and every layer of a batch has the same rows, index
+        and padding, so one array serves a step's layers (the calling
+        thread's last, :func:`_host_offsets`)."""
+        return _host_offsets(tuple(n for _, n in self.rows), self.suffix._idx, tuple(self.padding))
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
-        self._offset = None
-        return self.suffix.update_and_fetch(keys, values)
+        """mlx-lm's write; the suffix's own offset then replaced by the same
+        numbers made on the host (mlx-lm's sum is never run: nothing reads
+        it, so left queued it would chain a sum a step, unevaluated)."""
+        out = self.suffix.update_and_fetch(keys, values)
+        self.suffix.offset = _host_offsets(None, self.suffix._idx, tuple(self.padding))
+        return out
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> Any:
         assert window_size is None, "a shared prefix serves full attention only"
@@ -456,7 +472,6 @@ class BatchSharedPrefixCache(_OverSuffix):
     def prepare(self, **kwargs: Any) -> None:
         """mlx-lm's ``BatchKVCache.prepare``; the padding it adds (left now,
         right when :meth:`finalize` rolls it to the left) is kept here too."""
-        self._offset = None
         self.suffix.prepare(**kwargs)
         left, right = kwargs.get("left_padding"), kwargs.get("right_padding")
         if left is not None:
@@ -464,14 +479,12 @@ class BatchSharedPrefixCache(_OverSuffix):
         self._right_padding = [int(n) for n in right] if right is not None and max(right) > 0 else None
 
     def finalize(self) -> None:
-        self._offset = None
         self.suffix.finalize()
         if self._right_padding is not None:
             self.padding = [n + extra for n, extra in zip(self.padding, self._right_padding)]
             self._right_padding = None
 
     def trim(self, n: int) -> int:
-        self._offset = None
         return self.suffix.trim(n)
 
     def size(self) -> int:

@@ -115,11 +115,12 @@ class TestCaches:
         assert isinstance(row, SharedPrefixCache) and row.group is group and row.num_prefix == 64
         assert row.suffix.offset == 3 and float(row.suffix.keys[0, 0, 0, 0]) == 3.0
 
-    def test_the_offset_is_one_sum_until_the_suffix_changes(self, tiny_llama):
+    def test_the_offset_is_made_on_the_host_once_a_step(self, tiny_llama):
         """A layer reads a batch's offset twice (its queries' and its keys'
-        positions): one array, until a write, a trim, a leave or a join changes
-        the suffix -- also where the suffix's offset changes in place (an
-        mlx-lm that wrote ``+=`` would keep its identity)."""
+        positions): one array made from host numbers (no operation on the
+        device), the same for every layer of the step, new after a write, a
+        trim, a leave or a join; right however mlx-lm's suffix changes its own
+        offset (in place here, as an mlx-lm writing ``+=`` would)."""
         model, _ = tiny_llama
         group = PrefixGroup.build(block_payloads(model, list(range(64)), 16))
 
@@ -134,6 +135,9 @@ class TestCaches:
         batch = batch_of(((64, 3), (32, 5), (0, 7)))
         first = batch.offset
         assert batch.offset is first and first.tolist() == [67, 37, 7]
+        assert primitives(first) == []  # no operation to run
+        another_layer = batch_of(((64, 3), (32, 5), (0, 7)))
+        assert another_layer.offset is first
         step = mx.ones((3, 2, 1, 16))
         batch.update_and_fetch(step, step)
         assert batch.offset.tolist() == [68, 38, 8]
@@ -158,6 +162,8 @@ class TestCaches:
         batch.update_and_fetch(step, step)
         assert batch.suffix.offset is not None and batch.offset.tolist() == [68, 8, 19]
         assert before.tolist() == [67, 7, 18]
+        # The suffix's own offset is host-made too: no sum queued behind it a step.
+        assert batch.suffix.offset.tolist() == [4, 8, 3] and primitives(batch.suffix.offset) == []
 
     def test_a_row_taken_out_without_a_copy_views_the_batch(self, tiny_llama):
         """``extract(copy=False)`` gives a row's suffix as the copy does, as
