@@ -42,6 +42,7 @@ __all__ = [
     "kernel_source",
     "launch",
     "model_build",
+    "on_cuda",
     "prefix_inputs",
     "reference_attention",
     "row_info",
@@ -246,7 +247,7 @@ def supported(queries: Any, segments: Sequence[Any], suffix: Sequence[Any] = ())
     most :data:`MAX_GROUPS` prefixes."""
     import mlx.core as mx
 
-    if not _on_cuda() or queries.shape[2] != 1 or not 1 <= len(segments) <= MAX_GROUPS:
+    if not on_cuda() or queries.shape[2] != 1 or not 1 <= len(segments) <= MAX_GROUPS:
         return False
     if queries.dtype not in (mx.float32, mx.float16, mx.bfloat16):
         return False
@@ -256,11 +257,14 @@ def supported(queries: Any, segments: Sequence[Any], suffix: Sequence[Any] = ())
     return launch(queries.shape[1], kv_heads, queries.shape[3]) is not None
 
 
-def _on_cuda() -> bool:
+def on_cuda(device: Any = None) -> bool:
+    """Whether ``device`` (default: MLX's default device) is a GPU of MLX's
+    CUDA backend (not Metal, not the CPU)."""
     import mlx.core as mx
 
+    device = device if device is not None else mx.default_device()
     cuda = getattr(mx, "cuda", None)
-    return mx.default_device().type == mx.DeviceType.gpu and cuda is not None and cuda.is_available()
+    return device.type == mx.DeviceType.gpu and cuda is not None and cuda.is_available()
 
 
 def prefix_inputs(segments: Sequence[Any]) -> list[Any]:
@@ -368,13 +372,13 @@ def usable(dtype: Any = None, head_dim: int = 64, heads: int = 8, kv_heads: int 
     build is not used again). False everywhere else."""
     import mlx.core as mx
 
-    if not _on_cuda():
-        return False
     dtype = dtype or mx.float32
     key = (str(dtype), head_dim, heads, kv_heads)
-    known = _CHECKED.get(key)
+    known = _CHECKED.get(key)  # (only ever written on CUDA)
     if known is not None:
         return known
+    if not on_cuda():
+        return False
     try:
         error = self_check(dtype, head_dim, heads, kv_heads)
     except Exception as exc:  # a compile or launch failure: the portable path serves

@@ -90,11 +90,12 @@ class PrefixAttention(enum.Enum):
         at first use falls back to ``mixed``)."""
         import mlx.core as mx
 
+        from mlxkv.actors.decode_kernel import on_cuda
+
         device = device if device is not None else mx.default_device()
         if device.type == mx.DeviceType.cpu:
             return cls.CASCADE
-        cuda = getattr(mx, "cuda", None)
-        return cls.KERNEL if cuda is not None and cuda.is_available() else cls.MIXED
+        return cls.KERNEL if on_cuda(device) else cls.MIXED
 
 
 def attention_for(way: PrefixAttention) -> Callable[..., Any]:

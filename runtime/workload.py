@@ -269,12 +269,13 @@ def _device() -> str:
     """MLX's default device as a person names it: ``cpu``, ``gpu (Metal)``, ``gpu (CUDA)``."""
     import mlx.core as mx
 
+    from mlxkv.actors.decode_kernel import on_cuda
+
     if mx.default_device().type == mx.DeviceType.cpu:
         return "cpu"
     if mx.metal.is_available():
         return "gpu (Metal)"
-    cuda = getattr(mx, "cuda", None)
-    return "gpu (CUDA)" if cuda is not None and cuda.is_available() else "gpu"
+    return "gpu (CUDA)" if on_cuda() else "gpu"
 
 
 def _check_fits(config: WorkloadConfig, max_context: Optional[int]) -> None:

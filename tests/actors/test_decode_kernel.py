@@ -30,7 +30,7 @@ from mlxkv.actors.prefix_attention import cascade_attention
 
 import cuda_source
 
-ON_CUDA = decode_kernel._on_cuda()
+ON_CUDA = decode_kernel.on_cuda()
 
 
 def _problem(heads: int, kv_heads: int, dim: int, *, seed: int = 0):
@@ -359,7 +359,7 @@ class TestSelfCheck:
             checks.append(build)
             raise RuntimeError("Failed to compile kernel")
 
-        monkeypatch.setattr(decode_kernel, "_on_cuda", lambda: True)
+        monkeypatch.setattr(decode_kernel, "on_cuda", lambda device=None: True)
         monkeypatch.setattr(decode_kernel, "self_check", failing)
         monkeypatch.setattr(decode_kernel, "_CHECKED", {})
         assert not decode_kernel.usable(mx.bfloat16, 64, 32, 8)
