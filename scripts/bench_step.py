@@ -46,10 +46,12 @@ build time stands for the host's share of a GPU step, and the wall time is
 the CPU's arithmetic -- only a GPU's says what a GPU step costs.
 
 ``--kernel-stand-in``: where MLX has no CUDA backend, the ``kernel`` way's
-decode steps call a stand-in for its CUDA kernel -- one fused attention call
-over the suffix buffers, counted as the one launch the kernel is -- so that
-its counts say what a CUDA step of that way would launch (its output is not
-the kernel's: its times say nothing). Without it, the ``kernel`` way runs
+decode steps run their host path as on CUDA (the kernel taken as checked,
+the rows' layout and the kernel's inputs made) and launch a stand-in for
+the CUDA kernel -- one fused attention call over the suffix buffers, counted
+as the one launch the kernel is -- so that its counts and build time say
+what a CUDA step of that way would cost the host (its output is not the
+kernel's: its wall times say nothing). Without it, the ``kernel`` way runs
 as ``mixed`` off CUDA.
 
 ``--temperature T`` (and ``--top-p``): every row sampled, not greedy --
@@ -463,21 +465,24 @@ def mlx_lm_steps(
 
 
 def stand_in_kernel() -> None:
-    """Where MLX has no CUDA backend, the decode kernel (:mod:`mlxkv.actors.decode_kernel`)
-    replaced by one fused attention call over the suffix buffers: the one
-    launch the kernel is, for the counts (not its output)."""
+    """Where MLX has no CUDA backend, the decode kernel
+    (:mod:`mlxkv.actors.decode_kernel`) taken as present and checked, its one
+    launch replaced by one fused attention call over the suffix buffers: the
+    kernel way's host path runs as it would on CUDA (its checks, the rows'
+    layout, the kernel's inputs and template), for the counts and the
+    build time (not its output)."""
     from mlxkv.actors import decode_kernel
 
-    if decode_kernel.usable():
+    if decode_kernel.on_cuda():
         return
 
-    def one_launch(queries: Any, suffix_keys: Any, suffix_values: Any, length: int, padding: Any, scale: float,
-                   segments: Any, info: Any = None) -> Any:  # fmt: skip
-        return mx.fast.scaled_dot_product_attention(queries, suffix_keys, suffix_values, scale=scale)
+    def one_launch(*, inputs: Any, output_shapes: Any, **_: Any) -> list[Any]:
+        queries, _scale, _info, suffix_keys, suffix_values = inputs[:5]
+        return [mx.fast.scaled_dot_product_attention(queries, suffix_keys, suffix_values, scale=1.0)]
 
-    decode_kernel.usable = lambda *build: True
-    decode_kernel.supported = lambda queries, segments, suffix=(): queries.shape[2] == 1
-    decode_kernel.decode_attention = one_launch
+    decode_kernel.on_cuda = lambda device=None: True
+    decode_kernel.self_check = lambda *build: None
+    decode_kernel._kernel = lambda: one_launch
 
 
 def main() -> None:

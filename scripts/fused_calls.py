@@ -18,7 +18,8 @@ from typing import Any, Callable, Optional
 
 import mlx.core as mx
 
-#: Primitives that only view their input (no kernel of their own). A
+#: Primitives that only view their input (no kernel of their own; a
+#: ``Split``'s outputs are views of its input on every backend). A
 #: ``Flatten`` and ``Unflatten`` are reshapes (MLX's ``reshape_gpu``: a copy
 #: only where the input's strides cannot be regrouped) that MLX's matrix
 #: product puts around every product of a batch of rows with a matrix --
@@ -27,7 +28,10 @@ import mlx.core as mx
 #: ``bench_step.py`` takes off those that need no copy, read off their
 #: inputs' layouts (``cuda_reshape.py``).
 VIEWS = frozenset(
-    {"Broadcast", "Transpose", "Slice", "ExpandDims", "Squeeze", "AsStrided", "StopGradient", "Flatten", "Unflatten"}
+    {
+        "Broadcast", "Transpose", "Slice", "Split", "ExpandDims", "Squeeze", "AsStrided", "StopGradient", "Flatten",
+        "Unflatten",
+    }
 )
 
 
