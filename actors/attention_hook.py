@@ -92,12 +92,17 @@ def _dispatcher(original: Callable[..., Any]) -> Callable[..., Any]:
             import mlx.core as mx
 
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
-        way_in_use()
-        options: dict[str, Any] = {"evaluate_slices": not cache.last_layer}
+        attend = getattr(_CHOSEN, "attend", None)
+        if attend is None:
+            way_in_use()
+            attend = _CHOSEN.attend
         if queries.shape[2] == 1 and isinstance(cache, BatchSharedPrefixCache):
-            options["suffix_buffer"] = cache.suffix_buffer()
-            options["padding"] = cache.padding
-        return _CHOSEN.attend(queries, keys, values, mask, scale, segments, **options)
+            # A decode step (every layer: a lookup each, nothing walked over the rows).
+            return attend(
+                queries, keys, values, mask, scale, segments, evaluate_slices=not cache.last_layer,
+                suffix_buffer=cache.suffix_buffer(), rows=cache.batch_rows(),
+            )  # fmt: skip
+        return attend(queries, keys, values, mask, scale, segments, evaluate_slices=not cache.last_layer)
 
     scaled_dot_product_attention.__wrapped__ = original  # type: ignore[attr-defined]
     return scaled_dot_product_attention

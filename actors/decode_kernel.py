@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from mlxkv.actors.event_log import EventLog
 
@@ -37,6 +37,7 @@ __all__ = [
     "MAX_HEAD_DIM",
     "MAX_GROUPS",
     "MAX_THREADS",
+    "StepLaunch",
     "decode_attention",
     "input_names",
     "kernel_source",
@@ -47,6 +48,7 @@ __all__ = [
     "reference_attention",
     "row_info",
     "self_check",
+    "step_launch",
     "supported",
     "usable",
 ]
@@ -314,6 +316,35 @@ def row_info(batch: int, segments: Sequence[Any], padding: Sequence[int], length
     return info
 
 
+class StepLaunch(NamedTuple):
+    """A decode step's launch of the kernel but for each layer's own arrays,
+    made once a step for all its layers: the rows' :func:`row_info` as an
+    int32 array (an input) and the call's template, grid and outputs."""
+
+    info: Any
+    arguments: dict[str, Any]
+
+
+def step_launch(queries: Any, kv_heads: int, segments: Sequence[Any], padding: Sequence[int], length: int) -> StepLaunch:
+    """The :class:`StepLaunch` of a step of ``queries`` ``(batch, heads, 1,
+    head_dim)`` over ``segments``, its rows' suffixes from ``padding[row]``
+    to ``length`` (a build :func:`launch` takes)."""
+    import mlx.core as mx
+
+    batch, heads, _, dim = queries.shape
+    threads, split = launch(heads, kv_heads, dim)  # type: ignore[misc]
+    return StepLaunch(
+        info=mx.array(row_info(batch, segments, padding, length), dtype=mx.int32),
+        arguments={
+            "template": [("T", queries.dtype), ("D", dim), ("REP", heads // kv_heads), ("SPLIT", split)],
+            "grid": (threads, kv_heads, batch),
+            "threadgroup": (threads, 1, 1),
+            "output_shapes": [queries.shape],
+            "output_dtypes": [queries.dtype],
+        },
+    )
+
+
 def decode_attention(
     queries: Any,
     suffix_keys: Any,
@@ -322,29 +353,20 @@ def decode_attention(
     padding: Sequence[int],
     scale: float,
     segments: Sequence[Any],
-    info: Any = None,
+    step: Optional[StepLaunch] = None,
 ) -> Any:
     """One decode step's attention: ``queries`` ``(batch, heads, 1, head_dim)``
     over each row's part of its prefix (``segments``, as
     :func:`~mlxkv.actors.prefix_attention.cascade_attention` takes them) and
     its own suffix: positions ``padding[row]`` to ``length`` of the whole
-    suffix buffers ``(batch, kv_heads, C, head_dim)``. ``info``: the rows'
-    :func:`row_info` as an int32 array, where the caller keeps one for the
-    step's layers. Returns ``(batch, heads, 1, head_dim)`` in the queries' dtype."""
-    import mlx.core as mx
-
-    batch, heads, _, dim = queries.shape
-    kv_heads = suffix_keys.shape[1]
-    threads, split = launch(heads, kv_heads, dim)  # type: ignore[misc]
-    if info is None:
-        info = mx.array(row_info(batch, segments, padding, length), dtype=mx.int32)
+    suffix buffers ``(batch, kv_heads, C, head_dim)``. ``step``: the step's
+    :func:`step_launch`, where the caller keeps one for the step's layers.
+    Returns ``(batch, heads, 1, head_dim)`` in the queries' dtype."""
+    if step is None:
+        step = step_launch(queries, suffix_keys.shape[1], segments, padding, length)
     (out,) = _kernel()(
-        inputs=[queries, _scale(scale), info, suffix_keys, suffix_values, *prefix_inputs(segments)],
-        template=[("T", queries.dtype), ("D", dim), ("REP", heads // kv_heads), ("SPLIT", split)],
-        grid=(threads, kv_heads, batch),
-        threadgroup=(threads, 1, 1),
-        output_shapes=[queries.shape],
-        output_dtypes=[queries.dtype],
+        inputs=[queries, _scale(scale), step.info, suffix_keys, suffix_values, *prefix_inputs(segments)],
+        **step.arguments,
     )
     return out
 

@@ -46,9 +46,12 @@ import enum
 import functools
 import threading
 from collections.abc import Sequence
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import attrs
+
+if TYPE_CHECKING:
+    from mlxkv.cache.shared_prefix import BatchRows
 
 __all__ = [
     "JOINED_SCORES",
@@ -653,40 +656,51 @@ def kernel_attention(
     segments: Sequence[Segment],
     *,
     suffix_buffer: Optional[tuple[Any, Any]] = None,
-    padding: Optional[Sequence[int]] = None,
+    rows: Optional[BatchRows] = None,
     **options: Any,
 ) -> Any:
     """A decode step by one kernel a layer
     (:func:`~mlxkv.actors.decode_kernel.decode_attention`) where it serves:
     MLX's CUDA backend, a batch cache's step (``suffix_buffer``: its whole
-    suffix buffers; ``padding``: its rows' left padding, which its boolean
-    mask -- or none, for no padding -- says again), shapes and prefixes the
-    kernel takes, and a kernel of that build that passed its check in this
-    process (the first step of a build checks it: a wait, once).
-    Everything else -- prefill chunks, other devices, an additive mask -- as
-    :func:`mixed_attention`. The rows' layout for the kernel is made once a
-    step (its layers share it)."""
+    suffix buffers; ``rows``: its rows' segments, prefix lengths and left
+    padding, which its boolean mask -- or none, for no padding -- says
+    again), shapes and prefixes the kernel takes, and a kernel of that build
+    that passed its check in this process (the first step of a build checks
+    it: a wait, once). Everything else -- prefill chunks, other devices, an
+    additive mask -- as :func:`mixed_attention`.
+
+    Whether the kernel serves, and its launch but the layer's own arrays
+    (the rows' layout, an input; template, grid), are made by a step's first
+    layer and looked up by the rest (by the rows, the suffix's length and
+    the queries' shape and dtype: a step's layers are one model's, one
+    dtype), so a layer costs the host a lookup and the call."""
+    if queries.shape[2] == 1 and suffix_buffer is not None and rows is not None and not _additive(mask):
+        length = keys.shape[2]
+        step = _per_step(
+            ("kernel", rows, length, queries.shape, queries.dtype, len(segments)),
+            None,
+            lambda: _kernel_step(queries, keys.shape[1], segments, suffix_buffer, rows.padding, length),
+        )
+        if step is not None:
+            from mlxkv.actors import decode_kernel
+
+            return decode_kernel.decode_attention(queries, *suffix_buffer, length, rows.padding, scale, segments, step)
+    return mixed_attention(queries, keys, values, mask, scale, segments, suffix_buffer=suffix_buffer, **options)
+
+
+def _kernel_step(
+    queries: Any, kv_heads: int, segments: Sequence[Segment], suffix_buffer: tuple[Any, Any], padding: Sequence[int],
+    length: int,
+) -> Any:
+    """The kernel's :func:`~mlxkv.actors.decode_kernel.step_launch` for this
+    step, or None where the kernel does not serve it."""
     from mlxkv.actors import decode_kernel
 
-    if (
-        queries.shape[2] == 1
-        and suffix_buffer is not None
-        and padding is not None
-        and not _additive(mask)
-        and decode_kernel.supported(queries, segments, suffix_buffer)
-        and decode_kernel.usable(queries.dtype, queries.shape[3], queries.shape[1], keys.shape[1])
+    if not decode_kernel.supported(queries, segments, suffix_buffer) or not decode_kernel.usable(
+        queries.dtype, queries.shape[3], queries.shape[1], kv_heads
     ):
-        import mlx.core as mx
-
-        length = keys.shape[2]
-        layout = (tuple((tuple(rows), tuple(lengths)) for rows, _, _, lengths in segments), tuple(padding), length)
-        info = _per_step(
-            ("kernel", queries.shape[0], layout),
-            None,
-            lambda: mx.array(decode_kernel.row_info(queries.shape[0], segments, padding, length), dtype=mx.int32),
-        )
-        return decode_kernel.decode_attention(queries, *suffix_buffer, length, padding, scale, segments, info)
-    return mixed_attention(queries, keys, values, mask, scale, segments, suffix_buffer=suffix_buffer, **options)
+        return None
+    return decode_kernel.step_launch(queries, kv_heads, segments, padding, length)
 
 
 #: The most prefix scores a decode step by head computes over several

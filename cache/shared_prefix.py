@@ -24,13 +24,14 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from mlxkv.cache.kv_state import BlockPayload, KVLayer
 
 __all__ = [
     "SUFFIX_STEP",
     "BatchSharedPrefixCache",
+    "BatchRows",
     "PrefixGroup",
     "PrefixGroups",
     "SharedPrefixCache",
@@ -386,6 +387,24 @@ def _whole_steps(suffix: Any, room: int = 0) -> None:
             setattr(suffix, name, mx.concatenate([old, mx.zeros((b, h, room, d), dtype=old.dtype)], axis=2))
 
 
+class BatchRows(NamedTuple):
+    """A batch cache's rows as numbers on the host, the same in every layer
+    of a step (each layer's cache makes its own, equal, and keeps it until
+    its rows or padding are replaced): what a step's per-layer work is keyed
+    by, compared as a tuple.
+
+    Attributes:
+        segment: each row's index in the cache's ``segments()`` (-1: the
+            row sees no prefix).
+        prefix: each row's prefix length.
+        padding: each row's left padding in the suffix.
+    """
+
+    segment: tuple[int, ...]
+    prefix: tuple[int, ...]
+    padding: tuple[int, ...]
+
+
 _LAST_OFFSETS = threading.local()
 
 
@@ -442,6 +461,33 @@ class BatchSharedPrefixCache(_OverSuffix):
     def rows(self, rows: list[tuple[Optional[PrefixGroup], int]]) -> None:
         self._rows = rows
         self._grouping: Optional[list[tuple[PrefixGroup, list[int], list[int]]]] = None
+        self._batch_rows: Optional[BatchRows] = None
+
+    @property
+    def padding(self) -> list[int]:
+        """Each row's left padding in ``suffix``, on the host (replaced, never
+        changed in place, like ``rows``)."""
+        return self._padding
+
+    @padding.setter
+    def padding(self, padding: list[int]) -> None:
+        self._padding = padding
+        self._batch_rows = None
+
+    def batch_rows(self) -> BatchRows:
+        """The rows' segments, prefix lengths and padding as host tuples
+        (:class:`BatchRows`), made once until ``rows`` or ``padding`` is
+        replaced: a decode step's layers each read them, so a layer's work
+        costs the host a lookup, not a walk over the rows."""
+        if self._batch_rows is None:
+            segment = [-1] * len(self.rows)
+            for index, (_, rows, _) in enumerate(self._groups()):
+                for row in rows:
+                    segment[row] = index
+            self._batch_rows = BatchRows(
+                tuple(segment), tuple(n for _, n in self.rows), tuple(self.padding)
+            )
+        return self._batch_rows
 
     @property
     def offset(self) -> Any:
@@ -455,14 +501,15 @@ class BatchSharedPrefixCache(_OverSuffix):
         kernel on a GPU, and every layer of a batch has the same rows, index
         and padding, so one array serves a step's layers (the calling
         thread's last, :func:`_host_offsets`)."""
-        return _host_offsets(tuple(n for _, n in self.rows), self.suffix._idx, tuple(self.padding))
+        rows = self.batch_rows()
+        return _host_offsets(rows.prefix, self.suffix._idx, rows.padding)
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
         """mlx-lm's write; the suffix's own offset then replaced by the same
         numbers made on the host (mlx-lm's sum is never run: nothing reads
         it, so left queued it would chain a sum a step, unevaluated)."""
         out = self.suffix.update_and_fetch(keys, values)
-        self.suffix.offset = _host_offsets(None, self.suffix._idx, tuple(self.padding))
+        self.suffix.offset = _host_offsets(None, self.suffix._idx, self.batch_rows().padding)
         return out
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> Any:
@@ -498,12 +545,21 @@ class BatchSharedPrefixCache(_OverSuffix):
         """Whether this is the model's last attention layer (see
         :func:`~mlxkv.actors.prefix_attention.cascade_attention`'s ``evaluate_slices``)."""
         # Every group holds the same layers (one model's): the first says.
-        group = next((group for group, _ in self.rows if group is not None), None)
-        return group is not None and self.layer == len(group.keys) - 1
+        groups = self._groups()
+        return bool(groups) and self.layer == len(groups[0][0].keys) - 1
 
     def segments(self) -> list[tuple[list[int], Any, Any, list[int]]]:
         """Rows grouped by prefix: ``(rows, keys, values, prefix lengths)``
         (the row and length lists are the cache's own: read them only)."""
+        return [
+            (rows, group.keys[self.layer], group.values[self.layer], lengths)
+            for group, rows, lengths in self._groups()
+        ]
+
+    def _groups(self) -> list[tuple[PrefixGroup, list[int], list[int]]]:
+        """Each prefix seen, with its rows and their lengths (rows that see
+        no prefix left out), in the order of their first rows; kept until
+        ``rows`` is replaced."""
         if self._grouping is None:
             by_group: dict[int, tuple[PrefixGroup, list[int], list[int]]] = {}
             for row, (group, n) in enumerate(self.rows):
@@ -513,10 +569,7 @@ class BatchSharedPrefixCache(_OverSuffix):
                 entry[1].append(row)
                 entry[2].append(n)
             self._grouping = list(by_group.values())
-        return [
-            (rows, group.keys[self.layer], group.values[self.layer], lengths)
-            for group, rows, lengths in self._grouping
-        ]
+        return self._grouping
 
     def suffix_buffer(self) -> tuple[Any, Any]:
         """The rows' whole suffix buffers ``(keys, values)``, room included:
@@ -533,11 +586,11 @@ class BatchSharedPrefixCache(_OverSuffix):
         Grown inside the step (as ``update_and_fetch`` would), the old and the
         new buffer are both held through the step's attention transients.
         """
-        import mlx.core as mx
-
         suffix = self.suffix
         if suffix.keys is None or suffix._idx + num_tokens <= suffix.keys.shape[2]:
             return []
+        import mlx.core as mx
+
         used = suffix._idx
         grow = -(-num_tokens // suffix.step) * suffix.step
         arrays = []

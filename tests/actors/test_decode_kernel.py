@@ -241,19 +241,19 @@ def test_registers_parsed():
     assert cuda_source.parse_registers("nothing") is None
 
 
-def _from_info(queries, suffix_keys, suffix_values, length, padding, scale, segments, info):
-    """What the kernel computes, read off the inputs it is given (``info`` a
-    row: prefix input, positions seen, padding, suffix length): a stand-in
-    for the kernel where MLX has no CUDA backend."""
+def _from_info(queries, suffix_keys, suffix_values, scale, prefixes, info):
+    """What the kernel computes, read off the inputs it is given
+    (``prefixes``: each prefix input's keys and values; ``info`` a row:
+    prefix input, positions seen, padding, suffix length): a stand-in for
+    the kernel where MLX has no CUDA backend."""
     rows = np.array(info).tolist()
     batch, heads, _, dim = queries.shape
     repeats = heads // suffix_keys.shape[1]
     outs = []
     for row, (group, seen, pad, stop) in enumerate(rows):
-        assert stop == length and pad == padding[row]
         k, v = suffix_keys[row, :, pad:stop], suffix_values[row, :, pad:stop]
         if seen:
-            _, pk, pv, _ = segments[group]
+            pk, pv = prefixes[group]
             k = mx.concatenate([pk[0, :, :seen], k], axis=1)
             v = mx.concatenate([pv[0, :, :seen], v], axis=1)
         k = mx.repeat(k.astype(mx.float32), repeats, axis=0)
@@ -261,6 +261,27 @@ def _from_info(queries, suffix_keys, suffix_values, length, padding, scale, segm
         q = queries[row, :, 0].astype(mx.float32)[:, None] * scale
         outs.append((mx.softmax(q @ k.swapaxes(-1, -2), axis=-1) @ v).astype(queries.dtype)[None])
     return mx.concatenate(outs).reshape(batch, heads, 1, dim)
+
+
+def _kernel_stand_in(calls: list[dict[str, Any]]):
+    """A stand-in for the compiled kernel (``mx.fast.cuda_kernel``'s callable)
+    where MLX has no CUDA backend: records each call's inputs and launch
+    and computes what the kernel would from exactly those inputs."""
+
+    def kernel(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+        queries, scale, info, suffix_keys, suffix_values, *prefix = inputs
+        assert len(inputs) == len(input_names(MAX_GROUPS))
+        calls.append({"inputs": inputs, "template": template, "grid": grid, "threadgroup": threadgroup})
+        pairs = list(zip(prefix[::2], prefix[1::2]))
+        out = _from_info(queries, suffix_keys, suffix_values, scale.item(), pairs, info)
+        assert out.shape == tuple(output_shapes[0]) and out.dtype == output_dtypes[0]
+        return [out]
+
+    return kernel
+
+
+def _segment_pairs(segments):
+    return [(keys, values) for _, keys, values, _ in segments]
 
 
 class TestThroughTheHook:
@@ -281,15 +302,13 @@ class TestThroughTheHook:
         from device_arithmetic import LOGITS_ATOL
         from model_blocks import block_payloads
 
-        calls: list[tuple[Any, ...]] = []
-
-        def stand_in(queries, suffix_keys, suffix_values, length, padding, scale, segments, info):
-            calls.append((suffix_keys.shape, length, list(padding), np.array(info).tolist()))
-            return _from_info(queries, suffix_keys, suffix_values, length, padding, scale, segments, info)
-
-        monkeypatch.setattr(decode_kernel, "usable", lambda *build: True)
-        monkeypatch.setattr(decode_kernel, "supported", lambda queries, segments, suffix=(): True)
-        monkeypatch.setattr(decode_kernel, "decode_attention", stand_in)
+        calls: list[dict[str, Any]] = []
+        before = attention_hook.way_in_use()
+        # Taken for a CUDA device whose kernel is the stand-in: the kernel
+        # way's whole host path runs, the build's own check included.
+        monkeypatch.setattr(decode_kernel, "on_cuda", lambda device=None: True)
+        monkeypatch.setattr(decode_kernel, "_kernel", lambda: _kernel_stand_in(calls))
+        monkeypatch.setattr(decode_kernel, "_CHECKED", {})
         model, _ = tiny_llama
         assert install(model)
         attention_hook.use(PrefixAttention.KERNEL)
@@ -310,11 +329,30 @@ class TestThroughTheHook:
             batch = [SharedPrefixCache.merge([row[i] for row in rows]) for i in range(layers)]
             assert batch[0].padding == [0, 3, 2]
             step = model(mx.array([[5], [6], [7]]), cache=batch)[:, -1]
+            first = list(calls)
+            # The same rows in the other order, a step of the same length and batch:
+            # its layout is made anew, not taken from the step before.
+            swapped = [SharedPrefixCache.merge([row[i] for row in reversed(rows)]) for i in range(layers)]
+            calls.clear()
+            second = model(mx.array([[7], [6], [5]]), cache=swapped)[:, -1]
         finally:
-            attention_hook.use(PrefixAttention.for_device())
-        assert len(calls) == layers
-        buffer_shape, length, padding, info = calls[0]
-        assert buffer_shape[0] == 3 and buffer_shape[2] >= length == 6 and padding == [0, 3, 2]
+            attention_hook.use(before)
+        assert len(calls) == layers and all(call["inputs"][2] is calls[0]["inputs"][2] for call in calls)
+        assert np.array(calls[0]["inputs"][2]).tolist() == [[0, 32, 2, 6], [0, 0, 3, 6], [1, 48, 0, 6]]
+        assert mx.allclose(second, step[::-1], atol=LOGITS_ATOL, rtol=0).item()
+        calls = first
+        # The build's check ran first (the step's first layer met the build), then a call a layer.
+        checks = len(calls) - layers
+        assert checks > 0 and all(call["inputs"][0].shape[0] != 3 for call in calls[:checks])
+        steps = calls[checks:]
+        for layer, call in enumerate(steps):
+            queries, _, info, suffix_keys, suffix_values, *prefix = call["inputs"]
+            assert suffix_keys is batch[layer].suffix.keys and suffix_values is batch[layer].suffix.values
+            assert prefix[0] is groups[0].keys[layer] and prefix[3] is groups[1].values[layer]
+            assert info is steps[0]["inputs"][2]  # made once a step
+            assert call["grid"] == (call["threadgroup"][0], 2, 3)
+        info = np.array(steps[0]["inputs"][2]).tolist()
+        assert steps[0]["inputs"][3].shape[2] >= 6
         assert info == [[0, 48, 0, 6], [0, 0, 3, 6], [1, 32, 2, 6]]
         for r, ((group, n), tokens) in enumerate(zip(seen, own)):
             plain = make_prompt_cache(model)
@@ -332,10 +370,10 @@ class TestSelfCheck:
     def test_a_right_kernel_passes_and_a_wrong_one_does_not(self, monkeypatch, head_dim, heads, kv_heads, groups):
         seen: list[Any] = []
 
-        def right(queries, suffix_keys, suffix_values, length, padding, scale, segments, info=None):
-            info = mx.array(row_info(queries.shape[0], segments, padding, length), dtype=mx.int32)
-            seen.append(np.array(info).tolist())
-            return _from_info(queries, suffix_keys, suffix_values, length, padding, scale, segments, info)
+        def right(queries, suffix_keys, suffix_values, length, padding, scale, segments, step=None):
+            info = row_info(queries.shape[0], segments, padding, length)
+            seen.append(info)
+            return _from_info(queries, suffix_keys, suffix_values, scale, _segment_pairs(segments), info)
 
         monkeypatch.setattr(decode_kernel, "decode_attention", right)
         assert decode_kernel.self_check(mx.float32, head_dim, heads, kv_heads, groups) is None
@@ -344,7 +382,7 @@ class TestSelfCheck:
         assert len(rows) == groups + 1 and rows[-1][1] == 0 and [row[0] for row in rows[:-1]] == list(range(groups))
         assert rows[0][1] > 32 * 8 and any(row[2] for row in rows)
 
-        def padding_ignored(queries, suffix_keys, suffix_values, length, padding, scale, segments, info=None):
+        def padding_ignored(queries, suffix_keys, suffix_values, length, padding, scale, segments, step=None):
             return right(queries, suffix_keys, suffix_values, length, [0] * len(padding), scale, segments)
 
         monkeypatch.setattr(decode_kernel, "decode_attention", padding_ignored)

@@ -165,6 +165,52 @@ class TestCaches:
         # The suffix's own offset is host-made too: no sum queued behind it a step.
         assert batch.suffix.offset.tolist() == [4, 8, 3] and primitives(batch.suffix.offset) == []
 
+    def test_the_rows_as_host_numbers_follow_every_change(self, tiny_llama):
+        """``batch_rows``: each row's index in ``segments()`` (-1: no prefix),
+        prefix length and padding as tuples, the same object until the rows or
+        the padding are replaced, equal (not the same) in another layer's
+        cache of the same rows, and made anew after a leave, a join and a
+        prefill's padding (a step's layers key their work by it)."""
+        model, _ = tiny_llama
+        groups = [PrefixGroup.build(block_payloads(model, list(range(start, start + 64)), 16)) for start in (0, 100)]
+
+        def batch_of(rows: tuple[tuple[int, int, int], ...]) -> BatchSharedPrefixCache:
+            caches = []
+            for g, n, own in rows:
+                suffix = KVCache()
+                suffix.update_and_fetch(mx.ones((1, 2, own, 16)), mx.ones((1, 2, own, 16)))
+                caches.append(SharedPrefixCache(groups[g] if n else None, 0, n, suffix))
+            return SharedPrefixCache.merge(caches)
+
+        def agrees(batch: BatchSharedPrefixCache) -> Any:
+            rows = batch.batch_rows()
+            assert rows.prefix == tuple(n for _, n in batch.rows) and rows.padding == tuple(batch.padding)
+            seen = [-1] * len(batch.rows)
+            for index, (members, *_) in enumerate(batch.segments()):
+                for row in members:
+                    seen[row] = index
+            assert rows.segment == tuple(seen)
+            return rows
+
+        batch = batch_of(((1, 32, 3), (0, 0, 5), (0, 64, 2)))
+        first = agrees(batch)
+        assert first == ((0, -1, 1), (32, 0, 64), (2, 0, 3))
+        assert batch.batch_rows() is first
+        another_layer = batch_of(((1, 32, 3), (0, 0, 5), (0, 64, 2)))
+        assert another_layer.batch_rows() == first and another_layer.batch_rows() is not first
+        step = mx.ones((3, 2, 1, 16))
+        batch.update_and_fetch(step, step)
+        assert batch.batch_rows() is first  # a write changes no row
+        batch.filter([2, 0])
+        assert agrees(batch).segment == (0, 1) and batch.batch_rows().prefix == (64, 32)
+        batch.extend(batch_of(((1, 16, 2), (0, 0, 1))))
+        assert agrees(batch).segment == (0, 1, 1, -1)
+        before = batch.batch_rows()
+        batch.prepare(right_padding=[0, 1, 0, 2], lengths=[3, 2, 3, 1])
+        assert batch.batch_rows() is before  # the padding moves when the prefill is finalized
+        batch.finalize()
+        assert agrees(batch).padding == tuple(n + extra for n, extra in zip(before.padding, (0, 1, 0, 2)))
+
     def test_a_row_taken_out_without_a_copy_views_the_batch(self, tiny_llama):
         """``extract(copy=False)`` gives a row's suffix as the copy does, as
         views of the batch's buffer (nothing of their own to run); the
