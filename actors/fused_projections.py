@@ -46,9 +46,10 @@ class _Product:
     ``transposed``, else ``(out, in)``) and ``bias`` (or None) off the set's
     first sibling, whose parameters they are (so that a model's update of
     its parameters reaches the product). Owns: each sibling's column range, and
-    ``last``: the input the product was last computed for, the product, and
-    the siblings that have not taken their columns of it yet (dropped when
-    the last of them has, so no activation outlives its layer's call);
+    ``last``: the input the product was last computed for and the columns
+    of the product (views, split at once) of the siblings that have not
+    taken theirs yet (dropped when the last of them has, so no activation
+    outlives its layer's call);
     ``apart``: set once siblings were called with different inputs (or one
     was not called before the next input came), after which each multiplies
     by its own columns.
@@ -60,7 +61,10 @@ class _Product:
         self.owner: Any = None
         self.ranges = ranges
         self.transposed = transposed
-        self.last: Optional[tuple[Any, Any, set[str]]] = None
+        #: the siblings in column order, and where each after the first starts
+        self.order = sorted(ranges, key=lambda name: ranges[name][0])
+        self.starts = [ranges[name][0] for name in self.order[1:]]
+        self.last: Optional[tuple[Any, dict[str, Any]]] = None
         self.apart = False
 
     @property
@@ -78,8 +82,11 @@ class _Product:
 
     def __call__(self, name: str, x: Any) -> Any:
         """Sibling ``name``'s output for ``x``: its columns of the joint product
-        (computed by the first sibling called with ``x``), or its own product
-        once the set has been seen apart."""
+        (computed by the first sibling called with ``x`` and split into every
+        sibling's columns at once: views), or its own product once the set
+        has been seen apart."""
+        import mlx.core as mx
+
         if self.apart:
             return self._alone(name, x)
         last = self.last
@@ -87,16 +94,15 @@ class _Product:
             out = x @ self.weight if self.transposed else x @ self.weight.T
             if self.bias is not None:
                 out = out + self.bias
-            last = (x, out, set(self.ranges))
-        elif last[0] is not x or name not in last[2]:
+            last = (x, dict(zip(self.order, mx.split(out, self.starts, axis=-1))))
+        elif last[0] is not x or name not in last[1]:
             # Siblings called with different inputs, or some not at all (a layer
             # that reuses another's keys and values): the set goes apart for good.
             self.apart, self.last = True, None
             return self._alone(name, x)
-        last[2].discard(name)
-        self.last = last if last[2] else None
-        start, stop = self.ranges[name]
-        return last[1][..., start:stop]
+        part = last[1].pop(name)
+        self.last = last if last[1] else None
+        return part
 
     def _alone(self, name: str, x: Any) -> Any:
         start, stop = self.ranges[name]
