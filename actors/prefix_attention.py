@@ -680,6 +680,7 @@ def kernel_attention(
             ("kernel", rows, length, queries.shape, queries.dtype, len(segments)),
             None,
             lambda: _kernel_step(queries, keys.shape[1], segments, suffix_buffer, rows.padding, length),
+            slot="kernel",
         )
         if step is not None:
             from mlxkv.actors import decode_kernel
@@ -949,20 +950,23 @@ def _stacked_spans(batch: int, segments: Sequence[Segment]) -> tuple[tuple[int, 
     return tuple(longests), tuple(low), tuple(high)
 
 
-#: The last mask each thread built, for the next layers of the same step.
-_LAST_MASK = threading.local()
+#: Per thread, the last of each kind of per-step work built (a way's mask;
+#: the kernel's step launch), for the next layers of the same step.
+_LAST_STEP = threading.local()
 
 
-def _per_step(key: tuple[Any, ...], mask: Any, build: Callable[[], Any]) -> Any:
+def _per_step(key: tuple[Any, ...], mask: Any, build: Callable[[], Any], *, slot: str = "mask") -> Any:
     """``build()``, or what it gave for the same ``key`` and the same ``mask``
-    object: a step's layers share one mask (the model makes it once a step),
-    so every layer after the first reuses the full mask instead of adding its
-    operations again."""
-    last = getattr(_LAST_MASK, "entry", None)
+    object in ``slot``: a step's layers share one mask (the model makes it
+    once a step), so every layer after the first reuses the full mask
+    instead of adding its operations again. Work that one layer does beside
+    another's takes a slot of its own (the kernel's launch, whose step may
+    go on to build ``mixed``'s mask), so neither replaces the other."""
+    last = getattr(_LAST_STEP, slot, None)
     if last is not None and last[0] == key and last[1] is mask:
         return last[2]
     full = build()
-    _LAST_MASK.entry = (key, mask, full)
+    setattr(_LAST_STEP, slot, (key, mask, full))
     return full
 
 

@@ -284,6 +284,47 @@ def _segment_pairs(segments):
     return [(keys, values) for _, keys, values, _ in segments]
 
 
+#: Three rows' contexts: row 0 over 48 of prefix 0's tokens, row 1 over no
+#: prefix, row 2 over all 32 of prefix 1's; then each row's own tokens.
+_PROMPTS = [list(range(3, 67)), list(range(100, 132))]
+_SEEN = [(0, 48), (None, 0), (1, 32)]
+_OWN = [[70, 71, 72, 73, 74], [80, 81], [90, 91, 92]]
+
+
+def _rows_over_two_prefixes(model):
+    """The prefix groups of :data:`_PROMPTS` and each row's own caches (a
+    layer each) after its own tokens: rows to merge into a decode batch."""
+    from mlxkv.cache.shared_prefix import PrefixGroup, SharedPrefixCache, suffix_cache
+
+    from model_blocks import block_payloads
+
+    groups = [PrefixGroup.build(block_payloads(model, prompt, 16)) for prompt in _PROMPTS]
+    layers = len(groups[0].keys)
+    rows = []
+    for (group, n), tokens in zip(_SEEN, _OWN):
+        caches = [
+            SharedPrefixCache(None if group is None else groups[group], i, n, s)
+            for i, s in enumerate(suffix_cache((), 8, layers))
+        ]
+        model(mx.array([tokens]), cache=caches)
+        rows.append(caches)
+    return groups, rows
+
+
+def _assert_plain_logits(model, step, fed):
+    """``step``'s row ``r`` gives the logits of a plain cache of row ``r``'s
+    context and own tokens fed ``fed[r]``."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from device_arithmetic import LOGITS_ATOL
+
+    for r, ((group, n), tokens) in enumerate(zip(_SEEN, _OWN)):
+        plain = make_prompt_cache(model)
+        model(mx.array([([] if group is None else _PROMPTS[group][:n]) + tokens]), cache=plain)
+        want = model(mx.array([[fed[r]]]), cache=plain)[:, -1]
+        assert mx.allclose(step[r : r + 1], want, atol=LOGITS_ATOL, rtol=0).item(), r
+
+
 class TestThroughTheHook:
     def test_a_batch_caches_step_reaches_the_kernel_with_its_rows(self, tiny_llama, monkeypatch):
         """A decode step of a batch over two prefixes (a row over none), its
@@ -292,15 +333,12 @@ class TestThroughTheHook:
         and rows' layout, and -- the kernel replaced by plain operations on
         those inputs, as no CUDA backend runs here (a stand-in, said so) --
         the step gives the logits of plain per-row caches."""
-        from mlx_lm.models.cache import make_prompt_cache
-
         from mlxkv.actors import attention_hook
         from mlxkv.actors.attention_hook import install
         from mlxkv.actors.prefix_attention import PrefixAttention
-        from mlxkv.cache.shared_prefix import PrefixGroup, SharedPrefixCache, suffix_cache
+        from mlxkv.cache.shared_prefix import SharedPrefixCache
 
         from device_arithmetic import LOGITS_ATOL
-        from model_blocks import block_payloads
 
         calls: list[dict[str, Any]] = []
         before = attention_hook.way_in_use()
@@ -313,19 +351,8 @@ class TestThroughTheHook:
         assert install(model)
         attention_hook.use(PrefixAttention.KERNEL)
         try:
-            prompts = [list(range(3, 67)), list(range(100, 132))]
-            groups = [PrefixGroup.build(block_payloads(model, prompt, 16)) for prompt in prompts]
+            groups, rows = _rows_over_two_prefixes(model)
             layers = len(groups[0].keys)
-            own = [[70, 71, 72, 73, 74], [80, 81], [90, 91, 92]]
-            seen = [(0, 48), (None, 0), (1, 32)]
-            rows = []
-            for (group, n), tokens in zip(seen, own):
-                caches = [
-                    SharedPrefixCache(None if group is None else groups[group], i, n, s)
-                    for i, s in enumerate(suffix_cache((), 8, layers))
-                ]
-                model(mx.array([tokens]), cache=caches)
-                rows.append(caches)
             batch = [SharedPrefixCache.merge([row[i] for row in rows]) for i in range(layers)]
             assert batch[0].padding == [0, 3, 2]
             step = model(mx.array([[5], [6], [7]]), cache=batch)[:, -1]
@@ -354,12 +381,38 @@ class TestThroughTheHook:
         info = np.array(steps[0]["inputs"][2]).tolist()
         assert steps[0]["inputs"][3].shape[2] >= 6
         assert info == [[0, 48, 0, 6], [0, 0, 3, 6], [1, 32, 2, 6]]
-        for r, ((group, n), tokens) in enumerate(zip(seen, own)):
-            plain = make_prompt_cache(model)
-            context = ([] if group is None else prompts[group][:n]) + tokens
-            model(mx.array([context]), cache=plain)
-            want = model(mx.array([[5 + r]]), cache=plain)[:, -1]
-            assert mx.allclose(step[r : r + 1], want, atol=LOGITS_ATOL, rtol=0).item(), r
+        _assert_plain_logits(model, step, [5, 6, 7])
+
+    def test_a_step_the_kernel_does_not_serve_goes_as_mixed_its_mask_made_once(self, tiny_llama, monkeypatch):
+        """Taken for a CUDA device whose kernel build failed its check: the
+        kernel way's step is ``mixed``'s -- the plain caches' logits, its
+        mask built once for all the step's layers (the kernel's own per-step
+        lookup, which each layer still makes, does not displace it)."""
+        from mlxkv.actors import attention_hook, prefix_attention
+        from mlxkv.actors.attention_hook import install
+        from mlxkv.actors.prefix_attention import PrefixAttention
+        from mlxkv.cache.shared_prefix import SharedPrefixCache
+
+        before = attention_hook.way_in_use()
+        monkeypatch.setattr(decode_kernel, "on_cuda", lambda device=None: True)
+        monkeypatch.setattr(decode_kernel, "_CHECKED", {})
+        monkeypatch.setattr(decode_kernel, "self_check", lambda *build: "max difference 1.0")
+        masks: list[Any] = []
+        as_bias = prefix_attention._as_bias
+        monkeypatch.setattr(prefix_attention, "_as_bias", lambda *args: masks.append(args) or as_bias(*args))
+        model, _ = tiny_llama
+        assert install(model)
+        attention_hook.use(PrefixAttention.KERNEL)
+        try:
+            groups, rows = _rows_over_two_prefixes(model)
+            layers = len(groups[0].keys)
+            batch = [SharedPrefixCache.merge([row[i] for row in rows]) for i in range(layers)]
+            masks.clear()  # (the rows' own prefill made theirs)
+            step = model(mx.array([[5], [6], [7]]), cache=batch)[:, -1]
+        finally:
+            attention_hook.use(before)
+        assert layers > 1 and len(masks) == 1
+        _assert_plain_logits(model, step, [5, 6, 7])
 
 
 class TestSelfCheck:
