@@ -519,6 +519,10 @@ def main() -> None:
         parser.error(f"--prefix must be a positive multiple of {block}")
     if args.groups < 1:
         parser.error("--groups must be at least 1")
+    known = [way.value for way in PrefixAttention]
+    unknown = [w for w in (args.ways or "").split(",") if w and w not in known]
+    if unknown:
+        parser.error(f"--ways: unknown {', '.join(unknown)} (known: {', '.join(known)}; copies and mlx-lm always run)")
     ways = [PrefixAttention(w) for w in args.ways.split(",")] if args.ways else list(PrefixAttention)
     prefill = args.phase == "prefill"
     if args.kernel_stand_in:
