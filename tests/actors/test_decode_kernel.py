@@ -8,6 +8,7 @@ rows' layout -- runs everywhere."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from typing import Any
 
@@ -325,6 +326,27 @@ def _assert_plain_logits(model, step, fed):
         assert mx.allclose(step[r : r + 1], want, atol=LOGITS_ATOL, rtol=0).item(), r
 
 
+@contextlib.contextmanager
+def _kernel_way_batch(model):
+    """``model``'s attention routed the ``kernel`` way on this thread (the way
+    before restored after), and the decode batch of the rows of
+    :func:`_rows_over_two_prefixes`: yields ``(groups, rows, batch)``, the
+    batch a cache a layer."""
+    from mlxkv.actors import attention_hook
+    from mlxkv.actors.attention_hook import install
+    from mlxkv.actors.prefix_attention import PrefixAttention
+    from mlxkv.cache.shared_prefix import SharedPrefixCache
+
+    before = attention_hook.way_in_use()
+    assert install(model)
+    attention_hook.use(PrefixAttention.KERNEL)
+    try:
+        groups, rows = _rows_over_two_prefixes(model)
+        yield groups, rows, [SharedPrefixCache.merge([row[i] for row in rows]) for i in range(len(groups[0].keys))]
+    finally:
+        attention_hook.use(before)
+
+
 class TestThroughTheHook:
     def test_a_batch_caches_step_reaches_the_kernel_with_its_rows(self, tiny_llama, monkeypatch):
         """A decode step of a batch over two prefixes (a row over none), its
@@ -333,27 +355,19 @@ class TestThroughTheHook:
         and rows' layout, and -- the kernel replaced by plain operations on
         those inputs, as no CUDA backend runs here (a stand-in, said so) --
         the step gives the logits of plain per-row caches."""
-        from mlxkv.actors import attention_hook
-        from mlxkv.actors.attention_hook import install
-        from mlxkv.actors.prefix_attention import PrefixAttention
         from mlxkv.cache.shared_prefix import SharedPrefixCache
 
         from device_arithmetic import LOGITS_ATOL
 
         calls: list[dict[str, Any]] = []
-        before = attention_hook.way_in_use()
         # Taken for a CUDA device whose kernel is the stand-in: the kernel
         # way's whole host path runs, the build's own check included.
         monkeypatch.setattr(decode_kernel, "on_cuda", lambda device=None: True)
         monkeypatch.setattr(decode_kernel, "_kernel", lambda: _kernel_stand_in(calls))
         monkeypatch.setattr(decode_kernel, "_CHECKED", {})
         model, _ = tiny_llama
-        assert install(model)
-        attention_hook.use(PrefixAttention.KERNEL)
-        try:
-            groups, rows = _rows_over_two_prefixes(model)
-            layers = len(groups[0].keys)
-            batch = [SharedPrefixCache.merge([row[i] for row in rows]) for i in range(layers)]
+        with _kernel_way_batch(model) as (groups, rows, batch):
+            layers = len(batch)
             assert batch[0].padding == [0, 3, 2]
             step = model(mx.array([[5], [6], [7]]), cache=batch)[:, -1]
             first = list(calls)
@@ -362,8 +376,6 @@ class TestThroughTheHook:
             swapped = [SharedPrefixCache.merge([row[i] for row in reversed(rows)]) for i in range(layers)]
             calls.clear()
             second = model(mx.array([[7], [6], [5]]), cache=swapped)[:, -1]
-        finally:
-            attention_hook.use(before)
         assert len(calls) == layers and all(call["inputs"][2] is calls[0]["inputs"][2] for call in calls)
         assert np.array(calls[0]["inputs"][2]).tolist() == [[0, 32, 2, 6], [0, 0, 3, 6], [1, 48, 0, 6]]
         assert mx.allclose(second, step[::-1], atol=LOGITS_ATOL, rtol=0).item()
@@ -388,12 +400,8 @@ class TestThroughTheHook:
         kernel way's step is ``mixed``'s -- the plain caches' logits, its
         mask built once for all the step's layers (the kernel's own per-step
         lookup, which each layer still makes, does not displace it)."""
-        from mlxkv.actors import attention_hook, prefix_attention
-        from mlxkv.actors.attention_hook import install
-        from mlxkv.actors.prefix_attention import PrefixAttention
-        from mlxkv.cache.shared_prefix import SharedPrefixCache
+        from mlxkv.actors import prefix_attention
 
-        before = attention_hook.way_in_use()
         monkeypatch.setattr(decode_kernel, "on_cuda", lambda device=None: True)
         monkeypatch.setattr(decode_kernel, "_CHECKED", {})
         monkeypatch.setattr(decode_kernel, "self_check", lambda *build: "max difference 1.0")
@@ -401,16 +409,10 @@ class TestThroughTheHook:
         as_bias = prefix_attention._as_bias
         monkeypatch.setattr(prefix_attention, "_as_bias", lambda *args: masks.append(args) or as_bias(*args))
         model, _ = tiny_llama
-        assert install(model)
-        attention_hook.use(PrefixAttention.KERNEL)
-        try:
-            groups, rows = _rows_over_two_prefixes(model)
-            layers = len(groups[0].keys)
-            batch = [SharedPrefixCache.merge([row[i] for row in rows]) for i in range(layers)]
+        with _kernel_way_batch(model) as (_, _, batch):
+            layers = len(batch)
             masks.clear()  # (the rows' own prefill made theirs)
             step = model(mx.array([[5], [6], [7]]), cache=batch)[:, -1]
-        finally:
-            attention_hook.use(before)
         assert layers > 1 and len(masks) == 1
         _assert_plain_logits(model, step, [5, 6, 7])
 
