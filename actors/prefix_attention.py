@@ -50,6 +50,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import attrs
 
+from mlxkv.actors import decode_kernel
+
 if TYPE_CHECKING:
     from mlxkv.cache.shared_prefix import BatchRows
 
@@ -93,12 +95,10 @@ class PrefixAttention(enum.Enum):
         at first use falls back to ``mixed``)."""
         import mlx.core as mx
 
-        from mlxkv.actors.decode_kernel import on_cuda
-
         device = device if device is not None else mx.default_device()
         if device.type == mx.DeviceType.cpu:
             return cls.CASCADE
-        return cls.KERNEL if on_cuda(device) else cls.MIXED
+        return cls.KERNEL if decode_kernel.on_cuda(device) else cls.MIXED
 
 
 def attention_for(way: PrefixAttention) -> Callable[..., Any]:
@@ -674,31 +674,30 @@ def kernel_attention(
     layer and looked up by the rest (by the rows, the suffix's length and
     the queries' shape and dtype: a step's layers are one model's, one
     dtype), so a layer costs the host a lookup and the call."""
-    if queries.shape[2] == 1 and suffix_buffer is not None and rows is not None and not _additive(mask):
+    if queries.shape[2] == 1 and suffix_buffer is not None and rows is not None:
         length = keys.shape[2]
         step = _per_step(
             ("kernel", rows, length, queries.shape, queries.dtype, len(segments)),
-            None,
-            lambda: _kernel_step(queries, keys.shape[1], segments, suffix_buffer, rows.padding, length),
+            mask,
+            lambda: _kernel_step(queries, keys.shape[1], mask, segments, suffix_buffer, rows.padding, length),
             slot="kernel",
         )
         if step is not None:
-            from mlxkv.actors import decode_kernel
-
             return decode_kernel.decode_attention(queries, *suffix_buffer, length, rows.padding, scale, segments, step)
     return mixed_attention(queries, keys, values, mask, scale, segments, suffix_buffer=suffix_buffer, **options)
 
 
 def _kernel_step(
-    queries: Any, kv_heads: int, segments: Sequence[Segment], suffix_buffer: tuple[Any, Any], padding: Sequence[int],
-    length: int,
+    queries: Any, kv_heads: int, mask: Any, segments: Sequence[Segment], suffix_buffer: tuple[Any, Any],
+    padding: Sequence[int], length: int,
 ) -> Any:
     """The kernel's :func:`~mlxkv.actors.decode_kernel.step_launch` for this
-    step, or None where the kernel does not serve it."""
-    from mlxkv.actors import decode_kernel
-
-    if not decode_kernel.supported(queries, segments, suffix_buffer) or not decode_kernel.usable(
-        queries.dtype, queries.shape[3], queries.shape[1], kv_heads
+    step (its layers share ``mask``), or None where the kernel does not
+    serve it."""
+    if (
+        _additive(mask)
+        or not decode_kernel.supported(queries, segments, suffix_buffer)
+        or not decode_kernel.usable(queries.dtype, queries.shape[3], queries.shape[1], kv_heads)
     ):
         return None
     return decode_kernel.step_launch(queries, kv_heads, segments, padding, length)
