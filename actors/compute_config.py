@@ -146,8 +146,8 @@ class RunnerConfig:
             None (the default): for a model the runner loads, where MLX's
             default device is the CPU; for a model handed in (the caller's
             object), only when True.
-        fuse_projections: hold each layer's sibling projections (queries,
-            keys and values; an MLP's gate and up) as one matrix product,
+        fuse_projections: hold each layer's sibling projections (keys and
+            values; an MLP's gate and up) as one matrix product,
             in place, as the model loads (:mod:`mlxkv.actors.fused_projections`):
             the same outputs (bit for bit on the CPU; within float noise on
             a GPU), a launch where there were two or three (a GPU's decode

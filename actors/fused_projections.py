@@ -1,7 +1,8 @@
 """Sibling projections of a layer as one matrix product, once, as a model loads.
 
 A decoder layer projects one input several times: attention's keys and
-values (``k_proj``, ``v_proj``; and its queries), a gated MLP's gate and up
+values (``k_proj``, ``v_proj``; its queries too, which are left apart:
+:data:`SIBLINGS`), a gated MLP's gate and up
 projections (``gate_proj``, ``up_proj``). Each is a matrix product, and on a
 GPU a decode step of a small model is its kernel launches: two launches
 where one product over the weights side by side gives the same outputs.

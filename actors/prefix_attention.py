@@ -671,13 +671,14 @@ def kernel_attention(
 
     Whether the kernel serves, and its launch but the layer's own arrays
     (the rows' layout, an input; template, grid), are made by a step's first
-    layer and looked up by the rest (by the rows, the suffix's length, the
-    queries' shape and dtype and the KV heads: a step's layers are one
-    model's, one dtype), so a layer costs the host a lookup and the call."""
+    layer and looked up by the rest (by the rows -- their segments say how
+    many prefixes --, the suffix's length, the queries' shape and dtype and
+    the KV heads: a step's layers are one model's, one dtype), so a layer
+    costs the host a lookup and the call."""
     if queries.shape[2] == 1 and suffix_buffer is not None and rows is not None:
         length = keys.shape[2]
         step = _per_step(
-            ("kernel", rows, length, queries.shape, keys.shape[1], queries.dtype, len(segments)),
+            ("kernel", rows, length, queries.shape, keys.shape[1], queries.dtype),
             mask,
             lambda: _kernel_step(queries, keys.shape[1], mask, segments, suffix_buffer, rows.padding, length),
             slot="kernel",

@@ -130,7 +130,7 @@ def add_runtime_options(parser: argparse.ArgumentParser) -> None:
         RunnerConfig,
         type=_weight_layout,
         metavar="{auto,on,off}",
-        help="hold each layer's query, key and value projections (and an MLP's gate and up) as one product:"
+        help="hold each layer's key and value projections (and an MLP's gate and up) as one product:"
         " the same outputs, fewer kernel launches (auto, the default: on)",
     )
     option(
