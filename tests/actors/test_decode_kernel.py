@@ -355,7 +355,7 @@ class TestThroughTheHook:
         and rows' layout, and -- the kernel replaced by plain operations on
         those inputs, as no CUDA backend runs here (a stand-in, said so) --
         the step gives the logits of plain per-row caches."""
-        from mlxkv.cache.shared_prefix import SharedPrefixCache
+        from mlxkv.cache.shared_prefix import BatchSharedPrefixCache, SharedPrefixCache
 
         from device_arithmetic import LOGITS_ATOL
 
@@ -371,11 +371,17 @@ class TestThroughTheHook:
             assert batch[0].padding == [0, 3, 2]
             step = model(mx.array([[5], [6], [7]]), cache=batch)[:, -1]
             first = list(calls)
-            # The same rows in the other order, a step of the same length and batch:
-            # its layout is made anew, not taken from the step before.
+            # The same rows, then in the other order: two steps of the same length
+            # and batch, and no mask object to tell them apart (the kernel reads
+            # the padding off the rows; a cache may give no mask): the second's
+            # layout is made anew, not taken from the step before.
+            monkeypatch.setattr(BatchSharedPrefixCache, "make_mask", lambda self, N, **_: None)
+            again = [SharedPrefixCache.merge([row[i] for row in rows]) for i in range(layers)]
+            unmasked = model(mx.array([[5], [6], [7]]), cache=again)[:, -1]
             swapped = [SharedPrefixCache.merge([row[i] for row in reversed(rows)]) for i in range(layers)]
             calls.clear()
             second = model(mx.array([[7], [6], [5]]), cache=swapped)[:, -1]
+        assert mx.allclose(unmasked, step, atol=LOGITS_ATOL, rtol=0).item()
         assert len(calls) == layers and all(call["inputs"][2] is calls[0]["inputs"][2] for call in calls)
         assert np.array(calls[0]["inputs"][2]).tolist() == [[0, 32, 2, 6], [0, 0, 3, 6], [1, 48, 0, 6]]
         assert mx.allclose(second, step[::-1], atol=LOGITS_ATOL, rtol=0).item()
