@@ -154,6 +154,16 @@ class RunnerConfig:
             step is its launches). None (the default): for a model the
             runner loads, on every device; for a model handed in, only when
             True.
+        compile_decode: run each decoder layer of a decode step, where
+            mlxkv knows the layer's code (mlx-lm's Llama and Qwen2 layers),
+            as two compiled MLX functions around its cache's write and its
+            attention (:mod:`mlxkv.actors.compiled_decode`): the same outputs
+            (bit for bit on the CPU), built by MLX from a trace instead of
+            by Python, operation by operation (a GPU's decode step of a small
+            model waits on the host). None (the default): for a model the
+            runner loads, on every device; for a model handed in, only
+            when True. A model whose weights change after loading must not
+            be compiled (the traces hold them as constants).
         keep_caches: the runner keeps the KV of the generations that
             finished last (up to
             :data:`~mlxkv.actors.model_runner.MAX_KEPT_CACHES`, of at most
@@ -180,6 +190,7 @@ class RunnerConfig:
     kv_bits: Optional[int] = attrs.field(default=None, validator=_kv_bits)
     transpose_weights: Optional[bool] = attrs.field(default=None, validator=is_optional_bool)
     fuse_projections: Optional[bool] = attrs.field(default=None, validator=is_optional_bool)
+    compile_decode: Optional[bool] = attrs.field(default=None, validator=is_optional_bool)
     keep_caches: bool = attrs.field(default=True, validator=is_bool)
     kept_cache_memory: int = attrs.field(
         default=64 << 20, converter=lambda value: parse_bytes(value, argument="kept_cache_memory")

@@ -27,6 +27,7 @@ from typing import Any, Optional, Protocol
 
 import attrs
 
+from mlxkv.actors.compiled_decode import compile_decode_layers
 from mlxkv.actors.compute_config import RunnerConfig
 from mlxkv.actors.sequence import SequenceState
 from mlxkv.actors.token_bound import max_chars_per_token
@@ -133,6 +134,8 @@ class ModelInfo:
             (:mod:`mlxkv.actors.weight_layout`; 0: the model's own layout).
         fused_projections: sets of sibling projections held as one product
             (:mod:`mlxkv.actors.fused_projections`; 0: none).
+        compiled_layers: decoder layers whose decode steps run compiled
+            (:mod:`mlxkv.actors.compiled_decode`; 0: none).
     """
 
     vocab_size: Optional[int]
@@ -152,6 +155,7 @@ class ModelInfo:
     kv_layout: Optional[KVLayout] = None
     transposed_layers: int = 0
     fused_projections: int = 0
+    compiled_layers: int = 0
 
     def block_bytes(self, block_size: int) -> int:
         """Bytes one stored block of ``block_size`` tokens takes, snapshot included."""
@@ -1059,8 +1063,10 @@ class TextRunner(CacheRunner):
 
         Args:
             config: how to hold the model and its caches (:class:`RunnerConfig`).
-                Its ``transpose_weights`` and ``fuse_projections`` change the
-                model in place (:func:`~mlxkv.actors.weight_layout.hold_weights`)
+                Its ``transpose_weights``, ``fuse_projections`` and
+                ``compile_decode`` change the model in place
+                (:func:`~mlxkv.actors.weight_layout.hold_weights`,
+                :func:`~mlxkv.actors.compiled_decode.compile_decode_layers`)
                 only when True: a model
                 handed in is the caller's (:meth:`load` decides for the
                 models it loads). With ``kv_bits``, the plain attention
@@ -1076,6 +1082,7 @@ class TextRunner(CacheRunner):
         kv_bits = config.kv_bits
         self._runner_config = config
         fused, transposed = hold_weights(model, config)
+        compiled = compile_decode_layers(model) if config.compile_decode is True else 0
         self._model = model
         self._tokenizer = tokenizer
         self._kv_group = self._group_size() if kv_bits else 0
@@ -1098,6 +1105,7 @@ class TextRunner(CacheRunner):
             context_unit=context_unit(args),
             transposed_layers=transposed,
             fused_projections=fused,
+            compiled_layers=compiled,
             **fields,
         )
 

@@ -33,6 +33,7 @@ from typing import Any, Optional
 
 import attrs
 
+from mlxkv.actors.compiled_decode import compile_decode_layers
 from mlxkv.actors.compute_config import RunnerConfig
 from mlxkv.actors.model_runner import (
     CacheRunner,
@@ -275,9 +276,9 @@ class VisionRunner(CacheRunner):
                 hold their own copy of a prefix here: ``shared_prefix`` and
                 ``prefix_attention`` are not served. ``transpose_weights`` and
                 ``fuse_projections`` change the linear weights of the vision
-                tower and the language model in place only when True: a
-                model handed in is the caller's (:meth:`load` decides for
-                its own).
+                tower and the language model in place, and ``compile_decode``
+                its known decoder layers, only when True: a model handed in
+                is the caller's (:meth:`load` decides for its own).
 
         Raises:
             ValueError: the model is not of the Qwen2-VL family (no
@@ -299,6 +300,7 @@ class VisionRunner(CacheRunner):
                 " supported: mlxkv runs Qwen2-VL-style models (mrope positions)"
             )
         fused, transposed = hold_weights(model, config)
+        compiled = compile_decode_layers(model) if config.compile_decode is True else 0
         self._runner_config = config
         self._model = model
         self._language = language
@@ -317,6 +319,7 @@ class VisionRunner(CacheRunner):
             context_unit=context_unit(args),
             transposed_layers=transposed,
             fused_projections=fused,
+            compiled_layers=compiled,
             **fields,
         )
 

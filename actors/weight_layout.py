@@ -135,9 +135,12 @@ def hold_weights(model: Any, config: Any) -> tuple[int, int]:
 def loading(config: Any) -> Any:
     """``config`` with its layout choices made for a model the runner loads
     itself: weights transposed where MLX runs on the CPU (unless given),
-    projections fused (unless off)."""
+    projections fused and decode layers compiled (unless off)."""
     import attrs
 
     return attrs.evolve(
-        config, transpose_weights=wanted(config.transpose_weights), fuse_projections=config.fuse_projections is not False
+        config,
+        transpose_weights=wanted(config.transpose_weights),
+        fuse_projections=config.fuse_projections is not False,
+        compile_decode=config.compile_decode is not False,
     )

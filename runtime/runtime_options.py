@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = ["add_runtime_options", "add_tier_option", "runtime_config"]
 
-#: ``--transpose-weights``' and ``--fuse-projections``' words, as ``RunnerConfig``'s fields.
+#: ``--transpose-weights``', ``--fuse-projections``' and ``--compile-decode``'s words, as ``RunnerConfig``'s fields.
 _WEIGHT_LAYOUTS = {"auto": None, "on": True, "off": False}
 
 
@@ -132,6 +132,15 @@ def add_runtime_options(parser: argparse.ArgumentParser) -> None:
         metavar="{auto,on,off}",
         help="hold each layer's key and value projections (and an MLP's gate and up) as one product:"
         " the same outputs, fewer kernel launches (auto, the default: on)",
+    )
+    option(
+        "--compile-decode",
+        "compile_decode",
+        RunnerConfig,
+        type=_weight_layout,
+        metavar="{auto,on,off}",
+        help="run each decode step's known decoder layers (Llama, Qwen2) as compiled MLX functions:"
+        " the same outputs, less host time a step (auto, the default: on)",
     )
     option(
         "--prefix-attention",

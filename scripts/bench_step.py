@@ -54,6 +54,18 @@ what a CUDA step of that way would cost the host (its output is not the
 kernel's: its wall times say nothing). Without it, the ``kernel`` way runs
 as ``mixed`` off CUDA.
 
+``--fast-op-stand-ins``: where MLX runs on the CPU, ``mx.fast.rms_norm``
+and ``mx.fast.rope`` -- which the CPU runs as their fallbacks, about ten
+operations each, and a GPU as one kernel -- are replaced by one elementwise
+operation each, so that the build times of every method say more nearly
+what a GPU's host pays (their outputs are wrong: wall times say nothing).
+
+``--compile-decode off``: mlxkv's runners run the decoder layers as their
+own code (:mod:`mlxkv.actors.compiled_decode`; default ``on``, the
+runtime's); ``both``: each mlxkv method both ways, the second's rows
+ending in ``as written``. The counts are the same either way: watched
+steps run the compiled layers' parts as Python.
+
 ``--temperature T`` (and ``--top-p``): every row sampled, not greedy --
 mlxkv's requests unseeded with the same settings (the server's default is
 a temperature of 1), mlx-lm's ``BatchGenerator`` given one sampler for its
@@ -81,7 +93,8 @@ and ``async_eval`` calls it makes: a blocking one with work waits for
 everything queued before it, a GPU's queue drained.
 
     .venv/bin/python scripts/bench_step.py [--model NAME|PATH] [--phase decode|prefill] [--rows 8,32]
-        [--prefix 2048] [--groups 1] [--own 32] [--ways cascade,stacked] [--steps 32] [--prefill-streams N] [--json FILE]
+        [--prefix 2048] [--groups 1] [--own 32] [--ways cascade,stacked] [--steps 32] [--prefill-streams N]
+        [--compile-decode on|off|both] [--fast-op-stand-ins] [--kernel-stand-in] [--json FILE]
 """
 
 from __future__ import annotations
@@ -209,7 +222,8 @@ def measure(step: Callable[[], None], warmup: int, steps: int) -> dict[str, Any]
             # wrappers would add to a timed step's host time); the products'
             # launches and the reshapes' copies in the last unmeasured one
             # (their counts evaluate the operands).
-            with _watch(probe, gemms, reshapes, counted=probe.count_ops, layouts=index == warmup - 1):
+            counted, layouts = probe.count_ops, index == warmup - 1
+            with _watch(probe, gemms, reshapes, counted=counted, layouts=layouts), _as_written(step, counted or layouts):
                 step()
             ended = time.perf_counter()
             if drained:
@@ -220,6 +234,17 @@ def measure(step: Callable[[], None], warmup: int, steps: int) -> dict[str, Any]
                 async_evals.append(probe.async_evals)
         ops = probe.ops
     return _summary(ops or (None, None, None), build, wall, evals, async_evals, **_with_products(gemms, reshapes, warmup))
+
+
+def _as_written(step: Callable[..., Any], watched: bool) -> Any:
+    """In a watched run, the compiled decoder layers of ``step``'s model (its
+    ``model`` attribute, if any; a step's or a prefill's maker's) run their parts as Python
+    (:func:`~mlxkv.actors.compiled_decode.as_written`): the same operations,
+    each seen by the watchers (a trace's replay calls no Python)."""
+    from mlxkv.actors.compiled_decode import as_written
+
+    model = getattr(step, "model", None)
+    return as_written(model) if watched and model is not None else contextlib.nullcontext()
 
 
 def _watch(probe: StepProbe, gemms: GemmLaunches, reshapes: ReshapeViews, *, counted: bool, layouts: bool) -> Any:
@@ -284,7 +309,8 @@ def measure_prefill(prepare: Callable[[], Callable[[], None]], warmup: int, repe
             probe.mark()
             probe.sum_ops = index == warmup
             started = time.perf_counter()
-            with _watch(probe, gemms, reshapes, counted=probe.sum_ops, layouts=index == warmup - 1):
+            counted, layouts = probe.sum_ops, index == warmup - 1
+            with _watch(probe, gemms, reshapes, counted=counted, layouts=layouts), _as_written(prepare, counted or layouts):
                 run()
             ran = time.perf_counter()
             mx.synchronize()
@@ -378,6 +404,7 @@ def mlxkv_steps(
     def step() -> None:
         batch.advance(1)
 
+    step.model = runner._model  # type: ignore[attr-defined]
     return step
 
 
@@ -413,6 +440,7 @@ def mlxkv_prefills(
         return run
 
     prepare.holders = holders  # type: ignore[attr-defined]
+    prepare.model = runner._model  # type: ignore[attr-defined]
     return prepare
 
 
@@ -485,6 +513,16 @@ def stand_in_kernel() -> None:
     decode_kernel._kernel = lambda: one_launch
 
 
+def stand_in_fast_ops() -> None:
+    """Where MLX runs on the CPU, ``mx.fast.rms_norm`` and ``mx.fast.rope``
+    replaced by one elementwise operation each (a GPU's one kernel each; the
+    CPU's fallbacks are chains of operations): for host times, not outputs."""
+    if mx.default_device().type != mx.DeviceType.cpu:
+        return
+    mx.fast.rms_norm = lambda x, weight, eps, **_: mx.abs(x)
+    mx.fast.rope = lambda x, *_, **__: mx.abs(x)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="an mlx-lm model directory, or a built-in model's name (default: the built-in model)")
@@ -505,6 +543,15 @@ def main() -> None:
     parser.add_argument(
         "--kernel-stand-in", action="store_true",
         help="off CUDA, count the kernel way's decode steps with a one-launch stand-in for its CUDA kernel",
+    )  # fmt: skip
+    parser.add_argument(
+        "--fast-op-stand-ins", action="store_true",
+        help="on the CPU, rms_norm and rope as one elementwise op each, as a GPU's one kernel (host times only)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--compile-decode", choices=("on", "off", "both"), default="on",
+        help="mlxkv's decoder layers compiled for decode steps (on, the runtime's default), as written (off),"
+        " or each mlxkv method both ways (both: the second one's rows end in 'as written')",
     )  # fmt: skip
     parser.add_argument("--steps", type=int, default=32, help="measured steps (or prefills) per method (32)")
     parser.add_argument("--warmup", type=int, default=4, help="unmeasured steps first (4)")
@@ -527,6 +574,8 @@ def main() -> None:
     prefill = args.phase == "prefill"
     if args.kernel_stand_in:
         stand_in_kernel()
+    if args.fast_op_stand_ins:
+        stand_in_fast_ops()
     if prefill and (args.temperature or args.top_p):
         parser.error("--temperature and --top-p are for decode steps")
     mlxkv_maker, mlx_lm_maker = (mlxkv_prefills, mlx_lm_prefills) if prefill else (mlxkv_steps, mlx_lm_steps)
@@ -539,11 +588,17 @@ def main() -> None:
         mlxkv_maker = functools.partial(mlxkv_steps, sampling=sampling)
         mlx_lm_maker = functools.partial(mlx_lm_steps, sampler=make_sampler(temp=args.temperature, top_p=args.top_p))
     streams = {} if args.prefill_streams is None else {"prefill_streams": args.prefill_streams}
-    methods: dict[str, Callable[..., Any]] = {
-        f"mlxkv, {way.value}": (lambda s, o, way=way: mlxkv_maker(path, {"prefix_attention": way, **streams}, s, o, block))
-        for way in ways
-    }
-    methods["mlxkv, copies"] = lambda s, o: mlxkv_maker(path, {"shared_prefix": False, **streams}, s, o, block)
+    methods: dict[str, Callable[..., Any]] = {}
+    for compiled in {"on": [True], "off": [False], "both": [True, False]}[args.compile_decode]:
+        options = {**streams, "compile_decode": compiled}
+        written = "" if compiled or args.compile_decode == "off" else ", as written"
+        for way in ways:
+            methods[f"mlxkv, {way.value}{written}"] = functools.partial(
+                mlxkv_maker, path, {"prefix_attention": way, **options}, block=block
+            )
+        methods[f"mlxkv, copies{written}"] = functools.partial(
+            mlxkv_maker, path, {"shared_prefix": False, **options}, block=block
+        )
     methods["mlx-lm"] = lambda s, o: mlx_lm_maker(path, s, o)
     measured = measure_prefill if prefill else measure
     results: list[dict[str, Any]] = []

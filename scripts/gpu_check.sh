@@ -9,8 +9,9 @@
 # serve step's client and the README's openai example need, installed first here).
 # Steps, in the order given (default: all of them):
 #   attention  scripts/bench_attention.py: one call of each shared-prefix attention way
-#   step       scripts/bench_step.py: one decode step of the whole model, each way, against
-#              per-row copies and mlx-lm's BatchGenerator (graph ops, CUDA kernels, host and wall ms)
+#   step       scripts/bench_step.py: one decode step of the whole model, the kernel and mixed ways,
+#              with the decode layers compiled and as written, against per-row copies and mlx-lm's
+#              BatchGenerator (graph ops, CUDA kernels, host and wall ms)
 #   prefill    the same for a prefill of the rows' own tokens over 4 prefixes (--phase prefill):
 #              graph ops, host and wall ms, and the evaluations that wait for the device
 #   batch      scripts/bench_batch.py --prefix-tokens 2048 at 1, 8 and 32 requests, each way
@@ -26,7 +27,8 @@
 # timeout still leaves what it printed. GPU_CHECK_MODEL and GPU_CHECK_QUICK=1 make
 # a small dry run of it anywhere (the tests run one on the CPU); GPU_CHECK_WAYS names the
 # shared-prefix attention ways batch and memory run beside the device's default (mixed stacked;
-# the default on CUDA is kernel);
+# the default on CUDA is kernel), and both run the default with its decode layers as written too
+# (compile_decode=false);
 # GPU_CHECK_WAY runs chat, serve and sampled with that way instead of the default (their outputs
 # then named STEP-WAY).
 set -u
@@ -60,17 +62,18 @@ if [ "$quick" = 1 ]; then
   settings=(--prefix-tokens 128 --settings 2x4 --rounds 1)
   sizes=(--sizes 2 --rounds 1)
   attention=(--quick --repeats 2 --warmup 1 --dtype float32 --heads 4 --kv-heads 2)
-  step_options=(--rows 2 --prefix 128 --groups 2 --own 8 --steps 3 --warmup 1)
+  step_options=(--rows 2 --prefix 128 --groups 2 --own 8 --steps 3 --warmup 1 --compile-decode both)
   prefill_options=(--rows 2 --prefix 128 --groups 2 --own 40 --steps 2 --warmup 1)
 else
   settings=(--prefix-tokens 2048 --settings 1x64,8x48,32x48 --rounds 2)
   sizes=(--sizes 8,32 --rounds 2)
   attention=()
-  step_options=(--rows 8,32 --prefix 2048 --steps 48)
+  step_options=(--rows 8,32 --prefix 2048 --steps 48 --ways kernel,mixed --compile-decode both)
   prefill_options=(--rows 8,32 --prefix 512 --groups 4 --own 96 --steps 8)
 fi
 ways=()
 for way in ${GPU_CHECK_WAYS:-mixed stacked}; do ways+=(--also "prefix_attention=$way"); done
+ways+=(--also compile_decode=false)
 way=${GPU_CHECK_WAY:-}
 suffix=${way:+-$way}
 chat_way=()

@@ -42,8 +42,12 @@ def test_a_quick_dry_run_measures_every_way(model_dir: Path, tmp_path: Path):
     for r in results:
         assert r["ms"] > 0 and r["ops"] > 0 and r["max_diff"] < ATTENTION_ATOL, r
     step = json.loads((tmp_path / "step.json").read_text())["results"]
-    methods = {r["method"] for r in step}
-    assert methods == {f"mlxkv, {way.value}" for way in PrefixAttention} | {"mlxkv, copies", "mlx-lm"}
+    methods = {f"mlxkv, {way.value}" for way in PrefixAttention} | {"mlxkv, copies"}
+    assert {r["method"] for r in step} == methods | {f"{m}, as written" for m in methods} | {"mlx-lm"}
+    counts = {r["method"]: (r["ops"], r["cuda_kernels"]) for r in step}
+    for m in methods:  # the compiled layers' steps are counted as the same operations
+        assert counts[m] == counts[f"{m}, as written"], m
+    methods |= {"mlx-lm"}
     for r in step:
         assert r["ops"] > 0 and r["non_view_ops"] <= r["ops"] and r["wall_ms"] >= r["build_ms"] > 0, r
         # On CUDA each layer's norms and rotary embedding are one kernel, not
