@@ -505,11 +505,24 @@ class BatchSharedPrefixCache(_OverSuffix):
         return _host_offsets(rows.prefix, self.suffix._idx, rows.padding)
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
-        """mlx-lm's write; the suffix's own offset then replaced by the same
-        numbers made on the host (mlx-lm's sum is never run: nothing reads
-        it, so left queued it would chain a sum a step, unevaluated)."""
-        out = self.suffix.update_and_fetch(keys, values)
-        self.suffix.offset = _host_offsets(None, self.suffix._idx, self.batch_rows().padding)
+        """mlx-lm's write: the new tokens at the suffix's write index, and the
+        suffix's keys and values up to them; the suffix's own offset set to
+        the same numbers made on the host. Where the buffers have room (a
+        decode step's: :meth:`reserve` made it), the write is this cache's
+        own, the same slices written and returned without mlx-lm's offset
+        sum (nothing reads it: left queued it would chain a sum a step);
+        where they have none, mlx-lm's, which grows them."""
+        suffix = self.suffix
+        start = suffix._idx
+        stop = start + keys.shape[2]
+        if suffix.keys is None or stop > suffix.keys.shape[2]:
+            out = suffix.update_and_fetch(keys, values)
+        else:
+            suffix._idx = stop
+            suffix.keys[:, :, start:stop] = keys
+            suffix.values[:, :, start:stop] = values
+            out = suffix.keys[:, :, :stop], suffix.values[:, :, :stop]
+        suffix.offset = _host_offsets(None, stop, self.batch_rows().padding)
         return out
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> Any:

@@ -284,7 +284,9 @@ class TestPaddingOnTheHost:
         equal those of an mlx-lm ``BatchKVCache`` put through the same steps
         with its own ``filter`` and ``extract`` (whose rows are left-padded
         up to a step less: its ``filter`` cuts further, to no common padding,
-        where this cache keeps its buffer whole steps)."""
+        where this cache keeps its buffer whole steps); and a decode step's
+        write, into reserved room or growing the buffer, returns mlx-lm's
+        keys and values."""
         import copy
 
         from mlxkv.cache.shared_prefix import SUFFIX_STEP
@@ -332,7 +334,7 @@ class TestPaddingOnTheHost:
         twin = twin_of(batch.suffix)
         same(batch, twin)
         for _ in range(data.draw(st.integers(1, 6))):
-            step = data.draw(st.sampled_from(["leave", "join", "prefill"]))
+            step = data.draw(st.sampled_from(["leave", "join", "prefill", "decode"]))
             if step == "leave":
                 count = len(batch.padding)
                 kept = sorted(data.draw(st.sets(st.integers(0, count - 1), min_size=1, max_size=count)))
@@ -343,6 +345,17 @@ class TestPaddingOnTheHost:
                 other = twin_of(more.suffix)
                 batch.extend(more)
                 twin.extend(other)
+            elif step == "decode" and twin.keys is not None:
+                # A decode step's write: the buffer's room (reserved, as a step does) or a growth.
+                if data.draw(st.booleans()):
+                    mx.eval(batch.reserve(1))
+                k = mx.full((len(batch.padding), 1, 1, 4), float(data.draw(st.integers(1, 99))))
+                v = -k  # not the keys: a write that swaps them fails
+                mine, theirs = batch.update_and_fetch(k, v), twin.update_and_fetch(k, v)
+                extra = batch.suffix._idx - twin._idx
+                for a, b in zip(mine, theirs):
+                    np.testing.assert_array_equal(np.array(a[:, :, extra:]), np.array(b))
+                assert primitives(batch.suffix.offset) == []  # host-made: no sum queued
             elif twin.keys is not None:
                 lengths = [data.draw(st.integers(1, 4)) for _ in batch.padding]
                 right = [max(lengths) - n for n in lengths]
