@@ -9,9 +9,9 @@ trace in C++, without running the Python.
 
 :func:`compile_decode_layers` puts a thin module in the place of every
 decoder layer whose code is one of :data:`KNOWN_LAYERS` (mlx-lm's Llama and
-Qwen2 layers: the same code). For a decode-shaped input (one token a row)
-and a cache whose offset is an array (a batch's), the module runs the
-layer's own steps in three parts:
+Qwen2 layers: the same code). For an input of one token a row (a decode
+step's, or a batched prefill's last token) and a cache whose offset is an
+array (a batch's), the module runs the layer's own steps in three parts:
 
 1. compiled: the input norm, the query, key and value projections split
    into heads, and rope at the cache's offsets;
@@ -22,8 +22,9 @@ layer's own steps in three parts:
 3. compiled: the output projection, the residual, the second norm, the MLP
    and its residual.
 
-Any other call (a prefill chunk; a lone request's cache, whose offset is an
-int) runs the layer's own code. A compiled part is traced once a batch size
+Any other call (a prefill chunk of several tokens, whose shapes change with
+every request; a lone request's cache, whose offset is an int) runs the
+layer's own code. A compiled part is traced once a batch size
 (per thread and MLX stream: MLX keeps its traces per thread).
 
 The outputs are the layer's own: the traces record the same operations, and

@@ -58,7 +58,9 @@ as ``mixed`` off CUDA.
 and ``mx.fast.rope`` -- which the CPU runs as their fallbacks, about ten
 operations each, and a GPU as one kernel -- are replaced by one elementwise
 operation each, so that the build times of every method say more nearly
-what a GPU's host pays (their outputs are wrong: wall times say nothing).
+what a GPU's host pays (their outputs are wrong: wall times say nothing;
+nor do the counts, from which a rope's array offset, mlx-lm's sum a step,
+drops out).
 
 ``--compile-decode off``: mlxkv's runners run the decoder layers as their
 own code (:mod:`mlxkv.actors.compiled_decode`; default ``on``, the
