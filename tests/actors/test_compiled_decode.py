@@ -20,10 +20,10 @@ from mlxkv.actors.decode_batch import DecodeBatch
 from mlxkv.actors.model_runner import TextRunner
 from mlxkv.actors.request import RequestSpec
 from mlxkv.actors.sequence import SequenceState
-from mlxkv.cache import kv_state
 from mlxkv.default_model import TINY_HYBRID, TINY_LLAMA, TINY_SLIDING_LLAMA, ensure_model
 
 from device_arithmetic import LOGITS_ATOL, ON_CPU
+from model_blocks import block_payloads
 
 BS = 16
 PREFIX = [(i * 37 + 5) % 250 for i in range(3 * BS)]
@@ -125,13 +125,6 @@ def _runner(spec, directory, compiled: bool, dtype, traced: list | None = None) 
     return runner
 
 
-def _payloads(runner) -> tuple:
-    cache = make_prompt_cache(runner._model)
-    runner._model(mx.array(PREFIX)[None], cache=cache)
-    mx.eval([layer.state for layer in cache])
-    return tuple(kv_state.slice_blocks(cache, BS, range(len(PREFIX) // BS), num_tokens=len(PREFIX)))
-
-
 def _row(runner, index: int, payloads: tuple) -> SequenceState:
     own = [(i * 11 + index * 29) % 250 for i in range(5 + 3 * index)]
     spec = RequestSpec(
@@ -148,7 +141,7 @@ def _row(runner, index: int, payloads: tuple) -> SequenceState:
 def _steps(runner, shared: bool) -> list:
     """Each emitted token's log-probabilities over a batch of three rows, then
     two (one left), then three (another joined): batch sizes 3, 2 and 3."""
-    payloads = _payloads(runner) if shared else ()
+    payloads = block_payloads(runner._model, PREFIX, BS) if shared else ()
     batch = DecodeBatch(runner)
     rows = [_row(runner, i, payloads) for i in range(3)]
     batch.join(rows)
