@@ -10,15 +10,15 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
 
 from mlxkv.actors.decode_batch import DecodeBatch
 from mlxkv.actors.model_runner import TextRunner
 from mlxkv.actors.request import RequestSpec
 from mlxkv.actors.sampling import Sampling
 from mlxkv.actors.sequence import SequenceState
-from mlxkv.cache import kv_state
 from mlxkv.cache.shared_prefix import BatchSharedPrefixCache, SharedPrefixCache
+
+from model_blocks import block_payloads
 
 BS = 16
 PREFIX = [(i * 37 + 5) % 250 for i in range(4 * BS)]
@@ -32,13 +32,6 @@ def own(n: int, salt: int) -> list[int]:
 def runner(tiny_llama):
     model, tokenizer = tiny_llama
     return TextRunner(model, tokenizer)
-
-
-def prefix_payloads(model) -> tuple:
-    cache = make_prompt_cache(model)
-    model(mx.array(PREFIX)[None], cache=cache)
-    mx.eval([layer.state for layer in cache])
-    return tuple(kv_state.slice_blocks(cache, BS, range(len(PREFIX) // BS), num_tokens=len(PREFIX)))
 
 
 def started(
@@ -74,7 +67,7 @@ class TestLoneRow:
     def test_a_lone_row_decodes_over_a_plain_run_and_shares_again_when_joined(self, runner, tiny_llama):
         model, _ = tiny_llama
         assert runner.info.shared_prefix
-        payloads = prefix_payloads(model)
+        payloads = block_payloads(model, PREFIX, BS)
         first = PREFIX + own(9, salt=1)
         second = PREFIX + own(5, salt=2)
 
@@ -119,7 +112,7 @@ class TestNoWaits:
         on the way): no step calls ``mx.eval`` (a growth is queued with
         ``async_eval``, not waited for), and the tokens are the cold runs'."""
         model, _ = tiny_llama
-        payloads = prefix_payloads(model)
+        payloads = block_payloads(model, PREFIX, BS)
         prompts = [PREFIX + own(n, salt=n) for n in (3, 7, 12)]
         batch = DecodeBatch(runner)
         rows = [started(runner, f"r{i}", prompt, payloads) for i, prompt in enumerate(prompts)]
@@ -146,7 +139,7 @@ class TestNoWaits:
         calls ``mx.eval`` (the copies are queued with ``async_eval``, which
         is given the new cache), and every row's tokens are its cold run's."""
         model, _ = tiny_llama
-        payloads = prefix_payloads(model)
+        payloads = block_payloads(model, PREFIX, BS)
         prompts = [PREFIX + own(n, salt=n) for n in (3, 7, 12, 5)]
         rows = [started(runner, f"r{i}", prompt, payloads) for i, prompt in enumerate(prompts)]
         batch = DecodeBatch(runner)
@@ -193,7 +186,7 @@ class TestStepInvariantShapes:
 
         model, tokenizer = tiny_llama
         stacked = TextRunner(model, tokenizer, RunnerConfig(prefix_attention=PrefixAttention.STACKED))
-        payloads = prefix_payloads(model)
+        payloads = block_payloads(model, PREFIX, BS)
         prompts = [PREFIX + own(n, salt=n) for n in (3, 9, 5)]
         batch = DecodeBatch(stacked)
         rows = [started(stacked, f"r{i}", p, payloads) for i, p in enumerate(prompts)]

@@ -128,8 +128,8 @@ class TestLifecycle:
                     outside.start_soon(client, i)
                 while len(started) < 20:
                     await anyio.sleep(0)
-                assert len(results) < 20  # some calls are still in flight at exit
-        assert len(results) == 20
+                assert len(results) < 20, "every call ended before the exit: none was in flight"
+        assert len(results) == 20, f"{20 - len(results)} calls in flight at the exit did not end"
 
     async def test_actor_crash_fails_callers_and_exits_with_the_cause(self):
         """A crashing handler fails pending callers with RuntimeClosed; the block
