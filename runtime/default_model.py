@@ -269,10 +269,39 @@ BENCH_LLAMA_722M_GRAPH = attrs.evolve(
     config={**BENCH_LLAMA_722M.config, "hidden_size": 256, "intermediate_size": 512},
 )
 
+#: :data:`BENCH_LLAMA_722M`'s memory at a CPU's cost: per token and layer,
+#: its hidden state, its MLP's activations and a query's attention scores
+#: (float32, 16 query heads) are the same multiples of its KV (2 and 5.5
+#: times; scores 1/16 per key) as the 722M model's in bfloat16, each half its
+#: bytes -- hidden 512, intermediate 1,408, 16 query / 4 KV heads of 32, in
+#: float32 -- so peak memory over the floor (the KV the work needs) comes
+#: out in the 722M model's ratio (``scripts/bench_memory.py``, with
+#: ``--fused-attention-stand-in`` for a GPU's fused attention).
+BENCH_LLAMA_722M_PROPORTIONS = attrs.evolve(
+    BENCH_LLAMA_722M,
+    name="bench-llama-722m-proportions",
+    config={
+        **BENCH_LLAMA_722M.config,
+        "hidden_size": 512,
+        "intermediate_size": 1408,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+    },
+    dtype="float32",
+)
+
 #: The built-in models by name: what ``--model NAME`` names in the scripts.
 BUILT_IN_MODELS = {
     spec.name: spec
-    for spec in (DEFAULT_MODEL, TINY_LLAMA, TINY_SLIDING_LLAMA, TINY_HYBRID, BENCH_LLAMA_722M, BENCH_LLAMA_722M_GRAPH)
+    for spec in (
+        DEFAULT_MODEL,
+        TINY_LLAMA,
+        TINY_SLIDING_LLAMA,
+        TINY_HYBRID,
+        BENCH_LLAMA_722M,
+        BENCH_LLAMA_722M_GRAPH,
+        BENCH_LLAMA_722M_PROPORTIONS,
+    )
 }
 
 

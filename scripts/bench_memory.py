@@ -42,7 +42,24 @@ start-up; until 7609661 each mlxkv round ran on a fresh runtime, whose
 first requests are slower (its tokens/s were 0.73x ``batch_generate``'s
 at 8 requests that way).
 
-    .venv/bin/python scripts/bench_memory.py [--sizes 8,16,32,64] [--groups 1] [--rounds 3] [--also decode_wait=1] [--json FILE]
+Each mlxkv round also says which of the executor's plans was running when
+its peak was reached (``peak set by``: a prefill's rows and new tokens, a
+join, decode steps and their rows; the median round's): on a GPU, MLX
+allocates an operation's output as the host queues it and frees its inputs
+only once the kernels of its batch (on MLX's CUDA backend, a CUDA graph of
+up to 100 operations on an H100 or H200) have run, so a plan's peak is what
+it queues ahead of the device. On a CPU the operations run behind the
+host, so the plan named may be the one after.
+
+On a CPU, ``--fused-attention-stand-in`` gives every fused attention call
+the memory a GPU's flash kernel needs (its output; the CPU's fallback
+materialises the scores) and ``--kernel-stand-in`` runs the ``kernel``
+way's decode steps as on CUDA (``scripts/stand_ins.py``): an estimate of
+what the fused ways hold on a GPU, from below (a GPU frees later). Their
+tokens are not the model's (they are not compared).
+
+    .venv/bin/python scripts/bench_memory.py [--sizes 8,16,32,64] [--groups 1] [--rounds 3] [--also decode_wait=1]
+        [--fused-attention-stand-in] [--kernel-stand-in] [--json FILE]
 """
 
 from __future__ import annotations
@@ -60,6 +77,9 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import stand_ins  # noqa: E402
 
 PREFIX, OWN, GENERATED = 2048, 32, 32
 BLOCK = 64
@@ -110,6 +130,60 @@ def _peak_above(base: int) -> int:
     gc.collect()
     mx.synchronize()
     return peak - min(base, mx.get_active_memory())
+
+
+def describe_plan(plan: Any, result: Any) -> str:
+    """What an executor's plan did, in a few words: its prefill calls' rows
+    and the new tokens of the requests it started, its joins and leaves,
+    and its decode steps' rows."""
+    parts = []
+    if result.prefill_calls:
+        rows = "+".join(str(n) for n in result.prefill_calls)
+        new = sum(c.computed - c.num_cached for c in result.chunks if c.started)
+        parts.append(f"prefill {rows} rows" + (f", {new} new tokens" if new else ""))
+    if plan.join:
+        parts.append(f"join {len(plan.join)}")
+    if plan.leave:
+        parts.append(f"leave {len(plan.leave)}")
+    if result.steps:
+        parts.append(f"{len(result.steps)} steps of {max(result.steps)} rows")
+    return ", ".join(parts) or "publish"
+
+
+class PeakByPlan:
+    """Within the block, each plan the executors run, with MLX's peak memory
+    when it returned: :meth:`setter` names the first whose peak was the
+    block's."""
+
+    def __init__(self) -> None:
+        self.plans: list[tuple[str, int]] = []
+
+    def __enter__(self) -> PeakByPlan:
+        import mlx.core as mx
+
+        from mlxkv.actors.executor import Executor
+
+        self._run = run = Executor.run
+
+        def noted(executor: Any, plan: Any) -> Any:
+            result = run(executor, plan)
+            self.plans.append((describe_plan(plan, result), mx.get_peak_memory()))
+            return result
+
+        Executor.run = noted  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        from mlxkv.actors.executor import Executor
+
+        Executor.run = self._run  # type: ignore[method-assign]
+
+    def setter(self) -> str:
+        """The first plan whose return saw the block's peak ("" if none ran)."""
+        if not self.plans:
+            return ""
+        top = max(peak for _, peak in self.plans)
+        return next(what for what, peak in self.plans if peak == top)
 
 
 def _ms(pair: tuple[float, float]) -> str:
@@ -197,9 +271,10 @@ async def _mlxkv(rt: Any, prefixes: list[list[int]], owns: list[list[int]]) -> d
     base = mx.get_active_memory()
     mx.reset_peak_memory()
     started = time.perf_counter()
-    async with anyio.create_task_group() as tg:
-        for i in range(len(owns)):
-            tg.start_soon(one, i)
+    with PeakByPlan() as plans:
+        async with anyio.create_task_group() as tg:
+            for i in range(len(owns)):
+                tg.start_soon(one, i)
     wall = time.perf_counter() - started
     peak = _peak_above(base)
     assert all(r.cached_tokens == PREFIX // BLOCK * BLOCK for r in reports), "the prefix was not reused"
@@ -207,6 +282,7 @@ async def _mlxkv(rt: Any, prefixes: list[list[int]], owns: list[list[int]]) -> d
     return {
         "decode_calls": after.compute.num_decode_steps - before.compute.num_decode_steps,
         "peak": peak,
+        "peak_set_by": plans.setter(),
         "wall": wall,
         "tokens": [list(r.tokens) for r in reports],
         "ttft": [r.time_to_first_token for r in reports],
@@ -241,7 +317,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                         outs[method] = await _mlxkv(runtimes[method], prefixes, owns)
                     samples[method].append(outs[method])
                 reference = outs["batch_generate"]["tokens"]
-                for method in options:
+                for method in options if not args.stand_ins else ():
                     if outs[method]["tokens"] != reference:
                         print(f"warning: {method} tokens differ from batch_generate's (n={n})", file=sys.stderr)
             table[n] = samples
@@ -267,9 +343,24 @@ def main() -> None:
         metavar="KEY=VALUE[,KEY=VALUE]",
         help="also run mlxkv with these runtime options (integers), e.g. prefill_budget=1024,decode_wait=1; repeatable",
     )
+    parser.add_argument(
+        "--fused-attention-stand-in",
+        action="store_true",
+        help="on the CPU, fused attention calls hold only what a GPU's flash kernel holds (an estimate; tokens wrong)",
+    )
+    parser.add_argument(
+        "--kernel-stand-in",
+        action="store_true",
+        help="off CUDA, the kernel way's decode steps run as on CUDA (with a stand-in for the kernel; tokens wrong)",
+    )
     parser.add_argument("--json", help="also write the results as JSON to FILE")
     args = parser.parse_args()
     args.sizes = [int(s) for s in args.sizes.split(",")]
+    if args.fused_attention_stand_in:
+        stand_ins.fused_attention_memory()
+    if args.kernel_stand_in:
+        stand_ins.kernel()
+    args.stand_ins = args.fused_attention_stand_in or args.kernel_stand_in
     results = anyio.run(main_async, args)
     per_token, groups = results["per_token"], results["groups"]
     print(f"peak MLX memory above idle, {groups} prefix group(s) of {PREFIX} tokens, {OWN} own + {GENERATED} generated each")
@@ -290,6 +381,12 @@ def main() -> None:
         }
         ttft = {m: _percentiles([t for s in v for t in s["ttft"]]) for m, v in samples.items()}
         calls = {m: statistics.median(s["decode_calls"] for s in v) for m, v in samples.items() if m != "batch_generate"}
+        # The plan of the round whose peak was the median (the lower middle of an even count).
+        set_by = {
+            m: sorted(v, key=lambda s: s["peak"])[(len(v) - 1) // 2]["peak_set_by"]
+            for m, v in samples.items()
+            if m != "batch_generate"
+        }
         summary[n] = {
             "peak": peaks,
             "floor": floor,
@@ -297,6 +394,7 @@ def main() -> None:
             "ratio": ratios,
             "ttft": ttft,
             "decode_calls": calls,
+            "peak_set_by": set_by,
         }
         print(
             f"| {n} | {_mib(peaks['mlxkv'])} | {_mib(peaks['mlxkv, copies'])} | {_mib(peaks['batch_generate'])}"
@@ -309,7 +407,7 @@ def main() -> None:
             print(
                 f"{method}, N={n}: {_mib(row['peak'][method])}, {row['tokens_per_second'][method]:,.0f} tok/s,"
                 f" {row['ratio'][method]:.2f}x batch_generate, TTFT {_ms(row['ttft'][method])},"
-                f" {row['decode_calls'][method]:.0f} decode calls"
+                f" {row['decode_calls'][method]:.0f} decode calls; peak set by: {row['peak_set_by'][method]}"
             )
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")

@@ -116,6 +116,7 @@ from typing import Any, Callable
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import stand_ins  # noqa: E402
 from bench_batch import _prefix  # noqa: E402
 from cuda_matmul import GemmLaunches  # noqa: E402
 from cuda_reshape import ReshapeViews  # noqa: E402
@@ -494,37 +495,6 @@ def mlx_lm_steps(
     return step
 
 
-def stand_in_kernel() -> None:
-    """Where MLX has no CUDA backend, the decode kernel
-    (:mod:`mlxkv.actors.decode_kernel`) taken as present and checked, its one
-    launch replaced by one fused attention call over the suffix buffers: the
-    kernel way's host path runs as it would on CUDA (its checks, the rows'
-    layout, the kernel's inputs and template), for the counts and the
-    build time (not its output)."""
-    from mlxkv.actors import decode_kernel
-
-    if decode_kernel.on_cuda():
-        return
-
-    def one_launch(*, inputs: Any, output_shapes: Any, **_: Any) -> list[Any]:
-        queries, _scale, _info, suffix_keys, suffix_values = inputs[:5]
-        return [mx.fast.scaled_dot_product_attention(queries, suffix_keys, suffix_values, scale=1.0)]
-
-    decode_kernel.on_cuda = lambda device=None: True
-    decode_kernel.self_check = lambda *build: None
-    decode_kernel._kernel = lambda: one_launch
-
-
-def stand_in_fast_ops() -> None:
-    """Where MLX runs on the CPU, ``mx.fast.rms_norm`` and ``mx.fast.rope``
-    replaced by one elementwise operation each (a GPU's one kernel each; the
-    CPU's fallbacks are chains of operations): for host times, not outputs."""
-    if mx.default_device().type != mx.DeviceType.cpu:
-        return
-    mx.fast.rms_norm = lambda x, weight, eps, **_: mx.abs(x)
-    mx.fast.rope = lambda x, *_, **__: mx.abs(x)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="an mlx-lm model directory, or a built-in model's name (default: the built-in model)")
@@ -575,9 +545,9 @@ def main() -> None:
     ways = [PrefixAttention(w) for w in args.ways.split(",")] if args.ways else list(PrefixAttention)
     prefill = args.phase == "prefill"
     if args.kernel_stand_in:
-        stand_in_kernel()
+        stand_ins.kernel()
     if args.fast_op_stand_ins:
-        stand_in_fast_ops()
+        stand_ins.fast_ops()
     if prefill and (args.temperature or args.top_p):
         parser.error("--temperature and --top-p are for decode steps")
     mlxkv_maker, mlx_lm_maker = (mlxkv_prefills, mlx_lm_prefills) if prefill else (mlxkv_steps, mlx_lm_steps)

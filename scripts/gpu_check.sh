@@ -16,7 +16,8 @@
 #              graph ops, host and wall ms, and the evaluations that wait for the device
 #   batch      scripts/bench_batch.py --prefix-tokens 2048 at 1, 8 and 32 requests, each way
 #              (and the shapes of the attention calls each asked cuDNN for: --fused-shapes)
-#   memory     scripts/bench_memory.py --sizes 8,32 (peak memory against the floor), each way
+#   memory     scripts/bench_memory.py --sizes 8,32 (peak memory against the floor, and the plan that
+#              reached it), each way
 #   chat       scripts/bench_chat.py: shared prefixes against copies
 #   serve      scripts/bench_serve.py --servers mlxkv,mlx-lm
 #   sampled    the same at temperature 1, OpenAI's default (not run unless named)

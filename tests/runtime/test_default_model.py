@@ -108,3 +108,24 @@ class TestSpecs:
         cache = make_prompt_cache(model)
         model(mx.array([[1, 2, 3]]), cache=cache)
         assert len(primitives(model(mx.array([[4]]), cache=cache))) > 16 * 10  # every layer's operations, not a stub
+
+    def test_the_memory_proxy_keeps_the_gpu_models_proportions(self):
+        """``bench-llama-722m-proportions`` holds, per token and layer, the
+        722M model's hidden state, MLP activations and attention scores in the
+        same ratios to its KV, and has its layers."""
+        from mlxkv.default_model import BENCH_LLAMA_722M, BENCH_LLAMA_722M_PROPORTIONS, BUILT_IN_MODELS
+
+        def per_token(spec):
+            config, size = spec.full_config(), {"bfloat16": 2, "float32": 4}[spec.dtype]
+            head = config["hidden_size"] // config["num_attention_heads"]
+            kv = 2 * config["num_key_value_heads"] * head * size
+            hidden, mlp = config["hidden_size"] * size, config["intermediate_size"] * size
+            scores = config["num_attention_heads"] * 4  # a key's float32 score in every query head
+            return kv, (hidden / kv, mlp / kv, scores / kv), config["num_hidden_layers"]
+
+        assert BUILT_IN_MODELS[BENCH_LLAMA_722M_PROPORTIONS.name] is BENCH_LLAMA_722M_PROPORTIONS
+        big_kv, big_ratios, big_layers = per_token(BENCH_LLAMA_722M)
+        kv, ratios, layers = per_token(BENCH_LLAMA_722M_PROPORTIONS)
+        assert ratios == big_ratios and layers == big_layers
+        assert kv * 2 == big_kv
+

@@ -19,21 +19,23 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_quick_dry_run_measures_every_way(model_dir: Path, tmp_path: Path):
-    """The check's attention and batch steps on the tiny model: each step ends
-    with status 0, every way of each shape is timed and counted, and each
-    agrees with fused attention over copies (exactly where it is fused itself)."""
+    """The check's attention, step, prefill, batch and memory steps on the
+    tiny model: each step ends with status 0, every way of each shape is
+    timed and counted, and each agrees with fused attention over copies
+    (exactly where it is fused itself); every mlxkv method's peak memory
+    names the plan that reached it."""
     ensure_model(TINY_LLAMA, model_dir)
     env = {
         **os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "MLXKV_CACHE_DIR": str(model_dir),
         "GPU_CHECK_MODEL": TINY_LLAMA.name, "GPU_CHECK_QUICK": "1",
     }  # fmt: skip
     done = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "attention", "step", "prefill", "batch"],
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "attention", "step", "prefill", "batch", "memory"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     log = (tmp_path / "log.txt").read_text()
-    for step in ("model", "attention", "step", "prefill", "batch"):
+    for step in ("model", "attention", "step", "prefill", "batch", "memory"):
         assert f"== {step}: status 0 in" in log, log
     results = json.loads((tmp_path / "attention.json").read_text())["results"]
     ways = {r["way"] for r in results}
@@ -71,3 +73,9 @@ def test_a_quick_dry_run_measures_every_way(model_dir: Path, tmp_path: Path):
     shapes = batch["fused_shapes"]
     assert {"batch_generate", "mlxkv, prefix_attention=stacked"} <= set(shapes) <= set(batch["2x4"]), shapes
     assert all(c["calls"] >= c["shapes"] >= 1 for c in shapes.values()), shapes
+    memory = json.loads((tmp_path / "memory.json").read_text())["2"]
+    mlxkv = {m for m in memory["peak"] if m.startswith("mlxkv")}
+    assert {"mlxkv", "mlxkv, compile_decode=false"} <= mlxkv
+    assert set(memory["peak_set_by"]) == mlxkv
+    assert all(memory["peak_set_by"][m] and memory["peak"][m] > 0 for m in mlxkv), memory
+
