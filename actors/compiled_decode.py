@@ -30,9 +30,13 @@ layer's own code. A compiled part is traced once a batch size
 The outputs are the layer's own: the traces record the same operations, and
 MLX's compiler only fuses chains of elementwise ones (on the CPU, rope's
 and the norms' fallbacks; on a GPU those are single kernels already). On
-the CPU they are the same bit for bit in every model and dtype tested. The
-weights are constants of the traces: a model whose weights change after
-loading must not be compiled (``RunnerConfig.compile_decode=False``).
+the CPU they are the same bit for bit in every model and dtype tested
+(``tests/actors/test_compiled_decode.py``). Elsewhere :func:`compile_checked`
+first runs one decode step of a compiled layer beside the layer's own code
+(:func:`self_check`), and puts the layers back (logged) if it raises or
+disagrees: a runner then decodes as written. The weights are constants of
+the traces: a model whose weights change after loading must not be compiled
+(``RunnerConfig.compile_decode=False``).
 """
 
 from __future__ import annotations
@@ -41,9 +45,22 @@ import contextlib
 import functools
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 
-__all__ = ["KNOWN_LAYERS", "as_written", "compile_decode_layers", "compiled_layer", "known"]
+from mlxkv.actors.event_log import EventLog
+
+__all__ = [
+    "KNOWN_LAYERS",
+    "as_written",
+    "compile_checked",
+    "compile_decode_layers",
+    "compiled_layer",
+    "known",
+    "restore_layers",
+    "self_check",
+]
+
+_LOG = EventLog(component="compiled_decode")
 
 #: The decoder layers whose code the compiled parts restate, as the layer's
 #: class and its attention's class (module and qualified name): the calls of
@@ -180,13 +197,94 @@ def compile_decode_layers(model: Any) -> int:
     return replaced
 
 
+def _stand_ins(model: Any) -> list[Any]:
+    return [module for _, module in model.named_modules() if type(module) is compiled_layer()]
+
+
+def restore_layers(model: Any) -> int:
+    """Put each :func:`compiled_layer` module of ``model`` back to the layer it
+    stands for (undoes :func:`compile_decode_layers`); how many."""
+    import mlx.nn as nn
+
+    restored = 0
+    for _, module in model.named_modules():
+        for value in module.values() if isinstance(module, nn.Module) else ():
+            if isinstance(value, list):
+                for index, layer in enumerate(value):
+                    if type(layer) is compiled_layer():
+                        value[index] = layer.layer
+                        restored += 1
+    return restored
+
+
+def self_check(model: Any) -> Optional[str]:
+    """One decode step of ``model``'s first compiled layer against its layer's
+    own code, on the device MLX runs on: two rows of a batch cache (mlx-lm's
+    ``BatchKVCache``, one row left-padded) after three tokens each, the
+    inputs random in the layer's dtype. None where the outputs agree (within
+    a twentieth of their largest magnitude in half precision, a thousandth
+    in float32: compiled kernels round alike; this catches a part that
+    fails, not an ulp), else what differed or what was raised. The check
+    evaluates; run it as a model loads, not inside a step."""
+    import mlx.core as mx
+    from mlx_lm.models.base import create_attention_mask
+    from mlx_lm.models.cache import BatchKVCache
+
+    stand_ins = _stand_ins(model)
+    if not stand_ins:
+        return None
+    stand_in = stand_ins[0]
+    try:
+        weight = stand_in.input_layernorm.weight
+        first, second = mx.random.split(mx.random.key(11))
+        prompt = mx.random.normal((2, 3, weight.shape[0]), key=first).astype(weight.dtype)
+        step = mx.random.normal((2, 1, weight.shape[0]), key=second).astype(weight.dtype)
+        outputs = []
+        for run in (stand_in, stand_in.layer):
+            cache = BatchKVCache([1, 0])
+            stand_in.layer(prompt, create_attention_mask(prompt, cache), cache)
+            outputs.append(run(step, create_attention_mask(step, cache), cache).astype(mx.float32))
+        compiled, written = outputs
+        difference = mx.abs(compiled - written).max().item()
+        scale = mx.abs(written).max().item()
+    except Exception as exc:  # a trace or a kernel that fails: the layers' own code serves
+        return f"{type(exc).__name__}: {exc}"
+    bound = (1e-3 if weight.dtype == mx.float32 else 5e-2) * max(scale, 1.0)
+    if not difference <= bound:  # (NaN fails too)
+        return f"max difference {difference:.3g} from the layer's own code (bound {bound:.3g})"
+    return None
+
+
+def compile_checked(model: Any, *, check: Optional[bool] = None) -> int:
+    """:func:`compile_decode_layers`, kept where :func:`self_check` passes;
+    else the layers put back and the failure logged. ``check``: None checks
+    off the CPU (where MLX's compiled kernels are not the CPU's, which the
+    tests hold to the layers' own bit for bit).
+
+    Returns:
+        The layers compiled and kept (0 where none were, or they were put back).
+    """
+    import mlx.core as mx
+
+    compiled = compile_decode_layers(model)
+    if not compiled or not (check if check is not None else mx.default_device().type != mx.DeviceType.cpu):
+        return compiled
+    error = self_check(model)
+    if error is None:
+        _LOG.info("compiled_decode_checked", layers=compiled)
+        return compiled
+    restore_layers(model)
+    _LOG.warning("compiled_decode_unusable", layers=compiled, reason=error)
+    return 0
+
+
 @contextlib.contextmanager
 def as_written(model: Any) -> Iterator[None]:
     """Within the block, ``model``'s compiled layers run their parts as Python
     (nothing traced, nothing replayed): the same operations, for code that
     watches the Python calls a step makes (``scripts/bench_step.py``'s
     counts; a trace would hide them after its first step)."""
-    stand_ins = [module for _, module in model.named_modules() if type(module) is compiled_layer()]
+    stand_ins = _stand_ins(model)
     compiled = [(layer._before, layer._after) for layer in stand_ins]
     for layer in stand_ins:
         layer._before = functools.partial(_before_attention, layer.layer)

@@ -162,8 +162,12 @@ class RunnerConfig:
             by Python, operation by operation (a GPU's decode step of a small
             model waits on the host). None (the default): for a model the
             runner loads, on every device; for a model handed in, only
-            when True. A model whose weights change after loading must not
-            be compiled (the traces hold them as constants).
+            when True. Off the CPU a runner first checks one compiled decode
+            step against the layer's own code on the device and keeps the
+            layers as written if it fails
+            (:func:`~mlxkv.actors.compiled_decode.compile_checked`). A model
+            whose weights change after loading must not be compiled (the
+            traces hold them as constants).
         keep_caches: the runner keeps the KV of the generations that
             finished last (up to
             :data:`~mlxkv.actors.model_runner.MAX_KEPT_CACHES`, of at most

@@ -27,7 +27,7 @@ from typing import Any, Optional, Protocol
 
 import attrs
 
-from mlxkv.actors.compiled_decode import compile_decode_layers
+from mlxkv.actors.compiled_decode import compile_checked
 from mlxkv.actors.compute_config import RunnerConfig
 from mlxkv.actors.sequence import SequenceState
 from mlxkv.actors.token_bound import max_chars_per_token
@@ -1066,7 +1066,7 @@ class TextRunner(CacheRunner):
                 Its ``transpose_weights``, ``fuse_projections`` and
                 ``compile_decode`` change the model in place
                 (:func:`~mlxkv.actors.weight_layout.hold_weights`,
-                :func:`~mlxkv.actors.compiled_decode.compile_decode_layers`)
+                :func:`~mlxkv.actors.compiled_decode.compile_checked`)
                 only when True: a model
                 handed in is the caller's (:meth:`load` decides for the
                 models it loads). With ``kv_bits``, the plain attention
@@ -1082,7 +1082,7 @@ class TextRunner(CacheRunner):
         kv_bits = config.kv_bits
         self._runner_config = config
         fused, transposed = hold_weights(model, config)
-        compiled = compile_decode_layers(model) if config.compile_decode is True else 0
+        compiled = compile_checked(model) if config.compile_decode is True else 0
         self._model = model
         self._tokenizer = tokenizer
         self._kv_group = self._group_size() if kv_bits else 0

@@ -33,7 +33,7 @@ from typing import Any, Optional
 
 import attrs
 
-from mlxkv.actors.compiled_decode import compile_decode_layers
+from mlxkv.actors.compiled_decode import compile_checked
 from mlxkv.actors.compute_config import RunnerConfig
 from mlxkv.actors.model_runner import (
     CacheRunner,
@@ -300,7 +300,7 @@ class VisionRunner(CacheRunner):
                 " supported: mlxkv runs Qwen2-VL-style models (mrope positions)"
             )
         fused, transposed = hold_weights(model, config)
-        compiled = compile_decode_layers(model) if config.compile_decode is True else 0
+        compiled = compile_checked(model) if config.compile_decode is True else 0
         self._runner_config = config
         self._model = model
         self._language = language

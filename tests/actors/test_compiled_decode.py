@@ -14,7 +14,14 @@ from mlx_lm.models import llama, qwen2, qwen3
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxkv.actors import compiled_decode
-from mlxkv.actors.compiled_decode import compile_decode_layers, compiled_layer, known
+from mlxkv.actors.compiled_decode import (
+    compile_checked,
+    compile_decode_layers,
+    compiled_layer,
+    known,
+    restore_layers,
+    self_check,
+)
 from mlxkv.actors.compute_config import RunnerConfig
 from mlxkv.actors.decode_batch import DecodeBatch
 from mlxkv.actors.model_runner import TextRunner
@@ -181,3 +188,65 @@ class TestParity:
         _steps(runner, shared=True)
         layers = len(runner._model.layers)
         assert sorted(traced) == sorted([3] * layers + [2] * layers)
+
+
+def _wrong_after(layer, x, attended):
+    """The layer's code after attention with its second residual dropped."""
+    rows, length, _ = x.shape
+    h = x + layer.self_attn.o_proj(attended.transpose(0, 2, 1, 3).reshape(rows, length, -1))
+    return layer.mlp(layer.post_attention_layernorm(h))
+
+
+def _raising_before(layer, x, offset):
+    raise RuntimeError("no kernel for this fusion")
+
+
+class TestSelfCheck:
+    @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
+    def test_a_compiled_model_passes(self, dtype, model_dir):
+        model, _ = load(str(ensure_model(TINY_SLIDING_LLAMA, model_dir)))
+        model.set_dtype(dtype)
+        assert self_check(model) is None  # nothing compiled: nothing to check
+        compile_decode_layers(model)
+        assert self_check(model) is None
+
+    @pytest.mark.parametrize(
+        "part, broken, says",
+        [("_after_attention", _wrong_after, "max difference"), ("_before_attention", _raising_before, "RuntimeError")],
+        ids=["wrong", "raising"],
+    )
+    def test_a_broken_part_fails_and_the_layers_are_put_back(self, part, broken, says, monkeypatch, model_dir):
+        """A compiled part that disagrees with the layer's code, or raises, fails
+        the check: ``compile_checked`` puts every layer back (the model's own
+        classes, the same parameters) and the model decodes as written."""
+        model, _ = load(str(ensure_model(TINY_LLAMA, model_dir)))
+        layers = list(model.layers)
+        monkeypatch.setattr(compiled_decode, part, broken)
+        compile_decode_layers(model)
+        assert says in self_check(model)
+        restore_layers(model)
+        assert compile_checked(model, check=True) == 0
+        assert [id(layer) for layer in model.layers] == [id(layer) for layer in layers]
+
+    def test_a_passing_check_keeps_the_layers(self, model_dir):
+        model, _ = load(str(ensure_model(TINY_LLAMA, model_dir)))
+        assert compile_checked(model, check=True) == len(model.layers)
+        assert all(type(layer) is compiled_layer() for layer in model.layers)
+
+    def test_the_cpu_is_not_checked(self, monkeypatch, model_dir):
+        """On the CPU (where the parity tests hold the compiled layers to their
+        own bit for bit) loading a model runs no check."""
+        if not ON_CPU:
+            pytest.skip("the CPU's default")
+        model, _ = load(str(ensure_model(TINY_LLAMA, model_dir)))
+        monkeypatch.setattr(compiled_decode, "self_check", lambda model: pytest.fail("checked on the CPU"))
+        assert compile_checked(model) == len(model.layers)
+
+    def test_restoring_puts_every_layer_back(self, model_dir):
+        model, _ = load(str(ensure_model(TINY_LLAMA, model_dir)))
+        layers = [id(layer) for layer in model.layers]
+        compile_decode_layers(model)
+        assert restore_layers(model) == len(layers)
+        assert [id(layer) for layer in model.layers] == layers
+        assert restore_layers(model) == 0
+
