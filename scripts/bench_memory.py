@@ -56,10 +56,14 @@ the memory a GPU's flash kernel needs (its output; the CPU's fallback
 materialises the scores) and ``--kernel-stand-in`` runs the ``kernel``
 way's decode steps as on CUDA (``scripts/stand_ins.py``): an estimate of
 what the fused ways hold on a GPU, from below (a GPU frees later). Their
-tokens are not the model's (they are not compared).
+tokens are not the model's (they are not compared). ``--memory-limit MIB``
+sets MLX's memory limit that far above what is active once every method is
+set up: past it an evaluation waits for queued work to finish before it
+queues more (MLX's own bound on what runs ahead of a GPU), for every method
+alike.
 
     .venv/bin/python scripts/bench_memory.py [--sizes 8,16,32,64] [--groups 1] [--rounds 3] [--also decode_wait=1]
-        [--fused-attention-stand-in] [--kernel-stand-in] [--json FILE]
+        [--fused-attention-stand-in] [--kernel-stand-in] [--memory-limit MIB] [--json FILE]
 """
 
 from __future__ import annotations
@@ -303,6 +307,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         runtimes = {method: await _open(stack, path, prefixes, **kw) for method, kw in options.items()}
         assert runtimes["mlxkv"].model_info is not None, "a runtime with a model describes it"
         per_token = runtimes["mlxkv"].model_info.kv_bytes_per_token
+        if args.memory_limit is not None:
+            import mlx.core as mx
+
+            gc.collect()
+            mx.synchronize()
+            mx.set_memory_limit(mx.get_active_memory() + args.memory_limit * 2**20)
         for n in args.sizes:
             samples: dict[str, list[dict[str, Any]]] = {method: [] for method in [*options, "batch_generate"]}
             rounds = [_owns(r, n) for r in range(args.rounds)]
@@ -352,6 +362,14 @@ def main() -> None:
         "--kernel-stand-in",
         action="store_true",
         help="off CUDA, the kernel way's decode steps run as on CUDA (with a stand-in for the kernel; tokens wrong)",
+    )
+    parser.add_argument(
+        "--memory-limit",
+        type=int,
+        metavar="MIB",
+        help="set MLX's memory limit this many MiB above what is active once every method is set up (every"
+        " method's evaluations then wait for queued work past it): whether a limit bounds a GPU's peak, and"
+        " at what speed",
     )
     parser.add_argument("--json", help="also write the results as JSON to FILE")
     args = parser.parse_args()

@@ -18,6 +18,9 @@
 #              (and the shapes of the attention calls each asked cuDNN for: --fused-shapes)
 #   memory     scripts/bench_memory.py --sizes 8,32 (peak memory against the floor, and the plan that
 #              reached it), each way
+#   memory-limit  the same with MLX's memory limit 128 MiB above idle (--memory-limit): whether the
+#              operations queued ahead of the device hold the peak, and what bounding them costs
+#              (not run unless named)
 #   chat       scripts/bench_chat.py: shared prefixes against copies
 #   serve      scripts/bench_serve.py --servers mlxkv,mlx-lm
 #   sampled    the same at temperature 1, OpenAI's default (not run unless named)
@@ -90,6 +93,7 @@ for step in $steps; do
     prefill) run prefill 240 "$python" scripts/bench_step.py --phase prefill --model "$model" "${prefill_options[@]}" --json "$out/prefill.json" ;;
     batch) run batch 300 "$python" scripts/bench_batch.py --model "$model" "${settings[@]}" "${ways[@]}" --fused-shapes --json "$out/batch.json" ;;
     memory) run memory 240 "$python" scripts/bench_memory.py --model "$model" "${sizes[@]}" "${ways[@]}" --json "$out/memory.json" ;;
+    memory-limit) run memory-limit 180 "$python" scripts/bench_memory.py --model "$model" "${sizes[@]}" --memory-limit 128 --json "$out/memory-limit.json" ;;
     chat) run "chat$suffix" 180 "$python" scripts/bench_chat.py --model "$model" --rounds 2 "${chat_way[@]}" --json "$out/chat$suffix.json" ;;
     serve) run "serve$suffix" 300 "$python" scripts/bench_serve.py --servers mlxkv,mlx-lm --model "$model" --rounds 1 "${serve_way[@]}" --json "$out/serve$suffix.json" --logs "$out/serve$suffix-logs" ;;
     sampled) run "sampled$suffix" 300 "$python" scripts/bench_serve.py --servers mlxkv,mlx-lm --model "$model" --rounds 1 --temperature 1 "${serve_way[@]}" --json "$out/sampled$suffix.json" ;;
