@@ -44,7 +44,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
 from mlxkv.actors.event_log import EventLog
@@ -176,6 +176,23 @@ def compiled_layer() -> Any:
     return _CompiledDecodeLayer
 
 
+def _swap_layers(model: Any, swap: Callable[[Any], Optional[Any]]) -> int:
+    """Put ``swap(layer)`` in the place of each layer in any list of
+    ``model``'s modules where it is not None; how many."""
+    import mlx.nn as nn
+
+    swapped = 0
+    for _, module in model.named_modules():
+        for value in module.values() if isinstance(module, nn.Module) else ():
+            if isinstance(value, list):
+                for index, layer in enumerate(value):
+                    other = swap(layer)
+                    if other is not None:
+                        value[index] = other
+                        swapped += 1
+    return swapped
+
+
 def compile_decode_layers(model: Any) -> int:
     """Put a :func:`compiled_layer` module in the place of every layer of
     ``model`` that :func:`known` accepts (in any list of ``model``'s modules).
@@ -183,18 +200,8 @@ def compile_decode_layers(model: Any) -> int:
     Returns:
         The number of layers replaced (0 where there are none, or on a second call).
     """
-    import mlx.nn as nn
-
     stand_in = compiled_layer()
-    replaced = 0
-    for _, module in model.named_modules():
-        for value in module.values() if isinstance(module, nn.Module) else ():
-            if isinstance(value, list):
-                for index, layer in enumerate(value):
-                    if known(layer):
-                        value[index] = stand_in(layer)
-                        replaced += 1
-    return replaced
+    return _swap_layers(model, lambda layer: stand_in(layer) if known(layer) else None)
 
 
 def _stand_ins(model: Any) -> list[Any]:
@@ -204,17 +211,8 @@ def _stand_ins(model: Any) -> list[Any]:
 def restore_layers(model: Any) -> int:
     """Put each :func:`compiled_layer` module of ``model`` back to the layer it
     stands for (undoes :func:`compile_decode_layers`); how many."""
-    import mlx.nn as nn
-
-    restored = 0
-    for _, module in model.named_modules():
-        for value in module.values() if isinstance(module, nn.Module) else ():
-            if isinstance(value, list):
-                for index, layer in enumerate(value):
-                    if type(layer) is compiled_layer():
-                        value[index] = layer.layer
-                        restored += 1
-    return restored
+    stand_in = compiled_layer()
+    return _swap_layers(model, lambda layer: layer.layer if type(layer) is stand_in else None)
 
 
 def self_check(model: Any) -> Optional[str]:
