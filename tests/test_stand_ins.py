@@ -60,6 +60,41 @@ def test_fused_attention_stand_in_stays_finite_under_an_additive_mask(monkeypatc
     assert mx.isfinite(out).all().item()
 
 
+def test_fast_ops_are_one_operation_each(monkeypatch):
+    """``mx.fast.rms_norm`` and ``mx.fast.rope`` become one graph operation
+    each (the CPU's fallbacks are chains of them)."""
+    graph_ops = script_module("fused_calls").graph_ops
+    x, weight = mx.ones((1, 2, 4, 8)), mx.ones((8,))
+    mx.eval(x, weight)
+    calls = {
+        "rms_norm": lambda: mx.fast.rms_norm(x, weight, 1e-5),
+        "rope": lambda: mx.fast.rope(x, 8, traditional=False, base=10000.0, scale=1.0, offset=0),
+    }
+    assert all(graph_ops(call())[1] > 1 for call in calls.values())
+    for name in calls:
+        monkeypatch.setattr(mx.fast, name, getattr(mx.fast, name))
+    script_module("stand_ins").fast_ops()
+    assert all(graph_ops(call())[1] == 1 for call in calls.values())
+
+
+def test_the_kernel_stand_in_serves_the_kernel_way_as_on_cuda(monkeypatch):
+    """Off CUDA the kernel is taken as there and checked, and its launch is one
+    fused attention call over the suffix buffers, of the queries' shape."""
+    from mlxkv.actors import decode_kernel
+
+    for name in ("on_cuda", "self_check", "_kernel", "_CHECKED"):
+        monkeypatch.setattr(decode_kernel, name, getattr(decode_kernel, name))
+    monkeypatch.setattr(decode_kernel, "_CHECKED", {})
+    assert not decode_kernel.usable(mx.float32, 32, 8, 2)
+    script_module("stand_ins").kernel()
+    assert decode_kernel.on_cuda() and decode_kernel.usable(mx.float32, 32, 8, 2)
+    queries = mx.ones((3, 8, 1, 32))
+    suffix = mx.ones((3, 2, 16, 32))
+    segment = ([0], mx.ones((1, 2, 40, 32)), mx.ones((1, 2, 40, 32)), [40])
+    out = decode_kernel.decode_attention(queries, suffix, suffix, 10, [0, 2, 4], 0.125, [segment])
+    assert out.shape == queries.shape
+
+
 def test_a_plan_is_described_by_what_it_ran():
     """``describe_plan`` names a plan's prefill calls (rows, the new tokens of
     the requests it started), joins, leaves and decode steps."""
