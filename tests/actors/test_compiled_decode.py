@@ -12,6 +12,7 @@ from mlx.utils import tree_flatten
 from mlx_lm import load
 from mlx_lm.models import llama, qwen2, qwen3
 from mlx_lm.models.cache import make_prompt_cache
+from structlog.testing import capture_logs
 
 from mlxkv.actors import compiled_decode
 from mlxkv.actors.compiled_decode import (
@@ -225,13 +226,18 @@ class TestSelfCheck:
         compile_decode_layers(model)
         assert says in self_check(model)
         restore_layers(model)
-        assert compile_checked(model, check=True) == 0
+        with capture_logs() as logs:
+            assert compile_checked(model, check=True) == 0
         assert [id(layer) for layer in model.layers] == [id(layer) for layer in layers]
+        [event] = [log for log in logs if log["event"] == "compiled_decode_unusable"]
+        assert event["log_level"] == "warning" and says in event["reason"] and event["layers"] == len(layers)
 
     def test_a_passing_check_keeps_the_layers(self, model_dir):
         model, _ = load(str(ensure_model(TINY_LLAMA, model_dir)))
-        assert compile_checked(model, check=True) == len(model.layers)
+        with capture_logs() as logs:
+            assert compile_checked(model, check=True) == len(model.layers)
         assert all(type(layer) is compiled_layer() for layer in model.layers)
+        assert [log["event"] for log in logs] == ["compiled_decode_checked"]
 
     def test_the_cpu_is_not_checked(self, monkeypatch, model_dir):
         """On the CPU (where the parity tests hold the compiled layers to their
