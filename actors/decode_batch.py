@@ -122,14 +122,23 @@ class DecodeBatch:
         return len(self.rows)
 
     def leave(
-        self, sequences: Iterable[SequenceState], *, keep: Iterable[SequenceState] = ()
+        self,
+        sequences: Iterable[SequenceState],
+        *,
+        keep: Iterable[SequenceState] = (),
+        read: Iterable[SequenceState] = (),
     ) -> tuple[dict[int, list[Any]], list[RowFailed]]:
-        """Remove rows; return the caches of those in ``keep`` (by ``id()``).
+        """Remove rows; return the caches of those in ``keep`` or ``read`` (by ``id()``).
 
-        A kept cache is the row's own request cache (``extract``), holding
-        its prompt and its emitted tokens. A row whose cache cannot be
-        extracted leaves all the same, and is among the failures; so is the
-        one row left, out of the batch too, if its cache cannot be.
+        Such a cache is the row's own request cache (``extract``), holding
+        its prompt and its emitted tokens: for a row in ``keep`` (its cache
+        outlives the batch) its own copy; for one in ``read`` only, whose
+        cache is read before the batch's next step (its answer's blocks
+        sliced, copies of their own), views of the batch's buffers where the
+        runner makes them (a shared prefix's suffixes): no copy of a row
+        that is only read. A row whose cache cannot be extracted leaves all
+        the same, and is among the failures; so is the one row left, out of
+        the batch too, if its cache cannot be.
 
         Raises:
             BatchBroken: cutting the batch cache down to the other rows raised.
@@ -137,7 +146,8 @@ class DecodeBatch:
         import mlx.core as mx
 
         leaving = {id(sequence) for sequence in sequences}
-        wanted = {id(sequence) for sequence in keep}
+        kept = {id(sequence) for sequence in keep}
+        wanted = kept | {id(sequence) for sequence in read}
         caches: dict[int, list[Any]] = {}
         failed: list[RowFailed] = []
         if not leaving:
@@ -151,7 +161,7 @@ class DecodeBatch:
             self._fresh.discard(id(sequence))
             if id(sequence) in wanted:
                 try:
-                    caches[id(sequence)] = self._row_cache(index)
+                    caches[id(sequence)] = self._row_cache(index, copy=id(sequence) in kept)
                 except Exception as error:
                     failed.append(RowFailed(sequence, without_frames(error)))
         if len(stay) == 1:
@@ -184,9 +194,9 @@ class DecodeBatch:
         self._next_logprobs = [self._next_logprobs[i] for i in stay]
         return caches, failed
 
-    def _row_cache(self, index: int) -> list[Any]:
+    def _row_cache(self, index: int, *, copy: bool = True) -> list[Any]:
         assert self._cache is not None, "an empty batch has no rows"
-        return self._runner.extract(self._cache, index) if self._merged else self._cache
+        return self._runner.extract(self._cache, index, copy=copy) if self._merged else self._cache
 
     def join(self, sequences: list[SequenceState]) -> list[RowFailed]:
         """Add rows whose prefill is done; their caches move into the batch.

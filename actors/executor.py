@@ -138,9 +138,10 @@ class Executor:
             mine = [sequence for sequence, _ in departing.values() if sequence in batch.rows]
             if not mine:
                 continue
-            wanted = [s for s in mine if departing[s.request_id][1].answer or departing[s.request_id][1].keep]
+            kept = [s for s in mine if departing[s.request_id][1].keep]
+            read = [s for s in mine if departing[s.request_id][1].answer]
             try:
-                extracted, failed = batch.leave(mine, keep=wanted)
+                extracted, failed = batch.leave(mine, keep=kept, read=read)
             except BatchBroken as error:
                 run.num_model_errors += 1
                 self._break(batch, error.error, run)

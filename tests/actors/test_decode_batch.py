@@ -12,12 +12,13 @@ import mlx.core as mx
 import pytest
 
 from mlxkv.actors.decode_batch import DecodeBatch
-from mlxkv.actors.model_runner import TextRunner
+from mlxkv.actors.model_runner import TextRunner, cache_tokens
 from mlxkv.actors.request import RequestSpec
 from mlxkv.actors.sampling import Sampling
 from mlxkv.actors.sequence import SequenceState
 from mlxkv.cache.shared_prefix import BatchSharedPrefixCache, SharedPrefixCache
 
+from graph_ops import primitives, working
 from model_blocks import block_payloads
 
 BS = 16
@@ -172,6 +173,35 @@ class TestNoWaits:
         assert rows[1].generated == cold_tokens(runner, prompts[1], len(rows[1].generated))
         for row, prompt in zip([rows[0], *rows[2:]], [prompts[0], *prompts[2:]]):
             assert row.generated == cold_tokens(runner, prompt, len(row.generated))
+
+
+class TestLeaving:
+    def test_a_row_only_read_leaves_as_views_and_a_kept_row_as_its_own_copy(self, runner, tiny_llama):
+        """Rows leaving a merged batch over a shared prefix: one whose cache is
+        kept comes out as its own copy (it must not pin the batch's buffers),
+        one whose cache is only read (its answer's blocks sliced) as views of
+        the batch's buffers, nothing of its own to run; both hold their
+        prompt's and answer's tokens, and the rows that stay decode their
+        cold runs' tokens."""
+        model, _ = tiny_llama
+        payloads = block_payloads(model, PREFIX, BS)
+        prompts = [PREFIX + own(n, salt=n) for n in (3, 7, 12)]
+        rows = [started(runner, f"r{i}", prompt, payloads) for i, prompt in enumerate(prompts)]
+        batch = DecodeBatch(runner)
+        batch.join(rows)
+        decode(batch, 4)
+        mx.eval([layer.state for layer in batch._cache])
+        caches, failed = batch.leave(rows[:2], keep=[rows[0]], read=[rows[1]])
+        assert not failed and set(caches) == {id(rows[0]), id(rows[1])}
+        kept, read = caches[id(rows[0])], caches[id(rows[1])]
+        for layer in read:
+            assert working(primitives(layer.suffix.keys, layer.suffix.values)) == 0
+        for layer in kept:
+            assert primitives(layer.suffix.keys, layer.suffix.values).count("Contiguous") == 2
+        for row, cache in ((rows[0], kept), (rows[1], read)):
+            assert cache_tokens(cache) == len(row.prompt) + len(row.generated)
+        decode(batch, 3)
+        assert rows[2].generated == cold_tokens(runner, prompts[2], len(rows[2].generated))
 
 
 class TestStepInvariantShapes:

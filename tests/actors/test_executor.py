@@ -80,6 +80,7 @@ class FakeRunner:
         self.fail_decode: set[str] = set()
         self.prefill_calls: list[list[str]] = []
         self.kept: list[tuple[str, tuple[int, ...]]] = []
+        self.extracted: list[tuple[int, bool]] = []  # (the row in its batch, copied)
 
     def start(self, sequence: SequenceState) -> None:
         if sequence.request_id in self.fail_start:
@@ -113,7 +114,8 @@ class FakeRunner:
     def merge(self, caches: list[list[Any]]) -> list[Any]:
         return [FakeLayer([list(row) for cache in caches for row in cache[0].rows])]
 
-    def extract(self, cache: list[Any], row: int) -> list[Any]:
+    def extract(self, cache: list[Any], row: int, *, copy: bool = True) -> list[Any]:
+        self.extracted.append((row, copy))
         return [FakeLayer([list(cache[0].rows[row])])]
 
     def alone(self, sequence: SequenceState, cache: list[Any]) -> list[Any]:
@@ -190,6 +192,22 @@ class TestOneRequest:
         assert done.computed == 16  # from 12 cached, not the budgeted 8
         (done,) = executor.run(Plan(prefill=(Chunk("a", 99, None, 4),))).chunks
         assert done.computed == 24
+
+
+class TestLeaving:
+    def test_only_a_kept_row_is_copied_out_of_its_batch(self):
+        """Two rows leave a batch: the one whose cache is kept is extracted as a
+        copy of its own, the one whose answer is only sliced as a view (read
+        before the batch's next step); both answers are published."""
+        runner = FakeRunner()
+        executor = Executor(runner, prefill_chunk=CHUNK)
+        specs = {"a": _spec("a", 8), "b": _spec("b", 8)}
+        executor.run(Plan(prefill=tuple(_first(spec) for spec in specs.values())))
+        executor.run(Plan(join=tuple(specs), steps=8))
+        left = executor.run(Plan(leave=(Leave("a", (0, 1), True, 16), Leave("b", (0, 1), False, 16))))
+        assert sorted(runner.extracted) == [(0, True), (1, False)]  # rows in the order they joined
+        assert sorted(blocks.request_id for blocks in left.published) == ["a", "b"]
+        assert [name for name, _ in runner.kept] == ["a"]
 
 
 class TestFailures:
