@@ -88,10 +88,10 @@ def _inject(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
     elif where == "extract":
         extract = runner.extract
 
-        def failing_extract(self: Any, cache: Any, row: int) -> Any:
+        def failing_extract(self: Any, cache: Any, row: int, **how: Any) -> Any:
             if _victim_cache(cache, row):
                 raise Injected("taking it out of the batch")
-            return extract(self, cache, row)
+            return extract(self, cache, row, **how)
 
         monkeypatch.setattr(runner, "extract", failing_extract)
     else:
