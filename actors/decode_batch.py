@@ -146,8 +146,8 @@ class DecodeBatch:
         import mlx.core as mx
 
         leaving = {id(sequence) for sequence in sequences}
-        kept = {id(sequence) for sequence in keep}
-        wanted = kept | {id(sequence) for sequence in read}
+        copied = {id(sequence) for sequence in keep}
+        wanted = copied | {id(sequence) for sequence in read}
         caches: dict[int, list[Any]] = {}
         failed: list[RowFailed] = []
         if not leaving:
@@ -161,7 +161,7 @@ class DecodeBatch:
             self._fresh.discard(id(sequence))
             if id(sequence) in wanted:
                 try:
-                    caches[id(sequence)] = self._row_cache(index, copy=id(sequence) in kept)
+                    caches[id(sequence)] = self._row_cache(index, copy=id(sequence) in copied)
                 except Exception as error:
                     failed.append(RowFailed(sequence, without_frames(error)))
         if len(stay) == 1:
