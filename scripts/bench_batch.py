@@ -27,7 +27,11 @@ medians over rounds: generated tokens per second of wall time, and time to
 first token (p50, p95) measured from the moment all N requests were handed
 over. Ratios are medians of the per-round ratios (each round's methods ran
 back to back, so a slow patch of the machine affects both sides of a ratio).
-Greedy tokens are compared across the methods (they must agree).
+Greedy tokens are compared with ``stream_generate``'s once the rounds are
+over: where a method's first differs, the model's logits there say whether
+the two choices were a tie within float noise (two exact paths round
+differently; a random bfloat16 model has many near-ties) or apart by more,
+which is warned of (``scripts/divergence.py``).
 
 With ``--fused-shapes`` it also counts, per method, the distinct shapes of
 the attention calls MLX's CUDA backend would run through cuDNN (several
@@ -63,6 +67,7 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_memory import _runtime_options  # noqa: E402
+from divergence import TokenComparison, compare_tokens  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 PREFIX, OWN = 512, 32  # the default shared prefix's tokens; each request's own
@@ -252,6 +257,7 @@ async def _run(args: argparse.Namespace, shapes: Any) -> dict[str, Any]:
     mlx_lm = MlxLm(path, prefix)
     baseline = Baseline(args.baseline_python, path, prefix) if args.baseline_python else None
     results: dict[str, Any] = {}
+    tokens_seen = TokenComparison(mlx_lm.model, "stream_generate", stop_tokens=mlx_lm.tokenizer.eos_token_ids)
     async with contextlib.AsyncExitStack() as stack:
         rt = await stack.enter_async_context(CacheRuntime(model=path, block_size=64))
         runtimes = {"mlxkv": rt}
@@ -293,8 +299,8 @@ async def _run(args: argparse.Namespace, shapes: Any) -> dict[str, Any]:
                         shapes.label = None
                 reference = outs["stream_generate"]["tokens"]
                 for method in [m for m in samples if m != "stream_generate"]:
-                    if outs[method]["tokens"] != reference:
-                        print(f"warning: {method} tokens differ from stream_generate's (n={n})", file=sys.stderr)
+                    prompts = [prefix + own for own in owns]
+                    tokens_seen.add(f"{n}x{tokens}", method, prompts, reference, outs[method]["tokens"])
             row = {}
             ours = [sum(map(len, r["tokens"])) / r["wall"] for r in samples["mlxkv"]]
             for method, runs in samples.items():
@@ -312,7 +318,9 @@ async def _run(args: argparse.Namespace, shapes: Any) -> dict[str, Any]:
         baseline.close()
     assert stats.compute is not None
     results["mlxkv_mean_batch_size"] = stats.compute.mean_batch_size
+    results["token_comparison"] = compare_tokens(tokens_seen)
     return results
+
 
 
 def _table(results: dict[str, Any]) -> str:
@@ -387,6 +395,8 @@ def main() -> None:
     results = anyio.run(main_async, args)
     print(_table(results))
     print(f"\nmlxkv mean decode batch size: {results['mlxkv_mean_batch_size']:.1f}")
+    for line in results["token_comparison"]:
+        print(line)
     for method, counts in results.get("fused_shapes", {}).items():
         print(f"{method}: {counts['shapes']} shapes of attention calls cuDNN would run, in {counts['calls']} calls")
     if args.json:

@@ -24,8 +24,10 @@ rounds alternating:
 
 ``--groups K`` splits the N requests over K different prefixes of the same
 length (K prefixes cached, each shared by N/K requests; the floor counts
-each once). Also reported: generated tokens per second of each method (the
-same greedy tokens are checked across methods), each round's ratio of
+each once). Also reported: generated tokens per second of each method (its
+greedy tokens compared with ``batch_generate``'s once the rounds are over:
+where they part, whether at a tie within float noise, ``scripts/divergence.py``),
+each round's ratio of
 mlxkv's to ``batch_generate``'s (their median), and time to first token
 (median and 95th percentile over every request of every round, from the
 round's start), and the decode model calls each mlxkv method made
@@ -84,6 +86,7 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import stand_ins  # noqa: E402
+from divergence import TokenComparison, compare_tokens  # noqa: E402
 
 PREFIX, OWN, GENERATED = 2048, 32, 32
 BLOCK = 64
@@ -300,6 +303,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     prefixes = _prefixes(args.groups)
     mlx_lm = MlxLm(path, prefixes)
     table: dict[int, dict[str, list[dict[str, Any]]]] = {}
+    tokens_seen = TokenComparison(mlx_lm.model, "batch_generate", stop_tokens=mlx_lm.tokenizer.eos_token_ids)
     async with AsyncExitStack() as stack:
         options: dict[str, dict[str, Any]] = {"mlxkv": {}, "mlxkv, copies": {"shared_prefix": False}}
         for extra in args.also:
@@ -327,13 +331,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                         outs[method] = await _mlxkv(runtimes[method], prefixes, owns)
                     samples[method].append(outs[method])
                 reference = outs["batch_generate"]["tokens"]
+                prompts = [prefixes[i % args.groups] + own for i, own in enumerate(owns)]
                 for method in options if not args.stand_ins else ():
-                    if outs[method]["tokens"] != reference:
-                        print(f"warning: {method} tokens differ from batch_generate's (n={n})", file=sys.stderr)
+                    tokens_seen.add(f"N={n}", method, prompts, reference, outs[method]["tokens"])
             table[n] = samples
         stats = await runtimes["mlxkv"].stats()
         assert stats.compute is not None and stats.compute.num_shared_prefix_tokens > 0, "no request read a shared prefix"
-    return {"per_token": per_token, "groups": args.groups, "table": table}
+    tokens = compare_tokens(tokens_seen) if not args.stand_ins else ["greedy tokens: not compared (the stand-ins')"]
+    return {"per_token": per_token, "groups": args.groups, "table": table, "token_comparison": tokens}
 
 
 def main() -> None:
@@ -427,7 +432,10 @@ def main() -> None:
                 f" {row['ratio'][method]:.2f}x batch_generate, TTFT {_ms(row['ttft'][method])},"
                 f" {row['decode_calls'][method]:.0f} decode calls; peak set by: {row['peak_set_by'][method]}"
             )
+    for line in results["token_comparison"]:
+        print(line)
     if args.json:
+        summary["token_comparison"] = results["token_comparison"]
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
 
 
