@@ -3,7 +3,7 @@ a prefix held once (a :class:`~mlxkv.cache.shared_prefix.PrefixGroup`'s buffer)
 and to its own suffix, exactly as fused attention over that row's prefix part
 followed by its suffix would.
 
-Three ways, all with the signature ``(queries, keys, values, mask, scale,
+Five ways, all with the signature ``(queries, keys, values, mask, scale,
 segments) -> output`` (see :func:`cascade_attention` for the arguments):
 
 - :func:`cascade_attention` -- each group's queries against its prefix in one

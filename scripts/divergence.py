@@ -36,7 +36,7 @@ from typing import Any, Optional
 
 import attrs
 
-__all__ = ["Divergence", "TokenComparison", "compare_tokens", "first_divergence", "report", "ulp"]
+__all__ = ["Divergence", "TokenComparison", "compare_tokens", "first_divergence", "float32_weights", "report", "ulp"]
 
 #: Mantissa bits (without the implicit one) of the logits' dtypes.
 _MANTISSA = {"float32": 23, "bfloat16": 7, "float16": 10}
@@ -88,11 +88,14 @@ def first_divergence(
     *,
     row: int = 0,
     stop_tokens: Sequence[int] = (),
+    wide_weights: Any = None,
 ) -> Optional[Divergence]:
     """Where ``other`` first leaves ``reference`` (two greedy runs of ``model``
     after ``prompt``, stop tokens left out), measured as the module says;
     None where neither leaves the other (equal, or one a prefix of the other
-    because it was given fewer tokens)."""
+    because it was given fewer tokens). ``wide_weights``: the model's
+    weights in float32 (:func:`float32_weights`), where the caller measures
+    several divergences; made here otherwise."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -105,7 +108,7 @@ def first_divergence(
     whole = model(mx.array(context)[None])[0, -1]
     dtype_name = str(whole.dtype).rsplit(".", 1)[-1]
     logits = whole.astype(mx.float32)
-    others = [_in_float32(model, context)] if dtype_name != "float32" else []
+    others = [_in_float32(model, context, wide_weights)] if dtype_name != "float32" else []
     split = len(prompt) if shared else len(prompt) // 2
     if split:
         cache = make_prompt_cache(model)
@@ -128,15 +131,23 @@ def first_divergence(
     )
 
 
-def _in_float32(model: Any, context: Sequence[int]) -> Any:
-    """``model``'s last logits after ``context`` with its half-precision
-    weights in float32 (put back after)."""
+def float32_weights(model: Any) -> Any:
+    """``model``'s parameters with the half-precision ones in float32."""
     import mlx.core as mx
     from mlx.utils import tree_map
 
+    wide = tree_map(lambda w: w.astype(mx.float32) if w.dtype in (mx.bfloat16, mx.float16) else w, model.parameters())
+    mx.eval(wide)
+    return wide
+
+
+def _in_float32(model: Any, context: Sequence[int], wide: Any = None) -> Any:
+    """``model``'s last logits after ``context`` with ``wide`` (default:
+    :func:`float32_weights`) for its weights, its own put back after."""
+    import mlx.core as mx
+
     weights = model.parameters()
-    wide = tree_map(lambda w: w.astype(mx.float32) if w.dtype in (mx.bfloat16, mx.float16) else w, weights)
-    model.update(wide)
+    model.update(wide if wide is not None else float32_weights(model))
     try:
         logits = model(mx.array(context)[None])[0, -1].astype(mx.float32)
         mx.eval(logits)
@@ -214,12 +225,13 @@ class TokenComparison:
         if not self._kept:
             return [(f"greedy tokens: every method's equal to {self.reference_name}'s ({self._compared} runs)", False)]
         lines = []
+        wide = float32_weights(self.model)  # once for every divergence measured
         for (setting, method), (prompts, reference, other) in self._kept.items():
             found = []
             for row, (prompt, theirs, mine) in enumerate(zip(prompts, reference, other)):
                 if theirs != mine and len(found) < self.most:
                     divergence = first_divergence(
-                        self.model, prompt, theirs, mine, row=row, stop_tokens=self.stop_tokens
+                        self.model, prompt, theirs, mine, row=row, stop_tokens=self.stop_tokens, wide_weights=wide
                     )
                     found += [divergence] if divergence is not None else []
             differing = sum(theirs != mine for theirs, mine in zip(reference, other))

@@ -97,7 +97,8 @@ class TestFirstDivergence:
 
     def test_a_half_precision_model_has_noise_and_keeps_its_weights(self, model_dir):
         """In bfloat16 the noise counts what its rounding moved the logits
-        by (above zero), and the float32 pass leaves the weights as they were."""
+        by (above zero), the same with float32 weights made once beforehand,
+        and the float32 pass leaves the weights as they were."""
         model = _load(attrs.evolve(TINY_LLAMA, name="tiny-llama-bf16", dtype="bfloat16"), model_dir)
         before = {name: (w.dtype, w) for name, w in tree_flatten(model.parameters())}
         reference = _greedy(model, PROMPT)
@@ -105,6 +106,8 @@ class TestFirstDivergence:
         found = divergence.first_divergence(model, PROMPT, reference, reference[:1] + [worst])
         top = model(mx.array(PROMPT + reference[:1])[None])[0, -1].max().item()
         assert found.noise > 0 and found.top_ulp == divergence.ulp(top, "bfloat16")
+        wide = divergence.float32_weights(model)
+        assert divergence.first_divergence(model, PROMPT, reference, reference[:1] + [worst], wide_weights=wide) == found
         after = dict(tree_flatten(model.parameters()))
         assert all(after[name].dtype == dtype and after[name] is w for name, (dtype, w) in before.items())
 
