@@ -316,7 +316,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
             gc.collect()
             mx.synchronize()
-            mx.set_memory_limit(mx.get_active_memory() + args.memory_limit * 2**20)
+            unbounded = mx.set_memory_limit(mx.get_active_memory() + args.memory_limit * 2**20)
         for n in args.sizes:
             samples: dict[str, list[dict[str, Any]]] = {method: [] for method in [*options, "batch_generate"]}
             rounds = [_owns(r, n) for r in range(args.rounds)]
@@ -337,6 +337,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             table[n] = samples
         stats = await runtimes["mlxkv"].stats()
         assert stats.compute is not None and stats.compute.num_shared_prefix_tokens > 0, "no request read a shared prefix"
+    if args.memory_limit is not None:
+        mx.set_memory_limit(unbounded)  # the comparison's float32 weights are not the rounds' memory
     tokens = compare_tokens(tokens_seen) if not args.stand_ins else ["greedy tokens: not compared (the stand-ins')"]
     return {"per_token": per_token, "groups": args.groups, "table": table, "token_comparison": tokens}
 
