@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import anyio
 import attrs
@@ -340,6 +340,7 @@ async def run_workload(
     *,
     progress: Optional[Progress] = None,
     stop: Optional[anyio.Event] = None,
+    on_report: Optional[Callable[[GenerationReport], None]] = None,
 ) -> WorkloadReport:
     """Run the workload on a fresh :class:`CacheRuntime` and report.
 
@@ -351,6 +352,8 @@ async def run_workload(
             what it holds, as any cancelled request does), no more start,
             and the runtime closes normally; the report then covers the
             requests that finished and says it was interrupted.
+        on_report: called with each finished request's report (its id,
+            prompt ids and tokens: what a caller compares across runs).
 
     Returns:
         The report.
@@ -411,6 +414,8 @@ async def run_workload(
                         async for record in stream:
                             if isinstance(record, GenerationReport):
                                 reports.append(record)
+                                if on_report is not None:
+                                    on_report(record)
                                 if progress is not None:
                                     _show(progress, reports, time.perf_counter() - started)
                                 prompt = list(record.prompt_ids)

@@ -13,7 +13,9 @@ requests in flight; each run on a fresh runtime) on the built-in model (or
 
 Both run the same requests (a warning says so if their generated or reused
 token counts differ: reuse depends on timing, in-flight sharing and the kept
-last cache). Per method: generated tokens per second of
+last cache), and once the rounds are over each request's greedy answer with
+shared prefixes is compared with its answer from copies: where one parts,
+whether at a tie within float noise (``scripts/divergence.py``). Per method: generated tokens per second of
 wall time and warm TTFT p50/p95 (medians over rounds), and the paired ratio
 shared / copies (the median of each round's own ratio). Rounds rotate the
 order and seed the texts by round.
@@ -27,9 +29,12 @@ import argparse
 import json
 import statistics
 import sys
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import anyio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 METHODS = {"shared": True, "copies": False}
 
@@ -42,6 +47,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     model = model_path(args.model)
     runs: list[dict[str, Any]] = []
+    answers: dict[tuple[int, str], dict[str, tuple[tuple[int, ...], tuple[int, ...]]]] = {}
     way = {"prefix_attention": args.prefix_attention} if args.prefix_attention else {}
     for round_ in range(args.rounds):
         order = list(METHODS) if round_ % 2 == 0 else list(METHODS)[::-1]
@@ -55,7 +61,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 user_tokens=args.user_tokens,
                 seed=round_,
             )
-            report = await run_workload(config)
+            seen = answers.setdefault((round_, method), {})
+            report = await run_workload(
+                config, on_report=lambda r, seen=seen: seen.__setitem__(r.request_id, (r.prompt_ids, r.tokens))
+            )
             runs.append(
                 {
                     "method": method,
@@ -72,7 +81,40 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"warm TTFT p50 {report.ttft_warm_p50_ms} ms",
                 file=sys.stderr,
             )
-    return {"model": model, "runs": runs, "summary": summarize(runs)}
+    summary = summarize(runs)
+    summary["token_comparison"] = compare_answers(model, answers, args.rounds)
+    return {"model": model, "runs": runs, "summary": summary}
+
+
+def compare_answers(
+    model: str, answers: dict[tuple[int, str], dict[str, tuple[tuple[int, ...], tuple[int, ...]]]], rounds: int
+) -> list[str]:
+    """Each round's shared-prefix answers against the copies' (greedy, the
+    same requests), once every round is over: where one parts, whether at a
+    tie within float noise (``scripts/divergence.py``). A request whose
+    prompt differs between the two (a second turn after answers that
+    parted) is not compared; the lines count them."""
+    from divergence import TokenComparison, compare_tokens
+    from mlx_lm import load
+
+    loaded, tokenizer = load(model)
+    seen = TokenComparison(loaded, "copies", stop_tokens=tokenizer.eos_token_ids)
+    apart = 0
+    for round_ in range(rounds):
+        shared, copies = answers[(round_, "shared")], answers[(round_, "copies")]
+        same = [i for i in sorted(shared.keys() & copies.keys()) if shared[i][0] == copies[i][0]]
+        apart += len(shared.keys() | copies.keys()) - len(same)
+        seen.add(
+            "chat",
+            "shared",
+            [copies[i][0] for i in same],
+            [copies[i][1] for i in same],
+            [shared[i][1] for i in same],
+        )
+    lines = compare_tokens(seen)
+    if apart:
+        lines.append(f"requests not compared (their prompts differ: an earlier turn's answer parted): {apart}")
+    return lines
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -111,6 +153,7 @@ def table(summary: dict[str, Any], rounds: int) -> str:
     lines.append(f"shared / copies (median of each round's ratio): {summary['ratio']:.3f}x generated tokens/s")
     if not summary["same_work"]:
         lines.append("note: the two methods generated or reused different token counts in some round")
+    lines.extend(summary.get("token_comparison", []))
     return "\n".join(lines)
 
 

@@ -156,6 +156,14 @@ def _in_float32(model: Any, context: Sequence[int], wide: Any = None) -> Any:
     return logits
 
 
+def _possessive(name: str) -> str:
+    return f"{name}'" if name.endswith("s") else f"{name}'s"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def report(
     method: str, reference_name: str, rows: int, found: Sequence[Divergence], *, differing: Optional[int] = None
 ) -> tuple[str, bool]:
@@ -165,22 +173,23 @@ def report(
     with)."""
     differing = len(found) if differing is None else differing
     if not differing:
-        return f"{method}: tokens equal to {reference_name}'s ({rows} rows)", False
+        return f"{method}: tokens equal to {_possessive(reference_name)} ({rows} rows)", False
+    theirs = _possessive(reference_name)
     if not found:
-        return f"{method}: tokens differ from {reference_name}'s in {differing} of {rows} rows (not measured)", True
+        return f"{method}: tokens differ from {theirs} in {differing} of {rows} rows (not measured)", True
     measured = "" if len(found) == differing else f"; {len(found)} measured"
     worst = max(found, key=lambda d: d.gap / max(d.noise, d.top_ulp / 2))
     figures = f"largest gap {worst.gap:.3g}, noise there {worst.noise:.3g}, top logit's ulp {worst.top_ulp:.3g}"
     if all(d.tie for d in found):
         return (
-            f"{method}: tokens differ from {reference_name}'s in {differing} of {rows} rows{measured}, "
+            f"{method}: tokens differ from {_possessive(reference_name)} in {differing} of {rows} rows{measured}, "
             f"each first at a tie within float noise ({figures})",
             False,
         )
     apart = [d for d in found if not d.tie]
     where = ", ".join(f"row {d.row} at token {d.position}" for d in apart[:4])
     return (
-        f"{method}: tokens differ from {reference_name}'s in {differing} of {rows} rows{measured}, "
+        f"{method}: tokens differ from {_possessive(reference_name)} in {differing} of {rows} rows{measured}, "
         f"{len(apart)} apart by more than float noise ({where}; {figures})",
         True,
     )
@@ -223,7 +232,8 @@ class TokenComparison:
         (:func:`report`), and whether it warns; one line that says so where
         none differed."""
         if not self._kept:
-            return [(f"greedy tokens: every method's equal to {self.reference_name}'s ({self._compared} runs)", False)]
+            theirs = _possessive(self.reference_name)
+            return [(f"greedy tokens: every method's equal to {theirs} ({_count(self._compared, 'run')})", False)]
         lines = []
         wide = float32_weights(self.model)  # once for every divergence measured
         for (setting, method), (prompts, reference, other) in self._kept.items():

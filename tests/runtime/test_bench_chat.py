@@ -10,6 +10,8 @@ from pathlib import Path
 
 from mlxkv.default_model import DEFAULT_MODEL, ensure_model
 
+from script_modules import script_module
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_chat.py"
 
 
@@ -30,3 +32,29 @@ def test_bench_chat_runs_both_methods_and_reports(model_dir: Path, tmp_path: Pat
     for run in report["runs"]:
         assert run["generated_tokens"] == 4 * 4 and run["tokens_per_s"] > 0 and run["reused_tokens"] > 0
     assert report["summary"]["ratio"] > 0
+    # Greedy on the float32 model: both methods' answers are the same tokens.
+    assert report["summary"]["token_comparison"] == ["greedy tokens: every method's equal to copies' (1 run)"]
+    assert "every method's equal to copies'" in done.stdout
+
+
+def test_answers_are_compared_where_their_prompts_are_the_same(model_dir: Path, capsys):
+    """A second turn whose prompt differs between the methods (its first
+    turn's answer parted) is counted, not compared; an answer that takes the
+    model's worst token is warned of, by its row and token."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    path = str(ensure_model(DEFAULT_MODEL, model_dir))
+    model, _ = load(path)
+    prompt = tuple(range(40, 72))
+    greedy: list[int] = []
+    for _ in range(4):
+        greedy.append(mx.argmax(model(mx.array([*prompt, *greedy])[None])[0, -1]).item())
+    worst = mx.argmin(model(mx.array([*prompt, *greedy[:2]])[None])[0, -1]).item()
+    copies = {"c0-t0": (prompt, tuple(greedy)), "c0-t1": (prompt + (1,), tuple(greedy))}
+    shared = {"c0-t0": (prompt, tuple(greedy[:2]) + (worst,) + tuple(greedy[3:])), "c0-t1": (prompt + (2,), ())}
+    lines = script_module("bench_chat").compare_answers(path, {(0, "copies"): copies, (0, "shared"): shared}, 1)
+    assert lines[0].startswith("shared (chat): tokens differ from copies' in 1 of 1 rows, 1 apart by more")
+    assert "row 0 at token 2" in lines[0]
+    assert lines[1] == "requests not compared (their prompts differ: an earlier turn's answer parted): 1"
+    assert "warning: shared (chat)" in capsys.readouterr().err
