@@ -15,10 +15,11 @@ Both run the same requests (a warning says so if their generated or reused
 token counts differ: reuse depends on timing, in-flight sharing and the kept
 last cache), and once the rounds are over each request's greedy answer with
 shared prefixes is compared with its answer from copies: where one parts,
-whether at a tie within float noise (``scripts/divergence.py``). Per method: generated tokens per second of
-wall time and warm TTFT p50/p95 (medians over rounds), and the paired ratio
-shared / copies (the median of each round's own ratio). Rounds rotate the
-order and seed the texts by round.
+whether at a tie within float noise (``scripts/divergence.py``). Per
+method: generated tokens per second of wall time and warm TTFT p50/p95
+(medians over rounds), and the paired ratio shared / copies (the median of
+each round's own ratio). Rounds rotate the order and seed the texts by
+round.
 
     .venv/bin/python scripts/bench_chat.py [--rounds 5] [--model DIR] [--prefix-attention WAY] [--json FILE]
 """
@@ -61,10 +62,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 user_tokens=args.user_tokens,
                 seed=round_,
             )
-            seen = answers.setdefault((round_, method), {})
-            report = await run_workload(
-                config, on_report=lambda r, seen=seen: seen.__setitem__(r.request_id, (r.prompt_ids, r.tokens))
-            )
+            seen = answers[(round_, method)] = {}
+
+            def keep(report: Any, seen: dict[str, Any] = seen) -> None:
+                seen[report.request_id] = (report.prompt_ids, report.tokens)
+
+            report = await run_workload(config, on_report=keep)
             runs.append(
                 {
                     "method": method,
