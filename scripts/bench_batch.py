@@ -298,8 +298,8 @@ async def _run(args: argparse.Namespace, shapes: Any) -> dict[str, Any]:
                     if shapes is not None:
                         shapes.label = None
                 reference = outs["stream_generate"]["tokens"]
+                prompts = [prefix + own for own in owns]
                 for method in [m for m in samples if m != "stream_generate"]:
-                    prompts = [prefix + own for own in owns]
                     tokens_seen.add(f"{n}x{tokens}", method, prompts, reference, outs[method]["tokens"])
             row = {}
             ours = [sum(map(len, r["tokens"])) / r["wall"] for r in samples["mlxkv"]]
@@ -320,7 +320,6 @@ async def _run(args: argparse.Namespace, shapes: Any) -> dict[str, Any]:
     results["mlxkv_mean_batch_size"] = stats.compute.mean_batch_size
     results["token_comparison"] = compare_tokens(tokens_seen)
     return results
-
 
 
 def _table(results: dict[str, Any]) -> str:

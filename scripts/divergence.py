@@ -75,9 +75,15 @@ class Divergence:
     top_ulp: float
 
     @property
+    def margin(self) -> float:
+        """The widest gap a tie has: four times the noise, at least half a
+        unit in the last place of the top logit (the module's reasoning)."""
+        return 4 * max(self.noise, self.top_ulp / 2)
+
+    @property
     def tie(self) -> bool:
         """Whether the two choices are within float noise of each other."""
-        return self.gap <= 4 * max(self.noise, self.top_ulp / 2)
+        return self.gap <= self.margin
 
 
 def first_divergence(
@@ -165,31 +171,29 @@ def _count(n: int, noun: str) -> str:
 
 
 def report(
-    method: str, reference_name: str, rows: int, found: Sequence[Divergence], *, differing: Optional[int] = None
+    method: str, reference_name: str, rows: int, differing: int, found: Sequence[Divergence]
 ) -> tuple[str, bool]:
-    """One line on ``found`` (the divergences measured of ``method``'s runs
-    from ``reference_name``'s; ``differing`` of ``rows`` rows differ, default
-    as many as were measured), and whether any is not a tie (a line to warn
-    with)."""
-    differing = len(found) if differing is None else differing
-    if not differing:
-        return f"{method}: tokens equal to {_possessive(reference_name)} ({rows} rows)", False
+    """One line on ``method``'s runs against ``reference_name``'s (``differing``
+    of ``rows`` rows differ; ``found``: the divergences measured of them),
+    and whether any is not a tie (a line to warn with)."""
     theirs = _possessive(reference_name)
+    if not differing:
+        return f"{method}: tokens equal to {theirs} ({rows} rows)", False
     if not found:
         return f"{method}: tokens differ from {theirs} in {differing} of {rows} rows (not measured)", True
     measured = "" if len(found) == differing else f"; {len(found)} measured"
-    worst = max(found, key=lambda d: d.gap / max(d.noise, d.top_ulp / 2))
+    worst = max(found, key=lambda d: d.gap / d.margin)
     figures = f"largest gap {worst.gap:.3g}, noise there {worst.noise:.3g}, top logit's ulp {worst.top_ulp:.3g}"
     if all(d.tie for d in found):
         return (
-            f"{method}: tokens differ from {_possessive(reference_name)} in {differing} of {rows} rows{measured}, "
+            f"{method}: tokens differ from {theirs} in {differing} of {rows} rows{measured}, "
             f"each first at a tie within float noise ({figures})",
             False,
         )
     apart = [d for d in found if not d.tie]
     where = ", ".join(f"row {d.row} at token {d.position}" for d in apart[:4])
     return (
-        f"{method}: tokens differ from {_possessive(reference_name)} in {differing} of {rows} rows{measured}, "
+        f"{method}: tokens differ from {theirs} in {differing} of {rows} rows{measured}, "
         f"{len(apart)} apart by more than float noise ({where}; {figures})",
         True,
     )
@@ -237,15 +241,16 @@ class TokenComparison:
         lines = []
         wide = float32_weights(self.model)  # once for every divergence measured
         for (setting, method), (prompts, reference, other) in self._kept.items():
-            found = []
-            for row, (prompt, theirs, mine) in enumerate(zip(prompts, reference, other)):
-                if theirs != mine and len(found) < self.most:
-                    divergence = first_divergence(
-                        self.model, prompt, theirs, mine, row=row, stop_tokens=self.stop_tokens, wide_weights=wide
-                    )
-                    found += [divergence] if divergence is not None else []
-            differing = sum(theirs != mine for theirs, mine in zip(reference, other))
-            line, warns = report(f"{method} ({setting})", self.reference_name, len(prompts), found, differing=differing)
+            differing = [row for row, (theirs, mine) in enumerate(zip(reference, other)) if theirs != mine]
+            measured = (
+                first_divergence(
+                    self.model, prompts[row], reference[row], other[row],
+                    row=row, stop_tokens=self.stop_tokens, wide_weights=wide,
+                )
+                for row in differing[: self.most]
+            )  # fmt: skip
+            found = [d for d in measured if d is not None]
+            line, warns = report(f"{method} ({setting})", self.reference_name, len(prompts), len(differing), found)
             lines.append((line, warns))
         return lines
 

@@ -7,6 +7,7 @@ import attrs
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step
 
 from mlxkv.default_model import TINY_LLAMA, ensure_model
 
@@ -25,10 +26,7 @@ def _load(spec, model_dir):
 
 
 def _greedy(model, prompt, tokens: int = 8) -> list[int]:
-    out: list[int] = []
-    for _ in range(tokens):
-        out.append(mx.argmax(model(mx.array(prompt + out)[None])[0, -1]).item())
-    return out
+    return [int(token) for token, _ in generate_step(mx.array(prompt), model, max_tokens=tokens)]
 
 
 def _ranked(model, context) -> list[int]:
@@ -107,7 +105,8 @@ class TestFirstDivergence:
         top = model(mx.array(PROMPT + reference[:1])[None])[0, -1].max().item()
         assert found.noise > 0 and found.top_ulp == divergence.ulp(top, "bfloat16")
         wide = divergence.float32_weights(model)
-        assert divergence.first_divergence(model, PROMPT, reference, reference[:1] + [worst], wide_weights=wide) == found
+        again = divergence.first_divergence(model, PROMPT, reference, reference[:1] + [worst], wide_weights=wide)
+        assert again == found
         after = dict(tree_flatten(model.parameters()))
         assert all(after[name].dtype == dtype and after[name] is w for name, (dtype, w) in before.items())
 
@@ -143,6 +142,6 @@ def test_a_report_says_how_many_rows_were_measured():
     tie = divergence.Divergence(
         row=0, position=3, reference_token=1, other_token=2, gap=0.0, noise=0.01, top_ulp=0.004
     )
-    line, warns = divergence.report("mlxkv", "batch_generate", 32, [tie], differing=12)
+    line, warns = divergence.report("mlxkv", "batch_generate", 32, 12, [tie])
     assert line.startswith("mlxkv: tokens differ from batch_generate's in 12 of 32 rows; 1 measured, each first")
     assert not warns

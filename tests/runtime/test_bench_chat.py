@@ -43,13 +43,12 @@ def test_answers_are_compared_where_their_prompts_are_the_same(model_dir: Path, 
     model's worst token is warned of, by its row and token."""
     import mlx.core as mx
     from mlx_lm import load
+    from mlx_lm.generate import generate_step
 
     path = str(ensure_model(DEFAULT_MODEL, model_dir))
     model, _ = load(path)
     prompt = tuple(range(40, 72))
-    greedy: list[int] = []
-    for _ in range(4):
-        greedy.append(mx.argmax(model(mx.array([*prompt, *greedy])[None])[0, -1]).item())
+    greedy = [int(token) for token, _ in generate_step(mx.array(prompt), model, max_tokens=4)]
     worst = mx.argmin(model(mx.array([*prompt, *greedy[:2]])[None])[0, -1]).item()
     copies = {"c0-t0": (prompt, tuple(greedy)), "c0-t1": (prompt + (1,), tuple(greedy))}
     shared = {"c0-t0": (prompt, tuple(greedy[:2]) + (worst,) + tuple(greedy[3:])), "c0-t1": (prompt + (2,), ())}
