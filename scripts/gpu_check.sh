@@ -32,7 +32,8 @@
 # a small dry run of it anywhere (the tests run one on the CPU); GPU_CHECK_WAYS names the
 # shared-prefix attention ways batch and memory run beside the device's default (mixed stacked;
 # the default on CUDA is kernel), and both run the default with its decode layers as written too
-# (compile_decode=false);
+# (compile_decode=false); GPU_CHECK_WAYS=none runs the default alone (the must-show rows
+# in the least device time: GPU_CHECK_WAYS=none bash scripts/gpu_check.sh batch memory chat serve);
 # GPU_CHECK_WAY runs chat, serve and sampled with that way instead of the default (their outputs
 # then named STEP-WAY).
 set -u
@@ -76,8 +77,10 @@ else
   prefill_options=(--rows 8,32 --prefix 512 --groups 4 --own 96 --steps 8)
 fi
 ways=()
-for way in ${GPU_CHECK_WAYS:-mixed stacked}; do ways+=(--also "prefix_attention=$way"); done
-ways+=(--also compile_decode=false)
+if [ "${GPU_CHECK_WAYS:-}" != none ]; then
+  for way in ${GPU_CHECK_WAYS:-mixed stacked}; do ways+=(--also "prefix_attention=$way"); done
+  ways+=(--also compile_decode=false)
+fi
 way=${GPU_CHECK_WAY:-}
 suffix=${way:+-$way}
 chat_way=()
