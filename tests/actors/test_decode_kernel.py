@@ -412,8 +412,8 @@ class TestThroughTheHook:
         monkeypatch.setattr(decode_kernel, "_CHECKED", {})
         monkeypatch.setattr(decode_kernel, "self_check", lambda *build: "max difference 1.0")
         masks: list[Any] = []
-        as_bias = prefix_attention._as_bias
-        monkeypatch.setattr(prefix_attention, "_as_bias", lambda *args: masks.append(args) or as_bias(*args))
+        as_bias = prefix_attention.as_bias
+        monkeypatch.setattr(prefix_attention, "as_bias", lambda *args: masks.append(args) or as_bias(*args))
         model, _ = tiny_llama
         with _kernel_way_batch(model) as (_, _, batch):
             layers = len(batch)

@@ -208,7 +208,7 @@ class TestCascade:
     def test_a_long_prefix_in_slices_equals_one_slice(self, monkeypatch):
         """Many queries against a long prefix are scored a slice at a time:
         the same result as one slice."""
-        import mlxkv.actors.prefix_attention as module
+        import mlxkv.actors.cascade_attention as module
 
         rng = np.random.default_rng(3)
         q = mx.array(rng.standard_normal((4, 4, 16, 8)), dtype=mx.float32)
@@ -223,7 +223,7 @@ class TestCascade:
     def test_lazy_slices_give_the_same_attention(self, monkeypatch):
         """Left to MLX (nothing evaluated inside), the slices of a long prefix
         merge to the same result as slices evaluated one by one."""
-        import mlxkv.actors.prefix_attention as module
+        import mlxkv.actors.cascade_attention as module
 
         rng = np.random.default_rng(5)
         q = mx.array(rng.standard_normal((3, 4, 16, 8)), dtype=mx.float32)
@@ -360,7 +360,7 @@ class TestBandedPrefill:
         ],
     )
     def test_the_most_rows_whose_work_stays_within_the_bound(self, batch, groups, suffix, band):
-        from mlxkv.actors.prefix_attention import BAND_SHARE, prefill_band
+        from mlxkv.actors.banded_attention import BAND_SHARE, prefill_band
 
         width, start, segments = 2048, 0, []
         for n in groups:
@@ -386,10 +386,10 @@ class TestBandedPrefill:
         prefix, one in none), left-padded suffixes, bands of any size (empty
         places in the last band of a segment): each row equals fused
         attention over its part of its prefix and its own suffix."""
-        from mlxkv.actors.prefix_attention import _banded_attention
+        from mlxkv.actors.banded_attention import banded_attention
 
         case = _InterleavedGroups(band * 10 + length, dtype, length)
-        case.check(_banded_attention(case.q, case.ks, case.vs, case.mask, case.scale, case.segments, band))
+        case.check(banded_attention(case.q, case.ks, case.vs, case.mask, case.scale, case.segments, band))
 
     @pytest.mark.parametrize("suffix, copies", [(8, 1), (512, 8)])
     def test_a_prefill_reads_one_copy_of_its_prefix_where_the_suffixes_are_short(self, suffix, copies, monkeypatch):
@@ -487,7 +487,8 @@ class TestStackedShapesPadded:
     row's attention."""
 
     def test_rows_and_prefixes_of_other_sizes_share_one_shape_and_attend_exactly(self, monkeypatch):
-        from mlxkv.actors.prefix_attention import KEYS_QUANTUM, stacked_rows
+        from mlxkv.actors.attention_layout import KEYS_QUANTUM
+        from mlxkv.actors.stacked_attention import stacked_rows
 
         rng = np.random.default_rng(5)
         heads, kv_heads, dim, capacity = 4, 2, 8, 16
@@ -537,7 +538,7 @@ class TestPrefillShapesPadded:
         keys to one of KEYS_QUANTUM:
         chunks of 5 to 16 tokens over prefix parts of 33 to 200 share one
         fused shape, and each row's attention is exact."""
-        from mlxkv.actors.prefix_attention import QUERIES_QUANTUM, KEYS_QUANTUM
+        from mlxkv.actors.attention_layout import KEYS_QUANTUM, QUERIES_QUANTUM
 
         attend = {"gathered": gathered_attention, "stacked": stacked_attention, "mixed": mixed_attention}[way]
         rng = np.random.default_rng(9)
@@ -577,7 +578,7 @@ class TestDecodeLayoutKept:
     a step, every step), and again when that changes."""
 
     def test_reused_while_the_rows_are_the_same_and_remade_when_they_change(self):
-        from mlxkv.actors import prefix_attention as pa
+        from mlxkv.actors import cascade_attention as pa
 
         rng = np.random.default_rng(3)
         q = mx.array(rng.standard_normal((3, 4, 1, 8)).astype(np.float32))

@@ -47,13 +47,17 @@ class TestSharedPrefix:
         give their cold tokens and logits, whichever way attention reads the
         prefixes (None: the device's), and that way is the one that ran
         (``kernel`` off MLX's CUDA backend: ``mixed``, and said so)."""
-        import mlxkv.actors.prefix_attention as module
+        from mlxkv.actors import banded_attention, cascade_attention, prefix_attention, stacked_attention
 
         ran: list[str] = []
         functions = {name: f"{name}_attention" for name in ("cascade", "gathered", "stacked", "mixed", "kernel")}
-        for name, function in {**functions, "by head": "_decode_by_head", "banded": "_banded_attention"}.items():
-            real = getattr(module, function)
-            monkeypatch.setattr(module, function, lambda *a, _n=name, _f=real, **k: ran.append(_n) or _f(*a, **k))
+        for name, function in {**functions, "by head": "_decode_by_head", "banded": "banded_attention"}.items():
+            # Wherever a way is bound: one way calls another from its own module.
+            for module in (prefix_attention, cascade_attention, banded_attention, stacked_attention):
+                real = getattr(module, function, None)
+                if callable(real):
+                    spy = lambda *a, _n=name, _f=real, **k: ran.append(_n) or _f(*a, **k)  # noqa: E731
+                    monkeypatch.setattr(module, function, spy)
         path = str(ensure_model(TINY_LLAMA, model_dir))
         async with CacheRuntime(model=path, block_size=BS, keep_caches=False, prefix_attention=way) as rt:
             assert rt.model_info.shared_prefix
@@ -89,8 +93,8 @@ class TestSharedPrefix:
         import mlxkv.actors.prefix_attention as module
 
         bands: list[int] = []
-        real = module._banded_attention
-        monkeypatch.setattr(module, "_banded_attention", lambda *a: bands.append(a[-1]) or real(*a))
+        real = module.banded_attention
+        monkeypatch.setattr(module, "banded_attention", lambda *a: bands.append(a[-1]) or real(*a))
         path = str(ensure_model(TINY_LLAMA, model_dir))
         async with CacheRuntime(model=path, block_size=BS, keep_caches=False, prefix_attention="mixed") as rt:
             await run(rt, PREFIXES[0] + [7], max_tokens=1)
