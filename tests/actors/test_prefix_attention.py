@@ -1,5 +1,6 @@
-"""Attention over shared prefixes: every way (cascade, gathered, stacked) equals
-fused attention over each row's prefix part followed by its suffix."""
+"""Attention over shared prefixes: every way equals fused attention over each
+row's prefix part followed by its suffix; what the GPU's ways (mixed, kernel)
+and the fused calls do beside that."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from mlxkv.actors.prefix_attention import (
     stacked_attention,
 )
 
+from attention_cases import InterleavedGroups, OnePrefixWhole, fused
 from device_arithmetic import ATTENTION_ATOL
 from graph_ops import primitives, working
 from script_modules import script_module
@@ -32,64 +34,6 @@ def attend(request: pytest.FixtureRequest) -> Any:
     """Each way's function."""
     return attention_for(PrefixAttention(request.param))
 
-
-def _fused(q: Any, parts_k: list[Any], parts_v: list[Any], mask: Any = None) -> Any:
-    return mx.fast.scaled_dot_product_attention(
-        q, mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2), scale=q.shape[-1] ** -0.5, mask=mask
-    )
-
-
-class _InterleavedGroups:
-    """A batch over several prefixes: rows interleaved, one row in no group,
-    rows left-padded, groups of different lengths, one row seeing only its
-    group's first blocks; ``length`` queries a row (causal over the suffix
-    past one), in ``dtype``. :meth:`check` compares an output with fused
-    attention over each row's part of its prefix and its own tokens (in half
-    precision within its rounding: the softmax arithmetic is float32 either
-    way)."""
-
-    batch, heads, kv_heads, dim, suffix = 7, 4, 2, 8, 9
-    owner = [0, 1, 0, -1, 2, 1, 0]
-    sizes = [300, 45, 128]
-    seen = [300, 45, 192, 0, 128, 45, 300]  # row 2 sees 192 of its group's 300
-
-    def __init__(self, seed: int, dtype: str, length: int) -> None:
-        rng = np.random.default_rng(seed)
-        self.dtype, self.length = getattr(mx, dtype), length
-        # Every query sees a token of its own: padding leaves at least `length`.
-        self.pads = [min(pad, self.suffix - length) for pad in (0, 3, 1, 8, 0, 2, 5)]
-
-        def normal(shape: tuple[int, ...]) -> Any:
-            return mx.array(rng.standard_normal(shape), dtype=mx.float32).astype(self.dtype)
-
-        batch, kv_heads, dim, suffix = self.batch, self.kv_heads, self.dim, self.suffix
-        self.q = normal((batch, self.heads, length, dim))
-        self.ks, self.vs = normal((batch, kv_heads, suffix, dim)), normal((batch, kv_heads, suffix, dim))
-        self.prefixes = [(normal((1, kv_heads, n, dim)), normal((1, kv_heads, n, dim))) for n in self.sizes]
-        self.segments = [
-            ([b for b in range(batch) if self.owner[b] == g], kp, vp, [self.seen[b] for b in range(batch) if self.owner[b] == g])
-            for g, (kp, vp) in enumerate(self.prefixes)
-        ]
-        causal = mx.arange(suffix - length, suffix)[:, None] >= mx.arange(suffix)[None]
-        self.mask = mx.stack([causal & (mx.arange(suffix) >= pad)[None] for pad in self.pads])[:, None]  # (batch, 1, L, S)
-        self.scale = dim**-0.5
-
-    def check(self, out: Any) -> None:
-        assert out.shape == self.q.shape and out.dtype == self.dtype
-        tolerance = TOL if self.dtype == mx.float32 else 2e-2
-        for b, pad in enumerate(self.pads):
-            parts_k, parts_v = [], []
-            if self.owner[b] >= 0:
-                parts_k.append(self.prefixes[self.owner[b]][0][:, :, : self.seen[b]])
-                parts_v.append(self.prefixes[self.owner[b]][1][:, :, : self.seen[b]])
-            up_k = [a.astype(mx.float32) for a in (*parts_k, self.ks[b : b + 1, :, pad:])]
-            up_v = [a.astype(mx.float32) for a in (*parts_v, self.vs[b : b + 1, :, pad:])]
-            total = self.seen[b] + self.suffix - pad
-            full = mx.arange(total - self.length, total)[:, None] >= mx.arange(total)[None]
-            expected = _fused(self.q[b : b + 1].astype(mx.float32), up_k, up_v, full)
-            np.testing.assert_allclose(
-                np.array(out[b : b + 1].astype(mx.float32)), np.array(expected), atol=tolerance, rtol=0
-            )
 
 
 class TestEveryWay:
@@ -139,7 +83,7 @@ class TestEveryWay:
             if length > 1:
                 seen = sum(p.shape[2] for p in parts_k) + suffix
                 full_mask = mx.arange(seen - length, seen)[:, None] >= mx.arange(seen)[None]
-            expected = _fused(q[b : b + 1], [*parts_k, ks[b : b + 1]], [*parts_v, vs[b : b + 1]], full_mask)
+            expected = fused(q[b : b + 1], [*parts_k, ks[b : b + 1]], [*parts_v, vs[b : b + 1]], full_mask)
             np.testing.assert_allclose(np.array(out[b : b + 1]), np.array(expected), atol=TOL, rtol=0)
 
     @pytest.mark.parametrize("mask_kind", ["causal", "bool", "additive"])
@@ -162,7 +106,7 @@ class TestEveryWay:
         out = attend(q, ks, vs, mask, dim**-0.5, [([0], kp, vp, [seen])])
         total = seen + suffix
         full = mx.arange(total - length, total)[:, None] >= mx.arange(total)[None]
-        expected = _fused(q, [kp[:, :, :seen], ks], [vp[:, :, :seen], vs], full)
+        expected = fused(q, [kp[:, :, :seen], ks], [vp[:, :, :seen], vs], full)
         np.testing.assert_allclose(np.array(out), np.array(expected), atol=TOL, rtol=0)
 
     @pytest.mark.parametrize("padded", [False, True])
@@ -187,7 +131,7 @@ class TestEveryWay:
         mask = mx.array([[[[j >= pad for j in range(suffix)]]] for pad in pads]) if padded else None
         out = attend(q, ks, vs, mask, dim**-0.5, [(list(range(batch)), kp, vp, seen)])
         for b, (pad, n) in enumerate(zip(pads, seen)):
-            expected = _fused(q[b : b + 1], [kp[:, :, :n], ks[b : b + 1, :, pad:]], [vp[:, :, :n], vs[b : b + 1, :, pad:]])
+            expected = fused(q[b : b + 1], [kp[:, :, :n], ks[b : b + 1, :, pad:]], [vp[:, :, :n], vs[b : b + 1, :, pad:]])
             np.testing.assert_allclose(np.array(out[b : b + 1]), np.array(expected), atol=TOL, rtol=0)
 
     @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
@@ -197,55 +141,9 @@ class TestEveryWay:
         seeing only its group's first blocks -- equals fused attention over
         each row's part of its prefix + suffix (in half precision within its
         rounding: the softmax arithmetic is float32 either way)."""
-        case = _InterleavedGroups(13, dtype, length=1)
+        case = InterleavedGroups(13, dtype, length=1)
         out = attend(case.q, case.ks, case.vs, case.mask, case.scale, case.segments)
         case.check(out)
-
-
-class TestCascade:
-    """What only the cascade does: score a long prefix a slice at a time."""
-
-    def test_a_long_prefix_in_slices_equals_one_slice(self, monkeypatch):
-        """Many queries against a long prefix are scored a slice at a time:
-        the same result as one slice."""
-        import mlxkv.actors.cascade_attention as module
-
-        rng = np.random.default_rng(3)
-        q = mx.array(rng.standard_normal((4, 4, 16, 8)), dtype=mx.float32)
-        ks = mx.array(rng.standard_normal((4, 2, 16, 8)), dtype=mx.float32)
-        kp = mx.array(rng.standard_normal((1, 2, 3000, 8)), dtype=mx.float32)
-        segments = [([0, 1, 2, 3], kp, kp * 0.5, [3000, 2000, 1000, 10])]
-        whole = cascade_attention(q, ks, ks, "causal", 0.3, segments)
-        monkeypatch.setattr(module, "SCORE_ELEMENTS", 1 << 10)
-        sliced = cascade_attention(q, ks, ks, "causal", 0.3, segments)
-        np.testing.assert_allclose(np.array(sliced), np.array(whole), atol=TOL, rtol=0)
-
-    def test_lazy_slices_give_the_same_attention(self, monkeypatch):
-        """Left to MLX (nothing evaluated inside), the slices of a long prefix
-        merge to the same result as slices evaluated one by one."""
-        import mlxkv.actors.cascade_attention as module
-
-        rng = np.random.default_rng(5)
-        q = mx.array(rng.standard_normal((3, 4, 16, 8)), dtype=mx.float32)
-        ks = mx.array(rng.standard_normal((3, 2, 16, 8)), dtype=mx.float32)
-        kp = mx.array(rng.standard_normal((1, 2, 3000, 8)), dtype=mx.float32)
-        segments = [([0, 1, 2], kp, kp * 0.5, [3000, 1500, 20])]
-        monkeypatch.setattr(module, "SCORE_ELEMENTS", 1 << 10)
-        evaluated: list[int] = []
-        real_eval = mx.eval
-
-        def counting(*arrays: Any) -> None:
-            evaluated.append(len(arrays))
-            real_eval(*arrays)
-
-        monkeypatch.setattr(mx, "eval", counting)
-        forced = cascade_attention(q, ks, ks, "causal", 0.3, segments)
-        assert evaluated, "the slices are evaluated one by one by default"
-        evaluated.clear()
-        lazy = cascade_attention(q, ks, ks, "causal", 0.3, segments, evaluate_slices=False)
-        assert not evaluated, "lazy slices are left to MLX"
-        monkeypatch.setattr(mx, "eval", real_eval)
-        np.testing.assert_allclose(np.array(lazy), np.array(forced), atol=TOL, rtol=0)
 
 
 class TestFusedWays:
@@ -337,197 +235,6 @@ class TestMixedDecodeByHead:
         assert "Gather" not in ops and ops.count("Concatenate") == 1
 
 
-class TestBandedPrefill:
-    """The mixed way's prefill in bands: rows of a prefix laid end to end over
-    one copy of it while the masked work stays near the rows' attended apart."""
-
-    @staticmethod
-    def _segment(rows: list[int], width: int) -> Any:
-        return (rows, None, None, [width] * len(rows))
-
-    @pytest.mark.parametrize(
-        "batch, groups, suffix, band",
-        [
-            (32, [32], 32, 16),  # 32 requests' own 32 tokens over 2,048 shared: two copies, not 32
-            (32, [32], 48, 8),
-            (8, [8], 48, 8),  # one copy
-            (20, [20], 8, 20),  # a band of all of them where that is cheaper than a power of two
-            (20, [20], 32, 4),  # 16 and 4 a band would leave 12 places empty
-            (4, [4], 2048, 1),  # long suffixes: a row its own copy (the gathered call)
-            (8, [2, 2, 2, 2], 96, 2),
-            (33, [32], 32, 4),  # a row in no prefix: a band of its own, mostly empty
-            (1, [1], 32, 1),
-        ],
-    )
-    def test_the_most_rows_whose_work_stays_within_the_bound(self, batch, groups, suffix, band):
-        from mlxkv.actors.banded_attention import BAND_SHARE, prefill_band
-
-        width, start, segments = 2048, 0, []
-        for n in groups:
-            segments.append(self._segment(list(range(start, start + n)), width))
-            start += n
-        chosen = prefill_band(batch, segments, suffix)
-        assert chosen == band
-        counts = [*groups, batch - sum(groups)]
-
-        def work(k: int) -> int:
-            return sum(-(-n // k) for n in counts) * k * (width + k * suffix)
-
-        bound = batch * (width + suffix) * (1 + 1 / BAND_SHARE)
-        assert work(chosen) <= bound
-        larger = [1 << i for i in range(10) if chosen < 1 << i < max(groups)] + ([max(groups)] if chosen < max(groups) else [])
-        assert all(work(k) > bound for k in larger)
-
-    @pytest.mark.parametrize("band", [1, 2, 3, 4, 7])
-    @pytest.mark.parametrize("length", [1, 5])
-    @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-    def test_every_band_size_attends_exactly(self, band, length, dtype):
-        """Rows interleaved over three prefixes (one seeing part of its
-        prefix, one in none), left-padded suffixes, bands of any size (empty
-        places in the last band of a segment): each row equals fused
-        attention over its part of its prefix and its own suffix."""
-        from mlxkv.actors.banded_attention import banded_attention
-
-        case = _InterleavedGroups(band * 10 + length, dtype, length)
-        case.check(banded_attention(case.q, case.ks, case.vs, case.mask, case.scale, case.segments, band))
-
-    @pytest.mark.parametrize("suffix, copies", [(8, 1), (512, 8)])
-    def test_a_prefill_reads_one_copy_of_its_prefix_where_the_suffixes_are_short(self, suffix, copies, monkeypatch):
-        """Eight rows' prefill over one 512-token prefix: with 8 tokens each,
-        one band, so the fused call's keys hold the prefix once; with 512
-        each (suffixes as long as the prefix), a copy a row, as gathered."""
-        rng = np.random.default_rng(4)
-        batch, heads, kv_heads, dim, size, length = 8, 4, 2, 8, 512, 8
-        calls: list[tuple[Any, ...]] = []
-        real = mx.fast.scaled_dot_product_attention
-
-        def spy(q: Any, k: Any, v: Any, *, scale: float, mask: Any = None) -> Any:
-            calls.append(k.shape)
-            return real(q, k, v, scale=scale, mask=mask)
-
-        monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", spy)
-        q = mx.array(rng.standard_normal((batch, heads, length, dim)), dtype=mx.float32)
-        ks = mx.array(rng.standard_normal((batch, kv_heads, suffix, dim)), dtype=mx.float32)
-        kp = mx.array(rng.standard_normal((1, kv_heads, size, dim)), dtype=mx.float32)
-        out = mixed_attention(q, ks, ks, "causal", dim**-0.5, [(list(range(batch)), kp, kp, [size] * batch)])
-        assert len(calls) == 1 and calls[0][0] == copies
-        causal = mx.arange(size + suffix - length, size + suffix)[:, None] >= mx.arange(size + suffix)[None]
-        for b in range(batch):
-            expected = _fused(q[b : b + 1], [kp, ks[b : b + 1]], [kp, ks[b : b + 1]], causal)
-            np.testing.assert_allclose(np.array(out[b : b + 1]), np.array(expected), atol=TOL, rtol=0)
-
-
-class TestStackedOverTheSuffixBuffer:
-    """A decode step of the stacked way attends over the batch cache's whole
-    suffix buffer, its room masked out: the same attention, and the same
-    shapes for its fused call from step to step until the buffer grows."""
-
-    @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-    def test_the_buffers_room_is_never_seen(self, dtype):
-        """Rows left-padded, one group seen in part by one row; the buffer's
-        room past the rows' tokens holds huge values -- which any weight on
-        them would show -- and the step equals fused attention over each
-        row's prefix part and its own tokens only."""
-        rng = np.random.default_rng(11)
-        dt = getattr(mx, dtype)
-        batch, heads, kv_heads, dim, size, used, room = 4, 4, 2, 8, 96, 6, 10
-        q = mx.array(rng.standard_normal((batch, heads, 1, dim)), dtype=dt)
-        kbuf = mx.array(rng.standard_normal((batch, kv_heads, used + room, dim)), dtype=dt)
-        vbuf = mx.array(rng.standard_normal((batch, kv_heads, used + room, dim)), dtype=dt)
-        kbuf[:, :, used:] = 40.0
-        vbuf[:, :, used:] = 1e4
-        kp = mx.array(rng.standard_normal((1, kv_heads, size, dim)), dtype=dt)
-        vp = mx.array(rng.standard_normal((1, kv_heads, size, dim)), dtype=dt)
-        pads = [0, 2, 0, 5]
-        mask = mx.array([[[[j >= pad for j in range(used)]]] for pad in pads])
-        seen = [96, 96, 64, 96]
-        out = stacked_attention(
-            q, kbuf[:, :, :used], vbuf[:, :, :used], mask, dim**-0.5,
-            [(list(range(batch)), kp, vp, seen)], suffix_buffer=(kbuf, vbuf),
-        )  # fmt: skip
-        plain = stacked_attention(q, kbuf[:, :, :used], vbuf[:, :, :used], mask, dim**-0.5, [(list(range(batch)), kp, vp, seen)])
-        tol = TOL if dtype == "float32" else 2e-2
-        for b, (pad, n) in enumerate(zip(pads, seen)):
-            expected = _fused(
-                q[b : b + 1], [kp[:, :, :n], kbuf[b : b + 1, :, pad:used]], [vp[:, :, :n], vbuf[b : b + 1, :, pad:used]]
-            )
-            got = np.array(out[b : b + 1].astype(mx.float32))
-            np.testing.assert_allclose(got, np.array(expected.astype(mx.float32)), atol=tol, rtol=0)
-            np.testing.assert_allclose(got, np.array(plain[b : b + 1].astype(mx.float32)), atol=tol, rtol=0)
-
-    def test_the_fused_calls_mask_is_additive_in_the_queries_dtype(self, monkeypatch):
-        """What the fused call gets: a mask of the queries' dtype (a GPU's fused
-        kernel takes no booleans, MLX would convert them in every layer),
-        and, in a decode step, keys as long as the prefix and the whole buffer."""
-        calls: list[tuple[Any, ...]] = []
-        real = mx.fast.scaled_dot_product_attention
-
-        def spy(q: Any, k: Any, v: Any, *, scale: float, mask: Any = None) -> Any:
-            calls.append((q.shape, k.shape, mask.dtype, mask.shape))
-            return real(q, k, v, scale=scale, mask=mask)
-
-        monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", spy)
-        q = mx.zeros((3, 4, 1, 8), dtype=mx.bfloat16)
-        kbuf = mx.zeros((3, 2, 16, 8), dtype=mx.bfloat16)
-        kp = mx.zeros((1, 2, 64, 8), dtype=mx.bfloat16)
-        mask = mx.ones((3, 1, 1, 5), dtype=mx.bool_)
-        stacked_attention(q, kbuf[:, :, :5], kbuf[:, :, :5], mask, 0.3, [([0, 1, 2], kp, kp, [64] * 3)], suffix_buffer=(kbuf, kbuf))
-        gathered_attention(q, kbuf[:, :, :5], kbuf[:, :, :5], mask, 0.3, [([0, 1, 2], kp, kp, [64] * 3)])
-        (stacked, gathered) = calls
-        # 3 rows padded to 4; the 64-position prefix to KEYS_QUANTUM.
-        assert stacked == ((1, 4, 4, 8), (1, 2, 256 + 4 * 16, 8), mx.bfloat16, (1, 1, 4, 256 + 4 * 16))
-        assert gathered[2] == mx.bfloat16
-
-
-class TestStackedShapesPadded:
-    """A stacked decode step runs its rows padded to a power of two and its
-    prefixes' parts to a multiple of KEYS_QUANTUM: rows coming and
-    going, and prefixes of other lengths, keep the fused call's shapes (a
-    GPU builds a cuDNN graph for each new one), and the padding changes no
-    row's attention."""
-
-    def test_rows_and_prefixes_of_other_sizes_share_one_shape_and_attend_exactly(self, monkeypatch):
-        from mlxkv.actors.attention_layout import KEYS_QUANTUM
-        from mlxkv.actors.stacked_attention import stacked_rows
-
-        rng = np.random.default_rng(5)
-        heads, kv_heads, dim, capacity = 4, 2, 8, 16
-        shapes: set[tuple[Any, ...]] = set()
-        real = mx.fast.scaled_dot_product_attention
-
-        def spy(q: Any, k: Any, v: Any, *, scale: float, mask: Any = None) -> Any:
-            if mask is not None:  # (the reference below runs unmasked)
-                shapes.add((q.shape, k.shape, mask.shape))
-            return real(q, k, v, scale=scale, mask=mask)
-
-        monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", spy)
-        for batch, sizes in ((5, (40, 100)), (6, (200,)), (7, (96, 96)), (8, (17, 30, 150))):
-            q = mx.array(rng.standard_normal((batch, heads, 1, dim)), dtype=mx.float32)
-            kbuf = mx.array(rng.standard_normal((batch, kv_heads, capacity, dim)), dtype=mx.float32)
-            vbuf = mx.array(rng.standard_normal((batch, kv_heads, capacity, dim)), dtype=mx.float32)
-            used = [3 + (b % 4) for b in range(batch)]
-            # Rows left-padded to the longest; the buffer's room past it is masked.
-            mask = mx.array([[[[j >= max(used) - u for j in range(max(used))]]] for u in used])
-            prefixes = [(mx.array(rng.standard_normal((1, kv_heads, n, dim)), dtype=mx.float32),) * 2 for n in sizes]
-            segments = []
-            for g, (kp, vp) in enumerate(prefixes):
-                rows = [b for b in range(batch) if b % len(sizes) == g]
-                seen = [kp.shape[2] - (b % 3) for b in rows]
-                segments.append((rows, kp, vp, seen))
-            top = max(used)
-            out = stacked_attention(
-                q, kbuf[:, :, :top], vbuf[:, :, :top], mask, dim**-0.5, segments, suffix_buffer=(kbuf, vbuf)
-            )
-            assert out.shape == (batch, heads, 1, dim)
-            for rows, kp, vp, seen in segments:
-                for b, n in zip(rows, seen):
-                    own = slice(top - used[b], top)
-                    expected = _fused(q[b : b + 1], [kp[:, :, :n], kbuf[b : b + 1, :, own]], [vp[:, :, :n], vbuf[b : b + 1, :, own]])
-                    np.testing.assert_allclose(np.array(out[b : b + 1]), np.array(expected), atol=TOL, rtol=0)
-        width = KEYS_QUANTUM
-        assert shapes == {((1, heads, 8, dim), (1, kv_heads, width + 8 * capacity, dim), (1, 1, 8, width + 8 * capacity))}
-        assert [stacked_rows(n) for n in (1, 2, 3, 5, 8, 9, 32, 33)] == [1, 2, 4, 8, 8, 16, 32, 64]
-
 
 class TestPrefillShapesPadded:
     @pytest.mark.parametrize("way", ["gathered", "stacked", "mixed"])
@@ -562,7 +269,7 @@ class TestPrefillShapesPadded:
             assert out.shape == (batch, heads, length, dim)
             for b, n in enumerate(seen):
                 causal = mx.arange(n, n + length)[:, None] >= mx.arange(n + length)[None]
-                expected = _fused(q[b : b + 1], [kp[:, :, :n], ks[b : b + 1]], [vp[:, :, :n], vs[b : b + 1]], causal)
+                expected = fused(q[b : b + 1], [kp[:, :, :n], ks[b : b + 1]], [vp[:, :, :n], vs[b : b + 1]], causal)
                 np.testing.assert_allclose(np.array(out[b : b + 1]), np.array(expected), atol=TOL, rtol=0)
         queries, keys = QUERIES_QUANTUM, KEYS_QUANTUM
         if way == "gathered":
@@ -572,50 +279,11 @@ class TestPrefillShapesPadded:
         assert shapes == expected_shapes
 
 
-class TestDecodeLayoutKept:
-    """The cascade's decode step derives its row order and masks once for as
-    long as the rows see the same parts of the same prefixes (every layer of
-    a step, every step), and again when that changes."""
-
-    def test_reused_while_the_rows_are_the_same_and_remade_when_they_change(self):
-        from mlxkv.actors import cascade_attention as pa
-
-        rng = np.random.default_rng(3)
-        q = mx.array(rng.standard_normal((3, 4, 1, 8)).astype(np.float32))
-        k = mx.array(rng.standard_normal((3, 2, 5, 8)).astype(np.float32))
-        v = mx.array(rng.standard_normal((3, 2, 5, 8)).astype(np.float32))
-        pk = mx.array(rng.standard_normal((1, 2, 12, 8)).astype(np.float32))
-        pv = mx.array(rng.standard_normal((1, 2, 12, 8)).astype(np.float32))
-
-        def expected(rows, lengths):
-            seen = dict(zip(rows, lengths))
-            return mx.concatenate([
-                _fused(q[i : i + 1], [pk[:, :, : seen.get(i, 0)], k[i : i + 1]], [pv[:, :, : seen.get(i, 0)], v[i : i + 1]])
-                for i in range(3)
-            ])  # fmt: skip
-
-        first = [([2, 0], pk, pv, [12, 7])]
-        out = pa.cascade_attention(q, k, v, None, 8**-0.5, first)
-        layout = pa._DecodeLayout.of(3, first, q.dtype)
-        assert pa._DecodeLayout.of(3, [([2, 0], pk, pv, [12, 7])], q.dtype) is layout
-        np.testing.assert_allclose(np.array(out), np.array(expected([2, 0], [12, 7])), atol=ATTENTION_ATOL)
-        second = [([0, 1], pk, pv, [3, 12])]
-        out = pa.cascade_attention(q, k, v, None, 8**-0.5, second)
-        assert pa._DecodeLayout.of(3, second, q.dtype) is not layout
-        np.testing.assert_allclose(np.array(out), np.array(expected([0, 1], [3, 12])), atol=ATTENTION_ATOL)
-
 
 def _cuda_matmul() -> Any:
     """``scripts/cuda_matmul.py``: MLX's CUDA launches for a product, off a GPU."""
     return script_module("cuda_matmul")
 
-
-class _OnePrefixWhole(_InterleavedGroups):
-    """Every row over all of one prefix: a batch over one system prompt."""
-
-    owner = [0] * 7
-    sizes = [300]
-    seen = [300] * 7
 
 
 class TestOneLaunchAProduct:
@@ -660,7 +328,7 @@ class TestOneLaunchAProduct:
         assert launches(normal(batch, kv_heads, repeats, 9)[..., 4:], keys) == (cuda.Product(1, 1),) * 2
 
     @pytest.mark.parametrize("length", [1, 4], ids=["decode", "prefill"])
-    @pytest.mark.parametrize("groups", [_InterleavedGroups, _OnePrefixWhole], ids=["interleaved", "one-prefix-whole"])
+    @pytest.mark.parametrize("groups", [InterleavedGroups, OnePrefixWhole], ids=["interleaved", "one-prefix-whole"])
     @pytest.mark.parametrize("way", [w for w in PrefixAttention if w is not PrefixAttention.CASCADE], ids=lambda w: w.value)
     def test_every_product_of_a_gpu_way_is_one_launch(self, way, groups, length):
         cuda = _cuda_matmul()
