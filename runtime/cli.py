@@ -190,7 +190,7 @@ def _run_parser(subparsers: argparse._SubParsersAction) -> None:
         "run",
         help="run a concurrent chat workload on a model and report cache reuse",
         description="Concurrent multi-turn requests over shared system prompts on the"
-        " built-in model (written on first use to $MLXKV_CACHE_DIR or ~/.cache/mlxkv)"
+        " built-in model (written on first use to $MLXKV_CACHE_DIR, else $XDG_CACHE_HOME/mlxkv or ~/.cache/mlxkv)"
         " or --model PATH; prints a report.",
     )
     parser.add_argument(

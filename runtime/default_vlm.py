@@ -227,7 +227,7 @@ def ensure_vlm(spec: VLMSpec = DEFAULT_VLM, cache_dir: Path | None = None) -> Pa
     Args:
         spec: the model to write.
         cache_dir: parent directory; defaults to ``$MLXKV_CACHE_DIR``, else
-            ``~/.cache/mlxkv``.
+            ``$XDG_CACHE_HOME/mlxkv``, else ``~/.cache/mlxkv``.
 
     Returns:
         A directory that ``mlx_vlm.load`` accepts offline.

@@ -1,12 +1,12 @@
 """The disk tier (``file:///path``): one file per block, a byte budget, LRU eviction.
 
 Each value is a file named by its storage key in hex, directly in the
-tier's directory (default ``~/.cache/mlxkv/kv``). A file is written to a
-temporary name in the same directory (``.mlxkv-<key>.<random>.tmp``, created
-exclusively, never through a link) and then ``os.replace``-d into place, so a
-reader sees either no file or a whole one; values are not ``fsync``-ed (this
-is a cache: a file torn by a power cut fails its checksum and is a counted
-miss).
+tier's directory (default ``kv`` in the cache directory:
+:mod:`~mlxkv.cache.tiers.cache_dir`). A file is written to a temporary name
+in the same directory (``.mlxkv-<key>.<random>.tmp``, created exclusively,
+never through a link) and then ``os.replace``-d into place, so a reader sees
+either no file or a whole one; values are not ``fsync``-ed (this is a cache:
+a file torn by a power cut fails its checksum and is a counted miss).
 
 The directory must be the tier's own. A directory the tier makes, or finds
 empty, gets a marker file (:data:`MARKER`), and so does mlxkv's default one

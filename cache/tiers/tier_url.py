@@ -2,7 +2,7 @@
 
 - ``file:///abs/path[?max_bytes=N]``: a :class:`~mlxkv.cache.tiers.disk_tier.DiskTier`
   in that directory; ``file://`` alone means the default directory
-  (``~/.cache/mlxkv/kv``). ``max_bytes`` is an integer byte count (10 GiB
+  (``kv`` in :mod:`~mlxkv.cache.tiers.cache_dir`'s directory). ``max_bytes`` is an integer byte count (10 GiB
   by default).
 - ``redis://[user:password@]host[:port][/db][?ttl=S&timeout=S]``, or
   ``rediss://`` for TLS: a :class:`~mlxkv.cache.tiers.redis_tier.RedisTier`.
