@@ -33,7 +33,7 @@ from mlxkv.default_model import (
 )
 
 from device_arithmetic import LOGITS_ATOL_ON_GPU
-from parity import BS, assert_clean, assert_matches_cold, break_prefix_rebuild, run
+from parity import BS, assert_clean, assert_matches_cold, assert_parted_at_a_tie, break_prefix_rebuild, run
 
 TEXT_SPECS = {
     "default": DEFAULT_MODEL,
@@ -135,6 +135,44 @@ async def _caught(
         moved = mx.abs(mx.array(report.prompt_logits) - mx.array(honest[1].prompt_logits)).max().item()
         assert moved > 2 * LOGITS_ATOL_ON_GPU, moved
         await assert_clean(rt)
+
+
+class TestParityClearsOnlyTies:
+    async def test_a_token_the_model_ranks_far_below_its_choice_is_no_tie(self, model_dir):
+        """Greedy runs that part are cleared only at a tie within float noise:
+        a run whose first token is the one the model ranks last is not, and
+        neither is one that parts nowhere, nor a request with images."""
+        path = str(ensure_model(TINY_LLAMA, model_dir))
+        async with CacheRuntime(model=path, block_size=BS) as rt:
+            tokens, report = await run(rt, _prompt(40, 3), max_tokens=4)
+            worst = int(mx.argmin(mx.array(report.prompt_logits).reshape(-1)).item())
+            with pytest.raises(AssertionError):
+                assert_parted_at_a_tie(rt, report.prompt_ids, tokens, [worst, *tokens[1:]], images=False)
+            with pytest.raises(AssertionError):
+                assert_parted_at_a_tie(rt, report.prompt_ids, tokens, tokens, images=False)
+            with pytest.raises(AssertionError):
+                assert_parted_at_a_tie(rt, report.prompt_ids, tokens, [worst, *tokens[1:]], images=True)
+            await assert_clean(rt)
+
+    async def test_two_tokens_the_model_cannot_tell_apart_are_a_tie(self, model_dir, tmp_path):
+        """With a token's output weights made its greedy first choice's, a run
+        that takes the twin instead parts at a tie (gap 0) and is cleared."""
+        import shutil
+
+        path = tmp_path / "twins"
+        shutil.copytree(ensure_model(TINY_LLAMA, model_dir), path)
+        prompt = _prompt(40, 3)
+        first = _greedy(load(str(path))[0], prompt, 1)[0]
+        twin = (first + 1) % 250
+        weights = mx.load(str(path / "model.safetensors"))
+        head = weights["lm_head.weight"]
+        weights["lm_head.weight"] = mx.concatenate([head[:twin], head[first : first + 1], head[twin + 1 :]])
+        mx.save_safetensors(str(path / "model.safetensors"), weights)
+        async with CacheRuntime(model=str(path), block_size=BS) as rt:
+            tokens, report = await run(rt, prompt, max_tokens=4)
+            assert tokens[0] in (first, twin)
+            other = twin if tokens[0] == first else first
+            assert_parted_at_a_tie(rt, report.prompt_ids, tokens, [other, *tokens[1:]], images=False)
 
 
 class TestAWrongPrefixChangesTheTokens:

@@ -1,0 +1,47 @@
+"""Two greedy runs of one model compared as the device's arithmetic allows.
+
+Two exact ways of computing a model round differently (a prompt in another
+number of chunks, a row in a batch, another attention kernel; on a GPU
+float32 products with TF32-like inputs), and greedy decoding turns a last
+bit into another token wherever the two best logits are that close. So
+runs are equal, or part first where their two choices are at a tie within
+float noise, measured with the model in hand by ``scripts/divergence.py``:
+its noise comes from mlx-lm's own exact paths (one call, and the prompt
+cached then the rest), so nothing under test can widen it; a wrong cache
+moves logits by far more (``tests/runtime/test_teeth.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from script_modules import script_module
+
+__all__ = ["assert_same_greedy"]
+
+
+def assert_same_greedy(
+    model: Any,
+    prompt: Sequence[int],
+    reference: Sequence[int],
+    other: Sequence[int],
+    *,
+    stop_tokens: Sequence[int] = (),
+) -> int:
+    """``other``'s greedy tokens after ``prompt`` are ``reference``'s, or
+    leave them first at a tie (a run shorter than the other stopped there,
+    where ``stop_tokens`` are given; without them it must be equal as far as
+    it goes).
+
+    Returns:
+        How many tokens the two share from the start (all of ``reference``'s
+        if equal): what a caller may compare further (log-probabilities, say).
+    """
+    if list(reference) == list(other):
+        return len(reference)
+    found = script_module("divergence").first_divergence(
+        model, list(prompt), list(reference), list(other), stop_tokens=list(stop_tokens)
+    )
+    assert found is not None and found.tie, (found, list(reference), list(other))
+    return found.position
