@@ -5,7 +5,7 @@ number of chunks, a row in a batch, another attention kernel; on a GPU
 float32 products with TF32-like inputs), and greedy decoding turns a last
 bit into another token wherever the two best logits are that close. So
 runs are equal, or part first where their two choices are at a tie within
-float noise, measured with the model in hand by ``scripts/divergence.py``:
+float noise, measured with the model in hand by :mod:`mlxkv.divergence`:
 its noise comes from mlx-lm's own exact paths (one call, and the prompt
 cached then the rest), so nothing under test can widen it; a wrong cache
 moves logits by far more (``tests/runtime/test_teeth.py``).
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from script_modules import script_module
+from mlxkv.divergence import first_divergence
 
 __all__ = ["assert_same_greedy"]
 
@@ -40,8 +40,6 @@ def assert_same_greedy(
     """
     if list(reference) == list(other):
         return len(reference)
-    found = script_module("divergence").first_divergence(
-        model, list(prompt), list(reference), list(other), stop_tokens=list(stop_tokens)
-    )
+    found = first_divergence(model, list(prompt), list(reference), list(other), stop_tokens=list(stop_tokens))
     assert found is not None and found.tie, (found, list(reference), list(other))
     return found.position

@@ -1,5 +1,6 @@
-"""Where two greedy runs part, and whether at a tie (``scripts/divergence.py``):
-the benchmarks' check of their methods' tokens, over real tiny models."""
+"""Where two greedy runs part, and whether at a tie (:mod:`mlxkv.divergence`),
+and the benchmarks' summary of it (``scripts/divergence.py``), over real
+tiny models."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 
+from mlxkv import divergence as core
 from mlxkv.default_model import TINY_LLAMA, ensure_model
 
 from script_modules import script_module
@@ -45,9 +47,9 @@ class TestUlp:
     def test_units_in_the_last_place(self):
         """A bfloat16 logit near 0.57 is kept to 2**-8, a float32 one at 1.0
         to 2**-23, a float16 one at 3.0 to 2**-9."""
-        assert divergence.ulp(0.5664, "bfloat16") == 2.0**-8
-        assert divergence.ulp(1.0, "float32") == 2.0**-23
-        assert divergence.ulp(-3.0, "float16") == 2.0**-9
+        assert core.ulp(0.5664, "bfloat16") == 2.0**-8
+        assert core.ulp(1.0, "float32") == 2.0**-23
+        assert core.ulp(-3.0, "float16") == 2.0**-9
 
 
 class TestFirstDivergence:
@@ -55,8 +57,8 @@ class TestFirstDivergence:
         """Equal tokens, or one run given fewer tokens (no stop tokens to
         say it chose to stop), do not diverge."""
         reference = _greedy(llama, PROMPT)
-        assert divergence.first_divergence(llama, PROMPT, reference, list(reference)) is None
-        assert divergence.first_divergence(llama, PROMPT, reference, reference[:5]) is None
+        assert core.first_divergence(llama, PROMPT, reference, list(reference)) is None
+        assert core.first_divergence(llama, PROMPT, reference, reference[:5]) is None
 
     def test_a_token_far_down_the_ranking_is_not_a_tie(self, llama):
         """A run that takes the model's worst token where greedy took its best
@@ -64,7 +66,7 @@ class TestFirstDivergence:
         reference = _greedy(llama, PROMPT)
         worst = _ranked(llama, PROMPT + reference[:3])[-1]
         other = reference[:3] + [worst] + reference[4:]
-        found = divergence.first_divergence(llama, PROMPT, reference, other, row=5)
+        found = core.first_divergence(llama, PROMPT, reference, other, row=5)
         assert (found.row, found.position, found.reference_token, found.other_token) == (5, 3, reference[3], worst)
         assert found.gap > 100 * max(found.noise, found.top_ulp)
         assert not found.tie
@@ -78,7 +80,7 @@ class TestFirstDivergence:
         try:
             llama.lm_head.weight = head.at[runner_up].add(head[reference[2]] - head[runner_up])
             other = reference[:2] + [runner_up] + reference[3:]
-            found = divergence.first_divergence(llama, PROMPT, reference, other)
+            found = core.first_divergence(llama, PROMPT, reference, other)
         finally:
             llama.lm_head.weight = head
         assert found.position == 2 and found.gap == 0.0 and found.tie
@@ -89,7 +91,7 @@ class TestFirstDivergence:
         reference = _greedy(llama, PROMPT)
         ranked = _ranked(llama, PROMPT + reference[:4])
         stop = ranked[-1]
-        found = divergence.first_divergence(llama, PROMPT, reference, reference[:4], stop_tokens=[stop])
+        found = core.first_divergence(llama, PROMPT, reference, reference[:4], stop_tokens=[stop])
         assert (found.position, found.reference_token, found.other_token) == (4, reference[4], None)
         assert not found.tie
 
@@ -101,11 +103,11 @@ class TestFirstDivergence:
         before = {name: (w.dtype, w) for name, w in tree_flatten(model.parameters())}
         reference = _greedy(model, PROMPT)
         worst = _ranked(model, PROMPT + reference[:1])[-1]
-        found = divergence.first_divergence(model, PROMPT, reference, reference[:1] + [worst])
+        found = core.first_divergence(model, PROMPT, reference, reference[:1] + [worst])
         top = model(mx.array(PROMPT + reference[:1])[None])[0, -1].max().item()
-        assert found.noise > 0 and found.top_ulp == divergence.ulp(top, "bfloat16")
-        wide = divergence.float32_weights(model)
-        again = divergence.first_divergence(model, PROMPT, reference, reference[:1] + [worst], wide_weights=wide)
+        assert found.noise > 0 and found.top_ulp == core.ulp(top, "bfloat16")
+        wide = core.float32_weights(model)
+        again = core.first_divergence(model, PROMPT, reference, reference[:1] + [worst], wide_weights=wide)
         assert again == found
         after = dict(tree_flatten(model.parameters()))
         assert all(after[name].dtype == dtype and after[name] is w for name, (dtype, w) in before.items())
@@ -139,7 +141,7 @@ class TestTokenComparison:
 
 def test_a_report_says_how_many_rows_were_measured():
     """More rows differing than measured: the line says both counts."""
-    tie = divergence.Divergence(
+    tie = core.Divergence(
         row=0, position=3, reference_token=1, other_token=2, gap=0.0, noise=0.01, top_ulp=0.004
     )
     line, warns = divergence.report("mlxkv", "batch_generate", 32, 12, [tie])

@@ -6,7 +6,7 @@ prefill runs the same positions in differently sized chunks, so the sums are
 not bit-identical -- and a GPU's for its TF32-like products:
 ``device_arithmetic``), and greedy tokens are equal, or part first where the
 two choices are at a tie within float noise: measured with the model loaded
-here, outside the runtime, by ``scripts/divergence.py`` (its noise from
+here, outside the runtime, by ``mlxkv.divergence`` (its noise from
 mlx-lm's own exact paths, so a broken cache cannot widen it). A "cold" run
 is the same prompt under a fresh ``cache_salt``, which shares no block with
 anything.
