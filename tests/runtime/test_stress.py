@@ -56,7 +56,7 @@ class TestStress:
         assert report.shared_waits > 0 and report.mean_batch_size > 1
         assert report.cancellations > 0 and report.injected_errors > 0
         assert (report.leaked_blocks, report.open_tables) == (0, 0)
-        assert report.token_checks == min(64, report.generations) > 0
+        assert report.token_checks > 0 and report.token_checks + report.token_ties == min(64, report.generations)
 
     async def test_generation_under_faults_over_both_tiers(self, anyio_backend, model_dir, tmp_path, redis_server):
         """The same over a small pool with a disk and a Redis tier below it:
@@ -81,7 +81,7 @@ class TestStress:
         assert report.ok, report.format()
         assert report.tier_blocks_written > 0 and report.tier_blocks_loaded > 0
         assert (report.leaked_blocks, report.open_tables) == (0, 0)
-        assert report.token_checks == min(64, report.generations) > 0
+        assert report.token_checks > 0 and report.token_checks + report.token_ties == min(64, report.generations)
 
     async def test_a_wrong_prefix_fails_the_token_checks(self, anyio_backend, model_dir, monkeypatch):
         """With every prefix rebuilt from blocks made wrong (block 0's KV
@@ -116,6 +116,37 @@ class TestStress:
         assert report.hits > report.fetches // 2
         assert {row.kind for row in report.per_kind if row.count} == {"fetch", "store", "fork", "release"}
         assert "violations: none" in report.format()
+
+
+class TestWeighingPartings:
+    def test_a_tie_is_counted_and_anything_else_is_a_violation(self, model_dir, tmp_path):
+        """A cold run that takes the twin of the generation's first token (a
+        tie of gap 0) is counted; one that takes the token the model ranks
+        last is a violation naming where and by how much they part; a vision
+        model's partings are violations, not measured."""
+        import mlx.core as mx
+        from mlx_lm import load
+
+        from mlxkv.default_model import TINY_LLAMA, ensure_model
+        from mlxkv.stress import _weigh_partings
+
+        from model_weights import with_twin_tokens
+
+        prompt = tuple(5 + (i * 7) % 90 for i in range(24))
+        path = tmp_path / "twins"
+        first, twin = with_twin_tokens(ensure_model(TINY_LLAMA, model_dir), path, list(prompt))
+        model = load(str(path))[0]
+        chosen = int(mx.argmax(model(mx.array([prompt]))[0, -1]).item())
+        assert chosen in (first, twin)
+        other = twin if chosen == first else first
+        worst = int(mx.argmin(model(mx.array([prompt]))[0, -1]).item())
+        info = _info(eos_token_ids=frozenset({0}))
+        partings = [(prompt, (chosen, 7), (other, 7)), (prompt, (chosen, 7), (worst, 7))]
+        ties, violations = _weigh_partings(str(path), info, partings)
+        assert ties == 1 and len(violations) == 1
+        assert "from token 0 on" in violations[0] and "apart there, a tie within" in violations[0]
+        ties, violations = _weigh_partings(str(path), _info(takes_images=True), partings[:1])
+        assert ties == 0 and len(violations) == 1 and "apart" not in violations[0]
 
 
 class TestCommandLine:
@@ -159,3 +190,11 @@ class TestCommandLine:
         assert "cancel_rate" in capsys.readouterr().err
         with pytest.raises(SystemExit):
             main(["stress", "--backend", "curio"])
+
+
+def _info(**fields):
+    """A ModelInfo with only what weighing reads set."""
+    from mlxkv.actors.model_runner import ModelInfo
+
+    base = dict(vocab_size=None, eos_token_ids=frozenset(), cache_layers=(), has_recurrent=False)
+    return ModelInfo(**{**base, **fields})

@@ -33,6 +33,7 @@ from mlxkv.default_model import (
 )
 
 from device_arithmetic import LOGITS_ATOL_ON_GPU
+from model_weights import with_twin_tokens
 from parity import BS, assert_clean, assert_matches_cold, assert_parted_at_a_tie, break_prefix_rebuild, run
 
 TEXT_SPECS = {
@@ -157,17 +158,8 @@ class TestParityClearsOnlyTies:
     async def test_two_tokens_the_model_cannot_tell_apart_are_a_tie(self, model_dir, tmp_path):
         """With a token's output weights made its greedy first choice's, a run
         that takes the twin instead parts at a tie (gap 0) and is cleared."""
-        import shutil
-
-        path = tmp_path / "twins"
-        shutil.copytree(ensure_model(TINY_LLAMA, model_dir), path)
-        prompt = _prompt(40, 3)
-        first = _greedy(load(str(path))[0], prompt, 1)[0]
-        twin = (first + 1) % 250
-        weights = mx.load(str(path / "model.safetensors"))
-        head = weights["lm_head.weight"]
-        weights["lm_head.weight"] = mx.concatenate([head[:twin], head[first : first + 1], head[twin + 1 :]])
-        mx.save_safetensors(str(path / "model.safetensors"), weights)
+        path, prompt = tmp_path / "twins", _prompt(40, 3)
+        first, twin = with_twin_tokens(ensure_model(TINY_LLAMA, model_dir), path, prompt)
         async with CacheRuntime(model=str(path), block_size=BS) as rt:
             tokens, report = await run(rt, prompt, max_tokens=4)
             assert tokens[0] in (first, twin)
