@@ -197,10 +197,48 @@ async def _run(
 
 
 def _assert_same(run: Run, reference: Run) -> None:
-    """Equal greedy tokens and log-probabilities within ATOL, step by step."""
-    assert run.tokens == reference.tokens
-    for mine, theirs in zip(run.logprobs, reference.logprobs):
+    """Equal greedy tokens and log-probabilities within ATOL, step by step --
+    up to where the tokens part, if they do: there too the log-probabilities
+    must agree within ATOL, which puts the two choices within 2 ATOL of each
+    other in either run (a tie the device's arithmetic may order either
+    way: ``device_arithmetic``), and nothing after it is comparable."""
+    parted = next((i for i, (a, b) in enumerate(zip(run.tokens, reference.tokens)) if a != b), None)
+    if parted is None:
+        assert run.tokens == reference.tokens
+        compared = len(run.tokens)
+    else:
+        compared = parted + 1
+        assert min(len(run.logprobs), len(reference.logprobs)) >= compared, "a parting needs its log-probabilities"
+    for mine, theirs in zip(run.logprobs[:compared], reference.logprobs[:compared]):
         np.testing.assert_allclose(mine, theirs, atol=ATOL, rtol=0)
+
+
+class TestAssertSame:
+    """The comparison of two runs the tests below make."""
+
+    @staticmethod
+    def _run(tokens: list[int], logprobs: list[list[float]]) -> Run:
+        return Run([Token(tokens=tuple(tokens), logprobs=tuple(np.array(lp) for lp in logprobs))])
+
+    def test_runs_that_part_where_their_log_probabilities_agree_pass(self):
+        """Parting at a tie: the log-probabilities there agree within ATOL;
+        what follows the parting is not compared."""
+        tie = [-1.0, -1.0 - ATOL / 2, -5.0]
+        mine = self._run([0, 1, 2], [tie, [-1.0 - ATOL / 2, -1.0, -5.0], [-1.0, -2.0, -3.0]])  # chose 1
+        theirs = self._run([0, 0, 0], [tie, [-1.0, -1.0 - ATOL / 2, -5.0], [-3.0, -2.0, -1.0]])  # chose 0
+        _assert_same(mine, theirs)
+
+    def test_anything_else_fails(self):
+        """Log-probabilities apart at the parting, a parting without them, or
+        equal tokens of different counts fail."""
+        lp = [-1.0, -1.0, -5.0]
+        mine = self._run([0, 1], [lp, lp])
+        with pytest.raises(AssertionError, match="Not equal to tolerance"):
+            _assert_same(mine, self._run([0, 0], [lp, [-1.0, -1.5, -5.0]]))
+        with pytest.raises(AssertionError, match="needs its log-probabilities"):
+            _assert_same(mine, Run([Token(tokens=(0, 0), logprobs=(np.array(lp),))]))
+        with pytest.raises(AssertionError):
+            _assert_same(mine, self._run([0, 1, 2], [lp, lp, lp]))
 
 
 class TestGeneration:
