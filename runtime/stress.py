@@ -469,8 +469,11 @@ def _weigh_partings(
         if found is not None and found.tie:
             ties += 1
             continue
-        at = next((i for i, (a, b) in enumerate(zip(tokens, cold)) if a != b), min(len(tokens), len(cold)))
-        measured = "" if found is None else f"; {found.gap:.3g} apart there, a tie within {found.margin:.3g}"
+        if found is None:
+            at = next((i for i, (a, b) in enumerate(zip(tokens, cold)) if a != b), min(len(tokens), len(cold)))
+            measured = ""
+        else:
+            at, measured = found.position, f"; {found.gap:.3g} apart there, a tie within {found.margin:.3g}"
         violations.append(
             f"a generation of a {len(prompt)}-token prompt gave other tokens than a cold run"
             f" from token {at} on ({len(tokens)} against {len(cold)}{measured})"
