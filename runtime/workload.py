@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional
 import anyio
 import attrs
 
+from mlxkv.actors.model_runner import ModelInfo
 from mlxkv.cache.validators import int_at_least
 from mlxkv.cache.errors import InvalidInput
 from mlxkv.cache.tiers.tier import TierStatistics
@@ -142,9 +143,11 @@ class WorkloadReport:
             holds (each one a ``generation.prompt_exceeds_pool`` event).
         cold_fallbacks: requests whose cached prefix could not be rebuilt,
             so their whole prompt was computed (``prefill.cold_fallback``).
-        compute: where the model ran and how it read shared prefixes: MLX's
-            device, and ``model_info.prefix_attention`` (``-`` without
-            shared prefixes).
+        compute: where the model ran and how: MLX's device,
+            ``model_info.prefix_attention`` (``-`` without shared prefixes),
+            the decoder layers whose decode steps run compiled (of all), and
+            where there are any, the projection sets fused and the linear
+            layers held transposed (:func:`_compute_row`).
         kv_tiers: the tiers' URLs, passwords redacted (empty without tiers).
         tiers: each tier's counters at the end (written, loaded, missed,
             dropped, corrupt, evicted), in lookup order.
@@ -263,6 +266,19 @@ class WorkloadReport:
         rows = self.rows()
         width = max(len(name) for name, _ in rows)
         return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _compute_row(device: str, info: ModelInfo) -> str:
+    """Where the model runs and what the runner chose for it there, in one
+    line: ``"cpu, shared-prefix attention cascade; decode compiled in 2 of 2
+    layers, 4 projection sets fused, 7 linear layers transposed"``."""
+    layers = len(info.cache_layers)
+    chosen = [f"decode compiled in {info.compiled_layers} of {layers} layers"]
+    if info.fused_projections:
+        chosen.append(f"{info.fused_projections} projection sets fused")
+    if info.transposed_layers:
+        chosen.append(f"{info.transposed_layers} linear layers transposed")
+    return f"{device}, shared-prefix attention {info.prefix_attention or '-'}; {', '.join(chosen)}"
 
 
 def _device() -> str:
@@ -470,7 +486,7 @@ async def run_workload(
     assert info is not None, "a workload runs on a model"
     return WorkloadReport(
         model=str(config.runtime.model),
-        compute=f"{_device()}, shared-prefix attention {info.prefix_attention or '-'}",
+        compute=_compute_row(_device(), info),
         requests=len(reports),
         cold_requests=len(cold),
         warm_requests=len(warm),

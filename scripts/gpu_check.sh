@@ -3,11 +3,14 @@
 #
 # On the lent GPU machine, from the checkout's root, after ../shared/gpu/prepare here
 # (see DEVELOPERS' "Tools"): the first call copies .gpu/part_aa to /root/stage/; then
-#     bash .gpu/install.sh && bash scripts/gpu_check.sh step prefill batch memory chat
+#     bash .gpu/install.sh && bash scripts/gpu_check.sh run step prefill batch memory chat
 #     bash scripts/gpu_check.sh serve tests          (a later call, if device time is left)
 # (carrying .gpu/extra too, when scripts/gpu_extra_wheels.sh wrote it: the wheels the
 # serve step's client and the README's openai example need, installed first here).
 # Steps, in the order given (default: all of them):
+#   run        mlxkv run on the model: its compute row says what serves there (the attention way, the
+#              layers compiled for decode after their check, the projections fused), and the workload's
+#              figures
 #   attention  scripts/bench_attention.py: one call of each shared-prefix attention way
 #   step       scripts/bench_step.py: one decode step of the whole model, the kernel and mixed ways,
 #              with the decode layers compiled and as written, against per-row copies and mlx-lm's
@@ -43,7 +46,7 @@ export MLXKV_CACHE_DIR=${MLXKV_CACHE_DIR:-/tmp/mlxkv-cache} HF_HUB_OFFLINE=1
 model=${GPU_CHECK_MODEL:-bench-llama-722m-bf16}
 python=${PYTHON:-python3}
 quick=${GPU_CHECK_QUICK:-0}
-steps=${*:-attention step prefill batch memory chat serve tests}
+steps=${*:-run attention step prefill batch memory chat serve tests}
 if [ -d .gpu/extra ] && ls .gpu/extra/*.whl > /dev/null 2>&1; then
   "$python" -m pip install -q --no-index --no-deps --no-compile .gpu/extra/*.whl > "$out/extra.txt" 2>&1 \
     || echo "extra wheels: install failed (see extra.txt)" | tee -a "$out/log.txt"
@@ -63,14 +66,17 @@ run() {
 
 "$python" -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device())' | tee "$out/device.txt"
 run model 300 "$python" -c "from mlxkv.default_model import model_path; print(model_path('$model'))"
+model_dir=$(tail -n 1 "$out/model.txt")
 if [ "$quick" = 1 ]; then
   settings=(--prefix-tokens 128 --settings 2x4 --rounds 1)
+  requests=8
   sizes=(--sizes 2 --rounds 1)
   attention=(--quick --repeats 2 --warmup 1 --dtype float32 --heads 4 --kv-heads 2)
   step_options=(--rows 2 --prefix 128 --groups 2 --own 8 --steps 3 --warmup 1 --compile-decode both)
   prefill_options=(--rows 2 --prefix 128 --groups 2 --own 40 --steps 2 --warmup 1)
 else
   settings=(--prefix-tokens 2048 --settings 1x64,8x48,32x48 --rounds 2)
+  requests=64
   sizes=(--sizes 8,32 --rounds 2)
   attention=()
   step_options=(--rows 8,32 --prefix 2048 --steps 48 --ways kernel,mixed --compile-decode both)
@@ -91,6 +97,7 @@ if [ -n "$way" ]; then
 fi
 for step in $steps; do
   case $step in
+    run) run run 180 "$python" -m mlxkv.cli run --model "$model_dir" --requests "$requests" --json "$out/run.json" ;;
     attention) run attention 180 "$python" scripts/bench_attention.py "${attention[@]}" --json "$out/attention.json" ;;
     step) run step 240 "$python" scripts/bench_step.py --model "$model" "${step_options[@]}" --json "$out/step.json" ;;
     prefill) run prefill 240 "$python" scripts/bench_step.py --phase prefill --model "$model" "${prefill_options[@]}" --json "$out/prefill.json" ;;

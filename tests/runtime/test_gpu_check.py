@@ -19,24 +19,27 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_quick_dry_run_measures_every_way(model_dir: Path, tmp_path: Path):
-    """The check's attention, step, prefill, batch and memory steps on the
-    tiny model: each step ends with status 0, every way of each shape is
-    timed and counted, and each agrees with fused attention over copies
-    (exactly where it is fused itself); every mlxkv method's peak memory
-    names the plan that reached it; every method's tokens are compared."""
+    """The check's run, attention, step, prefill, batch and memory steps on the
+    tiny model: each step ends with status 0 (the run's report says what
+    serves), every way of each shape is timed and counted, and each agrees
+    with fused attention over copies (exactly where it is fused itself);
+    every mlxkv method's peak memory names the plan that reached it; every
+    method's tokens are compared."""
     ensure_model(TINY_LLAMA, model_dir)
     env = {
         **os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "MLXKV_CACHE_DIR": str(model_dir),
         "GPU_CHECK_MODEL": TINY_LLAMA.name, "GPU_CHECK_QUICK": "1",
     }  # fmt: skip
     done = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "attention", "step", "prefill", "batch", "memory"],
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "run", "attention", "step", "prefill", "batch", "memory"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     log = (tmp_path / "log.txt").read_text()
-    for step in ("model", "attention", "step", "prefill", "batch", "memory"):
+    for step in ("model", "run", "attention", "step", "prefill", "batch", "memory"):
         assert f"== {step}: status 0 in" in log, log
+    # What serves on the device, in the run's report.
+    assert "; decode compiled in" in json.loads((tmp_path / "run.json").read_text())["compute"]
     results = json.loads((tmp_path / "attention.json").read_text())["results"]
     ways = {r["way"] for r in results}
     assert ways == {"copies", "cascade", "cascade-lazy", "gathered", "stacked", "mixed", "kernel"}

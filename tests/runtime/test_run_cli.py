@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 
 from mlxkv.cli import main
@@ -46,6 +47,9 @@ class TestRunCommand:
         assert report["reused_tokens"] > 0 and report["warm_requests"] > 0
         assert report["blocks_stored"] > 0 and report["peak_kv_bytes"] > 0
         assert "tokens reused" in done.stdout and "TTFT warm" in done.stdout
+        # The built-in model's two layers run their decode steps compiled (a check off the CPU may drop them).
+        row = r".+, shared-prefix attention \w+; decode compiled in [02] of 2 layers(, .+)?"
+        assert re.fullmatch(row, report["compute"]), report["compute"]
         assert "6/6 requests" in done.stderr  # the progress lines (stderr is not a TTY)
         last = done.stderr.strip().splitlines()[-1]
         assert last.endswith(f"{report['wall_seconds']:.1f} s")  # the same clock as the report
@@ -54,6 +58,25 @@ class TestRunCommand:
         assert {"message.handled", "generation.finished"} <= names
         actors = {event.get("actor") for event in events if event["event"] == "message.handled"}
         assert {"allocator", "prefix_index", "compute"} <= actors
+
+    def test_the_compute_row_says_what_the_runner_chose(self):
+        """The device and shared-prefix attention, the layers compiled for
+        decode (of all, none included), and the fused and transposed
+        layers where there are any."""
+        from mlxkv.actors.model_runner import ModelInfo
+        from mlxkv.workload import _compute_row
+
+        info = ModelInfo(
+            vocab_size=None, eos_token_ids=frozenset(), cache_layers=("KVCache",) * 4, has_recurrent=False,
+            prefix_attention="kernel", compiled_layers=4, fused_projections=8,
+        )  # fmt: skip
+        assert _compute_row("gpu (CUDA)", info) == (
+            "gpu (CUDA), shared-prefix attention kernel; decode compiled in 4 of 4 layers, 8 projection sets fused"
+        )
+        plain = attrs.evolve(info, prefix_attention=None, compiled_layers=0, fused_projections=0, transposed_layers=3)
+        assert _compute_row("cpu", plain) == (
+            "cpu, shared-prefix attention -; decode compiled in 0 of 4 layers, 3 linear layers transposed"
+        )
 
     @pytest.mark.parametrize(
         ("option", "value", "blamed"),
