@@ -39,7 +39,7 @@ What runs where, and how one request's failure stays its own:
 
 The kept caches. When a request finishes, the runner keeps its cache
 (beside the block pool; plain KV layers only), the most recent ones up to
-:data:`~mlxkv.actors.model_runner.MAX_KEPT_CACHES` and
+:data:`~mlxkv.actors.kept_caches.MAX_KEPT_CACHES` and
 ``RunnerConfig.kept_cache_memory`` bytes. A later request takes
 the one it shares most of its first tokens with, cut back to what it may
 use: within the kept cache's namespace (cache salt and images) every shared

@@ -170,7 +170,7 @@ class RunnerConfig:
             traces hold them as constants).
         keep_caches: the runner keeps the KV of the generations that
             finished last (up to
-            :data:`~mlxkv.actors.model_runner.MAX_KEPT_CACHES`, of at most
+            :data:`~mlxkv.actors.kept_caches.MAX_KEPT_CACHES`, of at most
             ``kept_cache_memory`` together unless only one, beside the block
             pool) and hands each to a later one that shares its first tokens
             (see :mod:`mlxkv.actors.compute`), which then computes only the

@@ -29,6 +29,7 @@ import attrs
 
 from mlxkv.actors.compiled_decode import compile_checked
 from mlxkv.actors.compute_config import RunnerConfig
+from mlxkv.actors.kept_caches import KeptCaches
 from mlxkv.actors.sequence import SequenceState
 from mlxkv.actors.token_bound import max_chars_per_token
 from mlxkv.actors.weight_layout import hold_weights, loading
@@ -69,17 +70,6 @@ _BATCHABLE = frozenset({"KVCache", "RotatingKVCache", "ArraysCache"})
 _BATCH_PREFILL = frozenset({"KVCache", "RotatingKVCache"})
 #: Cache classes that cut back exactly to any earlier length (``trim``).
 _TRIMMABLE = frozenset({"KVCache", "QuantizedKVCache"})
-
-#: Finished requests' caches the runner keeps at most (the most recent ones),
-#: each for the next request that continues it (a conversation's next turn),
-#: and the bytes of KV they may hold together beside the block pool (their
-#: own tokens, and each shared prefix they refer to, counted once even where
-#: live requests hold it too: an upper bound); the most
-#: recent is kept whatever its size (the bytes: ``RunnerConfig.kept_cache_memory``).
-#: Concurrent conversations need one each: with one for all, each next turn
-#: recomputes the tail of its previous turn that no full block holds.
-MAX_KEPT_CACHES = 16
-
 
 @attrs.frozen(kw_only=True)
 class ModelInfo:
@@ -276,7 +266,8 @@ class ModelRunner(Protocol):
         ``num_tokens`` tokens (a fed stop token is not part of the answer),
         for the next request that shares its first tokens (which then
         computes only the rest); the runner keeps the most recent ones, up
-        to :data:`MAX_KEPT_CACHES` (see :class:`CacheRunner`). The caller gives
+        to :data:`~mlxkv.actors.kept_caches.MAX_KEPT_CACHES`
+        (:class:`~mlxkv.actors.kept_caches.KeptCaches`). The caller gives
         up ``cache``.
         """
         ...
@@ -352,26 +343,17 @@ class CacheRunner(abc.ABC):
     a fresh cache), :meth:`prefill`, :meth:`decode` and :meth:`preparer`.
 
     Owns: the model's cold cache layout, which rebuilt caches must match,
-    and the kept caches (:meth:`keep`).
-
-    Invariants:
-        - a kept cache's KV holds exactly its ``tokens`` (and its images,
-          if its namespace has any); nothing writes its arrays (payloads
-          are copies; a request given part of it gets arrays of its own);
-        - a request uses of one only what it is entitled to: within the kept
-          cache's namespace (cache salt and images) every shared token, else
-          only the prefix it brings payloads for, and only if neither has
-          images (then the tokens alone decide the KV);
-        - at most :data:`MAX_KEPT_CACHES` are kept, of at most
-          ``kept_cache_memory`` bytes together unless only one is.
+    and the kept caches (:meth:`keep`: a
+    :class:`~mlxkv.actors.kept_caches.KeptCaches`, whose invariants say
+    what a request may take of one).
     """
 
     _info: ModelInfo
     _runner_config: RunnerConfig
     _layout: tuple[tuple[Any, ...], ...]
     _trimmable: bool = False
-    #: the kept caches, the most recent last
-    _kept: tuple[_KeptCache, ...] = ()
+    #: finished requests' caches, kept for their continuations (made by :meth:`_measure`)
+    _kept: KeptCaches
     #: whether :meth:`_forward` takes a batch of rows (a text model's does)
     _batches_prefill: bool = False
     #: the live shared prefixes (None: every request holds a copy)
@@ -430,6 +412,7 @@ class CacheRunner(abc.ABC):
         self._trimmable = all(name in _TRIMMABLE for name in names)
         shared = shared_prefix and all(name == "KVCache" for name in names)
         self._groups = PrefixGroups() if shared else None
+        self._kept = KeptCaches(self._runner_config.kept_cache_memory)
         batch_prefill = self._batches_prefill and all(name in _BATCH_PREFILL for name in names)
         if batch_prefill:
             self._streams = StreamPool(self._runner_config.prefill_streams or default_prefill_streams())
@@ -451,7 +434,7 @@ class CacheRunner(abc.ABC):
     def start(self, sequence: SequenceState) -> None:
         prefix = sequence.prefix
         cold_fallback = False
-        cache, num_cached = self._take_kept(sequence, prefix)
+        cache, num_cached = self._kept.take(sequence, prefix, text_only=self._text_only(sequence))
         reused = cache is not None
         if cache is not None:
             cache = self._own(sequence, cache, num_cached)
@@ -495,7 +478,7 @@ class CacheRunner(abc.ABC):
             # A kept cache over another (or no) prefix: its tokens as one
             # plain run (a copy only if it had a prefix), rebased below.
             cache = [layer.suffix if layer.num_prefix == 0 else layer.to_plain() for layer in cache]
-        suffix = suffix_of(cache, num_prefix, num_tokens, _room(sequence, num_tokens))
+        suffix = suffix_of(cache, num_prefix, num_tokens, sequence.room(num_tokens))
         return [SharedPrefixCache(group, i, num_prefix, layer) for i, layer in enumerate(suffix)]
 
     def _shares(self, prefix: tuple[BlockPayload, ...]) -> bool:
@@ -506,97 +489,14 @@ class CacheRunner(abc.ABC):
 
     def keep(self, sequence: SequenceState, cache: list[Any], num_tokens: int) -> None:
         """Only a cache of plain KV layers (which cut back exactly) is kept
-        (over its shared prefix, if it has one: only its own tokens are
-        held beside the group). It replaces a kept cache it extends (its
-        conversation's earlier turn), and the oldest go while there are more
-        than :data:`MAX_KEPT_CACHES` or they hold more than
-        ``kept_cache_memory`` bytes. Nothing is kept where the configuration
-        says so (``keep_caches=False``)."""
-        if not (self._trimmable and self._runner_config.keep_caches):
-            return
-        import mlx.core as mx
-
-        tokens = sequence.tokens(0, min(cache[0].offset, num_tokens))
-        for layer in cache:
-            layer.trim(layer.offset - len(tokens))
-            if isinstance(layer, SharedPrefixCache):
-                layer.own_suffix()  # a row straight out of a batched prefill views its batch
-        # Queued now (not waited for: the executor reads nothing back before
-        # its plan's decode step is queued): a row taken out of a batch is a
-        # lazy slice of the batch's buffer, which its graph would keep alive
-        # for as long as it is kept; scheduled, it no longer holds the graph.
-        mx.async_eval([layer.state for layer in cache])
-        entry = _KeptCache(
-            cache=cache,
-            tokens=tokens,
-            namespace=sequence.namespace,
-            text_only=self._text_only(sequence),
-        )
-        kept = [
-            k for k in self._kept if not (k.namespace == entry.namespace and tokens[: len(k.tokens)] == k.tokens)
-        ]
-        kept.append(entry)
-        limit = self._runner_config.kept_cache_memory
-        while len(kept) > 1 and (len(kept) > MAX_KEPT_CACHES or _kept_bytes(kept) > limit):
-            kept.pop(0)
-        self._kept = tuple(kept)
+        (:class:`~mlxkv.actors.kept_caches.KeptCaches`), and nothing where
+        the configuration says so (``keep_caches=False``)."""
+        if self._trimmable and self._runner_config.keep_caches:
+            self._kept.keep(sequence, cache, num_tokens, text_only=self._text_only(sequence))
 
     def _text_only(self, sequence: SequenceState) -> bool:
         """Whether the request's KV depends on its tokens alone (no images)."""
         return True
-
-    def _take_kept(
-        self, sequence: SequenceState, prefix: tuple[BlockPayload, ...]
-    ) -> tuple[Optional[list[Any]], int]:
-        """The kept cache the request may use most of, cut back to that, and
-        that many tokens; or ``(None, 0)`` when none has anything for it
-        beyond what ``prefix`` rebuilds. A request that continues a kept
-        cache's every token (its conversation's next turn) takes that cache
-        (it is no longer kept); one that uses only its first tokens, more of
-        them than its blocks hold, gets arrays of its own for them (a copy of
-        its own tokens beside a shared prefix), and the cache stays for its
-        continuation.
-
-        Within a kept cache's namespace the request uses every token they
-        share but the prompt's last (which must run for its logits); in
-        another namespace only its payloads' prefix, and only if both are
-        text and the payloads line up from token 0 (they are what entitles
-        it).
-        """
-        floor = prefix[-1].end if prefix else 0
-        best, usable = None, 0
-        for entry in reversed(self._kept):  # the most recent first: it wins a tie
-            length = self._usable(entry, sequence, prefix, floor)
-            if length > usable:
-                best, usable = entry, length
-        whole = best is not None and usable == len(best.tokens)
-        # A copy of no more than the blocks give would only stand in for them
-        # (and over a shared prefix, with no room to grow in).
-        if best is None or usable < floor or (usable == floor and not whole):
-            return None, 0
-        if whole:
-            self._kept = tuple(k for k in self._kept if k is not best)
-            cache = best.cache
-            if isinstance(cache[0], SharedPrefixCache):
-                cache = [layer.cut(usable, sequence.block_size) for layer in cache]
-        else:
-            room = _room(sequence, usable)
-            cache = [_copy_of(layer, usable, sequence.block_size, room) for layer in best.cache]
-        return cache, usable
-
-    def _usable(self, entry: _KeptCache, sequence: SequenceState, prefix: tuple[BlockPayload, ...], floor: int) -> int:
-        """How many of ``entry``'s tokens the request may use (see :meth:`_take_kept`)."""
-        shared = _shared_length(entry.tokens, sequence.prompt, len(sequence.prompt) - 1)
-        if entry.namespace == sequence.namespace:
-            return shared
-        if (
-            prefix
-            and entry.text_only
-            and self._text_only(sequence)
-            and kv_state.num_reconstructable_blocks(prefix) == len(prefix)
-        ):
-            return min(shared, floor)
-        return 0
 
     def _rebuild(self, sequence: SequenceState, prefix: tuple[BlockPayload, ...], num_new: int) -> list[Any]:
         if self._groups is not None:
@@ -618,7 +518,7 @@ class CacheRunner(abc.ABC):
             raise kv_state.NotReconstructable("the prefix payloads do not match this model's cache layout")
         group, shared = self._groups.take(prefix)
         num_prefix = prefix[shared - 1].end
-        suffix = suffix_cache(prefix[shared:], _room(sequence, prefix[-1].end), len(self._layout))
+        suffix = suffix_cache(prefix[shared:], sequence.room(prefix[-1].end), len(self._layout))
         return [SharedPrefixCache(group, i, num_prefix, layer) for i, layer in enumerate(suffix)]
 
     def prefill(self, sequence: SequenceState, end: int) -> Optional[Any]:
@@ -816,7 +716,7 @@ class CacheRunner(abc.ABC):
         one copy of its prefix either way."""
         if self._groups is None or not isinstance(cache[0], SharedPrefixCache) or not cache[0].num_prefix:
             return cache
-        room = _room(sequence, cache[0].offset)
+        room = sequence.room(cache[0].offset)
         return [SharedPrefixCache(None, i, 0, layer.to_plain(room)) for i, layer in enumerate(cache)]
 
     def together(self, sequence: SequenceState, cache: list[Any]) -> list[Any]:
@@ -878,59 +778,6 @@ class CacheRunner(abc.ABC):
         return tuple(payloads)
 
 
-@attrs.frozen
-class _KeptCache:
-    """A finished request's cache and the tokens its KV holds."""
-
-    cache: list[Any] = attrs.field(eq=False, repr=False)
-    tokens: tuple[int, ...] = attrs.field(repr=False)
-    namespace: Any
-    #: whether its KV depends on its tokens alone (no images)
-    text_only: bool
-
-
-def _kept_bytes(kept: Seq[_KeptCache]) -> int:
-    """The bytes ``kept`` hold: their own arrays, and each shared prefix they refer to once."""
-    groups = {id(layer.group): layer.group for k in kept for layer in k.cache[:1] if getattr(layer, "group", None)}
-    own = sum(layer.nbytes for k in kept for layer in k.cache)
-    return own + sum(group.nbytes for group in groups.values())
-
-
-def _copy_of(layer: Any, num_tokens: int, block_size: int, room: int) -> Any:
-    """A cache layer of ``layer``'s first ``num_tokens`` tokens, with room
-    for ``room`` more where it is plain KV, whose arrays are new ones, so
-    that writing it leaves ``layer`` as it was."""
-    if isinstance(layer, SharedPrefixCache):
-        if num_tokens < layer.num_prefix:
-            return layer.cut(num_tokens, block_size)  # a new suffix from the group's arrays
-        (suffix,) = suffix_of([layer.suffix], 0, num_tokens - layer.num_prefix, room)
-        return SharedPrefixCache(layer.group if layer.num_prefix else None, layer.layer, layer.num_prefix, suffix)
-    if type(layer).__name__ == "KVCache":
-        return suffix_of([layer], 0, num_tokens, room)[0]
-    # Quantized: slices of its arrays (new ones); it grows as it needs.
-    copy = type(layer).__new__(type(layer))
-    copy.__dict__.update(layer.__dict__)
-    copy.keys, copy.values = (tuple(a[..., :num_tokens, :] for a in arrays) for arrays in (layer.keys, layer.values))
-    copy.offset = num_tokens
-    return copy
-
-
-def _shared_length(kept: tuple[int, ...], prompt: Seq[int], limit: int) -> int:
-    """How many leading tokens ``kept`` and ``prompt`` share, at most ``limit``."""
-    prompt = tuple(prompt)
-    end = min(len(kept), limit)
-    if kept[:end] == prompt[:end]:
-        return end  # the usual case: the prompt extends the kept tokens
-    low, high = 0, end  # kept[:low] == prompt[:low]; kept[:high] != prompt[:high]
-    while high - low > 1:
-        middle = (low + high) // 2
-        if kept[low:middle] == prompt[low:middle]:
-            low = middle
-        else:
-            high = middle
-    return low
-
-
 def _with_snapshot(payload: BlockPayload, state: Optional[tuple[Any, ...]]) -> BlockPayload:
     """``payload`` with the recurrent state recorded at its end, if it lacks one."""
     import mlx.core as mx
@@ -960,12 +807,6 @@ def _by_prefix(rows: list[tuple[SequenceState, Seq[int]]]) -> list[tuple[Sequenc
         return first_seen.setdefault(id(layer.group), len(first_seen))
 
     return sorted(rows, key=place)
-
-
-def _room(sequence: SequenceState, num_tokens: int) -> int:
-    """Tokens a request's cache of ``num_tokens`` may still take: the rest
-    of its prompt and its answer (one buffer for all of them: no regrowth)."""
-    return len(sequence.prompt) - num_tokens + sequence.spec.max_tokens
 
 
 def context_unit(args: Any) -> int:

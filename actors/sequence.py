@@ -156,5 +156,11 @@ class SequenceState:
         """Positions ``[start, stop)`` of the prompt followed by the generated tokens."""
         return prompt_and_answer(self.spec.prompt, self.generated, start, stop)
 
+    def room(self, num_tokens: int) -> int:
+        """Tokens a cache of this request's first ``num_tokens`` may still
+        take: the rest of its prompt and its answer (one buffer for all of
+        them: no regrowth)."""
+        return len(self.spec.prompt) - num_tokens + self.spec.max_tokens
+
     def __repr__(self) -> str:
         return f"SequenceState({self.request_id!r}, {self.num_computed} computed)"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from functools import partial
 from typing import Any, Optional
@@ -112,7 +113,7 @@ _PARTS: dict[str, type] = {"scheduling": SchedulingConfig, "runner": RunnerConfi
 _PART_OF: dict[str, str] = {
     field.name: part for part, cls in _PARTS.items() for field in attrs.fields(cls)
 }
-#: Names a field had before, still taken and read: old name -> field.
+#: Names a field had before, still taken and read (with a DeprecationWarning): old name -> field.
 _RENAMED = {"keep_last_cache": "keep_caches"}
 
 
@@ -128,7 +129,7 @@ class RuntimeConfig:
     is ``RuntimeConfig(scheduling=SchedulingConfig(prefill_chunk=64))``, and
     its ``prefill_chunk`` is ``scheduling.prefill_chunk``; a name given
     beside its part changes that part. ``keep_last_cache`` is still taken
-    and read as the old name of ``keep_caches``.
+    and read as the old name of ``keep_caches``, with a ``DeprecationWarning``.
 
     Attributes:
         block_size: tokens per KV block.
@@ -208,6 +209,7 @@ class RuntimeConfig:
             if old in options:
                 if name in options:
                     raise InvalidInput(old, options[old], f"is the old name of {name}: give one of them")
+                warnings.warn(f"{old} is the old name of {name}", DeprecationWarning, stacklevel=2)
                 options[name] = options.pop(old)
         own = {name: value for name, value in options.items() if name not in _PART_OF}
         for name in own:
@@ -227,7 +229,9 @@ class RuntimeConfig:
         return _OWN_FIELDS | frozenset(_PART_OF) | frozenset(_RENAMED)
 
     def __getattr__(self, name: str) -> Any:
-        name = _RENAMED.get(name, name)
+        if name in _RENAMED:
+            warnings.warn(f"{name} is the old name of {_RENAMED[name]}", DeprecationWarning, stacklevel=2)
+            name = _RENAMED[name]
         part = _PART_OF.get(name)
         if part is None:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")

@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mlxkv.actors.model_runner import MAX_KEPT_CACHES
+from mlxkv.actors.kept_caches import MAX_KEPT_CACHES
 from mlxkv.cli import BENCH_BLOCK as BLOCK
 from mlxkv.cli import add_bench_arguments
 

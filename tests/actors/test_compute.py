@@ -525,11 +525,11 @@ class TestLastCache:
         """At most MAX_KEPT_CACHES, of at most ``kept_cache_memory`` bytes
         together, are kept, the most recent (and always the last one): beyond,
         the oldest go."""
-        from mlxkv.actors import model_runner
+        from mlxkv.actors import kept_caches
 
         options = {}
         if bound == "count":
-            monkeypatch.setattr(model_runner, "MAX_KEPT_CACHES", 2)
+            monkeypatch.setattr(kept_caches, "MAX_KEPT_CACHES", 2)
         else:
             options["kept_cache_memory"] = 1
         prompts = [_prompt(3 * BLOCK + 3, salt=k) for k in range(3)]

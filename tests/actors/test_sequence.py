@@ -59,3 +59,8 @@ class TestTransitions:
         sequence.start(["layer"], 0)
         sequence.replace_cache(["other"])
         assert sequence.cache == ["other"]
+
+    def test_room_is_the_rest_of_the_prompt_and_the_answer(self):
+        """A cache of the first n tokens has room for the prompt's rest and every answer token."""
+        sequence = _sequence(10)
+        assert [sequence.room(n) for n in (0, 4, 10)] == [14, 10, 4]

@@ -78,10 +78,15 @@ class TestRuntimeConfig:
             config.no_such_field
 
     def test_old_names_still_work(self):
-        """``keep_last_cache`` is taken and read as ``keep_caches``; both at once is refused."""
-        config = RuntimeConfig(keep_last_cache=False)
-        assert config.keep_caches is False and config.keep_last_cache is False
-        assert CacheRuntime(keep_last_cache=False).config == config
+        """``keep_last_cache`` is taken and read as ``keep_caches``, each time
+        with a DeprecationWarning that names the new name; both at once is refused."""
+        with pytest.warns(DeprecationWarning, match="keep_last_cache is the old name of keep_caches"):
+            config = RuntimeConfig(keep_last_cache=False)
+        assert config.keep_caches is False
+        with pytest.warns(DeprecationWarning, match="keep_caches"):
+            assert config.keep_last_cache is False
+        with pytest.warns(DeprecationWarning, match="keep_caches"):
+            assert CacheRuntime(keep_last_cache=False).config == config
         with pytest.raises(InvalidInput, match="keep_last_cache"):
             RuntimeConfig(keep_last_cache=False, keep_caches=True)
 

@@ -23,7 +23,7 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from mlxkv import CacheRuntime
-from mlxkv.actors import model_runner
+from mlxkv.actors import kept_caches
 from mlxkv.default_model import (
     DEFAULT_MODEL,
     TINY_HYBRID,
@@ -72,14 +72,13 @@ def _scramble_tail(cache: list[Any], count: int = 4) -> None:
 
 
 def _break_kept_cache(monkeypatch: pytest.MonkeyPatch) -> None:
-    honest = model_runner.CacheRunner.keep
+    honest = kept_caches.KeptCaches.keep
 
-    def broken(self: Any, sequence: Any, cache: list[Any], num_tokens: int) -> None:
-        honest(self, sequence, cache, num_tokens)
-        if self._kept:
-            _scramble_tail(self._kept[-1].cache)
+    def broken(self: Any, sequence: Any, cache: list[Any], num_tokens: int, **options: Any) -> None:
+        honest(self, sequence, cache, num_tokens, **options)
+        _scramble_tail(self.entries[-1].cache)
 
-    monkeypatch.setattr(model_runner.CacheRunner, "keep", broken)
+    monkeypatch.setattr(kept_caches.KeptCaches, "keep", broken)
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:
