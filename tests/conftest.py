@@ -39,6 +39,13 @@ from mlxkv.default_model import (  # noqa: E402
 )
 from mlxkv.default_vlm import DEFAULT_VLM, ensure_vlm  # noqa: E402
 
+from device_arithmetic import EMULATED_TF32  # noqa: E402
+
+if EMULATED_TF32:
+    import tf32  # noqa: E402
+
+    tf32.install()
+
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory):

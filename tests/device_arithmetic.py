@@ -8,16 +8,22 @@ CUDA backend, an H200, paths within 2e-6 on the CPU were 4.9e-4 apart (issue
 31). So a check names both: the CPU's bound, and the GPU's, set from that
 arithmetic -- still far below what a wrong cache moves (a block of another
 prompt's KV changes logits by whole units: ``tests/runtime/test_teeth.py``).
-The GPU bounds are provisional until a GPU run of the suite confirms them.
+The GPU bounds are provisional until a GPU run of the suite confirms them;
+``MLXKV_TEST_TF32=1`` runs the suite on the CPU with a GPU's TF32-like
+products emulated (``tests/tf32.py``), and the GPU's bounds.
 """
 
 from __future__ import annotations
+
+import os
 
 import mlx.core as mx
 import pytest
 
 __all__ = [
     "ATTENTION_ATOL",
+    "EMULATED_TF32",
+    "EXACT_FLOAT32",
     "LOGITS_ATOL",
     "LOGITS_ATOL_ON_GPU",
     "ON_CPU",
@@ -27,11 +33,15 @@ __all__ = [
 
 #: Whether MLX runs these tests on the CPU.
 ON_CPU = mx.default_device().type == mx.DeviceType.cpu
+#: Whether the CPU's float32 products round their inputs as a GPU's do (``tests/tf32.py``).
+EMULATED_TF32 = ON_CPU and os.environ.get("MLXKV_TEST_TF32") == "1"
+#: Whether float32 products are exact float32 ones: the CPU's, not emulating a GPU's.
+EXACT_FLOAT32 = ON_CPU and not EMULATED_TF32
 
 
 def tolerance(cpu: float, *, gpu: float) -> float:
-    """``cpu`` where MLX runs on the CPU, else ``gpu``."""
-    return cpu if ON_CPU else gpu
+    """``cpu`` where float32 products are exact (:data:`EXACT_FLOAT32`), else ``gpu``."""
+    return cpu if EXACT_FLOAT32 else gpu
 
 
 #: One attention call, two exact float32 paths (the cascade and fused attention, say).

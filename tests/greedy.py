@@ -13,12 +13,43 @@ moves logits by far more (``tests/runtime/test_teeth.py``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 from mlxkv.divergence import first_divergence
 
-__all__ = ["assert_same_greedy"]
+__all__ = ["CLEAR_GAP", "assert_same_greedy", "least_gap", "reference_model"]
+
+#: A greedy run whose two best choices are at least this far apart at every
+#: step (in log-probabilities) gives the same tokens on every exact path of
+#: any device: twenty times what TF32-like products (a GPU's float32) moved
+#: the built-in model's last logits by, 4.7e-4 (``tests/tf32.py``). Where a
+#: test cannot see tokens (a served answer's text), its prompts are chosen
+#: clear of ties by this (:func:`least_gap`) and compared exactly.
+CLEAR_GAP = 1e-2
+
+
+@functools.lru_cache(maxsize=4)
+def reference_model(path: str) -> Any:
+    """The model at ``path``, loaded once a process with mlx-lm (not through the runtime)."""
+    from mlx_lm import load
+
+    return load(path)[0]
+
+
+def least_gap(model: Any, prompt: Sequence[int], steps: int) -> float:
+    """The least gap between the two best log-probabilities over ``model``'s
+    greedy run of ``steps`` tokens after ``prompt`` (mlx-lm's
+    ``generate_step``, one cold call)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    gaps = []
+    for (_, logprobs), _ in zip(generate_step(mx.array(list(prompt)), model), range(steps)):
+        second, best = mx.sort(logprobs)[-2:].tolist()
+        gaps.append(best - second)
+    return min(gaps)
 
 
 def assert_same_greedy(

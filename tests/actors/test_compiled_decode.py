@@ -30,7 +30,7 @@ from mlxkv.actors.request import RequestSpec
 from mlxkv.actors.sequence import SequenceState
 from mlxkv.default_model import TINY_HYBRID, TINY_LLAMA, TINY_SLIDING_LLAMA, ensure_model
 
-from device_arithmetic import LOGITS_ATOL, ON_CPU
+from device_arithmetic import EXACT_FLOAT32, LOGITS_ATOL, ON_CPU
 from model_blocks import block_payloads
 
 BS = 16
@@ -118,7 +118,7 @@ def _logits(model, prompt: list[int], steps: int = 3) -> list:
 
 
 def _same(got, want):
-    if ON_CPU:
+    if EXACT_FLOAT32:
         assert mx.array_equal(got, want).item()
     else:
         assert mx.allclose(got, want, atol=LOGITS_ATOL, rtol=0).item()

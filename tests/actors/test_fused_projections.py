@@ -12,14 +12,14 @@ from mlxkv.actors.fused_projections import fuse_projections, fused_linear
 from mlxkv.actors.weight_layout import transpose_linear_weights
 from mlxkv.default_model import TINY_HYBRID, TINY_LLAMA, TINY_SLIDING_LLAMA, ensure_model
 
-from device_arithmetic import LOGITS_ATOL, ON_CPU
+from device_arithmetic import EXACT_FLOAT32, LOGITS_ATOL
 from graph_ops import primitives
 from model_weights import parameter_bytes, prefill_and_decode_logits
 
 
 def _same(got, want):
     for a, b in zip(got, want):
-        if ON_CPU:
+        if EXACT_FLOAT32:
             assert mx.array_equal(a, b).item()
         else:  # another product's kernel on a GPU
             assert mx.allclose(a, b, atol=LOGITS_ATOL, rtol=0).item()

@@ -14,7 +14,6 @@ anything.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,7 +23,7 @@ from mlxkv import CacheRuntime
 from mlxkv.generation import GeneratedToken, GenerationReport
 
 from device_arithmetic import LOGITS_ATOL
-from greedy import assert_same_greedy
+from greedy import assert_same_greedy, reference_model
 
 ATOL = LOGITS_ATOL
 BS = 16
@@ -75,16 +74,8 @@ def assert_parted_at_a_tie(
     info = rt.model_info
     assert info is not None and not images and not info.takes_images, (reference, other)
     assert reference != other, "the runs do not part"
-    model = _reference_model(str(rt.config.model))
+    model = reference_model(str(rt.config.model))
     assert_same_greedy(model, prompt_ids, reference, other, stop_tokens=sorted(info.eos_token_ids))
-
-
-@functools.lru_cache(maxsize=4)
-def _reference_model(path: str) -> Any:
-    """The model at ``path``, loaded once a process with mlx-lm (not through the runtime)."""
-    from mlx_lm import load
-
-    return load(path)[0]
 
 
 async def holds_nothing(rt: CacheRuntime) -> bool:

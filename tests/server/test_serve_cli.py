@@ -217,7 +217,8 @@ class TestServeErrors:
     )
     def test_bad_options_are_one_line(self, model_dir: Path, args: tuple[str, ...], needle: str):
         """A bad setting, or a model that does not load: one line naming it, exit 2."""
-        done = run_cli(model_dir, *args)
+        # On a free port (a later --port wins): a busy 8000 would be the error instead.
+        done = run_cli(model_dir, "--port", "0", *args)
         assert done.returncode == 2, done.stderr
         lines = done.stderr.splitlines()
         assert len(lines) == 1 and lines[0].startswith("mlxkv serve: ") and needle in lines[0], (
