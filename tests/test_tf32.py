@@ -33,23 +33,40 @@ class TestRounding:
         for other in (x.astype(mx.bfloat16), mx.arange(5)):
             assert tf32.tf32(other) is other
 
+    def test_another_order_moves_the_last_bits_by_shape(self):
+        """Results move by at most seven ulps, in a pattern fixed by the
+        shapes; a sum no order rounds (an integer) stays."""
+        x = mx.random.normal((4096,), key=mx.random.key(0))
+        one, again, other = tf32.reordered(x, (1, 2)), tf32.reordered(x, (1, 2)), tf32.reordered(x, (2, 2))
+        assert mx.array_equal(one, again).item() and not mx.array_equal(one, other).item()
+        assert (mx.abs(one - x) <= mx.abs(x) * 7 * 2**-23).all().item() and not mx.array_equal(one, x).item()
+        integers = mx.arange(-8, 9).astype(mx.float32)
+        assert mx.array_equal(tf32.reordered(integers, (3,)), integers).item()
+
     def test_every_product_rounds_its_inputs_until_undone(self):
-        """``@``, ``mx.matmul``, ``mx.addmm`` and fused attention take rounded
-        inputs while installed; undone, the exact products come back."""
+        """``@``, ``mx.matmul`` and ``mx.addmm`` take rounded inputs, their
+        results reordered, while installed; fused attention runs as CUDA's
+        fallback (a prefill, a head of 16) or, a query a row over a head of
+        64, as its float32 vector kernel; undone, the exact products come back."""
         a, b, c = (mx.random.normal((8, 8), key=mx.random.key(k)) for k in (1, 2, 3))
-        q, k, v = (m.reshape(1, 1, 8, 8) for m in (a, b, c))
-        exact = [a @ b, mx.matmul(a, b), mx.addmm(c, a, b), mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0)]
-        rounded = [tf32.tf32(m) for m in (a, b, c)]
-        ra, rb, rc = rounded
-        want = [ra @ rb, ra @ rb, mx.addmm(c, ra, rb),
-                mx.fast.scaled_dot_product_attention(*(m.reshape(1, 1, 8, 8) for m in rounded), scale=1.0)]
+        ra, rb = tf32.tf32(a), tf32.tf32(b)
+        exact = [a @ b, mx.matmul(a, b), mx.addmm(c, a, b)]
+        want = [tf32.reordered(ra @ rb, (8, 8), (8, 8))] * 2 + [tf32.reordered(mx.addmm(c, ra, rb), (8, 8), (8, 8))]
+        q, k, v = (mx.random.normal((1, 4, 6, 16), key=mx.random.key(s)) for s in (4, 5, 6))
+        q1, k1, v1 = (mx.random.normal((2, 2, n, 64), key=mx.random.key(s)) for s, n in ((7, 1), (8, 5), (9, 5)))
+        fused = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
+        vector = mx.fast.scaled_dot_product_attention(q1, k1, v1, scale=0.125)
         undo = tf32.install()
         try:
-            got = [a @ b, mx.matmul(a, b), mx.addmm(c, a, b), mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0)]
+            got = [a @ b, mx.matmul(a, b), mx.addmm(c, a, b)]
+            fallback = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
+            vector_again = mx.fast.scaled_dot_product_attention(q1, k1, v1, scale=0.125)
         finally:
             undo()
         for g, w, e in zip(got, want, exact):
             assert mx.array_equal(g, w).item() and not mx.array_equal(g, e).item()
+        assert mx.allclose(fallback, fused, atol=2e-3, rtol=0).item() and not mx.array_equal(fallback, fused).item()
+        assert mx.array_equal(vector_again, vector).item()
         assert mx.array_equal(a @ b, exact[0]).item()
 
 

@@ -2,22 +2,32 @@
 
 MLX's CUDA backend multiplies float32 matrices with TF32-like inputs by
 default (``MLX_ENABLE_TF32``): each input rounded to a 10-bit mantissa, the
-products summed in float32. Two exact paths that agree within a few ulps on
-the CPU then differ by about ``2^-11`` of their values (4.9e-4 apart on an
+products summed in float32, in an order that depends on the kernel cuBLAS
+picks for the shapes. Two exact paths that agree within a few ulps on the
+CPU then differ by about ``2^-11`` of their values (4.9e-4 apart on an
 H200, issue 31). :func:`install` makes the CPU do the same to every float32
-product the tests and the library ask for -- ``@``, ``mx.matmul``,
-``mx.addmm``, and the queries, keys and values of fused attention -- so that
-a run of the suite on this machine shows which checks a GPU's arithmetic
-would fail (``tests/device_arithmetic.py`` takes the GPU's bounds then).
+product the tests and the library ask for from Python -- ``@``,
+``mx.matmul``, ``mx.addmm`` and fused attention -- so that a run of the
+suite on this machine shows which checks a GPU's arithmetic would fail
+(``tests/device_arithmetic.py`` takes the GPU's bounds then):
 
-It stands in for the rounding, not for a GPU: the order of a GPU's sums,
-its attention kernels' own arithmetic (a flash kernel's running softmax)
-and products in half precision are not emulated.
+- a product's inputs are rounded to TF32 (:func:`tf32`), and its sums'
+  order is stood in for by moving the last three bits of each result in a
+  pattern fixed by the operands' shapes (a result whose last bits are all
+  zero, a sum no order rounds, stays);
+- fused attention runs as MLX's CUDA backend runs it in float32: a query a
+  row over a head of 64, 96, 128 or 256 by its vector kernel (float32
+  arithmetic, no TF32), anything else -- a prefill, the tiny test models'
+  heads -- by its fallback, two such products around a softmax.
+
+It stands in for the rounding, not for a GPU: its kernels' own arithmetic,
+products in half precision and the order of other reductions are not
+emulated.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 
@@ -26,6 +36,8 @@ __all__ = ["install", "tf32"]
 _MANTISSA_DROPPED = 13  # float32 has 23 mantissa bits, TF32 10
 _HALF = (1 << (_MANTISSA_DROPPED - 1)) - 1
 _KEPT = 0xFFFFFFFF ^ ((1 << _MANTISSA_DROPPED) - 1)
+#: Head sizes MLX's CUDA vector attention kernel takes (one query a row).
+_VECTOR_HEADS = frozenset({64, 96, 128, 256})
 
 
 def tf32(x: Any) -> Any:
@@ -38,25 +50,67 @@ def tf32(x: Any) -> Any:
     return ((bits + _HALF + odd) & _KEPT).view(mx.float32)
 
 
+def reordered(out: Any, *shapes: tuple[int, ...]) -> Any:
+    """``out`` (float32) with the last three bits of each value moved in a
+    pattern fixed by ``shapes``: another kernel's order of the same sums.
+    A value whose last thirteen bits are zero (a sum no order rounds, such
+    as a small integer) stays."""
+    if not isinstance(out, mx.array) or out.dtype != mx.float32:
+        return out
+    pattern = mx.array((hash(shapes) & 0x7FFFFFFF) | 1, dtype=mx.uint32)
+    bits = out.view(mx.uint32)
+    moved = bits ^ (((bits * pattern) >> 29) & 7)
+    return mx.where((bits & ((1 << _MANTISSA_DROPPED) - 1)) == 0, bits, moved).view(mx.float32)
+
+
 def install() -> Callable[[], None]:
-    """Round the inputs of every float32 product MLX computes from Python from
-    now on (for the process, where tests run so); returns what undoes it."""
+    """Emulate a GPU's float32 products (the module's list) in every MLX call
+    made from Python from now on (for the process, where tests run so);
+    returns what undoes it."""
     matmul, addmm, sdpa = mx.matmul, mx.addmm, mx.fast.scaled_dot_product_attention
     array_matmul = mx.array.__matmul__
 
+    def product(a: Any, b: Any) -> Any:
+        return reordered(array_matmul(tf32(a), tf32(b)), tuple(a.shape), tuple(b.shape))
+
     def rounded_matmul(a: Any, b: Any, **options: Any) -> Any:
-        return matmul(tf32(a), tf32(b), **options)
+        return reordered(matmul(tf32(a), tf32(b), **options), tuple(a.shape), tuple(b.shape))
 
     def rounded_addmm(c: Any, a: Any, b: Any, **options: Any) -> Any:
-        return addmm(c, tf32(a), tf32(b), **options)
+        return reordered(addmm(c, tf32(a), tf32(b), **options), tuple(a.shape), tuple(b.shape))
 
-    def rounded_attention(q: Any, k: Any, v: Any, **options: Any) -> Any:
-        return sdpa(tf32(q), tf32(k), tf32(v), **options)
+    def attention(q: Any, k: Any, v: Any, *, scale: float, mask: Optional[Any] = None, **options: Any) -> Any:
+        vector = q.shape[2] == 1 and q.shape[3] == v.shape[3] and q.shape[3] in _VECTOR_HEADS
+        if q.dtype != mx.float32 or vector or options.get("sinks") is not None:
+            return sdpa(q, k, v, scale=scale, mask=mask, **options)
+        return _fallback_attention(product, q, k, v, scale, mask)
 
     def undo() -> None:
         mx.matmul, mx.addmm, mx.fast.scaled_dot_product_attention = matmul, addmm, sdpa
         mx.array.__matmul__ = array_matmul
 
-    mx.matmul, mx.addmm, mx.fast.scaled_dot_product_attention = rounded_matmul, rounded_addmm, rounded_attention
-    mx.array.__matmul__ = lambda a, b: array_matmul(tf32(a), tf32(b))
+    mx.matmul, mx.addmm, mx.fast.scaled_dot_product_attention = rounded_matmul, rounded_addmm, attention
+    mx.array.__matmul__ = product
     return undo
+
+
+def _fallback_attention(product: Callable[[Any, Any], Any], q: Any, k: Any, v: Any, scale: float, mask: Any) -> Any:
+    """Attention as MLX's unfused fallback computes it, with ``product`` for
+    its two products: a KV head's query heads together, the mask (``"causal"``,
+    boolean or additive) on the scores, a precise softmax."""
+    batch, heads, length, _ = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    repeats = heads // kv_heads
+    grouped = (q * scale).reshape(batch, kv_heads, repeats, length, q.shape[3])
+    scores = product(grouped, k[:, :, None].swapaxes(-1, -2))  # (batch, kv_heads, repeats, length, keys)
+    if isinstance(mask, str):
+        assert mask == "causal", mask
+        mask = mx.arange(keys)[None] <= mx.arange(length)[:, None] + (keys - length)
+    if mask is not None:
+        if mask.ndim == 4:
+            mask = mask.reshape(mask.shape[0], kv_heads, repeats, *mask.shape[2:]) if mask.shape[1] == heads else (
+                mx.expand_dims(mask, 2)
+            )
+        scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
+    weights = mx.softmax(scores, axis=-1, precise=True)
+    return product(weights, v[:, :, None]).reshape(batch, heads, length, v.shape[3])

@@ -20,7 +20,7 @@ from mlxkv.actors.prefill_streams import (
 from mlxkv.actors.request import RequestSpec
 from mlxkv.actors.sequence import SequenceState
 
-from device_arithmetic import ATTENTION_ATOL
+from device_arithmetic import ATTENTION_ATOL, EXACT_FLOAT32, LOGITS_ATOL
 from graph_ops import primitives
 
 
@@ -86,7 +86,8 @@ class _StreamsSeen:
 def test_rows_over_streams_give_the_one_call_logits(tiny_llama, streams):
     """Four prompts (99 to 160 tokens) prefilled over several streams, a call
     on each, give the logits of one call over all four (on the CPU bit for
-    bit) and the same caches after them."""
+    bit; within float noise where products round as a GPU's) and the same
+    caches after them."""
     model, tokenizer = tiny_llama
     lengths = [160, 99, 130, 120]
     one = TextRunner(model, tokenizer, RunnerConfig(prefill_streams=1, keep_caches=False))
@@ -100,10 +101,10 @@ def test_rows_over_streams_give_the_one_call_logits(tiny_llama, streams):
     assert len({str(stream) for stream in seen.streams}) == streams  # one body call a stream
     for mine, theirs in zip(got, expected):
         assert mine is not None and theirs is not None
-        if mx.default_device() == mx.cpu:
+        if EXACT_FLOAT32:
             assert mx.array_equal(mine, theirs).item()
-        else:
-            assert mx.allclose(mine, theirs, atol=4e-3).item()
+        else:  # other shapes, other kernels: within float noise
+            assert mx.allclose(mine, theirs, atol=LOGITS_ATOL, rtol=0).item()
     for (sequence, length), _ in zip(rows, lengths):
         assert sequence.num_computed == length and sequence.cache[0].offset == length
 

@@ -65,8 +65,8 @@ class TestTransposeLinearWeights:
     @pytest.mark.parametrize("bias", [False, True])
     def test_nested_layers_biases_and_the_weight_view(self, bias):
         """Layers in lists, dicts and nested modules are replaced; with a bias
-        the output is still bit-identical; ``weight`` reads the ``(out, in)``
-        view of the same values."""
+        the output is still bit-identical (on the CPU); ``weight`` reads the
+        ``(out, in)`` view of the same values."""
         net = _Net(bias)
         mx.eval(net.parameters())
         weights = {name: mx.array(m.weight) for name, m in net.named_modules() if type(m) is nn.Linear}
@@ -74,7 +74,10 @@ class TestTransposeLinearWeights:
         expected = net(x)
         mx.eval(expected)
         assert transpose_linear_weights(net) == 4
-        assert mx.array_equal(net(x), expected).item()
+        if EXACT_FLOAT32:
+            assert mx.array_equal(net(x), expected).item()
+        else:  # another product's kernel
+            assert mx.allclose(net(x), expected, atol=LOGITS_ATOL, rtol=0).item()
         for name, module in net.named_modules():
             if name in weights:
                 assert isinstance(module, transposed_linear())
