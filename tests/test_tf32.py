@@ -69,6 +69,19 @@ class TestRounding:
         assert mx.array_equal(vector_again, vector).item()
         assert mx.array_equal(a @ b, exact[0]).item()
 
+    def test_half_precision_products_sum_in_float32_and_round_once(self):
+        """A bfloat16 product: its float32 sums, reordered, rounded to bfloat16 once."""
+        a, b = (
+            mx.random.normal(shape, key=mx.random.key(k)).astype(mx.bfloat16) for k, shape in ((1, (16, 32)), (2, (32, 8)))
+        )
+        want = tf32.reordered(a.astype(mx.float32) @ b.astype(mx.float32), (16, 32), (32, 8)).astype(mx.bfloat16)
+        undo = tf32.install()
+        try:
+            got = a @ b
+        finally:
+            undo()
+        assert got.dtype == mx.bfloat16 and mx.array_equal(got, want).item()
+
 
 @pytest.mark.skipif(EMULATED_TF32, reason="the whole suite runs emulated already")
 def test_paths_compared_hold_under_a_gpus_rounding(tmp_path):

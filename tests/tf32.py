@@ -11,18 +11,19 @@ product the tests and the library ask for from Python -- ``@``,
 suite on this machine shows which checks a GPU's arithmetic would fail
 (``tests/device_arithmetic.py`` takes the GPU's bounds then):
 
-- a product's inputs are rounded to TF32 (:func:`tf32`), and its sums'
-  order is stood in for by moving the last three bits of each result in a
-  pattern fixed by the operands' shapes (a result whose last bits are all
-  zero, a sum no order rounds, stays);
+- a float32 product's inputs are rounded to TF32 (:func:`tf32`), and its
+  sums' order is stood in for by moving the last three bits of each result
+  in a pattern fixed by the operands' shapes (a result whose last bits are
+  all zero, a sum no order rounds, stays); a half-precision product is
+  summed in float32, reordered so, and rounded once;
 - fused attention runs as MLX's CUDA backend runs it in float32: a query a
   row over a head of 64, 96, 128 or 256 by its vector kernel (float32
   arithmetic, no TF32), anything else -- a prefill, the tiny test models'
   heads -- by its fallback, two such products around a softmax.
 
-It stands in for the rounding, not for a GPU: its kernels' own arithmetic,
-products in half precision and the order of other reductions are not
-emulated.
+It stands in for the rounding, not for a GPU: its kernels' own arithmetic
+(half-precision attention, a custom kernel's) and the order of other
+reductions are not emulated.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ __all__ = ["install", "tf32"]
 _MANTISSA_DROPPED = 13  # float32 has 23 mantissa bits, TF32 10
 _HALF = (1 << (_MANTISSA_DROPPED - 1)) - 1
 _KEPT = 0xFFFFFFFF ^ ((1 << _MANTISSA_DROPPED) - 1)
+#: Half-precision dtypes: products summed in float32, rounded once.
+_HALVES = (mx.bfloat16, mx.float16)
 #: Head sizes MLX's CUDA vector attention kernel takes (one query a row).
 _VECTOR_HEADS = frozenset({64, 96, 128, 256})
 
@@ -70,14 +73,22 @@ def install() -> Callable[[], None]:
     matmul, addmm, sdpa = mx.matmul, mx.addmm, mx.fast.scaled_dot_product_attention
     array_matmul = mx.array.__matmul__
 
+    def emulated(multiply: Callable[..., Any], a: Any, b: Any, *rest: Any, **options: Any) -> Any:
+        half = next((x.dtype for x in (a, b) if isinstance(x, mx.array) and x.dtype in _HALVES), None)
+        if half is None:
+            return reordered(multiply(*rest, tf32(a), tf32(b), **options), tuple(a.shape), tuple(b.shape))
+        # Half precision: float32 sums in the kernel's order, rounded once at the end.
+        wide = [x.astype(mx.float32) if isinstance(x, mx.array) else x for x in (*rest, a, b)]
+        return reordered(multiply(*wide, **options), tuple(a.shape), tuple(b.shape)).astype(half)
+
     def product(a: Any, b: Any) -> Any:
-        return reordered(array_matmul(tf32(a), tf32(b)), tuple(a.shape), tuple(b.shape))
+        return emulated(array_matmul, a, b)
 
     def rounded_matmul(a: Any, b: Any, **options: Any) -> Any:
-        return reordered(matmul(tf32(a), tf32(b), **options), tuple(a.shape), tuple(b.shape))
+        return emulated(matmul, a, b, **options)
 
     def rounded_addmm(c: Any, a: Any, b: Any, **options: Any) -> Any:
-        return reordered(addmm(c, tf32(a), tf32(b), **options), tuple(a.shape), tuple(b.shape))
+        return emulated(addmm, a, b, c, **options)
 
     def attention(q: Any, k: Any, v: Any, *, scale: float, mask: Optional[Any] = None, **options: Any) -> Any:
         vector = q.shape[2] == 1 and q.shape[3] == v.shape[3] and q.shape[3] in _VECTOR_HEADS
