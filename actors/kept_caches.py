@@ -49,12 +49,13 @@ class KeptCaches:
 
     Invariants:
         - a kept cache's KV holds exactly its ``tokens`` (and its images,
-          if its namespace has any); nothing writes its arrays (a request
-          given part of one gets arrays of its own);
+          if its namespace has any); nothing writes its arrays (payloads
+          sliced from it are copies; a request given part of one gets
+          arrays of its own);
         - a request uses of one only what it is entitled to (:meth:`take`):
-          within the kept cache's namespace every shared token, else only
-          the prefix it brings payloads for, and only if neither has images
-          (then the tokens alone decide the KV);
+          within the kept cache's namespace (cache salt and images) every
+          shared token, else only the prefix it brings payloads for, and
+          only if neither has images (then the tokens alone decide the KV);
         - at most :data:`MAX_KEPT_CACHES` are kept, of at most
           ``memory`` bytes together unless only one is.
     """
