@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import tf32
-from device_arithmetic import EMULATED_TF32
+from device_arithmetic import EMULATED_TF32, ON_CPU
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,7 +83,7 @@ class TestRounding:
         assert got.dtype == mx.bfloat16 and mx.array_equal(got, want).item()
 
 
-@pytest.mark.skipif(EMULATED_TF32, reason="the whole suite runs emulated already")
+@pytest.mark.skipif(not ON_CPU or EMULATED_TF32, reason="a GPU's own arithmetic, or the whole suite emulated already")
 def test_paths_compared_hold_under_a_gpus_rounding(tmp_path):
     """Where the suite compares two exact paths most (warm against cold,
     batch rows against lone ones, served answers), it holds with the GPU's
