@@ -20,6 +20,7 @@ openai = pytest.importorskip("openai")
 import httpx  # noqa: E402
 
 from mlxkv import GeneratedToken  # noqa: E402
+from mlxkv.actors.model_runner import encode_text  # noqa: E402
 from mlxkv.server.request import ChatMessage  # noqa: E402
 
 from greedy import CLEAR_GAP, least_gap, reference_model  # noqa: E402
@@ -33,6 +34,16 @@ pytestmark = pytest.mark.filterwarnings(
 
 SYSTEM = "You are a terse assistant who answers in one line. " * 6
 GREEDY: dict[str, Any] = {"temperature": 0}
+# Answers compared as text across paths (cold and cached, alone and batched)
+# come from prompts clear of ties (TestPrompts): the tokens are not on the
+# wire, so a parting at a tie (another device's rounding) could not be told
+# from a wrong cache. "Question number {i}?" parted so, on the GPU's
+# emulated arithmetic, where its two best tokens were 1e-5 apart.
+ASK = SYSTEM + "Say something."
+QUESTIONS = (
+    "Tell me a joke.", "Say hello.", "Who wrote Hamlet?", "Spell cat.", "Pick a number.", "Sing a song.",
+    "Define love.", "Greet me.",
+)  # fmt: skip
 
 
 def chat(*turns: str) -> list[dict[str, str]]:
@@ -67,6 +78,23 @@ async def nothing_held(rt: Any) -> Any:
             await anyio.sleep(0.02)
 
 
+class TestPrompts:
+    def test_the_prompts_compared_as_text_are_clear_of_ties(self, default_model_path, chat_template):
+        """Every greedy step of the prompts whose answers are compared as text
+        has its two best choices at least ``CLEAR_GAP`` apart (the model in
+        hand, mlx-lm's own run): no device's rounding parts two exact paths."""
+        from mlx_lm import load
+
+        model = reference_model(default_model_path)
+        _, tokenizer = load(default_model_path)
+        prompts = {ASK: (encode_text(tokenizer, ASK), 24)}
+        for question in ("Hello!", *QUESTIONS):
+            messages = [ChatMessage(**m) for m in chat(question)]
+            prompts[question] = (chat_template.encode(chat_template.render(messages)), 12)
+        gaps = {name: least_gap(model, ids, steps) for name, (ids, steps) in prompts.items()}
+        assert min(gaps.values()) > CLEAR_GAP, {name: gap for name, gap in gaps.items() if gap <= CLEAR_GAP}
+
+
 class TestCompletions:
     """``POST /v1/completions``: text and token-id prompts, streamed and not."""
 
@@ -74,7 +102,7 @@ class TestCompletions:
         """A text prompt and its token ids give the runtime's own greedy tokens, and
         the usage counts the prompt, the answer and the tokens reused."""
         async with serve() as s:
-            prompt = SYSTEM + "Say something."
+            prompt = ASK
             ids = list(await s.runtime.tokenize(prompt))
             direct = []
             async with s.runtime.generate(ids, max_tokens=12, cache_salt="direct") as stream:
@@ -103,12 +131,12 @@ class TestCompletions:
         stream with a chunk of no choices and the usage; without it, no usage."""
         async with serve() as s:
             whole = await s.client.completions.create(
-                model="tiny", prompt=SYSTEM, max_tokens=10, **GREEDY
+                model="tiny", prompt=ASK, max_tokens=10, **GREEDY
             )
             chunks = [
                 c
                 async for c in await s.client.completions.create(
-                    model="tiny", prompt=SYSTEM, max_tokens=10, stream=True,
+                    model="tiny", prompt=ASK, max_tokens=10, stream=True,
                     stream_options={"include_usage": True}, **GREEDY,
                 )
             ]  # fmt: skip
@@ -122,7 +150,7 @@ class TestCompletions:
             plain = [
                 c
                 async for c in await s.client.completions.create(
-                    model="tiny", prompt=SYSTEM, max_tokens=3, stream=True
+                    model="tiny", prompt=ASK, max_tokens=3, stream=True
                 )
             ]
             assert all(c.usage is None for c in plain)
@@ -132,7 +160,7 @@ class TestCompletions:
         finish_reason "stop" and the usage of the tokens generated up to it."""
         async with serve() as s:
             full = await s.client.completions.create(
-                model="tiny", prompt=SYSTEM, max_tokens=24, **GREEDY
+                model="tiny", prompt=ASK, max_tokens=24, **GREEDY
             )
             text = full.choices[0].text
             stop = text[6:8]
@@ -141,7 +169,7 @@ class TestCompletions:
             )
             expected = text[: text.index(stop)]
             cut = await s.client.completions.create(
-                model="tiny", prompt=SYSTEM, max_tokens=24, stop=[stop, "\x00\x00"], **GREEDY
+                model="tiny", prompt=ASK, max_tokens=24, stop=[stop, "\x00\x00"], **GREEDY
             )
             assert cut.choices[0].text == expected
             assert cut.choices[0].finish_reason == "stop"
@@ -149,7 +177,7 @@ class TestCompletions:
             assert cut.usage.prompt_tokens_details.cached_tokens > 0  # known without a report
             chunks = [
                 c async for c in await s.client.completions.create(
-                    model="tiny", prompt=SYSTEM, max_tokens=24, stop=stop, stream=True, **GREEDY
+                    model="tiny", prompt=ASK, max_tokens=24, stop=stop, stream=True, **GREEDY
                 )
             ]  # fmt: skip
             assert "".join(c.choices[0].text for c in chunks) == expected
@@ -215,21 +243,10 @@ class TestChat:
             assert edited.usage.prompt_tokens_details.cached_tokens < earlier // 16 * 16
             assert s.server.memory.statistics().num_fresh == 2  # turn 1 and the edited turn
 
-    async def test_concurrent_clients(self, serve, default_model_path, chat_template):
+    async def test_concurrent_clients(self, serve):
         """Eight clients at once (streamed and not) get the answers each gets alone,
         decoded together, and reuse the shared system prompt."""
-        # Compared as text (the tokens are not on the wire), so clear of ties:
-        # a row rounds otherwise in a batch than alone, and on a GPU (TF32-like
-        # products) "Question number 2?" parted from its lone run where its two
-        # best tokens are 1e-5 apart.
-        questions = [
-            "Tell me a joke.", "Say hello.", "Who wrote Hamlet?", "Spell cat.", "Pick a number.", "Sing a song.",
-            "Define love.", "Greet me.",
-        ]  # fmt: skip
-        model = reference_model(default_model_path)
-        for q in questions:
-            prompt = chat_template.encode(chat_template.render([ChatMessage(**m) for m in chat(q)]))
-            assert least_gap(model, prompt, 12) > CLEAR_GAP, f"{q!r} has a near-tie: choose another question"
+        questions = QUESTIONS
         async with serve() as s:
             alone = [
                 (
