@@ -38,7 +38,9 @@
 # (compile_decode=false); GPU_CHECK_WAYS=none runs the default alone (the must-show rows
 # in the least device time: GPU_CHECK_WAYS=none bash scripts/gpu_check.sh batch memory chat serve);
 # GPU_CHECK_WAY runs chat, serve and sampled with that way instead of the default (their outputs
-# then named STEP-WAY).
+# then named STEP-WAY). GPU_CHECK_ALSO adds runtimes to batch and memory, one a word, each
+# KEY=VALUE[,KEY=VALUE...] of the runtime's options (e.g. GPU_CHECK_ALSO=prefill_chunk=2048,prefill_budget=4096:
+# the CPU-tuned prefill settings against a GPU's launch-bound plans).
 set -u
 out=${OUT:-/tmp/gpu-check}
 mkdir -p "$out"
@@ -87,6 +89,7 @@ if [ "${GPU_CHECK_WAYS:-}" != none ]; then
   for way in ${GPU_CHECK_WAYS:-mixed stacked}; do ways+=(--also "prefix_attention=$way"); done
   ways+=(--also compile_decode=false)
 fi
+for also in ${GPU_CHECK_ALSO:-}; do ways+=(--also "$also"); done
 way=${GPU_CHECK_WAY:-}
 suffix=${way:+-$way}
 chat_way=()

@@ -91,11 +91,13 @@ def test_a_quick_dry_run_measures_every_way(model_dir: Path, tmp_path: Path):
 
 def test_the_default_way_alone(model_dir: Path, tmp_path: Path):
     """With ``GPU_CHECK_WAYS=none`` the batch step measures mlxkv's default
-    alone beside mlx-lm (the must-show rows in the least device time)."""
+    alone beside mlx-lm (the must-show rows in the least device time), and
+    the settings ``GPU_CHECK_ALSO`` names beside it."""
     ensure_model(TINY_LLAMA, model_dir)
     env = {
         **os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "MLXKV_CACHE_DIR": str(model_dir),
         "GPU_CHECK_MODEL": TINY_LLAMA.name, "GPU_CHECK_QUICK": "1", "GPU_CHECK_WAYS": "none",
+        "GPU_CHECK_ALSO": "prefill_chunk=64,prefill_budget=128",
     }  # fmt: skip
     done = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "batch"],
@@ -104,4 +106,4 @@ def test_the_default_way_alone(model_dir: Path, tmp_path: Path):
     assert done.returncode == 0, done.stderr
     assert "== batch: status 0 in" in (tmp_path / "log.txt").read_text()
     methods = set(json.loads((tmp_path / "batch.json").read_text())["2x4"])
-    assert "mlxkv" in methods and not any(m.startswith("mlxkv,") for m in methods), methods
+    assert {m for m in methods if m.startswith("mlxkv")} == {"mlxkv", "mlxkv, prefill_chunk=64,prefill_budget=128"}
