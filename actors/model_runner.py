@@ -53,6 +53,7 @@ __all__ = [
     "CacheRunner",
     "cache_tokens",
     "context_unit",
+    "device_name",
     "ImageEncoding",
     "ModelInfo",
     "ModelRunner",
@@ -126,6 +127,8 @@ class ModelInfo:
             (:mod:`mlxkv.actors.fused_projections`; 0: none).
         compiled_layers: decoder layers whose decode steps run compiled
             (:mod:`mlxkv.actors.compiled_decode`; 0: none).
+        device: where the model runs, as a person names it
+            (:func:`device_name`: ``cpu``, ``gpu (Metal)``, ``gpu (CUDA)``).
     """
 
     vocab_size: Optional[int]
@@ -146,10 +149,36 @@ class ModelInfo:
     transposed_layers: int = 0
     fused_projections: int = 0
     compiled_layers: int = 0
+    device: str = "cpu"
 
     def block_bytes(self, block_size: int) -> int:
         """Bytes one stored block of ``block_size`` tokens takes, snapshot included."""
         return block_size * self.kv_bytes_per_token + self.state_bytes
+
+    def summary(self) -> str:
+        """Where the model runs and what the runner chose for it there, in one
+        line: ``"cpu, shared-prefix attention cascade; decode compiled in 2 of 2
+        layers, 4 projection sets fused, 7 linear layers transposed"`` (the
+        attention ``-`` without shared prefixes; fused and transposed layers
+        only where there are any)."""
+        chosen = [f"decode compiled in {self.compiled_layers} of {len(self.cache_layers)} layers"]
+        if self.fused_projections:
+            chosen.append(f"{self.fused_projections} projection sets fused")
+        if self.transposed_layers:
+            chosen.append(f"{self.transposed_layers} linear layers transposed")
+        return f"{self.device}, shared-prefix attention {self.prefix_attention or '-'}; {', '.join(chosen)}"
+
+
+def device_name() -> str:
+    """MLX's default device as a person names it: ``cpu``, ``gpu (Metal)``,
+    ``gpu (CUDA)`` (``gpu`` for another backend)."""
+    import mlx.core as mx
+
+    if mx.default_device().type == mx.DeviceType.cpu:
+        return "cpu"
+    if mx.metal.is_available():
+        return "gpu (Metal)"
+    return "gpu (CUDA)" if decode_kernel.on_cuda() else "gpu"
 
 
 @attrs.frozen(kw_only=True)
@@ -426,6 +455,7 @@ class CacheRunner(abc.ABC):
             "kv_bytes_per_token": kv_bytes,
             "state_bytes": state_bytes,
             "kv_layout": kv_layout,
+            "device": device_name(),
         }
         return fields, layout
 

@@ -30,7 +30,6 @@ from typing import Any, Callable, Optional
 import anyio
 import attrs
 
-from mlxkv.actors.model_runner import ModelInfo
 from mlxkv.cache.validators import int_at_least
 from mlxkv.cache.errors import InvalidInput
 from mlxkv.cache.tiers.tier import TierStatistics
@@ -147,7 +146,7 @@ class WorkloadReport:
             ``model_info.prefix_attention`` (``-`` without shared prefixes),
             the decoder layers whose decode steps run compiled (of all), and
             where there are any, the projection sets fused and the linear
-            layers held transposed (:func:`_compute_row`).
+            layers held transposed (:meth:`~mlxkv.actors.model_runner.ModelInfo.summary`).
         kv_tiers: the tiers' URLs, passwords redacted (empty without tiers).
         tiers: each tier's counters at the end (written, loaded, missed,
             dropped, corrupt, evicted), in lookup order.
@@ -266,32 +265,6 @@ class WorkloadReport:
         rows = self.rows()
         width = max(len(name) for name, _ in rows)
         return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
-
-
-def _compute_row(device: str, info: ModelInfo) -> str:
-    """Where the model runs and what the runner chose for it there, in one
-    line: ``"cpu, shared-prefix attention cascade; decode compiled in 2 of 2
-    layers, 4 projection sets fused, 7 linear layers transposed"``."""
-    layers = len(info.cache_layers)
-    chosen = [f"decode compiled in {info.compiled_layers} of {layers} layers"]
-    if info.fused_projections:
-        chosen.append(f"{info.fused_projections} projection sets fused")
-    if info.transposed_layers:
-        chosen.append(f"{info.transposed_layers} linear layers transposed")
-    return f"{device}, shared-prefix attention {info.prefix_attention or '-'}; {', '.join(chosen)}"
-
-
-def _device() -> str:
-    """MLX's default device as a person names it: ``cpu``, ``gpu (Metal)``, ``gpu (CUDA)``."""
-    import mlx.core as mx
-
-    from mlxkv.actors.decode_kernel import on_cuda
-
-    if mx.default_device().type == mx.DeviceType.cpu:
-        return "cpu"
-    if mx.metal.is_available():
-        return "gpu (Metal)"
-    return "gpu (CUDA)" if on_cuda() else "gpu"
 
 
 def _check_fits(config: WorkloadConfig, max_context: Optional[int]) -> None:
@@ -486,7 +459,7 @@ async def run_workload(
     assert info is not None, "a workload runs on a model"
     return WorkloadReport(
         model=str(config.runtime.model),
-        compute=_compute_row(_device(), info),
+        compute=info.summary(),
         requests=len(reports),
         cold_requests=len(cold),
         warm_requests=len(warm),

@@ -250,6 +250,7 @@ class OpenAIServer:
         if self._authorized(request):
             body.update(
                 model=self.config.model_name,
+                compute=self._info.summary(),
                 running=admission.num_running,
                 waiting=admission.num_waiting,
                 max_running=admission.max_running,

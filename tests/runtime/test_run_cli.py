@@ -64,17 +64,18 @@ class TestRunCommand:
         decode (of all, none included), and the fused and transposed
         layers where there are any."""
         from mlxkv.actors.model_runner import ModelInfo
-        from mlxkv.workload import _compute_row
 
         info = ModelInfo(
             vocab_size=None, eos_token_ids=frozenset(), cache_layers=("KVCache",) * 4, has_recurrent=False,
-            prefix_attention="kernel", compiled_layers=4, fused_projections=8,
+            prefix_attention="kernel", compiled_layers=4, fused_projections=8, device="gpu (CUDA)",
         )  # fmt: skip
-        assert _compute_row("gpu (CUDA)", info) == (
+        assert info.summary() == (
             "gpu (CUDA), shared-prefix attention kernel; decode compiled in 4 of 4 layers, 8 projection sets fused"
         )
-        plain = attrs.evolve(info, prefix_attention=None, compiled_layers=0, fused_projections=0, transposed_layers=3)
-        assert _compute_row("cpu", plain) == (
+        plain = attrs.evolve(
+            info, prefix_attention=None, compiled_layers=0, fused_projections=0, transposed_layers=3, device="cpu"
+        )
+        assert plain.summary() == (
             "cpu, shared-prefix attention -; decode compiled in 0 of 4 layers, 3 linear layers transposed"
         )
 

@@ -535,8 +535,10 @@ class TestHealthAndMetrics:
             async with httpx.AsyncClient(base_url=s.url) as http:
                 health = (await http.get("/health")).json()
             assert health == {
-                "status": "ok", "model": "tiny", "running": 0, "waiting": 0, "max_running": 32, "max_waiting": 128,
+                "status": "ok", "model": "tiny", "compute": s.runtime.model_info.summary(), "running": 0, "waiting": 0,
+                "max_running": 32, "max_waiting": 128,
             }  # fmt: skip
+            assert health["compute"].startswith(f"{s.runtime.model_info.device}, shared-prefix attention ")
 
     async def test_metrics_count_each_kv_tiers_blocks(self, serve, tmp_path):
         """With a disk tier, /metrics has its blocks by event and whether it
