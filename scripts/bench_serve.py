@@ -277,9 +277,12 @@ def one_run(
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(url, process, timeout=180)
+        health = wait_ready(url, process, timeout=180)
         # Every server takes the model's path as its name.
-        return anyio.run(run_workload, url, model, passes, args)
+        result = anyio.run(run_workload, url, model, passes, args)
+        if "compute" in health:  # mlxkv's: what serves on the device
+            result["compute"] = health["compute"]
+        return result
     finally:
         stop(process)
         log.close()
@@ -295,15 +298,21 @@ def stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
-def wait_ready(url: str, process: subprocess.Popen, timeout: float) -> None:
-    """Poll ``/health`` (all three servers have one) until the server answers 200."""
+def wait_ready(url: str, process: subprocess.Popen, timeout: float) -> dict[str, Any]:
+    """Poll ``/health`` (all three servers have one) until the server answers
+    200; its body where it is a JSON object, else an empty one."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"the server exited with status {process.returncode} (see its log)")
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
+            answer = httpx.get(url + "/health", timeout=2)
+            if answer.status_code == 200:
+                try:
+                    body = answer.json()
+                except ValueError:
+                    return {}
+                return body if isinstance(body, dict) else {}
         except httpx.HTTPError:
             pass
         time.sleep(0.25)
@@ -470,6 +479,8 @@ def main() -> int:
             result = one_run(server, model, passes, args, logs, round_)
             result.update(server=server, round=round_)
             runs.append(result)
+            if round_ == 0 and result.get("compute"):
+                print(f"{LABELS[server]} computes on {result['compute']}", file=sys.stderr, flush=True)
             print(
                 f"round {round_ + 1}/{args.rounds} {LABELS[server]}: {result['tokens_per_s']} tok/s,"
                 f" TTFT p95 {result['ttft_t1_p95_ms']} / {result['ttft_t2_p95_ms']} ms,"

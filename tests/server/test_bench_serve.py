@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from mlxkv.actors.model_runner import device_name
 from mlxkv.default_model import DEFAULT_MODEL, ensure_model
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_serve.py"
@@ -19,7 +20,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_serve.py"
 @pytest.mark.skipif(find_spec("hypercorn") is None, reason="needs the server extra")
 def test_bench_serve_runs_and_reports(model_dir: Path, tmp_path: Path):
     """One round of a small workload: a table on stdout, every measure in the JSON,
-    and every request's answer recorded."""
+    every request's answer recorded, and what served (mlxkv's /health)."""
     ensure_model(DEFAULT_MODEL, model_dir)
     out = tmp_path / "bench.json"
     done = subprocess.run(
@@ -34,4 +35,6 @@ def test_bench_serve_runs_and_reports(model_dir: Path, tmp_path: Path):
     (run,) = report["runs"]
     assert run["generated_tokens"] >= 2 * 2 and run["tokens_per_s"] > 0
     assert run["reused_t2"] > 0 and len(run["outputs"]) == 2
+    assert run["compute"].startswith(f"{device_name()}, shared-prefix attention ")
+    assert f"computes on {run['compute']}" in done.stderr
     assert set(report["medians"]["mlxkv"]) >= {"tokens_per_s", "ttft_t1_p95_ms", "ttft_t2_p95_ms"}
