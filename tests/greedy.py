@@ -19,7 +19,7 @@ from typing import Any
 
 from mlxkv.divergence import first_divergence
 
-__all__ = ["CLEAR_GAP", "assert_same_greedy", "least_gap", "reference_model"]
+__all__ = ["CLEAR_GAP", "assert_same_greedy", "least_gap", "reference_load", "reference_model"]
 
 #: A greedy run whose two best choices are at least this far apart at every
 #: step (in log-probabilities) gives the same tokens on every exact path of
@@ -31,11 +31,16 @@ CLEAR_GAP = 1e-2
 
 
 @functools.lru_cache(maxsize=4)
-def reference_model(path: str) -> Any:
-    """The model at ``path``, loaded once a process with mlx-lm (not through the runtime)."""
+def reference_load(path: str) -> tuple[Any, Any]:
+    """The model at ``path`` and its tokenizer, loaded once a process with mlx-lm (not through the runtime)."""
     from mlx_lm import load
 
-    return load(path)[0]
+    return load(path)
+
+
+def reference_model(path: str) -> Any:
+    """The model of :func:`reference_load`."""
+    return reference_load(path)[0]
 
 
 def least_gap(model: Any, prompt: Sequence[int], steps: int) -> float:

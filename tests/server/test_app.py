@@ -23,7 +23,7 @@ from mlxkv import GeneratedToken  # noqa: E402
 from mlxkv.actors.model_runner import encode_text  # noqa: E402
 from mlxkv.server.request import ChatMessage  # noqa: E402
 
-from greedy import CLEAR_GAP, least_gap, reference_model  # noqa: E402
+from greedy import CLEAR_GAP, least_gap, reference_load  # noqa: E402
 
 # The openai client (and its httpx2/httpcore2) leave their own stream generators
 # unfinished after "[DONE]"; trio's finalizer warns about them. The server's
@@ -83,10 +83,7 @@ class TestPrompts:
         """Every greedy step of the prompts whose answers are compared as text
         has its two best choices at least ``CLEAR_GAP`` apart (the model in
         hand, mlx-lm's own run): no device's rounding parts two exact paths."""
-        from mlx_lm import load
-
-        model = reference_model(default_model_path)
-        _, tokenizer = load(default_model_path)
+        model, tokenizer = reference_load(default_model_path)
         prompts = {ASK: (encode_text(tokenizer, ASK), 24)}
         for question in ("Hello!", *QUESTIONS):
             messages = [ChatMessage(**m) for m in chat(question)]
