@@ -19,7 +19,8 @@ from mlxkv.actors.allocator import (
 )
 from mlxkv.actors.compute import ComputeActor, ComputeFailed, ComputeHandle, ComputeStatistics
 from mlxkv.actors.decode_batch import DecodeBatch
-from mlxkv.actors.model_runner import ModelInfo, ModelRunner, TextRunner
+from mlxkv.actors.model_info import ModelInfo
+from mlxkv.actors.model_runner import ModelRunner, TextRunner
 from mlxkv.actors.sampling import Sampling
 from mlxkv.actors.sequence import SequenceState
 from mlxkv.actors.image_cache import (

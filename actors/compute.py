@@ -28,7 +28,7 @@ the arrow):
 - :class:`Cancel` (no reply): stop a request; a request whose event stream
   nobody reads any more is cancelled the same way.
 - :class:`NewPreparer` -> the model's
-  :class:`~mlxkv.actors.model_runner.PromptPreparer` (tokenizer, and image
+  :class:`~mlxkv.actors.prompt_preparer.PromptPreparer` (tokenizer, and image
   processor of a vision-language model), shared with the caller, who runs it
   on its own threads; :class:`Describe` -> :class:`ModelInfo`;
   :class:`Statistics` -> :class:`ComputeStatistics`.
@@ -99,7 +99,9 @@ from mlxkv.actors.events import (
 )
 from mlxkv.actors.executor import Executor
 from mlxkv.actors.mlx_thread import MLXThread, MLXThreadStatistics, MLXThreadStopped
-from mlxkv.actors.model_runner import ModelInfo, ModelRunner, PromptPreparer, TextRunner
+from mlxkv.actors.model_info import ModelInfo
+from mlxkv.actors.model_runner import ModelRunner, TextRunner
+from mlxkv.actors.prompt_preparer import PromptPreparer
 from mlxkv.actors.model_source import ModelLoadError, ModelSource
 from mlxkv.actors.request import RequestSpec
 from mlxkv.actors.plan import Plan, Result

@@ -4,7 +4,7 @@ Each part is declared, validated and documented here once; the components
 take the part they use whole (:class:`~mlxkv.actors.scheduler.Scheduler` and
 :class:`~mlxkv.actors.executor.Executor` a :class:`SchedulingConfig`, the
 runners a :class:`RunnerConfig`) and check nothing again.
-:class:`~mlxkv.runtime.RuntimeConfig` holds one of each, and accepts their
+:class:`~mlxkv.runtime_config.RuntimeConfig` holds one of each, and accepts their
 fields by name too. The figures behind each default are in
 docs/benchmarks.md ("The defaults and why").
 """

@@ -16,12 +16,15 @@ bit-identical to decoding each request alone on the built-in models
 (wrapped sliding windows within 1e-6). A layout with another cache class
 (say ``QuantizedKVCache``, which mlx-lm cannot batch) decodes at batch size
 one.
+
+What a runner says of its model is a :class:`~mlxkv.actors.model_info.ModelInfo`;
+its prompts are made ready by a
+:class:`~mlxkv.actors.prompt_preparer.PromptPreparer`, off the MLX thread.
 """
 
 from __future__ import annotations
 
 import abc
-import functools
 from collections.abc import Sequence as Seq
 from typing import Any, Optional, Protocol
 
@@ -30,8 +33,9 @@ import attrs
 from mlxkv.actors.compiled_decode import compile_checked
 from mlxkv.actors.compute_config import RunnerConfig
 from mlxkv.actors.kept_caches import KeptCaches
+from mlxkv.actors.model_info import ModelInfo, context_unit, device_name
+from mlxkv.actors.prompt_preparer import ImageEncoding, PromptPreparer, TextPreparer
 from mlxkv.actors.sequence import SequenceState
-from mlxkv.actors.token_bound import max_chars_per_token
 from mlxkv.actors.weight_layout import hold_weights, loading
 from mlxkv.cache import kv_state
 from mlxkv.cache.errors import InvalidInput
@@ -49,20 +53,7 @@ from mlxkv.cache.shared_prefix import (
     suffix_of,
 )
 
-__all__ = [
-    "CacheRunner",
-    "cache_tokens",
-    "context_unit",
-    "device_name",
-    "ImageEncoding",
-    "ModelInfo",
-    "ModelRunner",
-    "PreparedPrompt",
-    "PromptPreparer",
-    "TextPreparer",
-    "TextRunner",
-    "encode_text",
-]
+__all__ = ["CacheRunner", "ModelRunner", "TextRunner", "cache_tokens"]
 
 #: Cache classes whose per-request caches mlx-lm merges into one exact batch.
 _BATCHABLE = frozenset({"KVCache", "RotatingKVCache", "ArraysCache"})
@@ -71,195 +62,6 @@ _BATCHABLE = frozenset({"KVCache", "RotatingKVCache", "ArraysCache"})
 _BATCH_PREFILL = frozenset({"KVCache", "RotatingKVCache"})
 #: Cache classes that cut back exactly to any earlier length (``trim``).
 _TRIMMABLE = frozenset({"KVCache", "QuantizedKVCache"})
-
-@attrs.frozen(kw_only=True)
-class ModelInfo:
-    """What callers need to know about the model.
-
-    Attributes:
-        vocab_size: token ids are in ``[0, vocab_size)`` (``None`` if the
-            model does not say).
-        eos_token_ids: tokens that end a generation.
-        cache_layers: class names of the model's cache layers, in order.
-        has_recurrent: whether some layer keeps recurrent state
-            (``ArraysCache``): its prefills stop at every block end to
-            snapshot that state, so every stored block can end a reused
-            prefix.
-        batchable: whether requests decode together in one model call
-            (else each decodes at batch size one).
-        shared_prefix: whether requests that begin with the same cached
-            blocks hold that prefix's KV once (:mod:`mlxkv.cache.shared_prefix`:
-            a text model whose layers are all plain KV and whose attention
-            routes through the shared-prefix dispatcher); else each request
-            holds a copy.
-        prefix_attention: how attention reads a shared prefix
-            (:class:`~mlxkv.actors.prefix_attention.PrefixAttention`'s value:
-            ``cascade``, ``gathered``, ``stacked``, ``mixed`` or ``kernel``;
-            chosen per device unless given; ``kernel`` asked for where its
-            kernel does not serve is ``mixed``), or None without shared
-            prefixes.
-        batch_prefill: whether requests' prefill chunks run together in
-            one model call (right-padded, as mlx-lm's ``BatchGenerator``
-            prefills): plain and sliding-window KV layers of a text model;
-            recurrent layers and vision-language models prefill one
-            request at a time.
-        prefill_streams: the MLX streams a batched prefill's rows are
-            spread over, a call each (:mod:`mlxkv.actors.prefill_streams`;
-            1 without ``batch_prefill``).
-        takes_images: whether the model sees images (a vision-language
-            model).
-        max_context: the most tokens a request may hold (prompt and
-            answer): the config's ``max_position_embeddings``, or None if
-            it does not say.
-        kv_bytes_per_token: bytes of KV one token takes across the
-            sequence layers (attention keys and values).
-        context_unit: the context (tokens) over which a token's attention
-            costs as much as the rest of its computation, from the model's
-            sizes (what the scheduler weighs a prefill chunk's context by).
-        state_bytes: bytes of one snapshot of every recurrent layer's state
-            (0 without recurrent layers); every stored block carries one.
-        kv_layout: the layer kinds, dtypes and shapes of every stored
-            block (what a KV tier's namespace commits to), or None if a
-            block of this model could not be cut.
-        transposed_layers: linear layers held transposed
-            (:mod:`mlxkv.actors.weight_layout`; 0: the model's own layout).
-        fused_projections: sets of sibling projections held as one product
-            (:mod:`mlxkv.actors.fused_projections`; 0: none).
-        compiled_layers: decoder layers whose decode steps run compiled
-            (:mod:`mlxkv.actors.compiled_decode`; 0: none).
-        device: where the model runs, as a person names it
-            (:func:`device_name`: ``cpu``, ``gpu (Metal)``, ``gpu (CUDA)``).
-    """
-
-    vocab_size: Optional[int]
-    eos_token_ids: frozenset[int]
-    cache_layers: tuple[str, ...]
-    has_recurrent: bool
-    batchable: bool = True
-    batch_prefill: bool = False
-    prefill_streams: int = 1
-    shared_prefix: bool = False
-    prefix_attention: Optional[str] = None
-    takes_images: bool = False
-    max_context: Optional[int] = None
-    kv_bytes_per_token: int = 0
-    context_unit: int = 512
-    state_bytes: int = 0
-    kv_layout: Optional[KVLayout] = None
-    transposed_layers: int = 0
-    fused_projections: int = 0
-    compiled_layers: int = 0
-    device: str = "cpu"
-
-    def block_bytes(self, block_size: int) -> int:
-        """Bytes one stored block of ``block_size`` tokens takes, snapshot included."""
-        return block_size * self.kv_bytes_per_token + self.state_bytes
-
-    def summary(self) -> str:
-        """Where the model runs and what the runner chose for it there, in one
-        line: ``"cpu, shared-prefix attention cascade; decode compiled in 2 of 2
-        layers, 4 projection sets fused, 7 linear layers transposed"`` (the
-        attention ``-`` without shared prefixes; fused and transposed layers
-        only where there are any)."""
-        chosen = [f"decode compiled in {self.compiled_layers} of {len(self.cache_layers)} layers"]
-        if self.fused_projections:
-            chosen.append(f"{self.fused_projections} projection sets fused")
-        if self.transposed_layers:
-            chosen.append(f"{self.transposed_layers} linear layers transposed")
-        return f"{self.device}, shared-prefix attention {self.prefix_attention or '-'}; {', '.join(chosen)}"
-
-
-def device_name() -> str:
-    """MLX's default device as a person names it: ``cpu``, ``gpu (Metal)``,
-    ``gpu (CUDA)`` (``gpu`` for another backend)."""
-    import mlx.core as mx
-
-    if mx.default_device().type == mx.DeviceType.cpu:
-        return "cpu"
-    if mx.metal.is_available():
-        return "gpu (Metal)"
-    return "gpu (CUDA)" if decode_kernel.on_cuda() else "gpu"
-
-
-@attrs.frozen(kw_only=True)
-class PreparedPrompt:
-    """A prompt ready for the model: its token ids, and what else the runner needs.
-
-    Attributes:
-        tokens: the token ids (a vision-language prompt's include one
-            image-pad token per image token).
-        inputs: runner-specific inputs (a vision model's pixels); None for
-            text.
-        num_image_tokens: image tokens among ``tokens``.
-        image_start: the index of the first image token (None without):
-            the KV before it depends on the tokens alone.
-    """
-
-    tokens: tuple[int, ...] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
-    inputs: Any = attrs.field(default=None, eq=False, repr=False)
-    num_image_tokens: int = 0
-    image_start: Optional[int] = None
-
-
-@attrs.frozen(kw_only=True)
-class ImageEncoding:
-    """What became of a request's images when its prefill started.
-
-    Attributes:
-        ran: the vision encoder ran (else the features came from the image
-            cache, or the cached prefix covered every image token).
-        features: what the image cache should keep for these images (the
-            encoder's output and whatever else the preparer needs to do
-            without pixels next time), evaluated; None unless it ran.
-    """
-
-    ran: bool
-    features: Any = attrs.field(default=None, eq=False, repr=False)
-
-
-class PromptPreparer(Protocol):
-    """Turns a request's prompt (and images) into token ids, and tokens back into text.
-
-    Made once per model and shared: it holds only read-only tokenizer and
-    processor state, and may run on any thread (a worker thread for images),
-    never touching MLX graphs of the MLX thread.
-    """
-
-    def prepare(self, prompt: str | Seq[int], images: Seq[Any] = (), encoded: Any = None) -> PreparedPrompt:
-        """The prompt's token ids.
-
-        Args:
-            prompt: text or token ids.
-            images: decoded pictures (``PIL.Image``), in order.
-            encoded: what the image cache holds for the images (an
-                :class:`ImageEncoding`'s ``features``), instead of ``images``.
-
-        Raises:
-            InvalidInput: images given to a model that does not take them,
-                or image tokens that do not match the images.
-        """
-        ...
-
-    def encode(self, text: str) -> tuple[int, ...]:
-        """The tokenizer's ids for ``text`` as written: an image placeholder
-        stays one pad token (for building prompts; :meth:`prepare` widens it)."""
-        ...
-
-    @property
-    def max_chars_per_token(self) -> Optional[int]:
-        """The most characters of text one token can stand for, or None if the
-        tokenizer may drop text (:func:`~mlxkv.actors.token_bound.max_chars_per_token`):
-        a text longer than this times a context cannot fit it."""
-        ...
-
-    def new_detokenizer(self) -> Any:
-        """A fresh mlx-lm streaming detokenizer, owned by the caller."""
-        ...
-
-    def decode(self, tokens: Seq[int]) -> str:
-        """The text of ``tokens``."""
-        ...
-
 
 class ModelRunner(Protocol):
     """One model family's computations, called on the MLX thread only.
@@ -839,21 +641,6 @@ def _by_prefix(rows: list[tuple[SequenceState, Seq[int]]]) -> list[tuple[Sequenc
     return sorted(rows, key=place)
 
 
-def context_unit(args: Any) -> int:
-    """:attr:`ModelInfo.context_unit` of a model with these arguments: the
-    multiply-adds of one token's projections and MLP over those of its
-    attention to one context token (512 when the sizes are not all known)."""
-    hidden = getattr(args, "hidden_size", None)
-    inner = getattr(args, "intermediate_size", None)
-    heads = getattr(args, "num_attention_heads", None)
-    if not all(isinstance(v, int) and v > 0 for v in (hidden, inner, heads)):
-        return 512
-    kv_heads = getattr(args, "num_key_value_heads", None) or heads
-    head_dim = getattr(args, "head_dim", None) or hidden // heads
-    per_token = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * inner
-    return max(1, round(per_token / (2 * heads * head_dim)))
-
-
 def _read_by_extract(layer: Any) -> list[Any]:
     """The small arrays mlx-lm's ``extract`` of a batch cache layer reads on
     the host: its rows' left padding, and a rotating layer's offsets too
@@ -877,46 +664,6 @@ def cache_tokens(cache: Seq[Any]) -> int:
 
 def _layer_key(layer: Any) -> tuple[Any, ...]:
     return (type(layer).__name__, getattr(layer, "max_size", None), getattr(layer, "keep", None))
-
-
-def encode_text(tokenizer: Any, text: str) -> tuple[int, ...]:
-    """``text``'s token ids, special tokens as ``tokenizer`` adds them.
-
-    ``verbose=False``: transformers would warn about a text longer than the
-    tokenizer's ``model_max_length``; generation checks the model's context
-    itself and refuses what does not fit (``InvalidInput``), so the warning
-    would only repeat it, on the application's console.
-    """
-    return tuple(tokenizer.encode(text, verbose=False))
-
-
-class TextPreparer:
-    """The :class:`PromptPreparer` of a text model: its mlx-lm tokenizer."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
-
-    @functools.cached_property
-    def max_chars_per_token(self) -> Optional[int]:
-        # Read off the tokenizer's description once, when first asked (the
-        # server asks as it starts; a runtime alone never does).
-        return max_chars_per_token(self._tokenizer)
-
-    def prepare(self, prompt: str | Seq[int], images: Seq[Any] = (), encoded: Any = None) -> PreparedPrompt:
-        if images or encoded is not None:
-            raise InvalidInput("images", images, "this model does not take images")
-        if isinstance(prompt, str):
-            return PreparedPrompt(tokens=self.encode(prompt))
-        return PreparedPrompt(tokens=tuple(prompt))
-
-    def encode(self, text: str) -> tuple[int, ...]:
-        return encode_text(self._tokenizer, text)
-
-    def new_detokenizer(self) -> Any:
-        return self._tokenizer.detokenizer
-
-    def decode(self, tokens: Seq[int]) -> str:
-        return self._tokenizer.decode(list(tokens))
 
 
 class TextRunner(CacheRunner):

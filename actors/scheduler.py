@@ -211,7 +211,7 @@ class SchedulerStatistics:
         num_shared_prefix_tokens: prompt tokens requests read from a shared
             prefix group (held once for all of them) instead of a copy of
             their own (0 where the model keeps copies: see
-            :attr:`~mlxkv.actors.model_runner.ModelInfo.shared_prefix`).
+            :attr:`~mlxkv.actors.model_info.ModelInfo.shared_prefix`).
     """
 
     num_live: int

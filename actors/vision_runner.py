@@ -35,14 +35,9 @@ import attrs
 
 from mlxkv.actors.compiled_decode import compile_checked
 from mlxkv.actors.compute_config import RunnerConfig
-from mlxkv.actors.model_runner import (
-    CacheRunner,
-    ImageEncoding,
-    ModelInfo,
-    PreparedPrompt,
-    context_unit,
-    encode_text,
-)
+from mlxkv.actors.model_info import ModelInfo, context_unit
+from mlxkv.actors.model_runner import CacheRunner
+from mlxkv.actors.prompt_preparer import ImageEncoding, PreparedPrompt, encode_text
 from mlxkv.actors.sequence import SequenceState
 from mlxkv.actors.token_bound import max_chars_per_token
 from mlxkv.actors.weight_layout import hold_weights, loading
@@ -96,7 +91,7 @@ class VisionInputs:
 
 
 class VisionPreparer:
-    """The :class:`~mlxkv.actors.model_runner.PromptPreparer` of a vision-language model.
+    """The :class:`~mlxkv.actors.prompt_preparer.PromptPreparer` of a vision-language model.
 
     A prompt gets one image placeholder per image, at the start, unless it
     holds them already: a text prompt one ``<|image_pad|>`` per image; a

@@ -24,15 +24,9 @@ from mlxkv.errors import (
     UnknownRequest,
 )
 from mlxkv.generation import GeneratedToken, Generation, GenerationReport
-from mlxkv.runtime import (
-    CacheRuntime,
-    FetchResult,
-    KVMemoryStatistics,
-    RequestHandle,
-    RuntimeConfig,
-    RuntimeStatistics,
-    StoreResult,
-)
+from mlxkv.runtime import CacheRuntime, FetchResult, RequestHandle, StoreResult
+from mlxkv.runtime_config import RuntimeConfig
+from mlxkv.runtime_statistics import KVMemoryStatistics, RuntimeStatistics
 
 __all__ = [
     "ActorFailed",

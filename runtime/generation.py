@@ -82,7 +82,8 @@ from mlxkv.actors.compute import (
     events_needed,
 )
 from mlxkv.actors.event_log import EventLog
-from mlxkv.actors.model_runner import ModelInfo, PreparedPrompt, PromptPreparer
+from mlxkv.actors.model_info import ModelInfo
+from mlxkv.actors.prompt_preparer import PreparedPrompt, PromptPreparer
 from mlxkv.actors.prefix_index import RequestId
 from mlxkv.actors.request import RequestSpec
 from mlxkv.actors.sampling import Sampling

@@ -1,9 +1,9 @@
 """The runtime's command-line options, declared once for every command that
 starts a runtime (``mlxkv run``, ``mlxkv serve``), and the one function that
-builds a :class:`~mlxkv.runtime.RuntimeConfig` from them.
+builds a :class:`~mlxkv.runtime_config.RuntimeConfig` from them.
 
 Each option's destination is the configuration field it sets (a part's
-field by its own name, as :class:`~mlxkv.runtime.RuntimeConfig` takes it),
+field by its own name, as :class:`~mlxkv.runtime_config.RuntimeConfig` takes it),
 and an option not given is absent from the parsed namespace: the
 configuration's default applies, and the help shows it. So a new option is
 one ``add_argument`` here; :func:`runtime_config` picks it up by its name
@@ -21,7 +21,7 @@ from mlxkv.actors.compute_config import RunnerConfig, SchedulingConfig
 from mlxkv.actors.prefix_attention import PrefixAttention
 
 if TYPE_CHECKING:
-    from mlxkv.runtime import RuntimeConfig
+    from mlxkv.runtime_config import RuntimeConfig
 
 __all__ = ["add_runtime_options", "add_tier_option", "runtime_config"]
 
@@ -58,7 +58,7 @@ def add_tier_option(parser: argparse.ArgumentParser) -> None:
 def add_runtime_options(parser: argparse.ArgumentParser) -> None:
     """Declare the runtime's options: the block pool's, the tiers, the
     scheduling's and the runner's (each absent unless given)."""
-    from mlxkv.runtime import RuntimeConfig
+    from mlxkv.runtime_config import RuntimeConfig
 
     def option(flag: str, dest: str, cls: type = RuntimeConfig, **kwargs: Any) -> None:
         kwargs.setdefault("type", int)
@@ -174,14 +174,14 @@ def add_runtime_options(parser: argparse.ArgumentParser) -> None:
 
 
 def runtime_config(args: argparse.Namespace, **fields: Any) -> RuntimeConfig:
-    """The :class:`~mlxkv.runtime.RuntimeConfig` of the parsed ``args``: every
+    """The :class:`~mlxkv.runtime_config.RuntimeConfig` of the parsed ``args``: every
     option whose destination is a configuration field, then ``fields``, and
     ``trace`` on where ``--trace FILE`` was given.
 
     Raises:
         InvalidInput: a value the configuration refuses, naming its field.
     """
-    from mlxkv.runtime import RuntimeConfig
+    from mlxkv.runtime_config import RuntimeConfig
 
     names = RuntimeConfig.field_names() - {"trace"}
     given = {name: value for name, value in vars(args).items() if name in names}

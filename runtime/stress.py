@@ -42,7 +42,7 @@ import anyio
 import attrs
 
 from mlxkv.actors.actor import Message
-from mlxkv.actors.model_runner import ModelInfo
+from mlxkv.actors.model_info import ModelInfo
 from mlxkv.actors.model_source import check_model_source
 from mlxkv.cache.errors import CacheError, InvalidInput, OutOfBlocks
 from mlxkv.divergence import first_divergence

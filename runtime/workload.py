@@ -36,7 +36,8 @@ from mlxkv.cache.tiers.tier import TierStatistics
 from mlxkv.cache.tiers.tier_url import redact_url
 from mlxkv.generation import GenerationReport
 from mlxkv.progress import Progress
-from mlxkv.runtime import CacheRuntime, RuntimeConfig
+from mlxkv.runtime import CacheRuntime
+from mlxkv.runtime_config import RuntimeConfig
 from mlxkv.units import format_bytes
 
 __all__ = ["SUMMARIZED_EVENTS", "WorkloadConfig", "WorkloadReport", "run_workload"]
@@ -146,7 +147,7 @@ class WorkloadReport:
             ``model_info.prefix_attention`` (``-`` without shared prefixes),
             the decoder layers whose decode steps run compiled (of all), and
             where there are any, the projection sets fused and the linear
-            layers held transposed (:meth:`~mlxkv.actors.model_runner.ModelInfo.summary`).
+            layers held transposed (:meth:`~mlxkv.actors.model_info.ModelInfo.summary`).
         kv_tiers: the tiers' URLs, passwords redacted (empty without tiers).
         tiers: each tier's counters at the end (written, loaded, missed,
             dropped, corrupt, evicted), in lookup order.

@@ -43,7 +43,7 @@ METHODS = {"shared": True, "copies": False}
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every round of both methods; the per-round figures and their medians."""
     from mlxkv.default_model import model_path
-    from mlxkv.runtime import RuntimeConfig
+    from mlxkv.runtime_config import RuntimeConfig
     from mlxkv.workload import WorkloadConfig, run_workload
 
     model = model_path(args.model)

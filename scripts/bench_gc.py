@@ -77,7 +77,7 @@ async def forced_pause(model: str, freeze: bool) -> float:
 
 
 async def workload(model: str, freeze: bool, seed: int, requests: int) -> dict[str, Any]:
-    from mlxkv.runtime import RuntimeConfig
+    from mlxkv.runtime_config import RuntimeConfig
     from mlxkv.workload import WorkloadConfig, run_workload
 
     with FullCollections() as collections:

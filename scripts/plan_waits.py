@@ -94,7 +94,7 @@ def _flat(tree: Any) -> list[Any]:
 
 
 async def measure(model: str, requests: int) -> dict[str, dict[str, int]]:
-    from mlxkv.runtime import RuntimeConfig
+    from mlxkv.runtime_config import RuntimeConfig
     from mlxkv.workload import WorkloadConfig, run_workload
 
     with PlanProbe() as probe:

@@ -33,7 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from mlxkv.cache.tiers.tier_stack import TierStackStatistics
-from mlxkv.runtime import RuntimeStatistics
+from mlxkv.runtime_statistics import RuntimeStatistics
 from mlxkv.server.admission import AdmissionStatistics
 from mlxkv.server.chat import MemoryStatistics
 

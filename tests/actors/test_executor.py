@@ -19,7 +19,7 @@ import mlx.core as mx
 import pytest
 
 from mlxkv.actors.executor import Executor
-from mlxkv.actors.model_runner import ModelInfo
+from mlxkv.actors.model_info import ModelInfo
 from mlxkv.actors.plan import Blocks, Chunk, Leave, Plan, Slice
 from mlxkv.actors.request import RequestSpec
 from mlxkv.actors.sequence import SequenceState

@@ -63,7 +63,7 @@ class TestRunCommand:
         """The device and shared-prefix attention, the layers compiled for
         decode (of all, none included), and the fused and transposed
         layers where there are any."""
-        from mlxkv.actors.model_runner import ModelInfo
+        from mlxkv.actors.model_info import ModelInfo
 
         info = ModelInfo(
             vocab_size=None, eos_token_ids=frozenset(), cache_layers=("KVCache",) * 4, has_recurrent=False,
@@ -96,7 +96,7 @@ class TestWorkloadRuntime:
         option not given leaves the configuration's default."""
         import argparse
 
-        from mlxkv.runtime import RuntimeConfig
+        from mlxkv.runtime_config import RuntimeConfig
         from mlxkv.runtime_options import add_runtime_options, runtime_config
 
         parser = argparse.ArgumentParser()
@@ -120,7 +120,7 @@ class TestWorkloadRuntime:
         """A workload is refused without a model to run on, or with anything
         but a runtime configuration."""
         from mlxkv.cache.errors import InvalidInput
-        from mlxkv.runtime import RuntimeConfig
+        from mlxkv.runtime_config import RuntimeConfig
         from mlxkv.workload import WorkloadConfig
 
         with pytest.raises(InvalidInput, match="must name a model"):
@@ -147,7 +147,7 @@ class TestWorkloadFits:
         from mlxkv.cache.errors import InvalidInput
         from mlxkv.workload import WorkloadConfig, run_workload
 
-        from mlxkv.runtime import RuntimeConfig
+        from mlxkv.runtime_config import RuntimeConfig
 
         config = WorkloadConfig(runtime=RuntimeConfig(model=str(ensure_model(DEFAULT_MODEL, model_dir))), **settings)
         with pytest.raises(InvalidInput, match=re.escape(says)) as info:

@@ -194,7 +194,7 @@ class TestCommandLine:
 
 def _info(**fields):
     """A ModelInfo with only what weighing reads set."""
-    from mlxkv.actors.model_runner import ModelInfo
+    from mlxkv.actors.model_info import ModelInfo
 
     base = dict(vocab_size=None, eos_token_ids=frozenset(), cache_layers=(), has_recurrent=False)
     return ModelInfo(**{**base, **fields})

@@ -20,7 +20,7 @@ openai = pytest.importorskip("openai")
 import httpx  # noqa: E402
 
 from mlxkv import GeneratedToken  # noqa: E402
-from mlxkv.actors.model_runner import encode_text  # noqa: E402
+from mlxkv.actors.prompt_preparer import encode_text  # noqa: E402
 from mlxkv.server.request import ChatMessage  # noqa: E402
 
 from greedy import CLEAR_GAP, least_gap, reference_load  # noqa: E402

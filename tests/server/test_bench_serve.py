@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxkv.actors.model_runner import device_name
+from mlxkv.actors.model_info import device_name
 from mlxkv.default_model import DEFAULT_MODEL, ensure_model
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_serve.py"
