@@ -170,10 +170,10 @@ class OpenAIServer:
         self.config = config
         self.chat = chat
         self.admission = Admission(config.max_concurrent, config.max_queue)
-        self.metrics = ServerMetrics()
+        self._info = runtime.model_info
+        self.metrics = ServerMetrics(self._info)
         self.memory = ConversationMemory()
         self.created = int(time.time())
-        self._info = runtime.model_info
         self._tenants = tuple((key.encode(), _tenant_salt(key)) for key in config.api_keys)
         self._names = {config.model_name, runtime.config.model}
         per_token = runtime.preparer.max_chars_per_token if runtime.preparer is not None else None

@@ -17,6 +17,12 @@ servers in one process never mix their figures). Two kinds:
   by its kind (``file``, ``redis``, ``file-2`` for a second one), never by
   its path or address.
 
+And, once, what computes (``mlxkv_compute_info``, labels only: the device,
+shared-prefix attention's way, decode layers compiled of all, projection
+sets fused, linear layers transposed -- :meth:`ModelInfo.summary
+<mlxkv.actors.model_info.ModelInfo.summary>`'s figures), so a dashboard's
+throughput comes with the way it was made.
+
 Outcomes: ``stop`` and ``length`` (finished, as ``finish_reason``),
 ``disconnected`` (the client left; its generation was cancelled),
 ``invalid`` (4xx), ``overloaded`` and ``unavailable`` (503), ``failed`` (500).
@@ -28,10 +34,11 @@ import collections
 from collections.abc import Iterable, Iterator
 from typing import Optional
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from mlxkv.actors.model_info import ModelInfo
 from mlxkv.cache.tiers.tier_stack import TierStackStatistics
 from mlxkv.runtime_statistics import RuntimeStatistics
 from mlxkv.server.admission import AdmissionStatistics
@@ -48,12 +55,26 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 class ServerMetrics:
     """The server's metrics and the collector of the runtime's.
 
-    Owns: a registry, the server's own counters and histogram in it, and the
-    latest runtime snapshot its collector reports.
+    Owns: a registry, the server's own counters and histogram in it, what
+    computes (``info``, set once), and the latest runtime snapshot its
+    collector reports.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, info: ModelInfo) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        compute = Info(
+            "mlxkv_compute", "What computes: the device and what the runner chose for it.", registry=self.registry
+        )
+        compute.info(
+            {
+                "device": info.device,
+                "prefix_attention": info.prefix_attention or "none",
+                "compiled_layers": str(info.compiled_layers),
+                "layers": str(len(info.cache_layers)),
+                "fused_projections": str(info.fused_projections),
+                "transposed_layers": str(info.transposed_layers),
+            }
+        )
         self.requests = Counter(
             "mlxkv_requests",
             "Generation requests by endpoint and outcome.",

@@ -529,6 +529,13 @@ class TestHealthAndMetrics:
             assert metrics['mlxkv_kv_blocks{state="cached"}'] == stats.allocator.num_cached > 0
             assert metrics['mlxkv_kv_blocks{state="held"}'] == 0
             assert metrics["mlxkv_decode_steps_total"] == stats.compute.num_decode_steps
+            info = s.runtime.model_info
+            compute = (
+                f'mlxkv_compute_info{{compiled_layers="{info.compiled_layers}",device="{info.device}",'
+                f'fused_projections="{info.fused_projections}",layers="{len(info.cache_layers)}",'
+                f'prefix_attention="{info.prefix_attention}",transposed_layers="{info.transposed_layers}"}}'
+            )
+            assert metrics[compute] == 1
             async with httpx.AsyncClient(base_url=s.url) as http:
                 health = (await http.get("/health")).json()
             assert health == {
