@@ -8,6 +8,7 @@ its other work (:func:`context_unit`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Optional
 
 import attrs
@@ -96,6 +97,20 @@ class ModelInfo:
     fused_projections: int = 0
     compiled_layers: int = 0
     device: str = "cpu"
+
+    @classmethod
+    def from_args(cls, args: Any, eos_token_ids: Iterable[int], **fields: Any) -> ModelInfo:
+        """The info of a model whose mlx-lm ``args`` (its config) say its
+        vocabulary, context and sizes, ending on ``eos_token_ids``; ``fields``
+        are what its runner found out (cache layers, batching, layout)."""
+        max_context = getattr(args, "max_position_embeddings", None)
+        return cls(
+            vocab_size=getattr(args, "vocab_size", None),
+            eos_token_ids=frozenset(int(t) for t in eos_token_ids),
+            max_context=max_context if isinstance(max_context, int) and max_context > 0 else None,
+            context_unit=context_unit(args),
+            **fields,
+        )
 
     def block_bytes(self, block_size: int) -> int:
         """Bytes one stored block of ``block_size`` tokens takes, snapshot included."""

@@ -33,7 +33,7 @@ import attrs
 from mlxkv.actors.compiled_decode import compile_checked
 from mlxkv.actors.compute_config import RunnerConfig
 from mlxkv.actors.kept_caches import KeptCaches
-from mlxkv.actors.model_info import ModelInfo, context_unit, device_name
+from mlxkv.actors.model_info import ModelInfo, device_name
 from mlxkv.actors.prompt_preparer import ImageEncoding, PromptPreparer, TextPreparer
 from mlxkv.actors.sequence import SequenceState
 from mlxkv.actors.weight_layout import hold_weights, loading
@@ -713,14 +713,9 @@ class TextRunner(CacheRunner):
                 way = PrefixAttention.MIXED  # no kernel here (not CUDA, or its build failed its check: logged)
             attention_hook.use(way)
             fields["prefix_attention"] = way.value
-        args = getattr(model, "args", None)
-        eos = getattr(tokenizer, "eos_token_ids", None) or ()
-        max_context = getattr(args, "max_position_embeddings", None)
-        self._info = ModelInfo(
-            vocab_size=getattr(args, "vocab_size", None),
-            eos_token_ids=frozenset(int(t) for t in eos),
-            max_context=max_context if isinstance(max_context, int) and max_context > 0 else None,
-            context_unit=context_unit(args),
+        self._info = ModelInfo.from_args(
+            getattr(model, "args", None),
+            getattr(tokenizer, "eos_token_ids", None) or (),
             transposed_layers=transposed,
             fused_projections=fused,
             compiled_layers=compiled,

@@ -35,7 +35,7 @@ import attrs
 
 from mlxkv.actors.compiled_decode import compile_checked
 from mlxkv.actors.compute_config import RunnerConfig
-from mlxkv.actors.model_info import ModelInfo, context_unit
+from mlxkv.actors.model_info import ModelInfo
 from mlxkv.actors.model_runner import CacheRunner
 from mlxkv.actors.prompt_preparer import ImageEncoding, PreparedPrompt, encode_text
 from mlxkv.actors.sequence import SequenceState
@@ -303,15 +303,10 @@ class VisionRunner(CacheRunner):
         self._config = model.config
         self._tokenizer = TokenizerWrapper(processor.tokenizer)
         fields, self._layout = self._measure()
-        args = language.args
-        eos = self._tokenizer.eos_token_ids or ()
-        max_context = getattr(args, "max_position_embeddings", None)
-        self._info = ModelInfo(
-            vocab_size=getattr(args, "vocab_size", None),
-            eos_token_ids=frozenset(int(t) for t in eos),
+        self._info = ModelInfo.from_args(
+            language.args,
+            self._tokenizer.eos_token_ids or (),
             takes_images=True,
-            max_context=max_context if isinstance(max_context, int) and max_context > 0 else None,
-            context_unit=context_unit(args),
             transposed_layers=transposed,
             fused_projections=fused,
             compiled_layers=compiled,
