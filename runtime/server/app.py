@@ -44,6 +44,7 @@ import json
 import logging
 import math
 import socket
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -82,6 +83,9 @@ from mlxkv.server.request import (
     parse_json,
 )
 from mlxkv.server.stop import StopMatcher
+
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import BaseExceptionGroup
 
 __all__ = ["OpenAIServer", "ServerConfig", "load_chat_template", "listen", "running", "serve"]
 
@@ -133,6 +137,11 @@ class ServerConfig:
             model's name need a key, or no keys at all).
         kv_events: publish the runtime's KV events on the wire, as vLLM
             does (:mod:`mlxkv.server.kv_wire`), while serving; None: not.
+        max_choices: the most choices (``n``) one request may ask for. Each
+            is a generation of its own, side by side in the decode batch
+            and over the prompt's KV computed once; admission counts the
+            request once, so at most ``max_concurrent * max_choices``
+            generations run.
     """
 
     model_name: str
@@ -145,6 +154,7 @@ class ServerConfig:
     header_timeout: float = attrs.field(default=5.0, validator=_seconds)
     public_metrics: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     kv_events: Optional[KVWireConfig] = None
+    max_choices: int = attrs.field(default=16, validator=int_at_least(1))
 
 
 async def load_chat_template(model: str) -> Optional[ChatTemplate]:
@@ -317,6 +327,8 @@ class OpenAIServer:
         else:
             parsed = parse_completion(body)
         self._check_model(parsed.options.model)
+        if parsed.options.n > self.config.max_choices:
+            raise InvalidInput("n", parsed.options.n, f"must be <= {self.config.max_choices} (--max-choices)")
         return parsed
 
     async def drain(self, timeout: float) -> None:
@@ -440,14 +452,16 @@ class _Prompt:
 
 
 class _Answer:
-    """One generation's text as it may be sent: stop strings cut it, counts kept.
+    """One generation's text as it may be sent (choice ``index`` of its
+    request): stop strings cut it, counts kept.
 
     Owns: the stop matcher and the counts; the generation is the caller's.
     """
 
     def __init__(
-        self, generation: Generation, stops: Sequence[str], on_first_token: Callable[[], None]
+        self, index: int, generation: Generation, stops: Sequence[str], on_first_token: Callable[[], None]
     ) -> None:
+        self.index = index
         self.generation = generation
         self.report: Optional[GenerationReport] = None
         self.finish_reason = "length"
@@ -520,6 +534,7 @@ class _Answering(Response):
         self._created = int(time.time())
         self._disconnected = False
         self._headers_sent = False
+        self._answered = False  # a first token came, of any choice
         self._sent = False
         self._outcome = "cancelled"  # until it is known (the server stopping cancels)
 
@@ -569,25 +584,29 @@ class _Answering(Response):
                 if self._render:
                     await self._rendered(send, prompt)
                     return
-                generation = server.runtime.generate(
-                    prompt.tokens,
-                    max_tokens=self._max_tokens(prompt),
-                    temperature=options.temperature,
-                    top_p=options.top_p,
-                    top_k=options.top_k,
-                    min_p=options.min_p,
-                    seed=options.seed,
-                    images=list(prompt.images) or None,
-                    cache_salt=self._salt,
-                    request_id=self._id,
-                )
-                async with generation:
-                    answer = _Answer(generation, options.stop, self._first_token)
+                max_tokens = self._max_tokens(prompt)
+                async with contextlib.AsyncExitStack() as generations:
+                    answers = []
+                    for index in range(options.n):
+                        generation = server.runtime.generate(
+                            prompt.tokens,
+                            max_tokens=max_tokens,
+                            temperature=options.temperature,
+                            top_p=options.top_p,
+                            top_k=options.top_k,
+                            min_p=options.min_p,
+                            seed=None if options.seed is None else options.seed + index,
+                            images=list(prompt.images) or None,
+                            cache_salt=self._salt,
+                            request_id=self._id if options.n == 1 else f"{self._id}-{index}",
+                        )
+                        await generations.enter_async_context(generation)
+                        answers.append(_Answer(index, generation, options.stop, self._first_token))
                     if options.stream:
-                        await self._stream(send, answer, prompt)
+                        await self._stream(send, answers, prompt)
                     else:
-                        await self._reply(send, answer, prompt)
-                self._count(answer, prompt)
+                        await self._reply(send, answers, prompt)
+                self._count(answers, prompt)
                 return
         except Overloaded:
             admission = server.admission.statistics()
@@ -700,6 +719,7 @@ class _Answering(Response):
                 "min_p": options.min_p,
                 "seed": options.seed,
                 "stop": list(options.stop),
+                "n": options.n,
             },
             "model": self._server.config.model_name,
             "stream": options.stream,
@@ -708,77 +728,77 @@ class _Answering(Response):
         await _send_json(send, 200, rendered if self._endpoint == "chat" else [rendered])
 
     def _first_token(self) -> None:
-        self._server.metrics.time_to_first_token.observe(time.perf_counter() - self._arrived)
+        """The request's first token, of whichever choice: its time to it, once."""
+        if not self._answered:
+            self._answered = True
+            self._server.metrics.time_to_first_token.observe(time.perf_counter() - self._arrived)
 
-    async def _reply(self, send: Send, answer: _Answer, prompt: _Prompt) -> None:
-        async with contextlib.aclosing(answer.pieces()) as pieces:
-            text = "".join([piece async for piece in pieces])
-        self._remember(answer, prompt, text)
+    async def _reply(self, send: Send, answers: Sequence[_Answer], prompt: _Prompt) -> None:
+        texts: list[list[str]] = [[] for _ in answers]
+
+        async def collect(answer: _Answer, piece: Optional[str]) -> None:
+            if piece is not None:
+                texts[answer.index].append(piece)
+
+        await _each_piece(answers, collect)
+        whole = ["".join(text) for text in texts]
+        self._remember(answers, prompt, whole)
         if self._endpoint == "chat":
-            choice = {"message": {"role": "assistant", "content": text}}
-            body = self._envelope("chat.completion", choice, answer.finish_reason)
+            kind = "chat.completion"
+            choices = [_choice(a, {"message": {"role": "assistant", "content": t}}) for a, t in zip(answers, whole)]
         else:
-            body = self._envelope("text_completion", {"text": text}, answer.finish_reason)
-        body["usage"] = self._usage(answer, prompt)
-        self._outcome = answer.finish_reason
+            kind = "text_completion"
+            choices = [_choice(a, {"text": t}) for a, t in zip(answers, whole)]
+        body = self._envelope(kind, choices)
+        body["usage"] = self._usage(answers, prompt)
+        self._outcome = _request_outcome(answers)
         await _send_json(send, 200, body)
 
-    async def _stream(self, send: Send, answer: _Answer, prompt: _Prompt) -> None:
-        pieces = answer.pieces()
-        async with contextlib.aclosing(pieces):
-            # The headers wait for the first text: an error before it keeps its status.
-            first = await anext(pieces, None)
-            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-            self._headers_sent = True
-            if self._endpoint == "chat":
-                await self._chunk(send, {"role": "assistant", "content": ""})
-            text = []
-            if first is not None:
-                text.append(first)
-                await self._chunk(send, first)
-                async for piece in pieces:
-                    text.append(piece)
-                    await self._chunk(send, piece)
-        self._remember(answer, prompt, "".join(text))
-        self._outcome = answer.finish_reason
-        await self._chunk(send, None, finish_reason=answer.finish_reason)
+    async def _stream(self, send: Send, answers: Sequence[_Answer], prompt: _Prompt) -> None:
+        texts: list[list[str]] = [[] for _ in answers]
+
+        async def forward(answer: _Answer, piece: Optional[str]) -> None:
+            if not self._headers_sent:
+                # The headers wait for the first text (or end): an error before it keeps its status.
+                await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+                self._headers_sent = True
+                if self._endpoint == "chat":
+                    for each in answers:
+                        await self._chunk(send, each, {"role": "assistant", "content": ""})
+            if piece is None:
+                await self._chunk(send, answer, None)
+            else:
+                texts[answer.index].append(piece)
+                await self._chunk(send, answer, piece)
+
+        await _each_piece(answers, forward)
+        self._remember(answers, prompt, ["".join(text) for text in texts])
+        self._outcome = _request_outcome(answers)
         if self._options.include_usage:
-            await _send_event(
-                send, {**self._envelope(self._chunk_kind), "usage": self._usage(answer, prompt)}
-            )
+            await _send_event(send, {**self._envelope(self._chunk_kind, []), "usage": self._usage(answers, prompt)})
         await _send_body(send, b"data: [DONE]\n\n", more=False)
 
     @property
     def _chunk_kind(self) -> str:
         return "chat.completion.chunk" if self._endpoint == "chat" else "text_completion"
 
-    async def _chunk(
-        self, send: Send, delta: Union[str, dict, None], *, finish_reason: Optional[str] = None
-    ) -> None:
-        """One streamed chunk: a piece of text, the chat's opening role, or (None) the end."""
+    async def _chunk(self, send: Send, answer: _Answer, delta: Union[str, dict, None]) -> None:
+        """One streamed chunk of ``answer``'s choice: a piece of text, the chat's
+        opening role, or (None) its end, with its finish reason."""
+        ended = delta is None
         if self._endpoint == "chat":
             if not isinstance(delta, dict):
                 delta = {} if delta is None else {"content": delta}
-            choice = {"delta": delta}
+            content: dict[str, Any] = {"delta": delta}
         else:
-            choice = {"text": delta or ""}
-        body = self._envelope(self._chunk_kind, choice, finish_reason)
+            content = {"text": delta or ""}
+        body = self._envelope(self._chunk_kind, [_choice(answer, content, ended=ended)])
         if self._options.include_usage:
             body["usage"] = None
         await _send_event(send, body)
 
-    def _envelope(
-        self,
-        kind: str,
-        choice: Optional[dict[str, Any]] = None,
-        finish_reason: Optional[str] = None,
-    ) -> dict[str, Any]:
-        """A response body or chunk of one choice (none: the usage chunk)."""
-        choices = (
-            []
-            if choice is None
-            else [{"index": 0, **choice, "logprobs": None, "finish_reason": finish_reason}]
-        )
+    def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        """A response body or chunk of these choices (none: the usage chunk)."""
         body: dict[str, Any] = {
             "id": self._id,
             "object": kind,
@@ -790,17 +810,23 @@ class _Answering(Response):
             body["system_fingerprint"] = None
         return body
 
-    def _usage(self, answer: _Answer, prompt: _Prompt) -> dict[str, Any]:
+    def _usage(self, answers: Sequence[_Answer], prompt: _Prompt) -> dict[str, Any]:
+        """The prompt counted once, every choice's tokens (OpenAI's usage for ``n``)."""
         prompt_tokens = len(prompt.tokens)
+        completion_tokens = sum(answer.num_tokens for answer in answers)
         return {
             "prompt_tokens": prompt_tokens,
-            "completion_tokens": answer.num_tokens,
-            "total_tokens": prompt_tokens + answer.num_tokens,
-            "prompt_tokens_details": {"cached_tokens": answer.cached_tokens},
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": _cached_tokens(answers)},
         }
 
-    def _remember(self, answer: _Answer, prompt: _Prompt, text: str) -> None:
-        """Keep a whole chat answer's conversation for its next turn."""
+    def _remember(self, answers: Sequence[_Answer], prompt: _Prompt, texts: Sequence[str]) -> None:
+        """Keep a whole chat answer's conversation for its next turn (a request
+        of one choice: of several, none is the conversation's)."""
+        if len(answers) != 1:
+            return
+        (answer,), (text,) = answers, texts
         report = answer.report
         if prompt.text is None or report is None or not answer.complete or text != report.text:
             return
@@ -808,17 +834,74 @@ class _Answering(Response):
             self._salt, text, Turn(prompt.text + text, prompt.tokens + report.tokens)
         )
 
-    def _count(self, answer: _Answer, prompt: _Prompt) -> None:
+    def _count(self, answers: Sequence[_Answer], prompt: _Prompt) -> None:
         metrics = self._server.metrics
+        cached, generated = _cached_tokens(answers), sum(answer.num_tokens for answer in answers)
         metrics.prompt_tokens.inc(len(prompt.tokens))
-        metrics.cached_tokens.inc(answer.cached_tokens)
-        metrics.generated_tokens.inc(answer.num_tokens)
+        metrics.cached_tokens.inc(cached)
+        metrics.generated_tokens.inc(generated)
         if self._server.runtime.config.trace:
             _LOG.info(
                 "server.request_finished", request_id=self._id, endpoint=self._endpoint,
-                prompt_tokens=len(prompt.tokens), cached_tokens=answer.cached_tokens,
-                generated_tokens=answer.num_tokens, finish_reason=answer.finish_reason,
+                prompt_tokens=len(prompt.tokens), cached_tokens=cached, generated_tokens=generated,
+                choices=len(answers), finish_reason=_request_outcome(answers),
             )  # fmt: skip
+
+
+async def _each_piece(
+    answers: Sequence[_Answer], handle: Callable[[_Answer, Optional[str]], Awaitable[None]]
+) -> None:
+    """``handle(answer, piece)`` for every piece of every answer as it comes,
+    then ``handle(answer, None)`` as that answer ends; one handle at a time
+    (several answers generate side by side, in one batch). The first failure
+    ends them all and is raised as itself."""
+    if len(answers) == 1:
+        await _pieces_of(answers[0], handle)
+        return
+    one_at_a_time = anyio.Lock()
+
+    async def handled(answer: _Answer, piece: Optional[str]) -> None:
+        async with one_at_a_time:
+            await handle(answer, piece)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for answer in answers:
+                tg.start_soon(_pieces_of, answer, handled)
+    except BaseExceptionGroup as group:
+        raise _first_leaf(group) from None
+
+
+async def _pieces_of(answer: _Answer, handle: Callable[[_Answer, Optional[str]], Awaitable[None]]) -> None:
+    async with contextlib.aclosing(answer.pieces()) as pieces:
+        async for piece in pieces:
+            await handle(answer, piece)
+    await handle(answer, None)
+
+
+def _first_leaf(group: BaseExceptionGroup) -> BaseException:
+    """The first exception a task group's group holds (nested groups opened)."""
+    first = group.exceptions[0]
+    return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
+
+
+def _choice(answer: _Answer, content: dict[str, Any], *, ended: bool = True) -> dict[str, Any]:
+    """One choice of a body or chunk: ``answer``'s index, its content, and its
+    finish reason where it has ``ended`` (a chunk's piece: not yet)."""
+    finish_reason = answer.finish_reason if ended else None
+    return {"index": answer.index, **content, "logprobs": None, "finish_reason": finish_reason}
+
+
+def _request_outcome(answers: Sequence[_Answer]) -> str:
+    """A request's outcome as its choices finished: ``length`` if any ran
+    out of tokens, else ``stop``."""
+    return "length" if any(answer.finish_reason == "length" for answer in answers) else "stop"
+
+
+def _cached_tokens(answers: Sequence[_Answer]) -> int:
+    """The prompt's tokens the request did not compute: those every choice
+    found cached (one that computed the prompt computed it for the request)."""
+    return min(answer.cached_tokens for answer in answers)
 
 
 async def _send_json(

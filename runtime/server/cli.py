@@ -71,6 +71,13 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
         help="generation requests admitted at once (32)",
     )
     parser.add_argument(
+        "--max-choices",
+        type=int,
+        default=16,
+        metavar="N",
+        help="the most choices (n) one request may ask for; each generates side by side (16)",
+    )
+    parser.add_argument(
         "--max-queue",
         type=int,
         default=128,
@@ -167,6 +174,7 @@ def serve_command(args: argparse.Namespace) -> int:
             api_keys=args.api_key,
             max_concurrent=args.max_concurrent,
             max_queue=args.max_queue,
+            max_choices=args.max_choices,
             max_tokens=args.max_tokens,
             max_body_bytes=parse_bytes(args.max_body, argument="--max-body"),
             body_timeout=args.body_timeout,

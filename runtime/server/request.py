@@ -64,6 +64,8 @@ class Options:
         stream: answer with server-sent events.
         include_usage: with ``stream``, end with a chunk carrying the usage.
         cache_salt: the request's own cache namespace (within its API key's).
+        n: how many answers (choices) to generate from the prompt; the
+            server bounds it (``--max-choices``).
     """
 
     model: Optional[str] = None
@@ -77,6 +79,7 @@ class Options:
     stream: bool = False
     include_usage: bool = False
     cache_salt: Optional[str] = None
+    n: int = 1
 
 
 @attrs.frozen(kw_only=True)
@@ -283,7 +286,6 @@ def _options(fields: _Fields, *, max_tokens: Any) -> Options:
         fields.default_only(name, value)
     for name in _REASONING_FIELDS:
         _bool(name, fields.take(name), default=False)
-    fields.default_only("n", 1)
     fields.default_only("presence_penalty", 0)
     fields.default_only("frequency_penalty", 0)
     fields.default_only("logit_bias", None, also=({},))
@@ -318,6 +320,7 @@ def _options(fields: _Fields, *, max_tokens: Any) -> Options:
         stream=stream,
         include_usage=include_usage,
         cache_salt=salt,
+        n=_int("n", fields.take("n"), minimum=1) or 1,
     )
 
 

@@ -8,6 +8,7 @@ client cannot see (blocks held, live computations).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import anyio
@@ -335,7 +336,8 @@ class TestErrors:
                 ({"prompt": "hi", "extra_body": {"frobnicate": 1}}, "frobnicate"),
                 ({"prompt": "hi", "temperature": "hot"}, "temperature"),
                 ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
-                ({"prompt": "hi", "n": 2}, "n"),
+                ({"prompt": "hi", "n": 17}, "n"),  # past --max-choices (16)
+                ({"prompt": "hi", "n": 0}, "n"),
                 ({"prompt": [1, 2, 100_000]}, "prompt"),
                 ({"prompt": "hi", "max_tokens": 40_000}, "max_tokens"),  # past the 32k context
             ]
@@ -500,6 +502,125 @@ class TestTenants:
                 )
                 assert (await http.get("/v1/models")).status_code == 401
                 assert (await http.get("/health")).status_code == 200
+
+
+class TestChoices:
+    """``n``: several answers to one prompt, each a generation of its own, over
+    the prompt's KV computed once."""
+
+    async def test_greedy_choices_are_the_lone_answer_and_share_the_prompt(self, serve):
+        """Three greedy choices are each the answer of ``n=1``, indexed 0-2; the
+        usage counts the prompt once and every choice's tokens; the prompt's
+        full blocks were computed once for the three (in-flight sharing)."""
+        async with serve() as s:
+            lone = await s.client.completions.create(model="tiny", prompt=ASK, max_tokens=12, **GREEDY)
+            before = (await s.runtime.stats()).compute.num_prefill_tokens
+            three = await s.client.completions.create(
+                model="tiny", prompt=ASK, max_tokens=12, n=3, extra_body={"cache_salt": "cold"}, **GREEDY
+            )
+            computed = (await nothing_held(s.runtime)).compute.num_prefill_tokens - before
+            prompt = lone.usage.prompt_tokens
+            assert [c.index for c in three.choices] == [0, 1, 2]
+            assert [c.text for c in three.choices] == [lone.choices[0].text] * 3
+            assert {c.finish_reason for c in three.choices} == {lone.choices[0].finish_reason}
+            assert three.usage.prompt_tokens == prompt
+            assert three.usage.completion_tokens == 3 * lone.usage.completion_tokens
+            assert three.usage.total_tokens == prompt + 3 * lone.usage.completion_tokens
+            assert three.usage.prompt_tokens_details.cached_tokens == 0  # a new salt: one choice computed it
+            # One choice computes the prompt; the others wait for its full blocks
+            # and compute what no full block holds (block size 16).
+            assert prompt <= computed <= prompt + 2 * 16, (computed, prompt)
+
+    async def test_streamed_choices_interleave_and_each_ends_once(self, serve):
+        """A streamed chat of two choices: each choice opens with the role, its
+        pieces join to the unstreamed choice's text, it ends with one finish
+        chunk, and the usage chunk comes last with both choices' tokens."""
+        async with serve() as s:
+            whole = await s.client.chat.completions.create(
+                model="tiny", messages=chat("Hello!"), max_tokens=10, n=2, **GREEDY
+            )
+            stream = await s.client.chat.completions.create(
+                model="tiny", messages=chat("Hello!"), max_tokens=10, n=2, stream=True,
+                stream_options={"include_usage": True}, **GREEDY,
+            )  # fmt: skip
+            chunks = [chunk async for chunk in stream]
+            await nothing_held(s.runtime)
+        texts, roles, ends = {0: "", 1: ""}, {0: 0, 1: 0}, {0: [], 1: []}
+        for chunk in chunks[:-1]:
+            (choice,) = chunk.choices
+            texts[choice.index] += choice.delta.content or ""
+            roles[choice.index] += choice.delta.role == "assistant"
+            if choice.finish_reason is not None:
+                ends[choice.index].append(choice.finish_reason)
+        assert roles == {0: 1, 1: 1}
+        assert texts == {c.index: c.message.content for c in whole.choices}
+        assert ends == {c.index: [c.finish_reason] for c in whole.choices}
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+    async def test_seeded_choices_are_reproducible_and_differ(self, serve):
+        """Sampled choices with a seed: the same request gives the same choices,
+        and the choices are not copies of one another (each draws with its own
+        seed: ``seed + index``)."""
+        async with serve() as s:
+            ask = dict(model="tiny", prompt=ASK, max_tokens=12, n=3, temperature=1.0, seed=7)
+            first = await s.client.completions.create(**ask)
+            again = await s.client.completions.create(**ask)
+        assert [c.text for c in again.choices] == [c.text for c in first.choices]
+        assert len({c.text for c in first.choices}) == 3
+
+    async def test_disconnect_releases_every_choice(self, serve):
+        """A client that leaves a stream of three choices stops all three: nothing
+        stays held, and the request counts once, as disconnected."""
+        async with serve() as s:
+            stream = await s.client.completions.create(
+                model="tiny", prompt=ASK, max_tokens=20000, n=3, stream=True, **GREEDY
+            )
+            received = 0
+            async for _ in stream:
+                received += 1
+                if received == 6:
+                    break
+            assert (await s.runtime.stats()).compute.num_live == 3
+            await stream.close()
+            stats = await nothing_held(s.runtime)
+            assert stats.generation.num_stopped == 3
+            metrics = await _metrics(s.url)
+        assert metrics['mlxkv_requests_total{endpoint="completions",outcome="disconnected"}'] == 1
+
+    @pytest.mark.parametrize("stream", [False, True])
+    async def test_a_failing_choice_fails_the_request_as_itself(self, serve, monkeypatch, stream):
+        """One choice's computation failing ends the request with that failure
+        (500, ``compute_failed``, naming the choice's request; in a stream, its
+        last event), not as an unknown error; the other choices are stopped
+        and release everything. The fault is injected where the server reads
+        the choice's tokens (a real compute fault is the runtime's tests')."""
+        from mlxkv.errors import ComputeFailed
+        from mlxkv.generation import Generation
+
+        honest = Generation.__anext__
+
+        async def failing(self: Generation) -> Any:
+            record = await honest(self)
+            if self.request.request_id.endswith("-1") and isinstance(record, GeneratedToken) and record.index == 2:
+                raise ComputeFailed(self.request.request_id, RuntimeError("injected"))
+            return record
+
+        monkeypatch.setattr(Generation, "__anext__", failing)
+        async with serve() as s:
+            if stream:
+                async with httpx.AsyncClient(base_url=s.url, timeout=30) as http:
+                    body = {"prompt": ASK, "max_tokens": 8, "n": 3, "temperature": 0, "stream": True}
+                    response = await http.post("/v1/completions", json=body)
+                assert response.status_code == 200
+                events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+                error = json.loads(events[-1])["error"]
+            else:
+                with pytest.raises(openai.InternalServerError) as caught:
+                    await s.client.completions.create(model="tiny", prompt=ASK, max_tokens=8, n=3, **GREEDY)
+                error = caught.value.body
+            stats = await nothing_held(s.runtime)
+        assert error["code"] == "compute_failed" and error["message"].endswith("-1 failed"), error
+        assert stats.generation.num_stopped >= 2
 
 
 class TestHealthAndMetrics:

@@ -104,11 +104,12 @@ class TestServeCommand:
     def test_a_local_model_is_named_by_its_directory_and_keys_guard_details(self, model_dir: Path):
         """``--model DIR``: the API's id is the directory's name (its path is in no
         answer), a request may still name the path; with ``--api-key``, /health
-        without the key is its state only, and ``--public-metrics`` opens /metrics."""
+        without the key is its state only, and ``--public-metrics`` opens /metrics;
+        ``--max-choices`` bounds ``n``."""
         import httpx
 
         path = str(ensure_model(DEFAULT_MODEL, model_dir))
-        process, url = start(model_dir, "--model", path, "--api-key", "k", "--public-metrics")
+        process, url = start(model_dir, "--model", path, "--api-key", "k", "--public-metrics", "--max-choices", "2")
         try:
             keyed = {"Authorization": "Bearer k"}
             models = httpx.get(url + "/v1/models", headers=keyed, timeout=30).json()
@@ -119,12 +120,20 @@ class TestServeCommand:
                 json={"model": path, "prompt": "hi", "max_tokens": 1},
             )  # fmt: skip
             metrics = httpx.get(url + "/metrics", timeout=30)
+            choices = [
+                httpx.post(
+                    url + "/v1/completions", headers=keyed, timeout=60, json={"prompt": "hi", "max_tokens": 1, "n": n}
+                )
+                for n in (2, 3)
+            ]
         finally:
             status, _ = stop(process)
         assert models["data"][0]["id"] == os.path.basename(path)
         assert health.json() == {"status": "ok"}
         assert keyed_health.json()["model"] == os.path.basename(path)
         assert reply.status_code == 200 and metrics.status_code == 200
+        assert [c.status_code for c in choices] == [200, 400] and len(choices[0].json()["choices"]) == 2
+        assert choices[1].json()["error"]["param"] == "n" and "--max-choices" in choices[1].json()["error"]["message"]
         for text in (json.dumps(models), health.text, keyed_health.text, reply.text, metrics.text):
             assert path not in text
         assert status == 130
@@ -199,6 +208,7 @@ class TestServeErrors:
         ("args", "needle"),
         [
             (("--max-concurrent", "0"), "max_concurrent"),
+            (("--max-choices", "0"), "max_choices"),
             (("--port", "70000"), "--port"),
             (("--max-blocks", "0"), "max_blocks"),
             (("--decode-wait", "0"), "decode_wait"),
