@@ -852,22 +852,30 @@ async def _each_piece(
     answers: Sequence[_Answer], handle: Callable[[_Answer, Optional[str]], Awaitable[None]]
 ) -> None:
     """``handle(answer, piece)`` for every piece of every answer as it comes,
-    then ``handle(answer, None)`` as that answer ends; one handle at a time
-    (several answers generate side by side, in one batch). The first failure
-    ends them all and is raised as itself."""
+    then ``handle(answer, None)`` as that answer ends, one at a time in this
+    task: several answers (generating side by side, in one batch) send their
+    pieces over one channel, a task each. The first failure ends them all and
+    is raised as itself."""
     if len(answers) == 1:
         await _pieces_of(answers[0], handle)
         return
-    one_at_a_time = anyio.Lock()
+    pieces_in, pieces = anyio.create_memory_object_stream[tuple[_Answer, Optional[str]]]()
 
-    async def handled(answer: _Answer, piece: Optional[str]) -> None:
-        async with one_at_a_time:
-            await handle(answer, piece)
+    async def produce(answer: _Answer, out: Any) -> None:
+        async def put(answer: _Answer, piece: Optional[str]) -> None:
+            await out.send((answer, piece))
+
+        async with out:
+            await _pieces_of(answer, put)
 
     try:
         async with anyio.create_task_group() as tg:
-            for answer in answers:
-                tg.start_soon(_pieces_of, answer, handled)
+            async with pieces_in:
+                for answer in answers:
+                    tg.start_soon(produce, answer, pieces_in.clone())
+            async with pieces:
+                async for answer, piece in pieces:
+                    await handle(answer, piece)
     except BaseExceptionGroup as group:
         raise _first_leaf(group) from None
 
