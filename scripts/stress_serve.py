@@ -3,7 +3,8 @@
 Starts ``mlxkv serve`` (the built-in model, or ``--model``) with an API key,
 small admission limits and a short body timeout, then for ``--duration``
 seconds runs ``--clients`` well-formed clients (streamed and plain chat and
-completions, greedy and sampled) beside ``--attackers`` that cycle through
+completions, greedy and sampled, a quarter of them of 2-4 choices) beside
+``--attackers`` that cycle through
 the attacks, each on its own connection:
 
 - ``close``: a request sent, and the connection closed at once;
@@ -14,6 +15,7 @@ the attacks, each on its own connection:
 - ``bad_json``: nested 1,000 deep, ``"role": []``, a lone surrogate, a
   5,000-digit integer, UTF-16;
 - ``long_chat``: a chat whose tokens fill the context;
+- ``many_choices``: a billion choices (``n``) of one prompt;
 - ``no_key``: /metrics, /health and a completion without the key.
 
 Then it waits for the server to settle and reports: well-formed requests
@@ -160,6 +162,10 @@ class Attacks:
         body = {"messages": [{"role": "user", "content": "y" * 40000}], "max_tokens": 4}
         return await self._raw(_post("/v1/chat/completions", json.dumps(body).encode()))
 
+    async def many_choices(self) -> int:
+        body = {"prompt": "hello", "max_tokens": 4, "n": 10**9}
+        return await self._raw(_post("/v1/completions", json.dumps(body).encode()))
+
     async def no_key(self) -> int:
         async with httpx.AsyncClient(base_url=self.url, timeout=30) as http:
             metrics = await http.get("/metrics")
@@ -169,12 +175,12 @@ class Attacks:
         return metrics.status_code if metrics.status_code != 401 else reply.status_code
 
     def all(self) -> dict[str, Callable[[], Any]]:
-        names = ("close", "top_k", "huge_prompt", "withheld", "trickle", "bad_json", "long_chat", "no_key")
+        names = ("close", "top_k", "huge_prompt", "withheld", "trickle", "bad_json", "long_chat", "many_choices", "no_key")
         return {name: getattr(self, name) for name in names}
 
 
 async def well_formed(url: str, rng: random.Random, served: collections.Counter, failures: list[str]) -> None:
-    """One well-formed request: chat or completion, streamed or not, greedy or sampled."""
+    """One well-formed request: chat or completion, streamed or not, greedy or sampled, of 1-4 choices."""
     headers = {"Authorization": f"Bearer {KEY}"}
     system = "You are a terse assistant. " * rng.randint(4, 24)
     options: dict[str, Any] = {"max_tokens": rng.randint(4, 16)}
@@ -182,6 +188,9 @@ async def well_formed(url: str, rng: random.Random, served: collections.Counter,
         options.update(temperature=1.0, top_p=0.9)
     else:
         options.update(temperature=0)
+    choices = rng.randint(2, 4) if rng.random() < 0.25 else 1
+    if choices > 1:
+        options["n"] = choices
     if rng.random() < 0.5:
         path, body = "/v1/chat/completions", {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "Why?"}]}
     else:
@@ -192,10 +201,11 @@ async def well_formed(url: str, rng: random.Random, served: collections.Counter,
             if stream:
                 async with http.stream("POST", path, json={**body, **options, "stream": True}) as response:
                     text = "".join([line async for line in response.aiter_lines()])
-                ok = response.status_code == 200 and "[DONE]" in text and '"error"' not in text
+                ends = text.count('"finish_reason":"stop"') + text.count('"finish_reason":"length"')
+                ok = response.status_code == 200 and "[DONE]" in text and '"error"' not in text and ends == choices
             else:
                 response = await http.post(path, json={**body, **options})
-                ok = response.status_code == 200
+                ok = response.status_code == 200 and len(response.json()["choices"]) == choices
         except httpx.HTTPError as error:
             ok, response = False, None
             failures.append(f"{path}: {error!r}")
