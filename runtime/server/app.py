@@ -116,7 +116,8 @@ class ServerConfig:
         api_keys: the accepted API keys (``Authorization: Bearer KEY``); each
             is a tenant with its own cache namespace. Empty: no key needed,
             one namespace.
-        max_concurrent: the most generation requests admitted at once.
+        max_concurrent: the most generations admitted at once (a request of
+            ``n`` choices is ``n``).
         max_queue: the most requests waiting for admission; beyond, 503.
         max_tokens: a chat request's ``max_tokens`` when it names none (also
             bounded by the model's context); completions default to 16, as
@@ -137,11 +138,10 @@ class ServerConfig:
             model's name need a key, or no keys at all).
         kv_events: publish the runtime's KV events on the wire, as vLLM
             does (:mod:`mlxkv.server.kv_wire`), while serving; None: not.
-        max_choices: the most choices (``n``) one request may ask for. Each
-            is a generation of its own, side by side in the decode batch
-            and over the prompt's KV computed once; admission counts the
-            request once, so at most ``max_concurrent * max_choices``
-            generations run.
+        max_choices: the most choices (``n``) one request may ask for (and
+            at most ``max_concurrent``). Each is a generation of its own,
+            side by side in the decode batch and over the prompt's KV
+            computed once, and holds an admission slot of its own.
     """
 
     model_name: str
@@ -327,8 +327,12 @@ class OpenAIServer:
         else:
             parsed = parse_completion(body)
         self._check_model(parsed.options.model)
-        if parsed.options.n > self.config.max_choices:
-            raise InvalidInput("n", parsed.options.n, f"must be <= {self.config.max_choices} (--max-choices)")
+        config = self.config
+        if parsed.options.n > min(config.max_choices, config.max_concurrent):
+            limit = "--max-choices" if config.max_choices <= config.max_concurrent else "--max-concurrent"
+            raise InvalidInput(
+                "n", parsed.options.n, f"must be <= {min(config.max_choices, config.max_concurrent)} ({limit})"
+            )
         return parsed
 
     async def drain(self, timeout: float) -> None:
@@ -572,7 +576,7 @@ class _Answering(Response):
         """Answer the request, setting its outcome before the last send."""
         server = self._server
         try:
-            async with server.admission.slot():
+            async with server.admission.slot() as slot:
                 body = await self._body.wait(server.config.body_timeout)
                 if body is None:
                     return  # the client left (and the request is being cancelled)
@@ -585,6 +589,7 @@ class _Answering(Response):
                     await self._rendered(send, prompt)
                     return
                 max_tokens = self._max_tokens(prompt)
+                await server.admission.widen(slot, options.n)  # a slot a choice
                 async with contextlib.AsyncExitStack() as generations:
                     answers = []
                     for index in range(options.n):

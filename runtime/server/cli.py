@@ -68,7 +68,7 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=32,
         metavar="N",
-        help="generation requests admitted at once (32)",
+        help="generations admitted at once; a request of n choices is n (32)",
     )
     parser.add_argument(
         "--max-choices",

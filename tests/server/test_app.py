@@ -589,6 +589,35 @@ class TestChoices:
             metrics = await _metrics(s.url)
         assert metrics['mlxkv_requests_total{endpoint="completions",outcome="disconnected"}'] == 1
 
+    async def test_each_choice_holds_an_admission_slot(self, serve):
+        """With two slots, a request of two choices holds both while it
+        generates (a one-choice request waits meanwhile, then is served), and
+        one of three choices is refused (it could never run)."""
+        async with serve(server_options={"max_concurrent": 2, "max_queue": 4}) as s:
+            with pytest.raises(openai.BadRequestError) as caught:
+                await s.client.completions.create(model="tiny", prompt=ASK, max_tokens=2, n=3)
+            assert caught.value.body["param"] == "n" and "--max-concurrent" in caught.value.body["message"]
+            stream = await s.client.completions.create(
+                model="tiny", prompt=ASK, max_tokens=20000, n=2, stream=True, **GREEDY
+            )
+            await anext(aiter(stream))
+            assert s.server.admission.statistics().num_running == 2
+            async with anyio.create_task_group() as tg:
+                lone: list[Any] = []
+
+                async def one() -> None:
+                    lone.append(await s.client.completions.create(model="tiny", prompt=ASK, max_tokens=2))
+
+                tg.start_soon(one)
+                with anyio.fail_after(10):
+                    while s.server.admission.statistics().num_waiting == 0:
+                        await anyio.sleep(0.01)
+                assert not lone
+                await stream.close()
+            assert lone[0].choices[0].finish_reason == "length"
+            await nothing_held(s.runtime)
+            assert s.server.admission.statistics().num_running == 0
+
     @pytest.mark.parametrize("stream", [False, True])
     async def test_a_failing_choice_fails_the_request_as_itself(self, serve, monkeypatch, stream):
         """One choice's computation failing ends the request with that failure
