@@ -327,12 +327,9 @@ class OpenAIServer:
         else:
             parsed = parse_completion(body)
         self._check_model(parsed.options.model)
-        config = self.config
-        if parsed.options.n > min(config.max_choices, config.max_concurrent):
-            limit = "--max-choices" if config.max_choices <= config.max_concurrent else "--max-concurrent"
-            raise InvalidInput(
-                "n", parsed.options.n, f"must be <= {min(config.max_choices, config.max_concurrent)} ({limit})"
-            )
+        most, bound = min((self.config.max_choices, "--max-choices"), (self.config.max_concurrent, "--max-concurrent"))
+        if parsed.options.n > most:
+            raise InvalidInput("n", parsed.options.n, f"must be <= {most} ({bound})")
         return parsed
 
     async def drain(self, timeout: float) -> None:
@@ -882,7 +879,10 @@ async def _each_piece(
                 async for answer, piece in pieces:
                     await handle(answer, piece)
     except BaseExceptionGroup as group:
-        raise _first_leaf(group) from None
+        failure = _first_failure(group)
+        if failure is None:
+            raise
+        raise failure from None
 
 
 async def _pieces_of(answer: _Answer, handle: Callable[[_Answer, Optional[str]], Awaitable[None]]) -> None:
@@ -892,10 +892,13 @@ async def _pieces_of(answer: _Answer, handle: Callable[[_Answer, Optional[str]],
     await handle(answer, None)
 
 
-def _first_leaf(group: BaseExceptionGroup) -> BaseException:
-    """The first exception a task group's group holds (nested groups opened)."""
-    first = group.exceptions[0]
-    return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
+def _first_failure(group: BaseExceptionGroup) -> Optional[BaseException]:
+    """The first exception in a task group's ``group`` (nested groups opened)
+    that is not a cancellation, or None if it holds only cancellations."""
+    _, failures = group.split(anyio.get_cancelled_exc_class())
+    while isinstance(failures, BaseExceptionGroup):
+        failures = failures.exceptions[0]
+    return failures
 
 
 def _choice(answer: _Answer, content: dict[str, Any], *, ended: bool = True) -> dict[str, Any]:

@@ -9,6 +9,7 @@ client cannot see (blocks held, live computations).
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 import anyio
@@ -25,6 +26,9 @@ from mlxkv.actors.prompt_preparer import encode_text  # noqa: E402
 from mlxkv.server.request import ChatMessage  # noqa: E402
 
 from greedy import CLEAR_GAP, least_gap, reference_load  # noqa: E402
+
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import BaseExceptionGroup
 
 # The openai client (and its httpx2/httpcore2) leave their own stream generators
 # unfinished after "[DONE]"; trio's finalizer warns about them. The server's
@@ -617,6 +621,28 @@ class TestChoices:
             assert lone[0].choices[0].finish_reason == "length"
             await nothing_held(s.runtime)
             assert s.server.admission.statistics().num_running == 0
+
+    async def test_a_failure_is_found_past_cancellations(self):
+        """What a failed task group of choices is answered as: its first failure,
+        nested groups opened and the cancellations it caused passed over;
+        nothing where it holds only cancellations (then the group goes on)."""
+        from mlxkv.errors import ComputeFailed
+        from mlxkv.server.app import _first_failure
+
+        async def cancelled() -> BaseException:
+            """A real cancellation of this backend (trio's has no public constructor)."""
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                try:
+                    await anyio.sleep(1)
+                except anyio.get_cancelled_exc_class() as error:
+                    caught = error
+            return caught
+
+        failure = ComputeFailed("x-1", RuntimeError("injected"))
+        nested = BaseExceptionGroup("", [await cancelled(), BaseExceptionGroup("", [await cancelled(), failure])])
+        assert _first_failure(nested) is failure
+        assert _first_failure(BaseExceptionGroup("", [await cancelled(), await cancelled()])) is None
 
     @pytest.mark.parametrize("stream", [False, True])
     async def test_a_failing_choice_fails_the_request_as_itself(self, serve, monkeypatch, stream):
