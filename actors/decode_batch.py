@@ -45,6 +45,7 @@ from mlxkv.actors.model_runner import ModelRunner
 from mlxkv.actors.request import stop_reason
 from mlxkv.actors.sampling import draw_rows
 from mlxkv.actors.sequence import SequenceState
+from mlxkv.actors.token_logprobs import Picks, TokenLogprob, pick
 from mlxkv.cache.shared_prefix import BatchSharedPrefixCache
 
 __all__ = ["BatchBroken", "DecodeBatch", "RowFailed", "RowToken", "without_frames"]
@@ -60,12 +61,15 @@ class RowToken:
         token: the token fed to the model in this step.
         logprobs: its step's log-probabilities ``(vocab,)`` if the row keeps
             them (evaluated), else None.
+        token_logprob: its log-probability and alternatives if the row asked
+            for them (``top_logprobs``), else None.
     """
 
     sequence: SequenceState
     index: int
     token: int
     logprobs: Any = attrs.field(default=None, eq=False, repr=False)
+    token_logprob: Optional[TokenLogprob] = None
 
 
 @attrs.frozen
@@ -99,7 +103,8 @@ class DecodeBatch:
 
     Owns: the rows in batch order, the batch cache (``None`` when empty),
     the lazily sampled next token of every row, and, for rows that keep
-    them, the log-probabilities those tokens were drawn from.
+    them, the log-probabilities those tokens were drawn from (for rows that
+    ask, their records: :mod:`~mlxkv.actors.token_logprobs`).
 
     Invariants:
         - ``len(rows)`` equals the batch size of the cache and of ``_next``;
@@ -116,6 +121,7 @@ class DecodeBatch:
         self._merged = False  # whether _cache is a batch cache (else one row's own)
         self._next: Any = None
         self._next_logprobs: list[Any] = []
+        self._next_picks: Optional[Picks] = None  # by request id: rows that leave need no update
         self._fresh: set[int] = set()  # id() of rows whose next token is already emitted
 
     def __len__(self) -> int:
@@ -174,6 +180,7 @@ class DecodeBatch:
                 stay = []
         if not stay:
             self.rows, self._cache, self._next, self._next_logprobs = [], None, None, []
+            self._next_picks = None
             self._merged = False
             return caches, failed
         kept = mx.array(stay)
@@ -310,7 +317,7 @@ class DecodeBatch:
 
         fresh = [id(sequence) in self._fresh for sequence in self.rows]
         self._fresh.clear()
-        inputs, fed_logprobs = self._next, self._next_logprobs
+        inputs, fed_logprobs, fed_picks = self._next, self._next_logprobs, self._next_picks
         # The fed token's index: a fresh row's first token is already counted.
         positions = [
             sequence.num_tokens - 1 if fresh[index] else sequence.num_tokens
@@ -322,24 +329,35 @@ class DecodeBatch:
             # copies are made), without waiting for the step in flight.
             mx.async_eval(grown)
         logits = self._runner.decode(inputs, self._cache, self.rows, positions)
-        if any(sequence.sampler is not None or sequence.keep_logits for sequence in self.rows):
+        if any(
+            sequence.sampler is not None or sequence.keep_logits or sequence.top_logprobs is not None
+            for sequence in self.rows
+        ):
             logits = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         # (Greedy rows take the argmax, which log-probabilities do not move.)
         self._next, failed = self._sample(logits)
         self._next_logprobs = [
             logits[i] if sequence.keep_logits else None for i, sequence in enumerate(self.rows)
         ]
+        self._next_picks = pick(
+            logits, self._next, [s.top_logprobs for s in self.rows], [s.request_id for s in self.rows]
+        )
+        picked = self._next_picks.arrays if self._next_picks is not None else []
         snapshots, unsnapped = self._snapshot_block_ends(fresh)
         failed.extend(unsnapped)
-        mx.async_eval(self._next, [lp for lp in self._next_logprobs if lp is not None], snapshots)
+        mx.async_eval(self._next, [lp for lp in self._next_logprobs if lp is not None], snapshots, picked)
         values = inputs.tolist()
+        records = fed_picks.read() if fed_picks is not None else {}
         emitted = []
         for index, sequence in enumerate(self.rows):
             if fresh[index]:
                 continue
             sequence.emitted(values[index])
             emitted.append(
-                RowToken(sequence, len(sequence.generated) - 1, values[index], fed_logprobs[index])
+                RowToken(
+                    sequence, len(sequence.generated) - 1, values[index], fed_logprobs[index],
+                    records.get(sequence.request_id),
+                )  # fmt: skip
             )
         # A row done with the token it fed never uses what was drawn after it
         # (a fresh row is never done: its prefill would have finished it).

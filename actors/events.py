@@ -15,6 +15,7 @@ from typing import Any, Literal, Optional
 import attrs
 
 from mlxkv.cache.errors import CacheError
+from mlxkv.actors.token_logprobs import TokenLogprob
 
 __all__ = [
     "ComputeFailed",
@@ -112,10 +113,14 @@ class Token:
         tokens: the token ids, in order.
         logprobs: each token's step log-probabilities ``(vocab,)`` when the
             request asked to keep them (``keep_logits``), else empty.
+        token_logprobs: each token's
+            :class:`~mlxkv.actors.token_logprobs.TokenLogprob` when the
+            request asked for them (``top_logprobs``), else empty.
     """
 
     tokens: tuple[int, ...]
     logprobs: tuple[Any, ...] = attrs.field(default=(), eq=False, repr=False)
+    token_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @attrs.frozen(kw_only=True)

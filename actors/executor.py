@@ -36,7 +36,7 @@ request it served. Either way the other requests go on exactly.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Optional
 
 import attrs
 
@@ -56,6 +56,7 @@ from mlxkv.actors.plan import (
     Slice,
 )
 from mlxkv.actors.sequence import SequenceState
+from mlxkv.actors.token_logprobs import Picks, pick
 from mlxkv.cache import kv_state
 
 __all__ = ["Executor"]
@@ -203,7 +204,8 @@ class Executor:
                 continue
             run.steps.extend([len(batch)] * ran)
             run.emitted.extend(
-                Emitted(item.sequence.request_id, item.index, item.token, item.logprobs) for item in tokens
+                Emitted(item.sequence.request_id, item.index, item.token, item.logprobs, item.token_logprob)
+                for item in tokens
             )
             if failed:
                 self._remove_rows(batch, failed, run)
@@ -277,11 +279,16 @@ class Executor:
             tokens, logprobs, failed = None, None, [(row, error) for row in range(len(done))]
         errors = dict(failed)
         drawn = [(row, tokens[row], logprobs[row]) for row in range(len(done)) if row not in errors]
+        sequences = [sequence for sequence, *_ in done]
+        picks = None if not drawn else pick(
+            logprobs, tokens, [s.top_logprobs for s in sequences], [s.request_id for s in sequences]
+        )
         # Each row's own views too: what the result carries is queued before the step.
-        mx.async_eval([(token, row_logprobs, done[row][2]) for row, token, row_logprobs in drawn])
+        queued = [(token, row_logprobs, done[row][2]) for row, token, row_logprobs in drawn]
+        mx.async_eval(queued, picks.arrays if picks else [])
         for row, error in errors.items():
             self._let_go(done[row][0], error, run)
-        return [_FirstToken(*done[row], token, row_logprobs) for row, token, row_logprobs in drawn]
+        return [_FirstToken(*done[row], token, row_logprobs, picks) for row, token, row_logprobs in drawn]
 
     def _publish_chunk(self, sequence: SequenceState, chunk: Chunk, run: _ResultBuilder) -> None:
         """Slice the full blocks a (not last) chunk completed, at once."""
@@ -303,9 +310,17 @@ class Executor:
         except Exception as error:
             self._let_go(sequence, error, run)
             return
+        try:
+            token_logprob = None if first.picks is None else first.picks.read().get(sequence.request_id)
+        except Exception as error:
+            self._let_go(sequence, error, run)
+            return
         sequence.emitted(token)
         run.chunks.append(
-            _chunk_done(sequence, first.encoding, first_token=token, logits=first.logits, logprobs=first.logprobs)
+            _chunk_done(
+                sequence, first.encoding, first_token=token, logits=first.logits, logprobs=first.logprobs,
+                token_logprob=token_logprob,
+            )  # fmt: skip
         )
 
     # -- letting go -----------------------------------------------------------------
@@ -351,13 +366,15 @@ _NOT_STARTED = object()
 class _FirstToken:
     """A prompt's first token, sampled from the last chunk's ``logits`` and
     queued, not read yet; ``encoding`` is its start's image encoding (or
-    :data:`_NOT_STARTED`)."""
+    :data:`_NOT_STARTED`); ``picks``: the log-probability records of the
+    rows drawn with it that asked for them (shared), or None."""
 
     sequence: SequenceState
     encoding: Any
     logits: Any
     token: Any
     logprobs: Any
+    picks: Optional[Picks]
 
 
 def _chunk_done(sequence: SequenceState, encoding: Any, **first: Any) -> ChunkDone:

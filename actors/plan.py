@@ -13,6 +13,7 @@ from typing import Any, Optional
 import attrs
 
 from mlxkv.actors.request import RequestSpec
+from mlxkv.actors.token_logprobs import TokenLogprob
 
 __all__ = [
     "Blocks",
@@ -133,6 +134,8 @@ class ChunkDone:
         first_token: sampled after its last chunk (else None).
         logits: the last prompt position's logits ``(vocab,)``.
         logprobs: the log-probabilities the first token was drawn from.
+        token_logprob: the first token's log-probability and alternatives,
+            if the request asked for them (``top_logprobs``), else None.
     """
 
     request_id: str
@@ -147,16 +150,20 @@ class ChunkDone:
     first_token: Optional[int] = None
     logits: Any = attrs.field(default=None, eq=False, repr=False)
     logprobs: Any = attrs.field(default=None, eq=False, repr=False)
+    token_logprob: Optional[TokenLogprob] = None
 
 
 @attrs.frozen
 class Emitted:
-    """A token a decode step fed for a request (its answer token ``index``)."""
+    """A token a decode step fed for a request (its answer token ``index``),
+    with its step's log-probabilities if the request keeps them, and its
+    :class:`~mlxkv.actors.token_logprobs.TokenLogprob` if it asked for one."""
 
     request_id: str
     index: int
     token: int
     logprobs: Any = attrs.field(default=None, eq=False, repr=False)
+    token_logprob: Optional[TokenLogprob] = None
 
 
 @attrs.frozen

@@ -19,6 +19,7 @@ from typing import Any, Literal, Optional
 import attrs
 
 from mlxkv.actors.sampling import GREEDY, Sampling
+from mlxkv.actors.token_logprobs import MAX_TOP_LOGPROBS
 from mlxkv.cache.errors import InvalidInput
 from mlxkv.cache.token_ids import check_token_ids
 from mlxkv.cache.validators import int_at_least
@@ -29,6 +30,7 @@ __all__ = [
     "next_chunk_end",
     "prompt_and_answer",
     "stop_reason",
+    "top_logprobs_checked",
 ]
 
 
@@ -40,6 +42,20 @@ def _request_id(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
 def _sampling(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if not isinstance(value, Sampling):
         raise InvalidInput("sampling", value, "must be a Sampling")
+
+
+def top_logprobs_checked(value: Any, argument: str = "top_logprobs") -> Optional[int]:
+    """``value`` as a request's ``top_logprobs``: None (no log-probabilities)
+    or how many alternatives each token comes with, 0 to ``MAX_TOP_LOGPROBS``.
+
+    Raises:
+        InvalidInput: anything else, naming ``argument``.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise InvalidInput(argument, value, f"must be None or an int in [0, {MAX_TOP_LOGPROBS}]")
+    return value
 
 
 def _prompt(value: Any) -> tuple[int, ...]:
@@ -63,6 +79,9 @@ class RequestSpec:
             until the compute actor puts the model's end-of-sequence tokens.
         block_size: tokens per block of the payloads it publishes.
         keep_logits: attach each token's log-probabilities to its event.
+        top_logprobs: attach each token's
+            :class:`~mlxkv.actors.token_logprobs.TokenLogprob` with this many
+            alternatives (0 to ``MAX_TOP_LOGPROBS``), or None: none.
         held_blocks: leading full blocks of the prompt the request holds
             already (cached): they are not published again.
         namespace: what the request's blocks are keyed under beside its
@@ -79,6 +98,7 @@ class RequestSpec:
     stop_tokens: Optional[frozenset[int]] = None
     block_size: int = attrs.field(validator=int_at_least(1))
     keep_logits: bool = False
+    top_logprobs: Optional[int] = attrs.field(default=None, converter=top_logprobs_checked)
     held_blocks: int = attrs.field(default=0, validator=int_at_least(0))
     namespace: Hashable = None
     inputs: Any = attrs.field(default=None, eq=False, repr=False)

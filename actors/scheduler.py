@@ -89,6 +89,7 @@ from mlxkv.actors.request import (
     prompt_and_answer,
     stop_reason,
 )
+from mlxkv.actors.token_logprobs import TokenLogprob
 from mlxkv.cache.errors import CacheError
 
 __all__ = [
@@ -567,6 +568,7 @@ class Scheduler:
                 continue  # cancelled while the plan ran
             tokens: list[int] = []
             logprobs: list[Any] = []
+            records: list[TokenLogprob] = []
             reason = None
             for item in items:
                 reason = stop_reason(state.spec, item.token, item.index)
@@ -575,11 +577,14 @@ class Scheduler:
                 tokens.append(item.token)
                 if state.spec.keep_logits:
                     logprobs.append(item.logprobs)
+                if item.token_logprob is not None:
+                    records.append(item.token_logprob)
                 if reason is not None:
                     break
             state.answer.extend(tokens)
             if tokens:
-                out.append((request_id, Token(tokens=tuple(tokens), logprobs=tuple(logprobs))))
+                token = Token(tokens=tuple(tokens), logprobs=tuple(logprobs), token_logprobs=tuple(records))
+                out.append((request_id, token))
             error = failed.pop(request_id, None)
             if reason is not None:
                 out += self._end(state, _End(reason))
@@ -621,7 +626,8 @@ class Scheduler:
         if reason != "stop":
             state.answer.append(token)
             logprobs = (chunk.logprobs,) if spec.keep_logits else ()
-            out.append((spec.request_id, Token(tokens=(token,), logprobs=logprobs)))
+            records = () if chunk.token_logprob is None else (chunk.token_logprob,)
+            out.append((spec.request_id, Token(tokens=(token,), logprobs=logprobs, token_logprobs=records)))
         if reason is not None:
             return out + self._end(state, _End(reason))
         state.status = RequestStatus.JOINING

@@ -148,6 +148,10 @@ class SequenceState:
         return self.spec.keep_logits
 
     @property
+    def top_logprobs(self) -> Optional[int]:
+        return self.spec.top_logprobs
+
+    @property
     def num_tokens(self) -> int:
         """Tokens in the KV once decoding: the prompt and every generated token."""
         return len(self.spec.prompt) + len(self.generated)

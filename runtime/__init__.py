@@ -23,6 +23,7 @@ from mlxkv.errors import (
     RuntimeClosed,
     UnknownRequest,
 )
+from mlxkv.actors.token_logprobs import TokenLogprob
 from mlxkv.generation import GeneratedToken, Generation, GenerationReport
 from mlxkv.runtime import CacheRuntime, FetchResult, RequestHandle, StoreResult
 from mlxkv.runtime_config import RuntimeConfig
@@ -49,6 +50,7 @@ __all__ = [
     "RuntimeConfig",
     "RuntimeStatistics",
     "StoreResult",
+    "TokenLogprob",
     "UnknownRequest",
     "__version__",
 ]

@@ -85,8 +85,9 @@ from mlxkv.actors.event_log import EventLog
 from mlxkv.actors.model_info import ModelInfo
 from mlxkv.actors.prompt_preparer import PreparedPrompt, PromptPreparer
 from mlxkv.actors.prefix_index import RequestId
-from mlxkv.actors.request import RequestSpec
+from mlxkv.actors.request import RequestSpec, top_logprobs_checked
 from mlxkv.actors.sampling import Sampling
+from mlxkv.actors.token_logprobs import TokenLogprob
 from mlxkv.cache import kv_state
 from mlxkv.cache.block_hash import ChainKeys
 from mlxkv.cache.errors import InvalidInput, counted
@@ -122,11 +123,15 @@ class GeneratedToken:
         text: the text this token completes; ``""`` while a multi-byte
             character is still incomplete (the concatenated pieces equal
             the report's ``text``).
+        logprob: its log-probability and the most likely tokens at its step
+            (:class:`~mlxkv.actors.token_logprobs.TokenLogprob`), if the
+            request asked for them (``logprobs``), else None.
     """
 
     index: int
     token: int
     text: str
+    logprob: Optional[TokenLogprob] = None
 
 
 @attrs.frozen(kw_only=True)
@@ -252,6 +257,8 @@ class GenerationRequest:
         sampling: how tokens are sampled.
         images: the images, in order (a non-empty tuple), or None.
         cache_salt: the tenant namespace, or None.
+        logprobs: how many alternatives each token's log-probability comes
+            with (0 to ``MAX_TOP_LOGPROBS``), or None: no log-probabilities.
     """
 
     request_id: RequestId
@@ -260,6 +267,7 @@ class GenerationRequest:
     sampling: Sampling
     images: Optional[tuple[Any, ...]]
     cache_salt: Optional[str]
+    logprobs: Optional[int] = None
 
     @classmethod
     def checked(
@@ -272,6 +280,7 @@ class GenerationRequest:
         cache_salt: Optional[str],
         request_id: Optional[str],
         info: ModelInfo,
+        logprobs: Optional[int] = None,
     ) -> GenerationRequest:
         """Check a ``generate`` call's arguments before anything is sent.
 
@@ -279,8 +288,10 @@ class GenerationRequest:
             InvalidInput: an empty or out-of-vocabulary prompt, ``max_tokens``
                 below 1, a token-id prompt that with ``max_tokens`` exceeds the
                 model's context, images for a model that does not take them, a
-                salt that is not a str, or a bad request id.
+                salt that is not a str, a bad request id, or ``logprobs``
+                not None or an int in ``[0, MAX_TOP_LOGPROBS]``.
         """
+        logprobs = top_logprobs_checked(logprobs, "logprobs")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise InvalidInput("max_tokens", max_tokens, "must be an int >= 1")
         if request_id is None:
@@ -314,6 +325,7 @@ class GenerationRequest:
             sampling=sampling,
             images=images,
             cache_salt=cache_salt,
+            logprobs=logprobs,
         )
 
 
@@ -481,7 +493,8 @@ class _Run:
                                 context.counters.num_cold_fallbacks += 1
                             continue
                     if isinstance(event, Token):
-                        for token in event.tokens:
+                        records = event.token_logprobs or itertools.repeat(None)
+                        for token, record in zip(event.tokens, records):
                             # Each token is a cancellation point, as if received alone.
                             await anyio.lowlevel.checkpoint_if_cancelled()
                             generated.append(token)
@@ -489,7 +502,7 @@ class _Run:
                             if len(generated) >= request.max_tokens:
                                 detokenizer.finalize()
                             yield GeneratedToken(
-                                index=len(generated) - 1, token=token, text=detokenizer.last_segment
+                                index=len(generated) - 1, token=token, text=detokenizer.last_segment, logprob=record
                             )
                     elif isinstance(event, Finished):
                         finish = event.reason
@@ -615,6 +628,7 @@ class _Run:
                 stop_tokens=context.model.eos_token_ids,
                 block_size=block_size,
                 held_blocks=held,
+                top_logprobs=request.logprobs,
                 namespace=(request.cache_salt, images_key),
                 inputs=prepared.inputs,
             )

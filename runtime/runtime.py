@@ -632,6 +632,7 @@ class CacheRuntime:
         images: Optional[Sequence[Any]] = None,
         cache_salt: Optional[str] = None,
         request_id: Optional[str] = None,
+        logprobs: Optional[int] = None,
     ) -> Generation:
         """Generate from ``prompt``, reusing every cached block of its prefix.
 
@@ -664,6 +665,13 @@ class CacheRuntime:
                 never share blocks.
             request_id: a name not used by any active request (default: a
                 fresh one).
+            logprobs: give each token its log-probability and this many of
+                the most likely tokens at its step, 0 to 20 (the record:
+                ``GeneratedToken.logprob``); None: none. They are the model's
+                (the log-softmax of its logits, before ``temperature`` or any
+                truncation, as mlx-lm's ``generate_step`` yields them),
+                picked on the device: ``2k + 1`` numbers a token reach the
+                host.
 
         Returns:
             The :class:`~mlxkv.generation.Generation` to iterate.
@@ -672,7 +680,8 @@ class CacheRuntime:
             InvalidInput: the runtime has no model, or a bad argument (an
                 empty prompt, ``max_tokens`` < 1, a token out of the
                 vocabulary, bad sampling settings, images for a model that
-                does not take them, a salt that is not a str); nothing was
+                does not take them, a salt that is not a str, ``logprobs``
+                not None or an int in ``[0, 20]``); nothing was
                 sent. An image that cannot be read is refused the same way
                 while iterating, before anything is computed or cached,
                 naming the image.
@@ -698,6 +707,7 @@ class CacheRuntime:
             cache_salt=cache_salt,
             request_id=request_id,
             info=context.model,
+            logprobs=logprobs,
         )
         return Generation(request, context)
 

@@ -73,6 +73,7 @@ from mlxkv.server.body import RequestBody
 from mlxkv.server.chat import ChatTemplate, ConversationMemory, Turn
 from mlxkv.server.errors import ApiError
 from mlxkv.server.kv_wire import KVEventPublisher, KVWireConfig
+from mlxkv.server.logprobs import LoggedToken, TokenTexts, chat_logprobs, completion_logprobs
 from mlxkv.server.metrics import CONTENT_TYPE, ServerMetrics
 from mlxkv.server.request import (
     ChatRequest,
@@ -183,6 +184,9 @@ class OpenAIServer:
         self._info = runtime.model_info
         self.metrics = ServerMetrics(self._info)
         self.memory = ConversationMemory()
+        assert runtime.preparer is not None, "a runtime with a model has its preparer"
+        #: Token ids' texts, for log-probabilities.
+        self.token_texts = TokenTexts(runtime.preparer.decode)
         self.created = int(time.time())
         self._tenants = tuple((key.encode(), _tenant_salt(key)) for key in config.api_keys)
         self._names = {config.model_name, runtime.config.model}
@@ -452,11 +456,21 @@ class _Prompt:
     text: Optional[str] = None
 
 
+@attrs.frozen
+class _Piece:
+    """Some of an answer's text as it may be sent, and the log-probabilities
+    of the tokens generated since the last piece (empty unless asked for)."""
+
+    text: str
+    tokens: tuple[LoggedToken, ...] = ()
+
+
 class _Answer:
     """One generation's text as it may be sent (choice ``index`` of its
     request): stop strings cut it, counts kept.
 
-    Owns: the stop matcher and the counts; the generation is the caller's.
+    Owns: the stop matcher, the counts, and the log-probabilities of the
+    tokens whose piece is not out yet; the generation is the caller's.
     """
 
     def __init__(
@@ -469,6 +483,8 @@ class _Answer:
         self.num_tokens = 0
         self._matcher = StopMatcher(stops)
         self._on_first_token = on_first_token
+        self._logged: list[LoggedToken] = []
+        self._offset = 0  # characters of the generation's text so far
 
     @property
     def cached_tokens(self) -> int:
@@ -480,25 +496,35 @@ class _Answer:
         ``max_tokens``, not cut by a stop string)."""
         return self.report is not None and not self._matcher.stopped
 
-    async def pieces(self) -> AsyncIterator[str]:
-        """The answer's text in pieces, none empty; ends at the report or a stop string."""
+    async def pieces(self) -> AsyncIterator[_Piece]:
+        """The answer in pieces, none empty (of text, or of log-probabilities:
+        a token's come with the first piece that holds its text, or with the
+        last); ends at the report or a stop string. Every counted token's
+        log-probabilities come out, if asked for."""
         async for record in self.generation:
             if isinstance(record, GenerationReport):
                 self.report = record
                 self.finish_reason = record.finish_reason
                 tail = self._matcher.flush()
-                if tail:
-                    yield tail
+                if tail or self._logged:
+                    yield self._piece(tail)
                 return
             if not self.num_tokens:
                 self._on_first_token()
             self.num_tokens += 1
-            piece = self._matcher.feed(record.text)
-            if piece:
-                yield piece
+            if record.logprob is not None:
+                self._logged.append(LoggedToken(record.logprob, self._offset))
+            self._offset += len(record.text)
+            text = self._matcher.feed(record.text)
+            if text or (self._logged and self._matcher.stopped):
+                yield self._piece(text)
             if self._matcher.stopped:
                 self.finish_reason = "stop"
                 return
+
+    def _piece(self, text: str) -> _Piece:
+        logged, self._logged = tuple(self._logged), []
+        return _Piece(text, logged)
 
 
 class _Answering(Response):
@@ -601,6 +627,7 @@ class _Answering(Response):
                             images=list(prompt.images) or None,
                             cache_salt=self._salt,
                             request_id=self._id if options.n == 1 else f"{self._id}-{index}",
+                            logprobs=options.logprobs,
                         )
                         await generations.enter_async_context(generation)
                         answers.append(_Answer(index, generation, options.stop, self._first_token))
@@ -737,20 +764,23 @@ class _Answering(Response):
 
     async def _reply(self, send: Send, answers: Sequence[_Answer], prompt: _Prompt) -> None:
         texts: list[list[str]] = [[] for _ in answers]
+        logged: list[list[LoggedToken]] = [[] for _ in answers]
 
-        async def collect(answer: _Answer, piece: Optional[str]) -> None:
+        async def collect(answer: _Answer, piece: Optional[_Piece]) -> None:
             if piece is not None:
-                texts[answer.index].append(piece)
+                texts[answer.index].append(piece.text)
+                logged[answer.index].extend(piece.tokens)
 
         await _each_piece(answers, collect)
         whole = ["".join(text) for text in texts]
         self._remember(answers, prompt, whole)
         if self._endpoint == "chat":
             kind = "chat.completion"
-            choices = [_choice(a, {"message": {"role": "assistant", "content": t}}) for a, t in zip(answers, whole)]
+            contents = [{"message": {"role": "assistant", "content": text}} for text in whole]
         else:
             kind = "text_completion"
-            choices = [_choice(a, {"text": t}) for a, t in zip(answers, whole)]
+            contents = [{"text": text} for text in whole]
+        choices = [_choice(a, c, logprobs=self._logprobs(tokens)) for a, c, tokens in zip(answers, contents, logged)]
         body = self._envelope(kind, choices)
         body["usage"] = self._usage(answers, prompt)
         self._outcome = _request_outcome(answers)
@@ -759,7 +789,7 @@ class _Answering(Response):
     async def _stream(self, send: Send, answers: Sequence[_Answer], prompt: _Prompt) -> None:
         texts: list[list[str]] = [[] for _ in answers]
 
-        async def forward(answer: _Answer, piece: Optional[str]) -> None:
+        async def forward(answer: _Answer, piece: Optional[_Piece]) -> None:
             if not self._headers_sent:
                 # The headers wait for the first text (or end): an error before it keeps its status.
                 await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
@@ -770,8 +800,8 @@ class _Answering(Response):
             if piece is None:
                 await self._chunk(send, answer, None)
             else:
-                texts[answer.index].append(piece)
-                await self._chunk(send, answer, piece)
+                texts[answer.index].append(piece.text)
+                await self._chunk(send, answer, piece.text, logprobs=self._logprobs(piece.tokens))
 
         await _each_piece(answers, forward)
         self._remember(answers, prompt, ["".join(text) for text in texts])
@@ -784,9 +814,12 @@ class _Answering(Response):
     def _chunk_kind(self) -> str:
         return "chat.completion.chunk" if self._endpoint == "chat" else "text_completion"
 
-    async def _chunk(self, send: Send, answer: _Answer, delta: Union[str, dict, None]) -> None:
-        """One streamed chunk of ``answer``'s choice: a piece of text, the chat's
-        opening role, or (None) its end, with its finish reason."""
+    async def _chunk(
+        self, send: Send, answer: _Answer, delta: Union[str, dict, None], *, logprobs: Optional[dict] = None
+    ) -> None:
+        """One streamed chunk of ``answer``'s choice: a piece of text (with
+        its tokens' ``logprobs``), the chat's opening role, or (None) its
+        end, with its finish reason."""
         ended = delta is None
         if self._endpoint == "chat":
             if not isinstance(delta, dict):
@@ -794,10 +827,18 @@ class _Answering(Response):
             content: dict[str, Any] = {"delta": delta}
         else:
             content = {"text": delta or ""}
-        body = self._envelope(self._chunk_kind, [_choice(answer, content, ended=ended)])
+        body = self._envelope(self._chunk_kind, [_choice(answer, content, ended=ended, logprobs=logprobs)])
         if self._options.include_usage:
             body["usage"] = None
         await _send_event(send, body)
+
+    def _logprobs(self, tokens: Sequence[LoggedToken]) -> Optional[dict[str, Any]]:
+        """``tokens``' log-probabilities in the endpoint's shape; None where
+        the request did not ask for them."""
+        if self._options.logprobs is None:
+            return None
+        shape = chat_logprobs if self._endpoint == "chat" else completion_logprobs
+        return shape(tokens, self._server.token_texts)
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         """A response body or chunk of these choices (none: the usage chunk)."""
@@ -851,7 +892,7 @@ class _Answering(Response):
 
 
 async def _each_piece(
-    answers: Sequence[_Answer], handle: Callable[[_Answer, Optional[str]], Awaitable[None]]
+    answers: Sequence[_Answer], handle: Callable[[_Answer, Optional[_Piece]], Awaitable[None]]
 ) -> None:
     """``handle(answer, piece)`` for every piece of every answer as it comes,
     then ``handle(answer, None)`` as that answer ends, one at a time in this
@@ -861,10 +902,10 @@ async def _each_piece(
     if len(answers) == 1:
         await _pieces_of(answers[0], handle)
         return
-    pieces_in, pieces = anyio.create_memory_object_stream[tuple[_Answer, Optional[str]]]()
+    pieces_in, pieces = anyio.create_memory_object_stream[tuple[_Answer, Optional[_Piece]]]()
 
     async def produce(answer: _Answer, out: Any) -> None:
-        async def put(answer: _Answer, piece: Optional[str]) -> None:
+        async def put(answer: _Answer, piece: Optional[_Piece]) -> None:
             await out.send((answer, piece))
 
         async with out:
@@ -885,7 +926,7 @@ async def _each_piece(
         raise failure from None
 
 
-async def _pieces_of(answer: _Answer, handle: Callable[[_Answer, Optional[str]], Awaitable[None]]) -> None:
+async def _pieces_of(answer: _Answer, handle: Callable[[_Answer, Optional[_Piece]], Awaitable[None]]) -> None:
     async with contextlib.aclosing(answer.pieces()) as pieces:
         async for piece in pieces:
             await handle(answer, piece)
@@ -901,11 +942,14 @@ def _first_failure(group: BaseExceptionGroup) -> Optional[BaseException]:
     return failures
 
 
-def _choice(answer: _Answer, content: dict[str, Any], *, ended: bool = True) -> dict[str, Any]:
-    """One choice of a body or chunk: ``answer``'s index, its content, and its
-    finish reason where it has ``ended`` (a chunk's piece: not yet)."""
+def _choice(
+    answer: _Answer, content: dict[str, Any], *, ended: bool = True, logprobs: Optional[dict[str, Any]] = None
+) -> dict[str, Any]:
+    """One choice of a body or chunk: ``answer``'s index, its content, its
+    tokens' ``logprobs`` (None unless asked for), and its finish reason
+    where it has ``ended`` (a chunk's piece: not yet)."""
     finish_reason = answer.finish_reason if ended else None
-    return {"index": answer.index, **content, "logprobs": None, "finish_reason": finish_reason}
+    return {"index": answer.index, **content, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def _request_outcome(answers: Sequence[_Answer]) -> str:

@@ -4,8 +4,8 @@
 into a frozen record or raise :class:`~mlxkv.InvalidInput` naming the field
 (the server answers 400 with its message). Everything is checked before
 anything is sent to the runtime: the JSON types, the ranges the OpenAI API
-gives, fields this server cannot honour at other than their default (``n``,
-``logprobs``, penalties, tools...), and fields it does not know. Values the
+gives, fields this server cannot honour at other than their default
+(``echo``, ``best_of``, penalties, tools...), and fields it does not know. Values the
 runtime checks itself (a token id past the vocabulary, a prompt past the
 context) are left to it.
 
@@ -29,6 +29,7 @@ from typing import Any, Optional, Union
 
 import attrs
 
+from mlxkv.actors.token_logprobs import MAX_TOP_LOGPROBS
 from mlxkv.cache.errors import Shown
 from mlxkv.errors import InvalidInput
 
@@ -66,6 +67,9 @@ class Options:
         cache_salt: the request's own cache namespace (within its API key's).
         n: how many answers (choices) to generate from the prompt; the
             server bounds it (``--max-choices``).
+        logprobs: give each generated token's log-probability and this many
+            alternatives (completions' ``logprobs``; chat's ``top_logprobs``
+            with ``logprobs: true``), or None: none.
     """
 
     model: Optional[str] = None
@@ -80,6 +84,7 @@ class Options:
     include_usage: bool = False
     cache_salt: Optional[str] = None
     n: int = 1
+    logprobs: Optional[int] = None
 
 
 @attrs.frozen(kw_only=True)
@@ -211,8 +216,8 @@ def parse_completion(body: Mapping[str, Any]) -> CompletionRequest:
     fields.default_only("echo", False)
     fields.default_only("suffix", None)
     fields.default_only("best_of", 1)
-    fields.default_only("logprobs", None)
-    options = _options(fields, max_tokens=fields.take("max_tokens"))
+    logprobs = _int("logprobs", fields.take("logprobs"), minimum=0, maximum=MAX_TOP_LOGPROBS)
+    options = attrs.evolve(_options(fields, max_tokens=fields.take("max_tokens")), logprobs=logprobs)
     fields.finish()
     return CompletionRequest(prompt=prompt, options=options)
 
@@ -229,8 +234,10 @@ def parse_chat(body: Mapping[str, Any], *, takes_images: bool) -> ChatRequest:
     """
     fields = _Fields(body)
     messages, images = _messages(fields.take("messages", required=True), takes_images)
-    fields.default_only("logprobs", False)
-    fields.default_only("top_logprobs", None)
+    wanted = _bool("logprobs", fields.take("logprobs"), default=False)
+    top = _int("top_logprobs", fields.take("top_logprobs"), minimum=0, maximum=MAX_TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise InvalidInput("top_logprobs", top, "is only allowed with logprobs: true")
     fields.default_only("tools", None)
     fields.default_only("tool_choice", None)
     fields.default_only("parallel_tool_calls", None)
@@ -238,6 +245,8 @@ def parse_chat(body: Mapping[str, Any], *, takes_images: bool) -> ChatRequest:
     max_tokens = fields.take("max_completion_tokens")
     legacy = fields.take("max_tokens")
     options = _options(fields, max_tokens=legacy if max_tokens is None else max_tokens)
+    if wanted:
+        options = attrs.evolve(options, logprobs=top or 0)
     fields.finish()
     return ChatRequest(messages=messages, images=images, options=options)
 
@@ -332,13 +341,17 @@ def _bool(name: str, value: Any, *, default: bool) -> bool:
     return value
 
 
-def _int(name: str, value: Any, *, minimum: Optional[int] = None) -> Optional[int]:
+def _int(
+    name: str, value: Any, *, minimum: Optional[int] = None, maximum: Optional[int] = None
+) -> Optional[int]:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidInput(name, value, "must be an integer")
     if minimum is not None and value < minimum:
         raise InvalidInput(name, value, f"must be >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise InvalidInput(name, value, f"must be <= {maximum}")
     return value
 
 

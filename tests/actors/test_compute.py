@@ -727,6 +727,52 @@ class TestBatching:
         assert tokens_during_prefill >= 15  # about one per chunk
 
 
+class TestTokenLogprobs:
+    async def test_each_token_comes_with_its_record_where_asked(self, running, tiny_llama):
+        """Requests decoding side by side, greedy and sampled, asking for 0 to
+        5 alternatives or nothing: each token of one that asks comes with its
+        record -- the token itself, its log-probability and the most likely
+        tokens of the very distribution it was drawn from (the kept
+        log-probabilities) -- the first one (from the prefill) and the
+        decoded ones alike; one that does not ask gets none."""
+        cases = {
+            "greedy5": (_prompt(70, 1), Sampling(), 5),
+            "sampled3": (_prompt(90, 2), Sampling(temperature=1.2, seed=4), 3),
+            "zero": (_prompt(50, 3), Sampling(temperature=0.7), 0),
+            "none": (_prompt(60, 4), Sampling(), None),
+            "one_token": (_prompt(40, 5), Sampling(), 2),
+        }
+        runs: dict[str, Run] = {}
+        async with _serving(running, _actor(tiny_llama)) as compute:
+
+            async def one(name: str) -> None:
+                prompt, sampling, width = cases[name]
+                max_tokens = 1 if name == "one_token" else 12
+                runs[name] = await _run(
+                    compute, name, prompt, sampling=sampling, top_logprobs=width, max_tokens=max_tokens,
+                    stop_tokens=frozenset(),
+                )  # fmt: skip
+
+            async with anyio.create_task_group() as tg:
+                for name in cases:
+                    tg.start_soon(one, name)
+        for name, (_, _, width) in cases.items():
+            run = runs[name]
+            records = [r for e in run.events if isinstance(e, Token) for r in e.token_logprobs]
+            if width is None:
+                assert records == []
+                continue
+            assert [r.token for r in records] == run.tokens
+            for record, full in zip(records, run.logprobs):
+                assert record.logprob == pytest.approx(float(full[record.token]), abs=1e-6)
+                assert len(record.top) == width
+                best = np.sort(full)[::-1][:width]
+                np.testing.assert_allclose([value for _, value in record.top], best, atol=1e-6, rtol=0)
+                assert all(abs(float(full[t]) - value) <= 1e-6 for t, value in record.top)
+            if width and name.startswith("greedy"):
+                assert all(record.top[0][0] == record.token for record in records)
+
+
 class TestCancellation:
     async def test_cancelling_one_row_leaves_the_others_exact(self, running, tiny_llama):
         """A request cancelled mid-decode leaves the batch; the others go on unchanged."""

@@ -313,7 +313,7 @@ class TestTheDeviceNeverWaitsForTheHost:
             prompt = shared + [(i * 31 + own) % 250 for i in range(own)]
             return RequestSpec(
                 request_id=request_id, prompt=prompt, prefix=payloads, max_tokens=16, block_size=16,
-                stop_tokens=frozenset(),
+                stop_tokens=frozenset(), top_logprobs=3 if request_id == "d" else None,
             )  # fmt: skip
 
         runner = TextRunner(model, tokenizer, RunnerConfig(prefill_streams=1))
@@ -351,8 +351,10 @@ class TestTheDeviceNeverWaitsForTheHost:
                 log.append("read")
                 return self.token.item()
 
-        def first_token(sequence: Any, encoding: Any, logits: Any, token: Any, logprobs: Any) -> Any:
-            return honest_first(sequence, encoding, logits, Read(token), logprobs)  # read through the probe
+        def first_token(sequence: Any, encoding: Any, logits: Any, token: Any, logprobs: Any, picks: Any) -> Any:
+            if picks is not None:
+                assert {id(a) for a in picks.arrays} <= queued, "the picks are queued with the first token"
+            return honest_first(sequence, encoding, logits, Read(token), logprobs, picks)  # read through the probe
 
         monkeypatch.setattr(mx, "eval", blocking)
         monkeypatch.setattr(mx, "async_eval", queueing)
@@ -378,4 +380,5 @@ class TestTheDeviceNeverWaitsForTheHost:
         (done,) = result.chunks
         expected = model(mx.array(d.prompt)[None])[0, -1]
         assert done.first_token == int(mx.argmax(expected).item())
+        assert done.token_logprob is not None and done.token_logprob.token == done.first_token
         assert [e.request_id for e in result.emitted] == ["b"] and result.steps == (2,)

@@ -156,6 +156,41 @@ class TestParity:
 class TestGenerate:
     """The stream, its report, text prompts and concurrent generations."""
 
+    async def test_log_probabilities_are_mlx_lms_warm_and_cold(self, llama):
+        """With ``logprobs=k`` each token comes with its log-probability and
+        the ``k`` most likely tokens under mlx-lm's own ``generate_step``
+        (within the parity tolerance), over a cold prompt and over one whose
+        prefix came from the cache; without, none."""
+        from mlx_lm import load
+        from mlx_lm.generate import generate_step
+
+        model, _ = load(llama)
+        prompt = SYSTEM + _tokens(20, salt=7)
+        reference = [(int(t), np.array(lp)) for t, lp in generate_step(mx.array(prompt), model, max_tokens=6)]
+        async with CacheRuntime(model=llama, block_size=BS, keep_caches=False) as rt:
+            await run(rt, SYSTEM + _tokens(9, salt=8))  # the system prompt's blocks, cached
+            for logprobs, salt in ((4, "cold"), (4, None), (0, None), (None, None)):
+                records = []
+                async with rt.generate(prompt, max_tokens=6, logprobs=logprobs, cache_salt=salt) as stream:
+                    async for record in stream:
+                        if isinstance(record, GeneratedToken):
+                            records.append(record)
+                        else:
+                            assert (record.cached_tokens == 0) == (salt == "cold")
+                if logprobs is None:
+                    assert all(record.logprob is None for record in records)
+                    continue
+                tokens = [record.token for record in records]
+                shared = assert_same_greedy(model, prompt, [t for t, _ in reference], tokens)
+                for record, (_, theirs) in list(zip(records, reference))[: shared + 1]:
+                    picked = record.logprob
+                    assert picked is not None and picked.token == record.token
+                    assert picked.logprob == pytest.approx(float(theirs[record.token]), abs=ATOL)
+                    assert len(picked.top) == logprobs
+                    best = np.sort(theirs)[::-1][:logprobs]
+                    np.testing.assert_allclose([value for _, value in picked.top], best, atol=ATOL, rtol=0)
+            await assert_clean(rt)
+
     async def test_a_generation_stops_at_the_models_end_of_sequence_token(self, llama):
         """A prompt whose greedy continuation (mlx-lm's ``generate_step``,
         which does not stop) reaches the model's end-of-sequence token ends
@@ -413,6 +448,9 @@ class TestBadInput:
             (mx.array([[1, 2]]), {}),
             (mx.array([1.0, 2.0]), {}),
             ({1, 2, 3}, {}),
+            ("hi", {"logprobs": -1}),
+            ("hi", {"logprobs": 21}),
+            ("hi", {"logprobs": True}),
         ],
     )
     async def test_rejected(self, llama, prompt, kwargs):

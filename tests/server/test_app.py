@@ -8,11 +8,13 @@ client cannot see (blocks held, live computations).
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 
 pytest.importorskip("starlette")
@@ -25,6 +27,7 @@ from mlxkv import GeneratedToken  # noqa: E402
 from mlxkv.actors.prompt_preparer import encode_text  # noqa: E402
 from mlxkv.server.request import ChatMessage  # noqa: E402
 
+from device_arithmetic import LOGITS_ATOL  # noqa: E402
 from greedy import CLEAR_GAP, least_gap, reference_load  # noqa: E402
 
 if sys.version_info < (3, 11):  # pragma: no cover
@@ -678,6 +681,84 @@ class TestChoices:
             stats = await nothing_held(s.runtime)
         assert error["code"] == "compute_failed" and error["message"].endswith("-1 failed"), error
         assert stats.generation.num_stopped >= 2
+
+
+class TestLogprobs:
+    """Tokens' log-probabilities, in the two endpoints' shapes: one entry for
+    every token the usage counts, each the runtime's own record."""
+
+    async def test_completions_give_the_runtimes_records(self, serve):
+        """``logprobs: 3`` on ``/v1/completions``: each counted token's text,
+        log-probability and three likeliest alternatives -- the runtime's own
+        (``generate(logprobs=3)`` on the same ids) -- and where its text
+        starts in the answer."""
+        async with serve() as s:
+            ids = list(await s.runtime.tokenize(ASK))
+            direct = []
+            async with s.runtime.generate(ids, max_tokens=12, logprobs=3, cache_salt="direct") as stream:
+                async for record in stream:
+                    if isinstance(record, GeneratedToken):
+                        direct.append(record)
+            answer = await s.client.completions.create(model="tiny", prompt=ASK, max_tokens=12, logprobs=3, **GREEDY)
+            plain = await s.client.completions.create(model="tiny", prompt=ASK, max_tokens=12, **GREEDY)
+            decode = s.runtime.preparer.decode
+        assert plain.choices[0].logprobs is None
+        (choice,) = answer.choices
+        logprobs = choice.logprobs
+        assert len(logprobs.tokens) == answer.usage.completion_tokens == len(direct)
+        assert logprobs.tokens == [decode([record.token]) for record in direct]
+        np.testing.assert_allclose(logprobs.token_logprobs, [r.logprob.logprob for r in direct], atol=LOGITS_ATOL)
+        for alternatives, record in zip(logprobs.top_logprobs, direct):
+            expected = {decode([token]): value for token, value in reversed(record.logprob.top)}
+            assert alternatives.keys() == expected.keys()
+            np.testing.assert_allclose(
+                list(alternatives.values()), [expected[k] for k in alternatives], atol=LOGITS_ATOL
+            )
+        offsets = [sum(len(r.text) for r in direct[:i]) for i in range(len(direct))]
+        assert logprobs.text_offset == offsets
+        assert choice.text == "".join(r.text for r in direct)
+
+    async def test_a_streamed_chat_gives_every_counted_token_once(self, serve):
+        """``logprobs: true, top_logprobs: 2`` on a streamed chat: the chunks'
+        entries, joined, are the unstreamed answer's, one for each counted
+        token, the likeliest alternative first (greedy: the token itself);
+        a stop string cuts the text, not the entries of the tokens counted."""
+        kwargs: dict[str, Any] = {"messages": chat("Hello!"), "max_tokens": 10, **GREEDY}
+        async with serve() as s:
+            create = functools.partial(s.client.chat.completions.create, model="tiny")
+            whole = await create(logprobs=True, top_logprobs=2, **kwargs)
+            _, usage, chunks = await streamed_chat(
+                s.client, logprobs=True, top_logprobs=2, stream_options={"include_usage": True}, **kwargs
+            )
+            text = whole.choices[0].message.content
+            stop = text[len(text) // 2 : len(text) // 2 + 2]
+            stopped = await create(logprobs=True, stop=[stop], **kwargs)
+            await nothing_held(s.runtime)
+        entries = whole.choices[0].logprobs.content
+        assert len(entries) == whole.usage.completion_tokens == usage.completion_tokens
+        streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+        assert [e.token for e in streamed] == [e.token for e in entries]
+        np.testing.assert_allclose([e.logprob for e in streamed], [e.logprob for e in entries], atol=LOGITS_ATOL)
+        for entry in entries:
+            assert entry.bytes == list(entry.token.encode("utf-8"))
+            assert len(entry.top_logprobs) == 2
+            assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+            assert entry.top_logprobs[0].token == entry.token
+            assert entry.logprob == entry.top_logprobs[0].logprob
+        assert stopped.choices[0].finish_reason == "stop"
+        assert len(stopped.choices[0].logprobs.content) == stopped.usage.completion_tokens
+        assert all(e.top_logprobs == [] for e in stopped.choices[0].logprobs.content)
+
+    async def test_each_choice_has_its_own(self, serve):
+        """Two sampled choices: each its own entries, as many as its tokens."""
+        async with serve() as s:
+            answer = await s.client.completions.create(
+                model="tiny", prompt=ASK, max_tokens=8, n=2, logprobs=1, temperature=1.0, seed=5
+            )
+        assert answer.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in answer.choices)
+        for choice in answer.choices:
+            assert all(len(top) == 1 for top in choice.logprobs.top_logprobs)
+            assert all(value <= 0 for value in choice.logprobs.token_logprobs)
 
 
 class TestHealthAndMetrics:

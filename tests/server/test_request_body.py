@@ -68,7 +68,9 @@ class TestCompletionBody:
             ({"prompt": "x", "n": 0}, "n"),
             ({"prompt": "x", "n": 1.5}, "n"),
             ({"prompt": "x", "echo": True}, "echo"),
-            ({"prompt": "x", "logprobs": 2}, "logprobs"),
+            ({"prompt": "x", "logprobs": -1}, "logprobs"),
+            ({"prompt": "x", "logprobs": 21}, "logprobs"),
+            ({"prompt": "x", "logprobs": True}, "logprobs"),
             ({"prompt": "x", "cache_salt": 5}, "cache_salt"),
             ({"prompt": "x", "model": 5}, "model"),
             ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
@@ -128,6 +130,26 @@ class TestChatBody:
             refused(parse_chat, {"messages": messages}, takes_images=takes_images).argument
             == argument
         )
+
+    def test_log_probabilities_are_read(self):
+        """``logprobs`` (completions: how many alternatives; chat: whether,
+        with ``top_logprobs`` for how many) become the options' ``logprobs``."""
+        assert parse_completion({"prompt": "x"}).options.logprobs is None
+        assert parse_completion({"prompt": "x", "logprobs": 0}).options.logprobs == 0
+        assert parse_completion({"prompt": "x", "logprobs": 20}).options.logprobs == 20
+        body = {"messages": [{"role": "user", "content": "x"}]}
+        assert parse_chat(body, takes_images=False).options.logprobs is None
+        assert parse_chat({**body, "logprobs": False}, takes_images=False).options.logprobs is None
+        assert parse_chat({**body, "logprobs": True}, takes_images=False).options.logprobs == 0
+        assert parse_chat({**body, "logprobs": True, "top_logprobs": 3}, takes_images=False).options.logprobs == 3
+        for bad, argument in (
+            ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+            ({"logprobs": False, "top_logprobs": 3}, "top_logprobs"),
+            ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+            ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+            ({"logprobs": 1}, "logprobs"),
+        ):
+            assert refused(parse_chat, {**body, **bad}, takes_images=False).argument == argument
 
     def test_unsupported_features_are_refused(self):
         """Tools and a JSON response format are refused, not ignored."""

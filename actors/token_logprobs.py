@@ -1,0 +1,116 @@
+"""A generated token's log-probability and its most likely alternatives, picked on the device.
+
+A request that asks for them (``RequestSpec.top_logprobs``: ``k`` from 0 to
+:data:`MAX_TOP_LOGPROBS`) gets, with each token, a :class:`TokenLogprob`: the
+token's log-probability under the model's distribution at that step (the
+log-softmax of its logits, before temperature or any truncation: what
+mlx-lm's ``generate_step`` yields), and the ``k`` most likely tokens there
+with theirs.
+
+:func:`pick` does it for the rows of one step that ask, in a few operations
+over the batch (a gather and a partial sort), queued with the step: only
+``1 + 2k`` numbers a row reach the host, never a row of the vocabulary.
+:meth:`Picks.read` reads them, once, after the step was evaluated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import attrs
+
+__all__ = ["MAX_TOP_LOGPROBS", "Picks", "TokenLogprob", "pick"]
+
+#: The most alternatives a token may come with (OpenAI's bound for chat).
+MAX_TOP_LOGPROBS = 20
+
+
+@attrs.frozen
+class TokenLogprob:
+    """A generated token's log-probability, and the most likely tokens at its step.
+
+    Attributes:
+        token: the token id.
+        logprob: its log-probability (<= 0).
+        top: ``(token id, log-probability)`` of the most likely tokens, most
+            likely first (ties: lower id first; of tokens tied at the last
+            place, any), as many as asked for (fewer only for a vocabulary
+            that small).
+    """
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class Picks:
+    """What :func:`pick` queued for one step's rows, read once.
+
+    Owns: the queued arrays (the caller evaluates them with its step) and,
+    once read, the records.
+
+    Invariants:
+        - ``keys[i]`` is the key of the row whose values are row ``i`` of the
+          arrays, and asked for ``widths[i]`` alternatives;
+        - :meth:`read` touches the arrays once, whoever asks.
+    """
+
+    def __init__(self, keys: Sequence[Any], widths: Sequence[int], tokens: Any, chosen: Any, top: Any, values: Any):
+        self._keys = tuple(keys)
+        self._widths = tuple(widths)
+        self._arrays = (tokens, chosen, top, values)
+        self._read: Optional[dict[Any, TokenLogprob]] = None
+
+    @property
+    def arrays(self) -> list[Any]:
+        """The queued arrays, for the caller's ``mx.async_eval``."""
+        return [array for array in self._arrays if array is not None]
+
+    def read(self) -> dict[Any, TokenLogprob]:
+        """Each asking row's record, by its key."""
+        if self._read is None:
+            tokens, chosen, top, values = (None if array is None else array.tolist() for array in self._arrays)
+            records = {}
+            for row, (key, width) in enumerate(zip(self._keys, self._widths)):
+                alternatives = ()
+                if width:
+                    ranked = sorted(zip(values[row], top[row]), key=lambda pair: (-pair[0], pair[1]))
+                    alternatives = tuple((int(token), float(value)) for value, token in ranked[:width])
+                records[key] = TokenLogprob(int(tokens[row]), float(chosen[row]), alternatives)
+            self._read = records
+        return self._read
+
+
+def pick(logprobs: Any, tokens: Any, widths: Sequence[Optional[int]], keys: Sequence[Any]) -> Optional[Picks]:
+    """Queue the records of the rows of a step that ask for them.
+
+    Args:
+        logprobs: the step's log-probabilities ``(rows, vocab)``.
+        tokens: the tokens drawn from them ``(rows,)``.
+        widths: per row, how many alternatives it asks for, or None (none
+            asked: no record).
+        keys: per row, what its record is read back under.
+
+    Returns:
+        The picks, lazy (evaluate :attr:`Picks.arrays` with the step), or
+        None where no row asks.
+    """
+    import mlx.core as mx
+
+    asking = [(row, width) for row, width in enumerate(widths) if width is not None]
+    if not asking:
+        return None
+    if len(asking) < len(widths):
+        index = mx.array([row for row, _ in asking])
+        logprobs, tokens = logprobs[index], tokens[index]
+    logprobs = logprobs.astype(mx.float32)
+    tokens = tokens.astype(mx.int32)
+    chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    width = min(max(asked for _, asked in asking), logprobs.shape[-1])
+    top = values = None
+    if width:
+        top = mx.argpartition(-logprobs, kth=width - 1, axis=-1)[:, :width]
+        values = mx.take_along_axis(logprobs, top, axis=-1)
+    widths_read = [min(asked, width) for _, asked in asking]
+    return Picks([keys[row] for row, _ in asking], widths_read, tokens, chosen, top, values)
