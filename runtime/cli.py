@@ -217,6 +217,12 @@ def _run_parser(subparsers: argparse._SubParsersAction) -> None:
         "--prompt-tokens", type=int, default=512, help="tokens per system prompt (512)"
     )
     parser.add_argument("--user-tokens", type=int, default=48, help="tokens per user turn (48)")
+    parser.add_argument(
+        "--logprobs",
+        type=int,
+        metavar="K",
+        help="ask for every token's log-probability and its K likeliest alternatives (0-20; default: none)",
+    )
     add_runtime_options(parser)
     parser.add_argument("--seed", type=int, default=0, help="seeds the texts (0)")
     _backend_option(parser)
@@ -268,6 +274,7 @@ def _run(args: argparse.Namespace) -> int:
         user_tokens=args.user_tokens,
         images=args.images,
         seed=args.seed,
+        logprobs=args.logprobs,
     )
     _check_json_target(args.json)
     with contextlib.ExitStack() as stack:

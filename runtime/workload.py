@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional
 import anyio
 import attrs
 
+from mlxkv.actors.request import top_logprobs_checked
 from mlxkv.cache.validators import int_at_least
 from mlxkv.cache.errors import InvalidInput
 from mlxkv.cache.tiers.tier import TierStatistics
@@ -83,6 +84,8 @@ class WorkloadConfig:
         images: distinct images the conversations are about (0: text only;
             needs a vision-language model).
         seed: seeds the texts (decoding is greedy).
+        logprobs: every token with its log-probability and this many
+            alternatives (the cost of asking), or None: none.
     """
 
     runtime: RuntimeConfig = attrs.field(validator=_runtime)
@@ -95,6 +98,7 @@ class WorkloadConfig:
     user_tokens: int = attrs.field(default=48, validator=int_at_least(1))
     images: int = attrs.field(default=0, validator=int_at_least(0))
     seed: int = attrs.field(default=0, validator=int_at_least(0))
+    logprobs: Optional[int] = attrs.field(default=None, converter=lambda k: top_logprobs_checked(k, "logprobs"))
 
 
 @attrs.frozen(kw_only=True)
@@ -400,6 +404,7 @@ async def run_workload(
                         images=images,
                         max_tokens=config.max_tokens,
                         request_id=f"c{index}-t{turn}",
+                        logprobs=config.logprobs,
                     ) as stream:
                         async for record in stream:
                             if isinstance(record, GenerationReport):

@@ -3,7 +3,8 @@
 Starts ``mlxkv serve`` (the built-in model, or ``--model``) with an API key,
 small admission limits and a short body timeout, then for ``--duration``
 seconds runs ``--clients`` well-formed clients (streamed and plain chat and
-completions, greedy and sampled, a quarter of them of 2-4 choices) beside
+completions, greedy and sampled, a quarter of them of 2-4 choices, a quarter
+with log-probabilities) beside
 ``--attackers`` that cycle through
 the attacks, each on its own connection:
 
@@ -179,8 +180,15 @@ class Attacks:
         return {name: getattr(self, name) for name in names}
 
 
+def _entries(logprobs: dict[str, Any]) -> list[Any]:
+    """A choice's log-probability entries, in either endpoint's shape."""
+    return logprobs["content"] if "content" in logprobs else logprobs["tokens"]
+
+
 async def well_formed(url: str, rng: random.Random, served: collections.Counter, failures: list[str]) -> None:
-    """One well-formed request: chat or completion, streamed or not, greedy or sampled, of 1-4 choices."""
+    """One well-formed request: chat or completion, streamed or not, greedy or
+    sampled, of 1-4 choices, with log-probabilities or not (an answer's
+    entries must be as many as its tokens)."""
     headers = {"Authorization": f"Bearer {KEY}"}
     system = "You are a terse assistant. " * rng.randint(4, 24)
     options: dict[str, Any] = {"max_tokens": rng.randint(4, 16)}
@@ -191,10 +199,15 @@ async def well_formed(url: str, rng: random.Random, served: collections.Counter,
     choices = rng.randint(2, 4) if rng.random() < 0.25 else 1
     if choices > 1:
         options["n"] = choices
+    logprobs = rng.randint(0, 5) if rng.random() < 0.25 else None
     if rng.random() < 0.5:
         path, body = "/v1/chat/completions", {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "Why?"}]}
+        if logprobs is not None:
+            options.update(logprobs=True, top_logprobs=logprobs)
     else:
         path, body = "/v1/completions", {"prompt": system + "Why?"}
+        if logprobs is not None:
+            options["logprobs"] = logprobs
     stream = rng.random() < 0.5
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120) as http:
         try:
@@ -206,6 +219,10 @@ async def well_formed(url: str, rng: random.Random, served: collections.Counter,
             else:
                 response = await http.post(path, json={**body, **options})
                 ok = response.status_code == 200 and len(response.json()["choices"]) == choices
+                if ok and logprobs is not None:
+                    answer = response.json()
+                    entries = sum(len(_entries(c["logprobs"])) for c in answer["choices"])
+                    ok = entries == answer["usage"]["completion_tokens"]
         except httpx.HTTPError as error:
             ok, response = False, None
             failures.append(f"{path}: {error!r}")

@@ -62,6 +62,7 @@ class TestBadInput:
             (("run", "--bogus"), "unrecognized arguments: --bogus"),
             (("serve", "--transpose-weights", "yes"), "argument --transpose-weights: 'yes': choose from auto, on, off"),
             (("run", "--requests", "0"), "invalid requests=0: must be an int >= 1"),
+            (("run", "--logprobs", "21"), "invalid logprobs=21: must be None or an int in [0, 20]"),
             (("run", "--kv-memory", "lots"), "invalid kv_memory='lots'"),
             (("run", "--model", "/no/such/dir"), "no such directory"),
             (("run", "--trace", "/no/such/dir/trace.jsonl"), "cannot write /no/such/dir/trace.jsonl"),
