@@ -43,6 +43,7 @@ import attrs
 
 from mlxkv.actors.model_runner import ModelRunner
 from mlxkv.actors.request import stop_reason
+from mlxkv.actors.penalties import adjust_rows
 from mlxkv.actors.sampling import draw_rows
 from mlxkv.actors.sequence import SequenceState
 from mlxkv.actors.token_logprobs import Picks, TokenLogprob, pick
@@ -329,6 +330,10 @@ class DecodeBatch:
             # copies are made), without waiting for the step in flight.
             mx.async_eval(grown)
         logits = self._runner.decode(inputs, self._cache, self.rows, positions)
+        for index, sequence in enumerate(self.rows):
+            if sequence.adjuster is not None:
+                sequence.adjuster.fed(inputs[index : index + 1])  # generated now, counted from this step
+        logits = adjust_rows(logits, [sequence.adjuster for sequence in self.rows])
         if any(
             sequence.sampler is not None or sequence.keep_logits or sequence.top_logprobs is not None
             for sequence in self.rows

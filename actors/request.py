@@ -18,6 +18,7 @@ from typing import Any, Literal, Optional
 
 import attrs
 
+from mlxkv.actors.penalties import NO_PENALTIES, Penalties
 from mlxkv.actors.sampling import GREEDY, Sampling
 from mlxkv.actors.token_logprobs import MAX_TOP_LOGPROBS
 from mlxkv.cache.errors import InvalidInput
@@ -74,6 +75,7 @@ class RequestSpec:
             order; empty for a cold start. They leave at least the last
             prompt token to compute.
         sampling: how tokens are sampled.
+        penalties: what is added to the logits before each draw.
         max_tokens: the most tokens to generate, >= 1.
         stop_tokens: tokens that end the generation (not emitted); None
             until the compute actor puts the model's end-of-sequence tokens.
@@ -94,6 +96,7 @@ class RequestSpec:
     prompt: tuple[int, ...] = attrs.field(converter=_prompt, repr=lambda t: f"<{len(t)} tokens>")
     prefix: tuple[Any, ...] = attrs.field(default=(), converter=tuple, eq=False, repr=lambda p: f"<{len(p)} blocks>")
     sampling: Sampling = attrs.field(default=GREEDY, validator=_sampling)
+    penalties: Penalties = attrs.field(default=NO_PENALTIES, validator=attrs.validators.instance_of(Penalties))
     max_tokens: int = attrs.field(validator=int_at_least(1))
     stop_tokens: Optional[frozenset[int]] = None
     block_size: int = attrs.field(validator=int_at_least(1))

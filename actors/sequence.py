@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any, Optional
 
+from mlxkv.actors.penalties import LogitsAdjuster
 from mlxkv.actors.request import RequestSpec, prompt_and_answer
 from mlxkv.actors.sampling import Sampler
 
@@ -39,6 +40,7 @@ class SequenceState:
     __slots__ = (
         "spec",
         "sampler",
+        "adjuster",
         "cache",
         "prepared",
         "num_cached",
@@ -53,6 +55,8 @@ class SequenceState:
     def __init__(self, spec: RequestSpec) -> None:
         self.spec = spec
         self.sampler: Optional[Sampler] = spec.sampling.make_sampler()
+        #: Its penalties' state, or None where it asked for none.
+        self.adjuster = LogitsAdjuster(spec.penalties, spec.prompt) if spec.penalties.active else None
         self.cache: Optional[list[Any]] = None
         #: What the model runner made of the request for itself (its own business).
         self.prepared: Any = None

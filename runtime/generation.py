@@ -85,6 +85,7 @@ from mlxkv.actors.event_log import EventLog
 from mlxkv.actors.model_info import ModelInfo
 from mlxkv.actors.prompt_preparer import PreparedPrompt, PromptPreparer
 from mlxkv.actors.prefix_index import RequestId
+from mlxkv.actors.penalties import NO_PENALTIES, Penalties
 from mlxkv.actors.request import RequestSpec, top_logprobs_checked
 from mlxkv.actors.sampling import Sampling
 from mlxkv.actors.token_logprobs import TokenLogprob
@@ -259,6 +260,7 @@ class GenerationRequest:
         cache_salt: the tenant namespace, or None.
         logprobs: how many alternatives each token's log-probability comes
             with (0 to ``MAX_TOP_LOGPROBS``), or None: no log-probabilities.
+        penalties: what is added to the logits before each draw.
     """
 
     request_id: RequestId
@@ -268,6 +270,7 @@ class GenerationRequest:
     images: Optional[tuple[Any, ...]]
     cache_salt: Optional[str]
     logprobs: Optional[int] = None
+    penalties: Penalties = NO_PENALTIES
 
     @classmethod
     def checked(
@@ -281,6 +284,7 @@ class GenerationRequest:
         request_id: Optional[str],
         info: ModelInfo,
         logprobs: Optional[int] = None,
+        penalties: Penalties = NO_PENALTIES,
     ) -> GenerationRequest:
         """Check a ``generate`` call's arguments before anything is sent.
 
@@ -326,6 +330,7 @@ class GenerationRequest:
             images=images,
             cache_salt=cache_salt,
             logprobs=logprobs,
+            penalties=penalties,
         )
 
 
@@ -622,6 +627,7 @@ class _Run:
                 prompt=prompt,
                 prefix=fetch.payloads[:usable],
                 sampling=request.sampling,
+                penalties=request.penalties,
                 max_tokens=request.max_tokens,
                 # Given here, so that the actor does not make the spec again
                 # (and check its prompt again) to fill them in.

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any, Optional
 
@@ -32,6 +32,7 @@ from mlxkv.actors.model_info import ModelInfo
 from mlxkv.actors.prompt_preparer import PromptPreparer
 from mlxkv.actors.model_source import check_model_source
 from mlxkv.actors.prefix_index import PrefixIndexActor, PrefixIndexHandle, RequestId
+from mlxkv.actors.penalties import Penalties
 from mlxkv.actors.sampling import Sampling
 from mlxkv.cache.block_hash import ChainKeys
 from mlxkv.cache.errors import InvalidInput, UnknownRequest
@@ -633,6 +634,10 @@ class CacheRuntime:
         cache_salt: Optional[str] = None,
         request_id: Optional[str] = None,
         logprobs: Optional[int] = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        logit_bias: Optional[Mapping[int, float]] = None,
     ) -> Generation:
         """Generate from ``prompt``, reusing every cached block of its prefix.
 
@@ -671,7 +676,16 @@ class CacheRuntime:
                 (the log-softmax of its logits, before ``temperature`` or any
                 truncation, as mlx-lm's ``generate_step`` yields them),
                 picked on the device: ``2k + 1`` numbers a token reach the
-                host.
+                host. With penalties or a bias, of the logits they made.
+            presence_penalty: subtracted from the logit of each token
+                generated so far, once (``[-2, 2]``; OpenAI's).
+            frequency_penalty: subtracted from the logit of each token
+                generated so far, once per time (``[-2, 2]``; OpenAI's).
+            repetition_penalty: divides the positive logits of the tokens in
+                the prompt or generated so far and multiplies the negative
+                ones (``(0, 2]``, 1: off; vLLM's).
+            logit_bias: ``{token id: bias}`` added to the logits, each bias
+                in ``[-100, 100]`` (-100 bans a token; OpenAI's).
 
         Returns:
             The :class:`~mlxkv.generation.Generation` to iterate.
@@ -681,7 +695,8 @@ class CacheRuntime:
                 empty prompt, ``max_tokens`` < 1, a token out of the
                 vocabulary, bad sampling settings, images for a model that
                 does not take them, a salt that is not a str, ``logprobs``
-                not None or an int in ``[0, 20]``); nothing was
+                not None or an int in ``[0, 20]``, a penalty out of range, a
+                bias on a token past the vocabulary); nothing was
                 sent. An image that cannot be read is refused the same way
                 while iterating, before anything is computed or cached,
                 naming the image.
@@ -699,6 +714,13 @@ class CacheRuntime:
         sampling = Sampling(
             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed
         )
+        penalties = Penalties(
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty,
+            logit_bias=logit_bias,
+        )
+        penalties.check_vocabulary(context.model.vocab_size)
         request = GenerationRequest.checked(
             prompt,
             max_tokens=max_tokens,
@@ -708,6 +730,7 @@ class CacheRuntime:
             request_id=request_id,
             info=context.model,
             logprobs=logprobs,
+            penalties=penalties,
         )
         return Generation(request, context)
 

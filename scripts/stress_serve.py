@@ -4,7 +4,7 @@ Starts ``mlxkv serve`` (the built-in model, or ``--model``) with an API key,
 small admission limits and a short body timeout, then for ``--duration``
 seconds runs ``--clients`` well-formed clients (streamed and plain chat and
 completions, greedy and sampled, a quarter of them of 2-4 choices, a quarter
-with log-probabilities) beside
+with log-probabilities, a quarter with penalties and a bias) beside
 ``--attackers`` that cycle through
 the attacks, each on its own connection:
 
@@ -187,8 +187,8 @@ def _entries(logprobs: dict[str, Any]) -> list[Any]:
 
 async def well_formed(url: str, rng: random.Random, served: collections.Counter, failures: list[str]) -> None:
     """One well-formed request: chat or completion, streamed or not, greedy or
-    sampled, of 1-4 choices, with log-probabilities or not (an answer's
-    entries must be as many as its tokens)."""
+    sampled, with penalties or not, of 1-4 choices, with log-probabilities
+    or not (an answer's entries must be as many as its tokens)."""
     headers = {"Authorization": f"Bearer {KEY}"}
     system = "You are a terse assistant. " * rng.randint(4, 24)
     options: dict[str, Any] = {"max_tokens": rng.randint(4, 16)}
@@ -196,6 +196,8 @@ async def well_formed(url: str, rng: random.Random, served: collections.Counter,
         options.update(temperature=1.0, top_p=0.9)
     else:
         options.update(temperature=0)
+    if rng.random() < 0.25:
+        options.update(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1, logit_bias={"42": -100})
     choices = rng.randint(2, 4) if rng.random() < 0.25 else 1
     if choices > 1:
         options["n"] = choices

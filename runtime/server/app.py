@@ -628,6 +628,10 @@ class _Answering(Response):
                             cache_salt=self._salt,
                             request_id=self._id if options.n == 1 else f"{self._id}-{index}",
                             logprobs=options.logprobs,
+                            presence_penalty=options.penalties.presence_penalty,
+                            frequency_penalty=options.penalties.frequency_penalty,
+                            repetition_penalty=options.penalties.repetition_penalty,
+                            logit_bias=dict(options.penalties.logit_bias),
                         )
                         await generations.enter_async_context(generation)
                         answers.append(_Answer(index, generation, options.stop, self._first_token))

@@ -5,12 +5,12 @@ into a frozen record or raise :class:`~mlxkv.InvalidInput` naming the field
 (the server answers 400 with its message). Everything is checked before
 anything is sent to the runtime: the JSON types, the ranges the OpenAI API
 gives, fields this server cannot honour at other than their default
-(``echo``, ``best_of``, penalties, tools...), and fields it does not know. Values the
+(``echo``, ``best_of``, tools...), and fields it does not know. Values the
 runtime checks itself (a token id past the vocabulary, a prompt past the
 context) are left to it.
 
 Beyond the OpenAI fields, both take vLLM's extensions ``cache_salt``,
-``top_k`` and ``min_p``, and the SGLang/vLLM extension fields that routers
+``top_k``, ``min_p`` and ``repetition_penalty``, and the SGLang/vLLM extension fields that routers
 add to every request they forward (vllm-router, sglang-router) where their
 value is what this server does anyway: ``ignore_eos``, ``no_stop_trim``,
 ``continue_final_message`` and ``return_hidden_states`` false,
@@ -29,6 +29,7 @@ from typing import Any, Optional, Union
 
 import attrs
 
+from mlxkv.actors.penalties import NO_PENALTIES, Penalties
 from mlxkv.actors.token_logprobs import MAX_TOP_LOGPROBS
 from mlxkv.cache.errors import Shown
 from mlxkv.errors import InvalidInput
@@ -70,6 +71,9 @@ class Options:
         logprobs: give each generated token's log-probability and this many
             alternatives (completions' ``logprobs``; chat's ``top_logprobs``
             with ``logprobs: true``), or None: none.
+        penalties: ``presence_penalty``, ``frequency_penalty``,
+            ``repetition_penalty`` and ``logit_bias`` (its keys token ids
+            written as strings, as JSON must).
     """
 
     model: Optional[str] = None
@@ -85,6 +89,7 @@ class Options:
     cache_salt: Optional[str] = None
     n: int = 1
     logprobs: Optional[int] = None
+    penalties: Penalties = NO_PENALTIES
 
 
 @attrs.frozen(kw_only=True)
@@ -295,9 +300,12 @@ def _options(fields: _Fields, *, max_tokens: Any) -> Options:
         fields.default_only(name, value)
     for name in _REASONING_FIELDS:
         _bool(name, fields.take(name), default=False)
-    fields.default_only("presence_penalty", 0)
-    fields.default_only("frequency_penalty", 0)
-    fields.default_only("logit_bias", None, also=({},))
+    given = {name: fields.take(name) for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")}
+    # Penalties checks each value's type and range, naming the field.
+    penalties = Penalties(
+        **{name: value for name, value in given.items() if value is not None},
+        logit_bias=_logit_bias(fields.take("logit_bias")),
+    )
     stream = _bool("stream", fields.take("stream"), default=False)
     stream_options = fields.take("stream_options")
     include_usage = False
@@ -330,7 +338,23 @@ def _options(fields: _Fields, *, max_tokens: Any) -> Options:
         include_usage=include_usage,
         cache_salt=salt,
         n=_int("n", fields.take("n"), minimum=1) or 1,
+        penalties=penalties,
     )
+
+
+def _logit_bias(value: Any) -> Optional[dict[int, Any]]:
+    """OpenAI's ``logit_bias``: token ids written as strings, to numbers
+    (checked with the penalties)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidInput("logit_bias", value, "must map token ids (as strings) to numbers")
+    bias = {}
+    for key, number in value.items():
+        if not key.isdecimal() or len(key) > MAX_INT_DIGITS:
+            raise InvalidInput("logit_bias", value, f"has a key that is not a token id: {key!r}")
+        bias[int(key)] = number
+    return bias
 
 
 def _bool(name: str, value: Any, *, default: bool) -> bool:

@@ -43,6 +43,7 @@ from mlxkv.actors.compute import (
     events_needed,
 )
 from mlxkv.actors.mlx_thread import MLXThreadStopped
+from mlxkv.actors.penalties import Penalties
 from mlxkv.actors.sampling import Sampling
 from mlxkv.cache import kv_state
 from mlxkv.cache.errors import InvalidInput
@@ -771,6 +772,72 @@ class TestTokenLogprobs:
                 assert all(abs(float(full[t]) - value) <= 1e-6 for t, value in record.top)
             if width and name.startswith("greedy"):
                 assert all(record.top[0][0] == record.token for record in records)
+
+
+class _ReferencePenalties:
+    """The penalties as an mlx-lm logits processor, in NumPy (for
+    ``generate_step``, whose processors see the last prompt token and the
+    tokens generated after it)."""
+
+    def __init__(self, penalties: Penalties, prompt: list[int]) -> None:
+        self.penalties, self.prompt = penalties, prompt
+        self._first: Optional[int] = None
+
+    def __call__(self, tokens: Any, logits: Any) -> Any:
+        if self._first is None:
+            self._first = tokens.size
+        generated = tokens.tolist()[self._first :]
+        p = self.penalties
+        row = np.array(logits[0].astype(mx.float32))
+        for token, bias in p.logit_bias:
+            row[token] += bias
+        seen = sorted(set(self.prompt) | set(generated))
+        row[seen] = np.where(row[seen] > 0, row[seen] / p.repetition_penalty, row[seen] * p.repetition_penalty)
+        counts = np.bincount(np.array(generated, dtype=np.int64), minlength=row.size).astype(np.float32)
+        row = row - p.presence_penalty * (counts > 0) - p.frequency_penalty * counts
+        return mx.array(row)[None].astype(logits.dtype)
+
+
+class TestPenalties:
+    CASES = {
+        "presence": Penalties(presence_penalty=1.5),
+        "frequency": Penalties(frequency_penalty=0.9),
+        "repetition": Penalties(repetition_penalty=1.8),
+        "bias": Penalties(logit_bias={7: 4.0, 11: -100.0}),
+        "all": Penalties(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.3, logit_bias={3: 2.0}),
+        "none": Penalties(),
+    }
+
+    async def test_each_row_is_mlx_lms_with_the_same_processor(self, running, tiny_llama):
+        """Requests decoding side by side, each with its own penalties (or
+        none): each one's tokens and log-probabilities are mlx-lm's
+        ``generate_step`` with the same rule as a logits processor (written
+        here in NumPy); and the penalties change what greedy decoding picks."""
+        from mlx_lm.generate import generate_step
+
+        model, _ = tiny_llama
+        prompts = {name: _prompt(40 + 9 * i, salt=20 + i) for i, name in enumerate(self.CASES)}
+        references = {}
+        for name, penalties in self.CASES.items():
+            processor = _ReferencePenalties(penalties, prompts[name])
+            steps = generate_step(mx.array(prompts[name]), model, max_tokens=16, logits_processors=[processor])
+            references[name] = Run([Token(tokens=(int(t),), logprobs=(np.array(lp),)) for t, lp in steps])
+        runs: dict[str, Run] = {}
+        async with _serving(running, _actor(tiny_llama)) as compute:
+            plain = await _run(compute, "plain", prompts["repetition"], max_tokens=16, stop_tokens=frozenset())
+
+            async def one(name: str) -> None:
+                runs[name] = await _run(
+                    compute, name, prompts[name], penalties=self.CASES[name], max_tokens=16, stop_tokens=frozenset()
+                )
+
+            async with anyio.create_task_group() as tg:
+                for name in self.CASES:
+                    tg.start_soon(one, name)
+        for name in self.CASES:
+            _assert_same(runs[name], references[name])
+        assert runs["repetition"].tokens != plain.tokens
+        assert 7 in runs["bias"].tokens and 11 not in runs["bias"].tokens
 
 
 class TestCancellation:

@@ -761,6 +761,27 @@ class TestLogprobs:
             assert all(value <= 0 for value in choice.logprobs.token_logprobs)
 
 
+class TestPenalties:
+    """Penalties and a bias reach the decoding."""
+
+    async def test_a_bias_bans_and_forces_tokens(self, serve):
+        """``logit_bias`` -100 on the greedy answer's first token: another
+        answer; +100 on one token: every token is it (the log-probabilities
+        say so); a token past the vocabulary: 400 naming the field."""
+        async with serve() as s:
+            kwargs: dict[str, Any] = {"model": "tiny", "prompt": ASK, "max_tokens": 6, "logprobs": 0, **GREEDY}
+            async with s.runtime.generate(list(await s.runtime.tokenize(ASK)), max_tokens=1) as stream:
+                first = [record.token async for record in stream if isinstance(record, GeneratedToken)][0]
+            banned = await s.client.completions.create(**kwargs, logit_bias={str(first): -100})
+            forced = await s.client.completions.create(**kwargs, logit_bias={"42": 100})
+            with pytest.raises(openai.BadRequestError) as info:
+                await s.client.completions.create(**kwargs, logit_bias={"100000": 1})
+            await nothing_held(s.runtime)
+        assert banned.choices[0].logprobs.tokens[0] != s.runtime.preparer.decode([first])
+        assert set(forced.choices[0].logprobs.tokens) == {s.runtime.preparer.decode([42])}
+        assert info.value.body["param"] == "logit_bias"
+
+
 class TestHealthAndMetrics:
     """``GET /health`` and ``GET /metrics``."""
 

@@ -131,6 +131,31 @@ class TestChatBody:
             == argument
         )
 
+    def test_penalties_and_a_bias_are_read(self):
+        """OpenAI's penalties and ``logit_bias`` (ids as strings), vLLM's
+        ``repetition_penalty``; out of range or malformed: refused by name."""
+        body = {"messages": [{"role": "user", "content": "x"}]}
+        penalties = parse_chat(
+            {**body, "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2,
+             "logit_bias": {"7": 5, "3": -100}},
+            takes_images=False,
+        ).options.penalties  # fmt: skip
+        assert (penalties.presence_penalty, penalties.frequency_penalty, penalties.repetition_penalty) == (0.5, -1, 1.2)
+        assert penalties.logit_bias == ((3, -100.0), (7, 5.0))
+        assert not parse_completion({"prompt": "x", "presence_penalty": 0, "logit_bias": {}}).options.penalties.active
+        for bad, argument in (
+            ({"presence_penalty": 2.5}, "presence_penalty"),
+            ({"frequency_penalty": "1"}, "frequency_penalty"),
+            ({"repetition_penalty": 0}, "repetition_penalty"),
+            ({"logit_bias": {"x": 1}}, "logit_bias"),
+            ({"logit_bias": {"-1": 1}}, "logit_bias"),
+            ({"logit_bias": {"5": 101}}, "logit_bias"),
+            ({"logit_bias": {"5": "1"}}, "logit_bias"),
+            ({"logit_bias": [5]}, "logit_bias"),
+        ):
+            assert refused(parse_chat, {**body, **bad}, takes_images=False).argument == argument
+            assert refused(parse_completion, {"prompt": "x", **bad}).argument == argument
+
     def test_log_probabilities_are_read(self):
         """``logprobs`` (completions: how many alternatives; chat: whether,
         with ``top_logprobs`` for how many) become the options' ``logprobs``."""
