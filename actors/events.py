@@ -98,11 +98,14 @@ class Prefilled:
             was computed.
         logits: the logits of the last prompt position (the first token is
             sampled from them), evaluated, ``(vocab,)``.
+        prompt_logprobs: the records of the prompt's tokens but the first,
+            in order, where the request asked for them, else empty.
     """
 
     num_cached: int
     cold_fallback: bool = False
     logits: Any = attrs.field(default=None, eq=False, repr=False)
+    prompt_logprobs: tuple[TokenLogprob, ...] = attrs.field(default=(), repr=False)
 
 
 @attrs.frozen(kw_only=True)

@@ -234,7 +234,13 @@ class Executor:
                 self._live[sequence.request_id] = sequence
             boundary = sequence.block_size if runner.info.has_recurrent else None
             rows.append((sequence, next_chunk_end(sequence.num_computed, len(sequence.prompt), self._chunk, boundary)))
-        groups = [rows] if runner.info.batch_prefill and len(rows) > 1 else [[row] for row in rows]
+        # A row whose every position's logits are asked for prefills alone.
+        alone = [row for row in rows if row[0].spec.prompt_logprobs is not None]
+        together = [row for row in rows if row[0].spec.prompt_logprobs is None]
+        if runner.info.batch_prefill and len(together) > 1:
+            groups = [together] + [[row] for row in alone]
+        else:
+            groups = [[row] for row in together + alone]
         while groups:
             group = groups.pop(0)
             try:
@@ -313,14 +319,16 @@ class Executor:
             return
         try:
             token_logprob = None if first.picks is None else first.picks.read().get(sequence.request_id)
+            prompt_logprobs = tuple(record for picks in sequence.prompt_picks for record in picks.read().values())
         except Exception as error:
             self._let_go(sequence, error, run)
             return
+        sequence.prompt_picks.clear()
         sequence.emitted(token)
         run.chunks.append(
             _chunk_done(
                 sequence, first.encoding, first_token=token, logits=first.logits, logprobs=first.logprobs,
-                token_logprob=token_logprob,
+                token_logprob=token_logprob, prompt_logprobs=prompt_logprobs,
             )  # fmt: skip
         )
 

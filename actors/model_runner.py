@@ -36,6 +36,7 @@ from mlxkv.actors.kept_caches import KeptCaches
 from mlxkv.actors.model_info import ModelInfo, device_name
 from mlxkv.actors.prompt_preparer import ImageEncoding, PromptPreparer, TextPreparer
 from mlxkv.actors.sequence import SequenceState
+from mlxkv.actors.token_logprobs import pick_positions
 from mlxkv.actors.weight_layout import hold_weights, loading
 from mlxkv.cache import kv_state
 from mlxkv.cache.errors import InvalidInput
@@ -266,7 +267,10 @@ class CacheRunner(abc.ABC):
     def start(self, sequence: SequenceState) -> None:
         prefix = sequence.prefix
         cold_fallback = False
-        cache, num_cached = self._kept.take(sequence, prefix, text_only=self._text_only(sequence))
+        if sequence.spec.prompt_logprobs is None:
+            cache, num_cached = self._kept.take(sequence, prefix, text_only=self._text_only(sequence))
+        else:
+            cache, num_cached = None, 0  # every prompt position's logits are asked for
         reused = cache is not None
         if cache is not None:
             cache = self._own(sequence, cache, num_cached)
@@ -364,7 +368,13 @@ class CacheRunner(abc.ABC):
         start, total = sequence.num_computed, len(sequence.prompt)
         body_end = end if end < total else total - 1
         if body_end > start:
-            self._run(sequence, cache, start, body_end)
+            logits = self._run(sequence, cache, start, body_end)
+            width = sequence.spec.prompt_logprobs
+            if width is not None:
+                # Position p's logits give token p + 1's records.
+                picks = pick_positions(logits[0], sequence.prompt[start + 1 : body_end + 1], width, start + 1)
+                mx.async_eval(picks.arrays)
+                sequence.prompt_picks.append(picks)
             self._record_snapshot(sequence, cache, body_end)
             sequence.computed(body_end)
         if end < total:

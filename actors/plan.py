@@ -136,6 +136,9 @@ class ChunkDone:
         logprobs: the log-probabilities the first token was drawn from.
         token_logprob: the first token's log-probability and alternatives,
             if the request asked for them (``top_logprobs``), else None.
+        prompt_logprobs: the records of the prompt's tokens but the first,
+            in order, if the request asked for them (``prompt_logprobs``),
+            else empty.
     """
 
     request_id: str
@@ -151,6 +154,7 @@ class ChunkDone:
     logits: Any = attrs.field(default=None, eq=False, repr=False)
     logprobs: Any = attrs.field(default=None, eq=False, repr=False)
     token_logprob: Optional[TokenLogprob] = None
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @attrs.frozen

@@ -84,6 +84,11 @@ class RequestSpec:
         top_logprobs: attach each token's
             :class:`~mlxkv.actors.token_logprobs.TokenLogprob` with this many
             alternatives (0 to ``MAX_TOP_LOGPROBS``), or None: none.
+        prompt_logprobs: attach to the prompt's ``Prefilled`` event the
+            records of its tokens but the first (each from the logits of
+            the position before it) with this many alternatives, or None:
+            none. Such a request computes its whole prompt: it is given no
+            prefix (and takes no kept cache), and prefills alone.
         held_blocks: leading full blocks of the prompt the request holds
             already (cached): they are not published again.
         namespace: what the request's blocks are keyed under beside its
@@ -102,6 +107,9 @@ class RequestSpec:
     block_size: int = attrs.field(validator=int_at_least(1))
     keep_logits: bool = False
     top_logprobs: Optional[int] = attrs.field(default=None, converter=top_logprobs_checked)
+    prompt_logprobs: Optional[int] = attrs.field(
+        default=None, converter=lambda value: top_logprobs_checked(value, "prompt_logprobs")
+    )
     held_blocks: int = attrs.field(default=0, validator=int_at_least(0))
     namespace: Hashable = None
     inputs: Any = attrs.field(default=None, eq=False, repr=False)
@@ -109,6 +117,10 @@ class RequestSpec:
     def __attrs_post_init__(self) -> None:
         if not self.prefix:
             return
+        if self.prompt_logprobs is not None:
+            raise InvalidInput(
+                "prefix", len(self.prefix), "must be empty where the prompt's log-probabilities are asked for"
+            )
         end = getattr(self.prefix[-1], "end", None)
         if type(end) is not int:
             raise InvalidInput("prefix", self.prefix, "must hold block payloads (each with its end)")

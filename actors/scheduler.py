@@ -620,7 +620,13 @@ class Scheduler:
             return out
         token = chunk.first_token
         out.append(
-            (spec.request_id, Prefilled(num_cached=state.num_cached, cold_fallback=chunk.cold_fallback, logits=chunk.logits))
+            (
+                spec.request_id,
+                Prefilled(
+                    num_cached=state.num_cached, cold_fallback=chunk.cold_fallback, logits=chunk.logits,
+                    prompt_logprobs=chunk.prompt_logprobs,
+                ),  # fmt: skip
+            )
         )
         reason = stop_reason(spec, token, 0)
         if reason != "stop":

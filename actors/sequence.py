@@ -14,6 +14,7 @@ from collections.abc import Hashable
 from typing import Any, Optional
 
 from mlxkv.actors.penalties import LogitsAdjuster
+from mlxkv.actors.token_logprobs import Picks
 from mlxkv.actors.request import RequestSpec, prompt_and_answer
 from mlxkv.actors.sampling import Sampler
 
@@ -41,6 +42,7 @@ class SequenceState:
         "spec",
         "sampler",
         "adjuster",
+        "prompt_picks",
         "cache",
         "prepared",
         "num_cached",
@@ -57,6 +59,9 @@ class SequenceState:
         self.sampler: Optional[Sampler] = spec.sampling.make_sampler()
         #: Its penalties' state, or None where it asked for none.
         self.adjuster = LogitsAdjuster(spec.penalties, spec.prompt) if spec.penalties.active else None
+        #: The records of the prompt tokens computed so far, queued, by
+        #: position (where ``prompt_logprobs`` asks for them).
+        self.prompt_picks: list[Picks] = []
         self.cache: Optional[list[Any]] = None
         #: What the model runner made of the request for itself (its own business).
         self.prepared: Any = None

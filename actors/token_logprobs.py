@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import attrs
 
-__all__ = ["MAX_TOP_LOGPROBS", "Picks", "TokenLogprob", "pick"]
+__all__ = ["MAX_TOP_LOGPROBS", "Picks", "TokenLogprob", "pick", "pick_positions"]
 
 #: The most alternatives a token may come with (OpenAI's bound for chat).
 MAX_TOP_LOGPROBS = 20
@@ -114,3 +114,17 @@ def pick(logprobs: Any, tokens: Any, widths: Sequence[Optional[int]], keys: Sequ
         values = mx.take_along_axis(logprobs, top, axis=-1)
     widths_read = [min(asked, width) for _, asked in asking]
     return Picks([keys[row] for row, _ in asking], widths_read, tokens, chosen, top, values)
+
+
+def pick_positions(logits: Any, tokens: Sequence[int], width: int, first: int) -> Picks:
+    """Queue the records of a prompt's ``tokens``, token ``i`` from the
+    logits ``logits[i]`` ``(len(tokens), vocab)`` of the position before it,
+    each with ``width`` alternatives, keyed by their positions from ``first``."""
+    import mlx.core as mx
+
+    logits = logits.astype(mx.float32)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    count = len(tokens)
+    picks = pick(logprobs, mx.array(tokens), [width] * count, range(first, first + count))
+    assert picks is not None, "every position asks"
+    return picks

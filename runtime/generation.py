@@ -160,6 +160,9 @@ class GenerationReport:
         prompt_ids: the prompt's token ids as the model saw them (a text
             prompt tokenized, image pad tokens included): the next turn of
             a conversation is ``prompt_ids + tokens + new text``.
+        prompt_logprobs: where ``prompt_logprobs`` asked for them, a record
+            for each of ``prompt_ids`` but the first (from the logits of the
+            position before it); else empty.
     """
 
     request_id: str
@@ -176,6 +179,7 @@ class GenerationReport:
     stored_bytes: int
     prompt_logits: Any = attrs.field(default=None, eq=False, repr=False)
     prompt_ids: tuple[int, ...] = attrs.field(default=(), repr=False)
+    prompt_logprobs: tuple[TokenLogprob, ...] = attrs.field(default=(), repr=False)
 
 
 #: What a :class:`Generation` yields.
@@ -261,6 +265,8 @@ class GenerationRequest:
         logprobs: how many alternatives each token's log-probability comes
             with (0 to ``MAX_TOP_LOGPROBS``), or None: no log-probabilities.
         penalties: what is added to the logits before each draw.
+        prompt_logprobs: alternatives for each prompt token's record (0 to
+            ``MAX_TOP_LOGPROBS``), or None: no records of the prompt.
     """
 
     request_id: RequestId
@@ -271,6 +277,7 @@ class GenerationRequest:
     cache_salt: Optional[str]
     logprobs: Optional[int] = None
     penalties: Penalties = NO_PENALTIES
+    prompt_logprobs: Optional[int] = None
 
     @classmethod
     def checked(
@@ -285,6 +292,7 @@ class GenerationRequest:
         info: ModelInfo,
         logprobs: Optional[int] = None,
         penalties: Penalties = NO_PENALTIES,
+        prompt_logprobs: Optional[int] = None,
     ) -> GenerationRequest:
         """Check a ``generate`` call's arguments before anything is sent.
 
@@ -296,6 +304,7 @@ class GenerationRequest:
                 not None or an int in ``[0, MAX_TOP_LOGPROBS]``.
         """
         logprobs = top_logprobs_checked(logprobs, "logprobs")
+        prompt_logprobs = top_logprobs_checked(prompt_logprobs, "prompt_logprobs")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise InvalidInput("max_tokens", max_tokens, "must be an int >= 1")
         if request_id is None:
@@ -331,6 +340,7 @@ class GenerationRequest:
             cache_salt=cache_salt,
             logprobs=logprobs,
             penalties=penalties,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -413,6 +423,13 @@ class Generation:
         from the first token on, so also for a generation closed early."""
         return self._run.cached_tokens
 
+    @property
+    def prompt_logprobs(self) -> tuple[TokenLogprob, ...]:
+        """Where ``prompt_logprobs`` asked for them, the records of the
+        prompt's tokens but the first (the report's ``prompt_logprobs``),
+        known from the first token on; else empty."""
+        return self._run.prompt_logprobs
+
     def __aiter__(self) -> Generation:
         return self
 
@@ -442,6 +459,7 @@ class _Run:
         self.status = Status.NEW
         self.report: Optional[GenerationReport] = None
         self.cached_tokens: Optional[int] = None
+        self.prompt_logprobs: tuple[TokenLogprob, ...] = ()
         self._context = context
         self._storer: Optional[RequestStorer] = None
 
@@ -493,6 +511,7 @@ class _Run:
                         if isinstance(event, Prefilled):
                             prefilled = event
                             self.cached_tokens = event.num_cached
+                            self.prompt_logprobs = event.prompt_logprobs
                             first_token_at = time.perf_counter()
                             if event.cold_fallback:
                                 context.counters.num_cold_fallbacks += 1
@@ -541,6 +560,7 @@ class _Run:
                 stored_blocks=storer.stored_blocks,
                 stored_bytes=int(storer.stored_bytes),
                 prompt_logits=prefilled.logits,
+                prompt_logprobs=prefilled.prompt_logprobs,
                 prompt_ids=tuple(prompt),
             )
             await self._end(Status.FINISHED)
@@ -602,6 +622,8 @@ class _Run:
         usable = min(
             kv_state.num_reconstructable_blocks(fetch.payloads), (len(prompt) - 1) // block_size
         )
+        if request.prompt_logprobs is not None:
+            usable = 0  # every prompt position's logits are asked for: computed whole
         needed = events_needed(len(prompt), request.max_tokens, block_size)
         events_in, events = anyio.create_memory_object_stream[Event](needed)
         to_cache_in, to_cache = anyio.create_memory_object_stream[Event](needed)
@@ -635,6 +657,7 @@ class _Run:
                 block_size=block_size,
                 held_blocks=held,
                 top_logprobs=request.logprobs,
+                prompt_logprobs=request.prompt_logprobs,
                 namespace=(request.cache_salt, images_key),
                 inputs=prepared.inputs,
             )

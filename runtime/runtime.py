@@ -638,6 +638,7 @@ class CacheRuntime:
         frequency_penalty: float = 0.0,
         repetition_penalty: float = 1.0,
         logit_bias: Optional[Mapping[int, float]] = None,
+        prompt_logprobs: Optional[int] = None,
     ) -> Generation:
         """Generate from ``prompt``, reusing every cached block of its prefix.
 
@@ -686,6 +687,14 @@ class CacheRuntime:
                 ones (``(0, 2]``, 1: off; vLLM's).
             logit_bias: ``{token id: bias}`` added to the logits, each bias
                 in ``[-100, 100]`` (-100 bans a token; OpenAI's).
+            prompt_logprobs: also give each prompt token but the first its
+                record, with this many alternatives, 0 to 20
+                (``Generation.prompt_logprobs`` from the first token on, and
+                the report's); None: none. Such a request computes its whole
+                prompt (it reuses no cached prefix, though it stores its
+                blocks for others), and its chunks' logits over the
+                vocabulary are made (a chunk's positions times the
+                vocabulary, in memory while the chunk runs).
 
         Returns:
             The :class:`~mlxkv.generation.Generation` to iterate.
@@ -731,6 +740,7 @@ class CacheRuntime:
             info=context.model,
             logprobs=logprobs,
             penalties=penalties,
+            prompt_logprobs=prompt_logprobs,
         )
         return Generation(request, context)
 

@@ -188,7 +188,8 @@ def _entries(logprobs: dict[str, Any]) -> list[Any]:
 async def well_formed(url: str, rng: random.Random, served: collections.Counter, failures: list[str]) -> None:
     """One well-formed request: chat or completion, streamed or not, greedy or
     sampled, with penalties or not, of 1-4 choices, with log-probabilities
-    or not (an answer's entries must be as many as its tokens)."""
+    or not, echoed or not (an answer's entries must be as many as its
+    tokens, and its prompt's where echoed)."""
     headers = {"Authorization": f"Bearer {KEY}"}
     system = "You are a terse assistant. " * rng.randint(4, 24)
     options: dict[str, Any] = {"max_tokens": rng.randint(4, 16)}
@@ -209,7 +210,7 @@ async def well_formed(url: str, rng: random.Random, served: collections.Counter,
     else:
         path, body = "/v1/completions", {"prompt": system + "Why?"}
         if logprobs is not None:
-            options["logprobs"] = logprobs
+            options.update(logprobs=logprobs, echo=rng.random() < 0.5)
     stream = rng.random() < 0.5
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120) as http:
         try:
@@ -224,7 +225,8 @@ async def well_formed(url: str, rng: random.Random, served: collections.Counter,
                 if ok and logprobs is not None:
                     answer = response.json()
                     entries = sum(len(_entries(c["logprobs"])) for c in answer["choices"])
-                    ok = entries == answer["usage"]["completion_tokens"]
+                    echoed = answer["usage"]["prompt_tokens"] * choices if options.get("echo") else 0
+                    ok = entries == answer["usage"]["completion_tokens"] + echoed
         except httpx.HTTPError as error:
             ok, response = False, None
             failures.append(f"{path}: {error!r}")

@@ -73,7 +73,7 @@ from mlxkv.server.body import RequestBody
 from mlxkv.server.chat import ChatTemplate, ConversationMemory, Turn
 from mlxkv.server.errors import ApiError
 from mlxkv.server.kv_wire import KVEventPublisher, KVWireConfig
-from mlxkv.server.logprobs import LoggedToken, TokenTexts, chat_logprobs, completion_logprobs
+from mlxkv.server.logprobs import LoggedToken, TokenTexts, chat_logprobs, completion_logprobs, echoed_logprobs
 from mlxkv.server.metrics import CONTENT_TYPE, ServerMetrics
 from mlxkv.server.request import (
     ChatRequest,
@@ -449,11 +449,13 @@ def _error_response(error: ApiError) -> JSONResponse:
 
 @attrs.frozen(kw_only=True)
 class _Prompt:
-    """A prompt ready to generate from: its tokens, images and (for chat) text."""
+    """A prompt ready to generate from: its tokens, images, (for chat) text,
+    and (for a completion that echoes it) the text its answers begin with."""
 
     tokens: tuple[int, ...]
     images: tuple[str, ...] = ()
     text: Optional[str] = None
+    echo: Optional[str] = None
 
 
 @attrs.frozen
@@ -632,6 +634,7 @@ class _Answering(Response):
                             frequency_penalty=options.penalties.frequency_penalty,
                             repetition_penalty=options.penalties.repetition_penalty,
                             logit_bias=dict(options.penalties.logit_bias),
+                            prompt_logprobs=options.logprobs if options.echo else None,
                         )
                         await generations.enter_async_context(generation)
                         answers.append(_Answer(index, generation, options.stop, self._first_token))
@@ -691,9 +694,12 @@ class _Answering(Response):
         if isinstance(parsed, CompletionRequest):
             prompt = parsed.prompt
             if isinstance(prompt, tuple):
-                return _Prompt(tokens=prompt)
+                preparer = server.runtime.preparer
+                assert preparer is not None, "a served runtime has its preparer"
+                echo = await anyio.to_thread.run_sync(preparer.decode, prompt) if parsed.options.echo else None
+                return _Prompt(tokens=prompt, echo=echo)
             self._check_length("prompt", prompt)
-            return _Prompt(tokens=await server.runtime.tokenize(prompt))
+            return _Prompt(tokens=await server.runtime.tokenize(prompt), echo=prompt if parsed.options.echo else None)
         chat = server.chat
         assert chat is not None, "a chat request is refused without a template"
         text = await anyio.to_thread.run_sync(chat.render, parsed.messages)
@@ -783,8 +789,10 @@ class _Answering(Response):
             contents = [{"message": {"role": "assistant", "content": text}} for text in whole]
         else:
             kind = "text_completion"
-            contents = [{"text": text} for text in whole]
-        choices = [_choice(a, c, logprobs=self._logprobs(tokens)) for a, c, tokens in zip(answers, contents, logged)]
+            contents = [{"text": (prompt.echo or "") + text} for text in whole]
+        choices = [
+            _choice(a, c, logprobs=self._logprobs(tokens, a, prompt)) for a, c, tokens in zip(answers, contents, logged)
+        ]
         body = self._envelope(kind, choices)
         body["usage"] = self._usage(answers, prompt)
         self._outcome = _request_outcome(answers)
@@ -792,6 +800,7 @@ class _Answering(Response):
 
     async def _stream(self, send: Send, answers: Sequence[_Answer], prompt: _Prompt) -> None:
         texts: list[list[str]] = [[] for _ in answers]
+        echoed: set[int] = set()
 
         async def forward(answer: _Answer, piece: Optional[_Piece]) -> None:
             if not self._headers_sent:
@@ -801,6 +810,10 @@ class _Answering(Response):
                 if self._endpoint == "chat":
                     for each in answers:
                         await self._chunk(send, each, {"role": "assistant", "content": ""})
+            if prompt.echo is not None and answer.index not in echoed:
+                # Its prompt's records are known from its first token on.
+                echoed.add(answer.index)
+                await self._chunk(send, answer, prompt.echo, logprobs=self._logprobs((), answer, prompt))
             if piece is None:
                 await self._chunk(send, answer, None)
             else:
@@ -836,13 +849,21 @@ class _Answering(Response):
             body["usage"] = None
         await _send_event(send, body)
 
-    def _logprobs(self, tokens: Sequence[LoggedToken]) -> Optional[dict[str, Any]]:
-        """``tokens``' log-probabilities in the endpoint's shape; None where
-        the request did not ask for them."""
+    def _logprobs(
+        self, tokens: Sequence[LoggedToken], answer: Optional[_Answer] = None, prompt: Optional[_Prompt] = None
+    ) -> Optional[dict[str, Any]]:
+        """``tokens``' log-probabilities in the endpoint's shape, after the
+        echoed prompt's where ``prompt`` echoes (``answer``'s records of
+        it); None where the request did not ask for them."""
         if self._options.logprobs is None:
             return None
-        shape = chat_logprobs if self._endpoint == "chat" else completion_logprobs
-        return shape(tokens, self._server.token_texts)
+        texts = self._server.token_texts
+        if self._endpoint == "chat":
+            return chat_logprobs(tokens, texts)
+        shape = completion_logprobs(tokens, texts)
+        if prompt is None or prompt.echo is None or answer is None:
+            return shape
+        return echoed_logprobs(prompt.tokens, answer.generation.prompt_logprobs, texts, len(prompt.echo), shape)
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         """A response body or chunk of these choices (none: the usage chunk)."""

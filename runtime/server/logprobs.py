@@ -31,7 +31,7 @@ import attrs
 
 from mlxkv.actors.token_logprobs import TokenLogprob
 
-__all__ = ["LoggedToken", "TokenTexts", "chat_logprobs", "completion_logprobs"]
+__all__ = ["LoggedToken", "TokenTexts", "chat_logprobs", "completion_logprobs", "echoed_logprobs"]
 
 #: The most token texts kept (a vocabulary of up to this many is decoded once a token).
 MAX_CACHED_TEXTS = 1 << 18
@@ -96,4 +96,25 @@ def completion_logprobs(tokens: Sequence[LoggedToken], texts: TokenTexts) -> dic
         "token_logprobs": [logged.record.logprob for logged in tokens],
         "top_logprobs": top,
         "text_offset": [logged.offset for logged in tokens],
+    }
+
+
+def echoed_logprobs(
+    prompt: Sequence[int], records: Sequence[TokenLogprob], texts: TokenTexts, echoed: int, answer: dict[str, Any]
+) -> dict[str, Any]:
+    """``answer``'s completions shape (:func:`completion_logprobs`) after the
+    prompt's own entries: the prompt's first token with none (null), then
+    ``records`` (one for each prompt token after it); the prompt's offsets
+    are its tokens' texts' (joined, which a tokenizer's decoding of the whole
+    may not quite be), the answer's moved past the ``echoed`` characters of
+    the prompt's text."""
+    shown = [texts.text(token) for token in prompt]
+    offsets = [sum(map(len, shown[:i])) for i in range(len(shown))]
+    logged = [LoggedToken(record, offset) for record, offset in zip(records, offsets[1:])]
+    own = completion_logprobs(logged, texts)
+    return {
+        "tokens": shown + answer["tokens"],
+        "token_logprobs": [None, *own["token_logprobs"], *answer["token_logprobs"]],
+        "top_logprobs": [None, *own["top_logprobs"], *answer["top_logprobs"]],
+        "text_offset": [0, *own["text_offset"], *(echoed + offset for offset in answer["text_offset"])],
     }

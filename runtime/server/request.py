@@ -5,7 +5,7 @@ into a frozen record or raise :class:`~mlxkv.InvalidInput` naming the field
 (the server answers 400 with its message). Everything is checked before
 anything is sent to the runtime: the JSON types, the ranges the OpenAI API
 gives, fields this server cannot honour at other than their default
-(``echo``, ``best_of``, tools...), and fields it does not know. Values the
+(``best_of``, ``suffix``, tools...), and fields it does not know. Values the
 runtime checks itself (a token id past the vocabulary, a prompt past the
 context) are left to it.
 
@@ -74,6 +74,8 @@ class Options:
         penalties: ``presence_penalty``, ``frequency_penalty``,
             ``repetition_penalty`` and ``logit_bias`` (its keys token ids
             written as strings, as JSON must).
+        echo: (completions) the answer begins with the prompt; with
+            ``logprobs``, so do its entries (the first token's has none).
     """
 
     model: Optional[str] = None
@@ -90,6 +92,7 @@ class Options:
     n: int = 1
     logprobs: Optional[int] = None
     penalties: Penalties = NO_PENALTIES
+    echo: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -218,11 +221,11 @@ def parse_completion(body: Mapping[str, Any]) -> CompletionRequest:
     """
     fields = _Fields(body)
     prompt = _prompt(fields.take("prompt", required=True))
-    fields.default_only("echo", False)
+    echo = _bool("echo", fields.take("echo"), default=False)
     fields.default_only("suffix", None)
     fields.default_only("best_of", 1)
     logprobs = _int("logprobs", fields.take("logprobs"), minimum=0, maximum=MAX_TOP_LOGPROBS)
-    options = attrs.evolve(_options(fields, max_tokens=fields.take("max_tokens")), logprobs=logprobs)
+    options = attrs.evolve(_options(fields, max_tokens=fields.take("max_tokens")), logprobs=logprobs, echo=echo)
     fields.finish()
     return CompletionRequest(prompt=prompt, options=options)
 

@@ -12,6 +12,7 @@ prompts here comes that close.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -772,6 +773,47 @@ class TestTokenLogprobs:
                 assert all(abs(float(full[t]) - value) <= 1e-6 for t, value in record.top)
             if width and name.startswith("greedy"):
                 assert all(record.top[0][0] == record.token for record in records)
+
+
+class TestPromptLogprobs:
+    async def test_the_prompts_records_are_the_models_over_the_whole_prompt(self, running, tiny_llama):
+        """A request asking for its prompt's log-probabilities, prefilled in
+        chunks beside requests that do not (one over a cached prefix): its
+        ``Prefilled`` event holds a record for every prompt token but the
+        first, each the log-softmax of the model's one call over the whole
+        prompt at the position before it, with the alternatives asked for;
+        its answer is the same as without."""
+        model, _ = tiny_llama
+        prompt = _prompt(150, salt=9)
+        logits = model(mx.array(prompt)[None])[0].astype(mx.float32)
+        reference = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        async with _serving(running, _actor(tiny_llama, prefill_chunk=32)) as compute:
+            seed = await _run(compute, "seed", prompt, max_tokens=1, stop_tokens=frozenset())
+            plain = await _run(
+                compute, "plain", prompt, prefix=seed.published[:2], max_tokens=6, stop_tokens=frozenset()
+            )
+            runs: dict[str, Run] = {}
+
+            async def one(name: str, **spec: Any) -> None:
+                runs[name] = await _run(compute, name, prompt, max_tokens=6, stop_tokens=frozenset(), **spec)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(functools.partial(one, "asks", prompt_logprobs=3))
+                tg.start_soon(functools.partial(one, "warm", prefix=seed.published[:3]))
+                tg.start_soon(functools.partial(one, "other", prompt_logprobs=0))
+        records = runs["asks"].prefilled.prompt_logprobs
+        assert [r.token for r in records] == prompt[1:]
+        for position, record in enumerate(records):
+            row = reference[position]
+            assert record.logprob == pytest.approx(float(row[prompt[position + 1]]), abs=ATOL)
+            assert len(record.top) == 3
+            np.testing.assert_allclose([v for _, v in record.top], np.sort(row)[::-1][:3], atol=ATOL, rtol=0)
+        assert all(r.top == () for r in runs["other"].prefilled.prompt_logprobs)
+        assert len(runs["other"].prefilled.prompt_logprobs) == len(prompt) - 1
+        assert runs["warm"].prefilled.prompt_logprobs == () and runs["warm"].prefilled.num_cached > 0
+        assert runs["asks"].prefilled.num_cached == 0
+        for name in ("asks", "warm", "other"):
+            _assert_same(runs[name], plain)
 
 
 class _ReferencePenalties:

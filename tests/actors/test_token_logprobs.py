@@ -99,3 +99,19 @@ class TestRequest:
     def test_a_good_width_is_taken(self, value):
         spec = RequestSpec(request_id="r", prompt=[1, 2], max_tokens=1, block_size=4, top_logprobs=value)
         assert spec.top_logprobs == value
+
+    def test_a_prompts_records_need_the_whole_prompt_computed(self):
+        """A request asking for its prompt's records is given no prefix to rebuild."""
+        spec = RequestSpec(request_id="r", prompt=[1, 2, 3], max_tokens=1, block_size=2, prompt_logprobs=0)
+        assert spec.prompt_logprobs == 0
+        with pytest.raises(InvalidInput, match="must be empty"):
+            RequestSpec(
+                request_id="r", prompt=[1, 2, 3], max_tokens=1, block_size=2, prompt_logprobs=0, prefix=(_Block(2),)
+            )
+
+
+class _Block:
+    """A prefix payload as RequestSpec sees one: where it ends."""
+
+    def __init__(self, end: int) -> None:
+        self.end = end

@@ -156,6 +156,37 @@ class TestParity:
 class TestGenerate:
     """The stream, its report, text prompts and concurrent generations."""
 
+    async def test_prompt_log_probabilities_compute_the_whole_prompt(self, llama):
+        """``prompt_logprobs=2``: a record for every prompt token but the first,
+        the model's own over the whole prompt, though its prefix is cached
+        (reused by none of it: computed whole); known from the first token
+        on; the answer as without."""
+        from mlx_lm import load
+
+        model, _ = load(llama)
+        prompt = SYSTEM + _tokens(20, salt=7)
+        logits = model(mx.array(prompt)[None])[0].astype(mx.float32)
+        reference = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        async with CacheRuntime(model=llama, block_size=BS) as rt:
+            plain, _ = await run(rt, prompt, max_tokens=6)
+            async with rt.generate(prompt, max_tokens=6, prompt_logprobs=2) as stream:
+                tokens = []
+                async for record in stream:
+                    if isinstance(record, GeneratedToken):
+                        tokens.append(record.token)
+                        assert len(stream.prompt_logprobs) == len(prompt) - 1
+            report = stream.report
+            await assert_clean(rt)
+        assert report is not None and report.cached_tokens == 0 and tokens == plain
+        assert report.prompt_logprobs == stream.prompt_logprobs
+        assert [r.token for r in report.prompt_logprobs] == prompt[1:]
+        np.testing.assert_allclose(
+            [r.logprob for r in report.prompt_logprobs],
+            [reference[i, t] for i, t in enumerate(prompt[1:])],
+            atol=ATOL, rtol=0,
+        )  # fmt: skip
+        assert all(len(r.top) == 2 for r in report.prompt_logprobs)
+
     async def test_penalties_see_the_whole_prompt_warm_or_cold(self, llama):
         """A repetition penalty covers the prompt's tokens whether its prefix
         was computed or taken from the cache: warm and cold give the same
@@ -472,6 +503,7 @@ class TestBadInput:
             ("hi", {"repetition_penalty": 0}),
             ("hi", {"logit_bias": {10_000: 1.0}}),
             ("hi", {"logit_bias": {"1": 1.0}}),
+            ("hi", {"prompt_logprobs": 21}),
         ],
     )
     async def test_rejected(self, llama, prompt, kwargs):

@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 import anyio
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -748,6 +749,51 @@ class TestLogprobs:
         assert stopped.choices[0].finish_reason == "stop"
         assert len(stopped.choices[0].logprobs.content) == stopped.usage.completion_tokens
         assert all(e.top_logprobs == [] for e in stopped.choices[0].logprobs.content)
+
+    async def test_echo_gives_the_prompts_records_as_lm_eval_reads_them(self, serve):
+        """``echo`` with ``logprobs: 1``, as lm-eval-harness scores a
+        continuation: the answer begins with the prompt, and so do the
+        entries -- the first token's null, then each prompt token's
+        log-probability and likeliest alternative, the model's over the
+        whole prompt (its prefix cached and reused by none of it) -- then the
+        answer's, as without ``echo``; streamed, the same entries."""
+        from mlx_lm import load
+
+        async with serve() as s:
+            ids = list(await s.runtime.tokenize(ASK))
+            await s.client.completions.create(model="tiny", prompt=ids, max_tokens=2, **GREEDY)  # cached now
+            kwargs: dict[str, Any] = {"model": "tiny", "prompt": ids, "max_tokens": 4, "logprobs": 1, **GREEDY}
+            plain = await s.client.completions.create(**kwargs)
+            echoed = await s.client.completions.create(echo=True, **kwargs)
+            chunks = [c async for c in await s.client.completions.create(echo=True, stream=True, **kwargs)]
+            echo_only = await s.client.completions.create(model="tiny", prompt=ASK, max_tokens=3, echo=True, **GREEDY)
+            await nothing_held(s.runtime)
+            path = s.runtime.config.model
+        model, _ = load(path)
+        logits = model(mx.array(ids)[None])[0].astype(mx.float32)
+        reference = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        (choice,) = echoed.choices
+        answer = plain.choices[0]
+        prompt_text = s.runtime.preparer.decode(ids)
+        assert choice.text == prompt_text + answer.text
+        logprobs = choice.logprobs
+        assert len(logprobs.tokens) == len(ids) + len(answer.logprobs.tokens)
+        assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+        np.testing.assert_allclose(
+            logprobs.token_logprobs[1 : len(ids)], [reference[i, t] for i, t in enumerate(ids[1:])], atol=LOGITS_ATOL
+        )
+        assert all(len(top) == 1 for top in logprobs.top_logprobs[1:])
+        assert logprobs.tokens[len(ids) :] == answer.logprobs.tokens
+        np.testing.assert_allclose(
+            logprobs.token_logprobs[len(ids) :], answer.logprobs.token_logprobs, atol=LOGITS_ATOL
+        )
+        assert logprobs.text_offset[len(ids) :] == [len(prompt_text) + o for o in answer.logprobs.text_offset]
+        streamed = [c.choices[0] for c in chunks if c.choices]
+        assert "".join(c.text for c in streamed) == choice.text
+        entries = [t for c in streamed if c.logprobs for t in c.logprobs.token_logprobs]
+        assert entries[0] is None and len(entries) == len(logprobs.token_logprobs)
+        np.testing.assert_allclose(entries[1:], logprobs.token_logprobs[1:], atol=LOGITS_ATOL)
+        assert echo_only.choices[0].text.startswith(ASK) and echo_only.choices[0].logprobs is None
 
     async def test_each_choice_has_its_own(self, serve):
         """Two sampled choices: each its own entries, as many as its tokens."""

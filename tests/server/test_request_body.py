@@ -67,7 +67,7 @@ class TestCompletionBody:
             ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
             ({"prompt": "x", "n": 0}, "n"),
             ({"prompt": "x", "n": 1.5}, "n"),
-            ({"prompt": "x", "echo": True}, "echo"),
+            ({"prompt": "x", "echo": "yes"}, "echo"),
             ({"prompt": "x", "logprobs": -1}, "logprobs"),
             ({"prompt": "x", "logprobs": 21}, "logprobs"),
             ({"prompt": "x", "logprobs": True}, "logprobs"),
