@@ -9,7 +9,8 @@ with theirs.
 
 :func:`pick` does it for the rows of one step that ask, in a few operations
 over the batch (a gather and a partial sort), queued with the step: only
-``1 + 2k`` numbers a row reach the host, never a row of the vocabulary.
+``2 + 2k`` numbers a row reach the host, in one transfer, never a row of
+the vocabulary.
 :meth:`Picks.read` reads them, once, after the step was evaluated.
 """
 
@@ -47,37 +48,38 @@ class TokenLogprob:
 class Picks:
     """What :func:`pick` queued for one step's rows, read once.
 
-    Owns: the queued arrays (the caller evaluates them with its step) and,
+    Owns: the queued array (the caller evaluates it with its step) and,
     once read, the records.
 
     Invariants:
-        - ``keys[i]`` is the key of the row whose values are row ``i`` of the
-          arrays, and asked for ``widths[i]`` alternatives;
-        - :meth:`read` touches the arrays once, whoever asks.
+        - row ``i`` of the array is the row keyed ``keys[i]``, which asked
+          for ``widths[i]`` alternatives: its token, the token's
+          log-probability, then ``width`` token ids and their
+          log-probabilities (ids as float32: exact below 2**24);
+        - :meth:`read` reads the array once (one transfer), whoever asks.
     """
 
-    def __init__(self, keys: Sequence[Any], widths: Sequence[int], tokens: Any, chosen: Any, top: Any, values: Any):
+    def __init__(self, keys: Sequence[Any], widths: Sequence[int], packed: Any) -> None:
         self._keys = tuple(keys)
         self._widths = tuple(widths)
-        self._arrays = (tokens, chosen, top, values)
+        self._packed = packed
         self._read: Optional[dict[Any, TokenLogprob]] = None
 
     @property
     def arrays(self) -> list[Any]:
-        """The queued arrays, for the caller's ``mx.async_eval``."""
-        return [array for array in self._arrays if array is not None]
+        """The queued array, for the caller's ``mx.async_eval``."""
+        return [self._packed]
 
     def read(self) -> dict[Any, TokenLogprob]:
         """Each asking row's record, by its key."""
         if self._read is None:
-            tokens, chosen, top, values = (None if array is None else array.tolist() for array in self._arrays)
+            rows = self._packed.tolist()
+            width = (len(rows[0]) - 2) // 2 if rows else 0
             records = {}
-            for row, (key, width) in enumerate(zip(self._keys, self._widths)):
-                alternatives = ()
-                if width:
-                    ranked = sorted(zip(values[row], top[row]), key=lambda pair: (-pair[0], pair[1]))
-                    alternatives = tuple((int(token), float(value)) for value, token in ranked[:width])
-                records[key] = TokenLogprob(int(tokens[row]), float(chosen[row]), alternatives)
+            for row, key, asked in zip(rows, self._keys, self._widths):
+                ranked = sorted(zip(row[2 + width :], row[2 : 2 + width]), key=lambda pair: (-pair[0], pair[1]))
+                alternatives = tuple((int(token), value) for value, token in ranked[:asked])
+                records[key] = TokenLogprob(int(row[0]), row[1], alternatives)
             self._read = records
         return self._read
 
@@ -108,12 +110,12 @@ def pick(logprobs: Any, tokens: Any, widths: Sequence[Optional[int]], keys: Sequ
     tokens = tokens.astype(mx.int32)
     chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     width = min(max(asked for _, asked in asking), logprobs.shape[-1])
-    top = values = None
+    columns = [tokens.astype(mx.float32)[:, None], chosen[:, None]]
     if width:
         top = mx.argpartition(-logprobs, kth=width - 1, axis=-1)[:, :width]
-        values = mx.take_along_axis(logprobs, top, axis=-1)
+        columns += [top.astype(mx.float32), mx.take_along_axis(logprobs, top, axis=-1)]
     widths_read = [min(asked, width) for _, asked in asking]
-    return Picks([keys[row] for row, _ in asking], widths_read, tokens, chosen, top, values)
+    return Picks([keys[row] for row, _ in asking], widths_read, mx.concatenate(columns, axis=1))
 
 
 def pick_positions(logits: Any, tokens: Sequence[int], width: int, first: int) -> Picks:

@@ -676,7 +676,7 @@ class CacheRuntime:
                 ``GeneratedToken.logprob``); None: none. They are the model's
                 (the log-softmax of its logits, before ``temperature`` or any
                 truncation, as mlx-lm's ``generate_step`` yields them),
-                picked on the device: ``2k + 1`` numbers a token reach the
+                picked on the device: ``2k + 2`` numbers a token reach the
                 host. With penalties or a bias, of the logits they made.
             presence_penalty: subtracted from the logit of each token
                 generated so far, once (``[-2, 2]``; OpenAI's).
