@@ -4,6 +4,7 @@ Starts ``mlxkv serve`` (the built-in model, or ``--model``) with an API key,
 small admission limits and a short body timeout, then for ``--duration``
 seconds runs ``--clients`` well-formed clients (streamed and plain chat and
 completions, greedy and sampled, a quarter of them of 2-4 choices, a quarter
+of the completions a batch of two prompts, a quarter
 with log-probabilities, a quarter with penalties and a bias) beside
 ``--attackers`` that cycle through
 the attacks, each on its own connection:
@@ -186,8 +187,9 @@ def _entries(logprobs: dict[str, Any]) -> list[Any]:
 
 
 async def well_formed(url: str, rng: random.Random, served: collections.Counter, failures: list[str]) -> None:
-    """One well-formed request: chat or completion, streamed or not, greedy or
-    sampled, with penalties or not, of 1-4 choices, with log-probabilities
+    """One well-formed request: chat or completion (of one prompt or two),
+    streamed or not, greedy or sampled, with penalties or not, of 1-4
+    choices a prompt, with log-probabilities
     or not, echoed or not (an answer's entries must be as many as its
     tokens, and its prompt's where echoed)."""
     headers = {"Authorization": f"Bearer {KEY}"}
@@ -199,9 +201,10 @@ async def well_formed(url: str, rng: random.Random, served: collections.Counter,
         options.update(temperature=0)
     if rng.random() < 0.25:
         options.update(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1, logit_bias={"42": -100})
-    choices = rng.randint(2, 4) if rng.random() < 0.25 else 1
-    if choices > 1:
-        options["n"] = choices
+    n = rng.randint(2, 4) if rng.random() < 0.25 else 1
+    if n > 1:
+        options["n"] = n
+    choices = n
     logprobs = rng.randint(0, 5) if rng.random() < 0.25 else None
     if rng.random() < 0.5:
         path, body = "/v1/chat/completions", {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "Why?"}]}
@@ -209,6 +212,9 @@ async def well_formed(url: str, rng: random.Random, served: collections.Counter,
             options.update(logprobs=True, top_logprobs=logprobs)
     else:
         path, body = "/v1/completions", {"prompt": system + "Why?"}
+        if rng.random() < 0.25:
+            body["prompt"] = [system + "Why?", system + "Why not?"]
+            choices = 2 * n
         if logprobs is not None:
             options.update(logprobs=logprobs, echo=rng.random() < 0.5)
     stream = rng.random() < 0.5
@@ -225,7 +231,7 @@ async def well_formed(url: str, rng: random.Random, served: collections.Counter,
                 if ok and logprobs is not None:
                     answer = response.json()
                     entries = sum(len(_entries(c["logprobs"])) for c in answer["choices"])
-                    echoed = answer["usage"]["prompt_tokens"] * choices if options.get("echo") else 0
+                    echoed = answer["usage"]["prompt_tokens"] * n if options.get("echo") else 0
                     ok = entries == answer["usage"]["completion_tokens"] + echoed
         except httpx.HTTPError as error:
             ok, response = False, None

@@ -139,10 +139,11 @@ class ServerConfig:
             model's name need a key, or no keys at all).
         kv_events: publish the runtime's KV events on the wire, as vLLM
             does (:mod:`mlxkv.server.kv_wire`), while serving; None: not.
-        max_choices: the most choices (``n``) one request may ask for (and
-            at most ``max_concurrent``). Each is a generation of its own,
-            side by side in the decode batch and over the prompt's KV
-            computed once, and holds an admission slot of its own.
+        max_choices: the most generations one request may ask for: ``n``
+            choices, times its prompts on ``/v1/completions`` (and at most
+            ``max_concurrent``). Each is a generation of its own, side by
+            side in the decode batch and over its prompt's KV computed
+            once, and holds an admission slot of its own.
     """
 
     model_name: str
@@ -332,8 +333,14 @@ class OpenAIServer:
             parsed = parse_completion(body)
         self._check_model(parsed.options.model)
         most, bound = min((self.config.max_choices, "--max-choices"), (self.config.max_concurrent, "--max-concurrent"))
+        prompts = len(parsed.prompts) if isinstance(parsed, CompletionRequest) else 1
         if parsed.options.n > most:
             raise InvalidInput("n", parsed.options.n, f"must be <= {most} ({bound})")
+        if prompts * parsed.options.n > most:
+            raise InvalidInput(
+                "prompt", Shown(f"<{prompts} prompts>"),
+                f"asks for {prompts} x n={parsed.options.n} generations: at most {most} ({bound})",
+            )  # fmt: skip
         return parsed
 
     async def drain(self, timeout: float) -> None:
@@ -469,16 +476,22 @@ class _Piece:
 
 class _Answer:
     """One generation's text as it may be sent (choice ``index`` of its
-    request): stop strings cut it, counts kept.
+    request, over ``prompt``): stop strings cut it, counts kept.
 
     Owns: the stop matcher, the counts, and the log-probabilities of the
     tokens whose piece is not out yet; the generation is the caller's.
     """
 
     def __init__(
-        self, index: int, generation: Generation, stops: Sequence[str], on_first_token: Callable[[], None]
+        self,
+        index: int,
+        prompt: _Prompt,
+        generation: Generation,
+        stops: Sequence[str],
+        on_first_token: Callable[[], None],
     ) -> None:
         self.index = index
+        self.prompt = prompt
         self.generation = generation
         self.report: Optional[GenerationReport] = None
         self.finish_reason = "length"
@@ -609,40 +622,42 @@ class _Answering(Response):
                 del body
                 self._options = options = parsed.options
                 self._salt = _salt(self._tenant_salt, options.cache_salt)
-                prompt = await self._prompt(parsed)
+                prompts = await self._prompts(parsed)
                 if self._render:
-                    await self._rendered(send, prompt)
+                    await self._rendered(send, prompts)
                     return
-                max_tokens = self._max_tokens(prompt)
-                await server.admission.widen(slot, options.n)  # a slot a choice
+                limits = [self._max_tokens(prompt) for prompt in prompts]
+                await server.admission.widen(slot, len(prompts) * options.n)  # a slot a choice
                 async with contextlib.AsyncExitStack() as generations:
                     answers = []
-                    for index in range(options.n):
-                        generation = server.runtime.generate(
-                            prompt.tokens,
-                            max_tokens=max_tokens,
-                            temperature=options.temperature,
-                            top_p=options.top_p,
-                            top_k=options.top_k,
-                            min_p=options.min_p,
-                            seed=None if options.seed is None else options.seed + index,
-                            images=list(prompt.images) or None,
-                            cache_salt=self._salt,
-                            request_id=self._id if options.n == 1 else f"{self._id}-{index}",
-                            logprobs=options.logprobs,
-                            presence_penalty=options.penalties.presence_penalty,
-                            frequency_penalty=options.penalties.frequency_penalty,
-                            repetition_penalty=options.penalties.repetition_penalty,
-                            logit_bias=dict(options.penalties.logit_bias),
-                            prompt_logprobs=options.logprobs if options.echo else None,
-                        )
-                        await generations.enter_async_context(generation)
-                        answers.append(_Answer(index, generation, options.stop, self._first_token))
+                    for prompt, max_tokens in zip(prompts, limits):
+                        for choice in range(options.n):
+                            index = len(answers)
+                            generation = server.runtime.generate(
+                                prompt.tokens,
+                                max_tokens=max_tokens,
+                                temperature=options.temperature,
+                                top_p=options.top_p,
+                                top_k=options.top_k,
+                                min_p=options.min_p,
+                                seed=None if options.seed is None else options.seed + choice,
+                                images=list(prompt.images) or None,
+                                cache_salt=self._salt,
+                                request_id=self._id if len(prompts) * options.n == 1 else f"{self._id}-{index}",
+                                logprobs=options.logprobs,
+                                presence_penalty=options.penalties.presence_penalty,
+                                frequency_penalty=options.penalties.frequency_penalty,
+                                repetition_penalty=options.penalties.repetition_penalty,
+                                logit_bias=dict(options.penalties.logit_bias),
+                                prompt_logprobs=options.logprobs if options.echo else None,
+                            )
+                            await generations.enter_async_context(generation)
+                            answers.append(_Answer(index, prompt, generation, options.stop, self._first_token))
                     if options.stream:
-                        await self._stream(send, answers, prompt)
+                        await self._stream(send, answers)
                     else:
-                        await self._reply(send, answers, prompt)
-                self._count(answers, prompt)
+                        await self._reply(send, answers)
+                self._count(answers)
                 return
         except Overloaded:
             admission = server.admission.statistics()
@@ -687,19 +702,23 @@ class _Answering(Response):
                 raise
             _LOG.debug("server.refusal_cut_short", request_id=self._id, error=repr(gone))
 
-    async def _prompt(self, parsed: Union[ChatRequest, CompletionRequest]) -> _Prompt:
-        """The prompt's tokens (and images, and chat text): tokenized on a worker
+    async def _prompts(self, parsed: Union[ChatRequest, CompletionRequest]) -> list[_Prompt]:
+        """The prompts' tokens (and images, and chat text): tokenized on a worker
         thread, after a text that cannot fit the context is refused untokenized."""
         server = self._server
         if isinstance(parsed, CompletionRequest):
-            prompt = parsed.prompt
-            if isinstance(prompt, tuple):
-                preparer = server.runtime.preparer
-                assert preparer is not None, "a served runtime has its preparer"
-                echo = await anyio.to_thread.run_sync(preparer.decode, prompt) if parsed.options.echo else None
-                return _Prompt(tokens=prompt, echo=echo)
-            self._check_length("prompt", prompt)
-            return _Prompt(tokens=await server.runtime.tokenize(prompt), echo=prompt if parsed.options.echo else None)
+            prompts = []
+            for prompt in parsed.prompts:
+                if isinstance(prompt, tuple):
+                    preparer = server.runtime.preparer
+                    assert preparer is not None, "a served runtime has its preparer"
+                    echo = await anyio.to_thread.run_sync(preparer.decode, prompt) if parsed.options.echo else None
+                    prompts.append(_Prompt(tokens=prompt, echo=echo))
+                    continue
+                self._check_length("prompt", prompt)
+                tokens = await server.runtime.tokenize(prompt)
+                prompts.append(_Prompt(tokens=tokens, echo=prompt if parsed.options.echo else None))
+            return prompts
         chat = server.chat
         assert chat is not None, "a chat request is refused without a template"
         text = await anyio.to_thread.run_sync(chat.render, parsed.messages)
@@ -710,7 +729,7 @@ class _Answering(Response):
         else:
             rest = text[len(turn.text) :]
             tokens = turn.tokens + ((await anyio.to_thread.run_sync(chat.encode, rest)) if rest else ())
-        return _Prompt(tokens=tokens, images=parsed.images, text=text)
+        return [_Prompt(tokens=tokens, images=parsed.images, text=text)]
 
     def _check_length(self, field: str, text: str) -> None:
         """Refuse a text too long to fit the model's context, by its characters alone."""
@@ -742,29 +761,32 @@ class _Answering(Response):
         limit = self._server.config.max_tokens
         return limit if context is None else min(limit, context - len(prompt.tokens))
 
-    async def _rendered(self, send: Send, prompt: _Prompt) -> None:
-        """Answer a render request: the prompt as this server would run it
-        (vLLM's shape: one object for chat, a list of one for completions)."""
+    async def _rendered(self, send: Send, prompts: Sequence[_Prompt]) -> None:
+        """Answer a render request: the prompts as this server would run them
+        (vLLM's shape: one object for chat, a list, one a prompt, for completions)."""
         options = self._options
-        rendered = {
-            "request_id": self._id,
-            "token_ids": list(prompt.tokens),
-            "features": {"num_images": len(prompt.images)} if prompt.images else None,
-            "sampling_params": {
-                "max_tokens": self._max_tokens(prompt),
-                "temperature": options.temperature,
-                "top_p": options.top_p,
-                "top_k": options.top_k,
-                "min_p": options.min_p,
-                "seed": options.seed,
-                "stop": list(options.stop),
-                "n": options.n,
-            },
-            "model": self._server.config.model_name,
-            "stream": options.stream,
-        }
+        rendered = [
+            {
+                "request_id": self._id,
+                "token_ids": list(prompt.tokens),
+                "features": {"num_images": len(prompt.images)} if prompt.images else None,
+                "sampling_params": {
+                    "max_tokens": self._max_tokens(prompt),
+                    "temperature": options.temperature,
+                    "top_p": options.top_p,
+                    "top_k": options.top_k,
+                    "min_p": options.min_p,
+                    "seed": options.seed,
+                    "stop": list(options.stop),
+                    "n": options.n,
+                },
+                "model": self._server.config.model_name,
+                "stream": options.stream,
+            }
+            for prompt in prompts
+        ]
         self._outcome = "rendered"
-        await _send_json(send, 200, rendered if self._endpoint == "chat" else [rendered])
+        await _send_json(send, 200, rendered[0] if self._endpoint == "chat" else rendered)
 
     def _first_token(self) -> None:
         """The request's first token, of whichever choice: its time to it, once."""
@@ -772,7 +794,7 @@ class _Answering(Response):
             self._answered = True
             self._server.metrics.time_to_first_token.observe(time.perf_counter() - self._arrived)
 
-    async def _reply(self, send: Send, answers: Sequence[_Answer], prompt: _Prompt) -> None:
+    async def _reply(self, send: Send, answers: Sequence[_Answer]) -> None:
         texts: list[list[str]] = [[] for _ in answers]
         logged: list[list[LoggedToken]] = [[] for _ in answers]
 
@@ -783,22 +805,23 @@ class _Answering(Response):
 
         await _each_piece(answers, collect)
         whole = ["".join(text) for text in texts]
-        self._remember(answers, prompt, whole)
+        self._remember(answers, whole)
         if self._endpoint == "chat":
             kind = "chat.completion"
             contents = [{"message": {"role": "assistant", "content": text}} for text in whole]
         else:
             kind = "text_completion"
-            contents = [{"text": (prompt.echo or "") + text} for text in whole]
+            contents = [{"text": (a.prompt.echo or "") + text} for a, text in zip(answers, whole)]
         choices = [
-            _choice(a, c, logprobs=self._logprobs(tokens, a, prompt)) for a, c, tokens in zip(answers, contents, logged)
+            _choice(answer, content, logprobs=self._logprobs(tokens, answer, echoed=True))
+            for answer, content, tokens in zip(answers, contents, logged)
         ]
         body = self._envelope(kind, choices)
-        body["usage"] = self._usage(answers, prompt)
+        body["usage"] = self._usage(answers)
         self._outcome = _request_outcome(answers)
         await _send_json(send, 200, body)
 
-    async def _stream(self, send: Send, answers: Sequence[_Answer], prompt: _Prompt) -> None:
+    async def _stream(self, send: Send, answers: Sequence[_Answer]) -> None:
         texts: list[list[str]] = [[] for _ in answers]
         echoed: set[int] = set()
 
@@ -810,10 +833,10 @@ class _Answering(Response):
                 if self._endpoint == "chat":
                     for each in answers:
                         await self._chunk(send, each, {"role": "assistant", "content": ""})
-            if prompt.echo is not None and answer.index not in echoed:
+            if answer.prompt.echo is not None and answer.index not in echoed:
                 # Its prompt's records are known from its first token on.
                 echoed.add(answer.index)
-                await self._chunk(send, answer, prompt.echo, logprobs=self._logprobs((), answer, prompt))
+                await self._chunk(send, answer, answer.prompt.echo, logprobs=self._logprobs((), answer, echoed=True))
             if piece is None:
                 await self._chunk(send, answer, None)
             else:
@@ -821,10 +844,10 @@ class _Answering(Response):
                 await self._chunk(send, answer, piece.text, logprobs=self._logprobs(piece.tokens))
 
         await _each_piece(answers, forward)
-        self._remember(answers, prompt, ["".join(text) for text in texts])
+        self._remember(answers, ["".join(text) for text in texts])
         self._outcome = _request_outcome(answers)
         if self._options.include_usage:
-            await _send_event(send, {**self._envelope(self._chunk_kind, []), "usage": self._usage(answers, prompt)})
+            await _send_event(send, {**self._envelope(self._chunk_kind, []), "usage": self._usage(answers)})
         await _send_body(send, b"data: [DONE]\n\n", more=False)
 
     @property
@@ -850,19 +873,21 @@ class _Answering(Response):
         await _send_event(send, body)
 
     def _logprobs(
-        self, tokens: Sequence[LoggedToken], answer: Optional[_Answer] = None, prompt: Optional[_Prompt] = None
+        self, tokens: Sequence[LoggedToken], answer: Optional[_Answer] = None, *, echoed: bool = False
     ) -> Optional[dict[str, Any]]:
-        """``tokens``' log-probabilities in the endpoint's shape, after the
-        echoed prompt's where ``prompt`` echoes (``answer``'s records of
-        it); None where the request did not ask for them."""
+        """``tokens``' log-probabilities in the endpoint's shape, after their
+        prompt's where ``echoed`` and ``answer``'s prompt is echoed; None
+        where the request did not ask for them."""
         if self._options.logprobs is None:
             return None
         texts = self._server.token_texts
         if self._endpoint == "chat":
             return chat_logprobs(tokens, texts)
         shape = completion_logprobs(tokens, texts)
-        if prompt is None or prompt.echo is None or answer is None:
+        if not echoed or answer is None or answer.prompt.echo is None:
             return shape
+        prompt = answer.prompt
+        assert prompt.echo is not None
         return echoed_logprobs(prompt.tokens, answer.generation.prompt_logprobs, texts, len(prompt.echo), shape)
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -878,9 +903,9 @@ class _Answering(Response):
             body["system_fingerprint"] = None
         return body
 
-    def _usage(self, answers: Sequence[_Answer], prompt: _Prompt) -> dict[str, Any]:
-        """The prompt counted once, every choice's tokens (OpenAI's usage for ``n``)."""
-        prompt_tokens = len(prompt.tokens)
+    def _usage(self, answers: Sequence[_Answer]) -> dict[str, Any]:
+        """Each prompt counted once, every choice's tokens (OpenAI's usage for ``n``)."""
+        prompt_tokens = _prompt_tokens(answers)
         completion_tokens = sum(answer.num_tokens for answer in answers)
         return {
             "prompt_tokens": prompt_tokens,
@@ -889,12 +914,13 @@ class _Answering(Response):
             "prompt_tokens_details": {"cached_tokens": _cached_tokens(answers)},
         }
 
-    def _remember(self, answers: Sequence[_Answer], prompt: _Prompt, texts: Sequence[str]) -> None:
+    def _remember(self, answers: Sequence[_Answer], texts: Sequence[str]) -> None:
         """Keep a whole chat answer's conversation for its next turn (a request
         of one choice: of several, none is the conversation's)."""
         if len(answers) != 1:
             return
         (answer,), (text,) = answers, texts
+        prompt = answer.prompt
         report = answer.report
         if prompt.text is None or report is None or not answer.complete or text != report.text:
             return
@@ -902,16 +928,17 @@ class _Answering(Response):
             self._salt, text, Turn(prompt.text + text, prompt.tokens + report.tokens)
         )
 
-    def _count(self, answers: Sequence[_Answer], prompt: _Prompt) -> None:
+    def _count(self, answers: Sequence[_Answer]) -> None:
         metrics = self._server.metrics
         cached, generated = _cached_tokens(answers), sum(answer.num_tokens for answer in answers)
-        metrics.prompt_tokens.inc(len(prompt.tokens))
+        prompt_tokens = _prompt_tokens(answers)
+        metrics.prompt_tokens.inc(prompt_tokens)
         metrics.cached_tokens.inc(cached)
         metrics.generated_tokens.inc(generated)
         if self._server.runtime.config.trace:
             _LOG.info(
                 "server.request_finished", request_id=self._id, endpoint=self._endpoint,
-                prompt_tokens=len(prompt.tokens), cached_tokens=cached, generated_tokens=generated,
+                prompt_tokens=prompt_tokens, cached_tokens=cached, generated_tokens=generated,
                 choices=len(answers), finish_reason=_request_outcome(answers),
             )  # fmt: skip
 
@@ -983,10 +1010,24 @@ def _request_outcome(answers: Sequence[_Answer]) -> str:
     return "length" if any(answer.finish_reason == "length" for answer in answers) else "stop"
 
 
+def _by_prompt(answers: Sequence[_Answer]) -> list[list[_Answer]]:
+    """The answers grouped by their prompt (the choices of one), in order."""
+    groups: dict[int, list[_Answer]] = {}
+    for answer in answers:
+        groups.setdefault(id(answer.prompt), []).append(answer)
+    return list(groups.values())
+
+
+def _prompt_tokens(answers: Sequence[_Answer]) -> int:
+    """The request's prompt tokens: each prompt's counted once, whatever its choices."""
+    return sum(len(group[0].prompt.tokens) for group in _by_prompt(answers))
+
+
 def _cached_tokens(answers: Sequence[_Answer]) -> int:
-    """The prompt's tokens the request did not compute: those every choice
-    found cached (one that computed the prompt computed it for the request)."""
-    return min(answer.cached_tokens for answer in answers)
+    """The prompt tokens the request did not compute: of each prompt, those
+    every one of its choices found cached (one that computed the prompt
+    computed it for the request)."""
+    return sum(min(answer.cached_tokens for answer in group) for group in _by_prompt(answers))
 
 
 async def _send_json(

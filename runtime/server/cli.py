@@ -75,7 +75,8 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=16,
         metavar="N",
-        help="the most choices (n) one request may ask for; each generates side by side (16)",
+        help="the most generations one request may ask for (n choices, times its prompts on /v1/completions);"
+        " each generates side by side (16)",
     )
     parser.add_argument(
         "--max-queue",

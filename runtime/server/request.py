@@ -4,8 +4,9 @@
 into a frozen record or raise :class:`~mlxkv.InvalidInput` naming the field
 (the server answers 400 with its message). Everything is checked before
 anything is sent to the runtime: the JSON types, the ranges the OpenAI API
-gives, fields this server cannot honour at other than their default
-(``best_of``, ``suffix``, tools...), and fields it does not know. Values the
+gives (a completion's prompt: one, or a batch), fields this server cannot
+honour at other than their default (``best_of``, ``suffix``, tools...), and
+fields it does not know. Values the
 runtime checks itself (a token id past the vocabulary, a prompt past the
 context) are left to it.
 
@@ -97,9 +98,11 @@ class Options:
 
 @attrs.frozen(kw_only=True)
 class CompletionRequest:
-    """A checked ``/v1/completions`` body: text or token ids, and the options."""
+    """A checked ``/v1/completions`` body: its prompts (text or token ids each;
+    a batch of several is answered as ``n`` choices each, in order), and the
+    options."""
 
-    prompt: Union[str, tuple[int, ...]]
+    prompts: tuple[Union[str, tuple[int, ...]], ...]
     options: Options
 
 
@@ -220,14 +223,14 @@ def parse_completion(body: Mapping[str, Any]) -> CompletionRequest:
         InvalidInput: naming the first field at fault.
     """
     fields = _Fields(body)
-    prompt = _prompt(fields.take("prompt", required=True))
+    prompts = _prompts(fields.take("prompt", required=True))
     echo = _bool("echo", fields.take("echo"), default=False)
     fields.default_only("suffix", None)
     fields.default_only("best_of", 1)
     logprobs = _int("logprobs", fields.take("logprobs"), minimum=0, maximum=MAX_TOP_LOGPROBS)
     options = attrs.evolve(_options(fields, max_tokens=fields.take("max_tokens")), logprobs=logprobs, echo=echo)
     fields.finish()
-    return CompletionRequest(prompt=prompt, options=options)
+    return CompletionRequest(prompts=prompts, options=options)
 
 
 def parse_chat(body: Mapping[str, Any], *, takes_images: bool) -> ChatRequest:
@@ -405,13 +408,19 @@ def _stop(value: Any) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _prompt(value: Any) -> Union[str, tuple[int, ...]]:
-    """A string or a list of token ids; a list of one of either is that one."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]
+def _prompts(value: Any) -> tuple[Union[str, tuple[int, ...]], ...]:
+    """One prompt (a string or a list of token ids) or a list of several
+    (strings, or lists of token ids), as the prompts in order."""
+    if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+        return tuple(_prompt(p, f"prompt[{i}]") for i, p in enumerate(value))
+    return (_prompt(value, "prompt"),)
+
+
+def _prompt(value: Any, where: str) -> Union[str, tuple[int, ...]]:
+    """A string or a list of token ids."""
     if isinstance(value, str):
         if not value:
-            raise InvalidInput("prompt", value, "must not be empty")
+            raise InvalidInput(where, value, "must not be empty")
         return value
     if (
         isinstance(value, list)
@@ -419,9 +428,7 @@ def _prompt(value: Any) -> Union[str, tuple[int, ...]]:
         and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
     ):
         return tuple(value)
-    if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
-        raise InvalidInput("prompt", value, "takes one prompt per request")
-    raise InvalidInput("prompt", value, "must be a non-empty string or a list of token ids")
+    raise InvalidInput(where, value, "must be a non-empty string or a list of token ids")
 
 
 def _messages(value: Any, takes_images: bool) -> tuple[tuple[ChatMessage, ...], tuple[str, ...]]:

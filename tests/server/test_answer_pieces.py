@@ -17,7 +17,7 @@ pytest.importorskip("starlette")
 
 from mlxkv.actors.token_logprobs import TokenLogprob  # noqa: E402
 from mlxkv.generation import GeneratedToken, GenerationReport  # noqa: E402
-from mlxkv.server.app import _Answer  # noqa: E402
+from mlxkv.server.app import _Answer, _Prompt  # noqa: E402
 
 
 class _Scripted:
@@ -52,7 +52,7 @@ def _report(tokens: list[GeneratedToken]) -> GenerationReport:
 
 
 async def _pieces(records: list[Any], stops: tuple[str, ...] = ()) -> tuple[list[Any], _Answer]:
-    answer = _Answer(0, _Scripted(records), stops, lambda: None)  # type: ignore[arg-type]
+    answer = _Answer(0, _Prompt(tokens=(1,)), _Scripted(records), stops, lambda: None)  # type: ignore[arg-type]
     return [piece async for piece in answer.pieces()], answer
 
 

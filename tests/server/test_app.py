@@ -49,6 +49,7 @@ GREEDY: dict[str, Any] = {"temperature": 0}
 # from a wrong cache. "Question number {i}?" parted so, on the GPU's
 # emulated arithmetic, where its two best tokens were 1e-5 apart.
 ASK = SYSTEM + "Say something."
+ASK_TOO = SYSTEM + "Who wrote Hamlet?"
 QUESTIONS = (
     "Tell me a joke.", "Say hello.", "Who wrote Hamlet?", "Spell cat.", "Pick a number.", "Sing a song.",
     "Define love.", "Greet me.",
@@ -93,7 +94,7 @@ class TestPrompts:
         has its two best choices at least ``CLEAR_GAP`` apart (the model in
         hand, mlx-lm's own run): no device's rounding parts two exact paths."""
         model, tokenizer = reference_load(default_model_path)
-        prompts = {ASK: (encode_text(tokenizer, ASK), 24)}
+        prompts = {ASK: (encode_text(tokenizer, ASK), 24), ASK_TOO: (encode_text(tokenizer, ASK_TOO), 8)}
         for question in ("Hello!", *QUESTIONS):
             messages = [ChatMessage(**m) for m in chat(question)]
             prompts[question] = (chat_template.encode(chat_template.render(messages)), 12)
@@ -538,6 +539,35 @@ class TestChoices:
             # One choice computes the prompt; the others wait for its full blocks
             # and compute what no full block holds (block size 16).
             assert prompt <= computed <= prompt + 2 * 16, (computed, prompt)
+
+    async def test_a_batch_of_prompts_is_answered_prompt_by_prompt(self, serve):
+        """Two prompts of two choices each: choices 0-1 are the first prompt's
+        lone answer, 2-3 the second's; usage counts each prompt once; a batch
+        past the bound on generations is refused, naming the prompt; as
+        lm-eval-harness scores a batch (token ids, ``echo``, ``logprobs: 1``,
+        one token), each choice's entries begin with its own prompt's."""
+        prompts = [ASK, ASK_TOO]
+        async with serve() as s:
+            lone = [
+                await s.client.completions.create(model="tiny", prompt=p, max_tokens=8, **GREEDY) for p in prompts
+            ]
+            batch = await s.client.completions.create(model="tiny", prompt=prompts, max_tokens=8, n=2, **GREEDY)
+            with pytest.raises(openai.BadRequestError) as info:
+                await s.client.completions.create(model="tiny", prompt=[ASK] * 9, max_tokens=1, n=2)
+            ids = [list(await s.runtime.tokenize(p)) for p in prompts]
+            scored = await s.client.completions.create(
+                model="tiny", prompt=ids, max_tokens=1, echo=True, logprobs=1, seed=1234, **GREEDY
+            )
+            await nothing_held(s.runtime)
+        assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+        assert [c.text for c in batch.choices] == [lone[0].choices[0].text] * 2 + [lone[1].choices[0].text] * 2
+        assert batch.usage.prompt_tokens == sum(answer.usage.prompt_tokens for answer in lone)
+        assert batch.usage.completion_tokens == 2 * sum(answer.usage.completion_tokens for answer in lone)
+        assert info.value.body["param"] == "prompt" and "9 x n=2" in info.value.body["message"]
+        for choice, prompt in zip(scored.choices, ids):
+            assert len(choice.logprobs.token_logprobs) == len(prompt) + 1
+            assert choice.logprobs.token_logprobs[0] is None
+            assert all(value <= 0 for value in choice.logprobs.token_logprobs[1:])
 
     async def test_streamed_choices_interleave_and_each_ends_once(self, serve):
         """A streamed chat of two choices: each choice opens with the role, its

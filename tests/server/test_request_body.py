@@ -22,7 +22,7 @@ class TestCompletionBody:
     def test_defaults_are_openai_s(self):
         """Temperature 1, top_p 1, no stop, not streamed; token ids become a tuple."""
         request = parse_completion({"model": "m", "prompt": [1, 2, 3]})
-        assert request.prompt == (1, 2, 3)
+        assert request.prompts == ((1, 2, 3),)
         options = request.options
         assert (options.temperature, options.top_p, options.max_tokens, options.stop) == (
             1.0,
@@ -31,6 +31,13 @@ class TestCompletionBody:
             (),
         )
         assert not options.stream and not options.include_usage
+
+    def test_a_batch_of_prompts_is_read_in_order(self):
+        """Strings, or lists of token ids; one in a list is one prompt."""
+        assert parse_completion({"prompt": ["a", "b"]}).prompts == ("a", "b")
+        assert parse_completion({"prompt": [[1, 2], [3]]}).prompts == ((1, 2), (3,))
+        assert parse_completion({"prompt": [[1, 2]]}).prompts == ((1, 2),)
+        assert parse_completion({"prompt": ["a", [3]]}).prompts == ("a", (3,))
 
     def test_fields_are_read(self):
         """Sampling, stop, streaming with usage and the extensions are taken."""
@@ -53,7 +60,9 @@ class TestCompletionBody:
         [
             ({}, "prompt"),
             ({"prompt": ""}, "prompt"),
-            ({"prompt": ["a", "b"]}, "prompt"),
+            ({"prompt": ["a", ""]}, "prompt[1]"),
+            ({"prompt": []}, "prompt"),
+            ({"prompt": ["a", 5]}, "prompt"),
             ({"prompt": [1, True]}, "prompt"),
             ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
             ({"prompt": "x", "max_tokens": 2.5}, "max_tokens"),
@@ -200,7 +209,7 @@ class TestChatBody:
         does; a value that would change the answer is refused, named."""
         body = {"messages": [{"role": "user", "content": "x"}], **self.ROUTER_FIELDS}
         assert parse_chat(body, takes_images=False).messages
-        assert parse_completion({"prompt": "x", **self.ROUTER_FIELDS}).prompt == "x"
+        assert parse_completion({"prompt": "x", **self.ROUTER_FIELDS}).prompts == ("x",)
         assert parse_chat({**body, "include_reasoning": False}, takes_images=False)
         for name, changed in (("ignore_eos", True), ("skip_special_tokens", False), ("no_stop_trim", True)):
             assert refused(parse_chat, {**body, name: changed}, takes_images=False).argument == name
