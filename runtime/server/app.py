@@ -633,24 +633,8 @@ class _Answering(Response):
                     for prompt, max_tokens in zip(prompts, limits):
                         for choice in range(options.n):
                             index = len(answers)
-                            generation = server.runtime.generate(
-                                prompt.tokens,
-                                max_tokens=max_tokens,
-                                temperature=options.temperature,
-                                top_p=options.top_p,
-                                top_k=options.top_k,
-                                min_p=options.min_p,
-                                seed=None if options.seed is None else options.seed + choice,
-                                images=list(prompt.images) or None,
-                                cache_salt=self._salt,
-                                request_id=self._id if len(prompts) * options.n == 1 else f"{self._id}-{index}",
-                                logprobs=options.logprobs,
-                                presence_penalty=options.penalties.presence_penalty,
-                                frequency_penalty=options.penalties.frequency_penalty,
-                                repetition_penalty=options.penalties.repetition_penalty,
-                                logit_bias=dict(options.penalties.logit_bias),
-                                prompt_logprobs=options.logprobs if options.echo else None,
-                            )
+                            request_id = self._id if len(prompts) * options.n == 1 else f"{self._id}-{index}"
+                            generation = self._generation(prompt, max_tokens, choice, request_id)
                             await generations.enter_async_context(generation)
                             answers.append(_Answer(index, prompt, generation, options.stop, self._first_token))
                     if options.stream:
@@ -675,6 +659,31 @@ class _Answering(Response):
             _LOG.error("server.request_failed", request_id=self._id, error=repr(bug))
             error = ApiError(500, f"internal error while answering request {self._id}", type="server_error")
         await self._fail(send, error)
+
+    def _generation(self, prompt: _Prompt, max_tokens: int, choice: int, request_id: str) -> Generation:
+        """The generation of choice ``choice`` of ``prompt``, as the options ask
+        (a seed moves by the choice, so a prompt's answers do not depend on
+        the other prompts of its batch)."""
+        options = self._options
+        penalties = options.penalties
+        return self._server.runtime.generate(
+            prompt.tokens,
+            max_tokens=max_tokens,
+            temperature=options.temperature,
+            top_p=options.top_p,
+            top_k=options.top_k,
+            min_p=options.min_p,
+            seed=None if options.seed is None else options.seed + choice,
+            images=list(prompt.images) or None,
+            cache_salt=self._salt,
+            request_id=request_id,
+            logprobs=options.logprobs,
+            presence_penalty=penalties.presence_penalty,
+            frequency_penalty=penalties.frequency_penalty,
+            repetition_penalty=penalties.repetition_penalty,
+            logit_bias=dict(penalties.logit_bias),
+            prompt_logprobs=options.logprobs if options.echo else None,
+        )
 
     def _in_request_terms(self, error: InvalidInput) -> InvalidInput:
         """A chat prompt's fault is its messages' (the runtime says ``prompt``)."""
