@@ -6,6 +6,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mlxkv.actors.penalties import NO_PENALTIES, LogitsAdjuster, Penalties, adjust_rows
 from mlxkv.cache.errors import InvalidInput
@@ -69,3 +71,45 @@ class TestAdjustRows:
         logits = mx.zeros((2, 8), dtype=mx.bfloat16)
         adjuster = LogitsAdjuster(Penalties(frequency_penalty=0.5), prompt=[1])
         assert adjust_rows(logits, [adjuster, None]).dtype == mx.bfloat16
+
+
+def _numpy_rule(row: np.ndarray, penalties: Penalties, prompt: list[int], generated: list[int]) -> np.ndarray:
+    """The module docstring's rule, in NumPy."""
+    row = row.astype(np.float64).copy()
+    for token, bias in penalties.logit_bias:
+        row[token] += bias
+    seen = sorted(set(prompt) | set(generated))
+    r = penalties.repetition_penalty
+    row[seen] = np.where(row[seen] > 0, row[seen] / r, row[seen] * r)
+    counts = np.bincount(np.array(generated, dtype=np.int64), minlength=row.size)
+    return row - penalties.presence_penalty * (counts > 0) - penalties.frequency_penalty * counts
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    presence=st.floats(-2, 2),
+    frequency=st.floats(-2, 2),
+    repetition=st.floats(0.05, 2),
+    bias=st.dictionaries(st.integers(0, 15), st.floats(-100, 100), max_size=4),
+    prompt=st.lists(st.integers(0, 15), min_size=1, max_size=8),
+    generated=st.lists(st.integers(0, 15), max_size=12),
+    seed=st.integers(0, 2**16),
+)
+def test_each_step_follows_the_rule(presence, frequency, repetition, bias, prompt, generated, seed):
+    """After any tokens fed (some before the first step, as a prefill's first
+    token is), each step's adjusted logits are the rule's over the prompt and
+    the tokens fed so far."""
+    penalties = Penalties(
+        presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition, logit_bias=bias
+    )
+    adjuster = LogitsAdjuster(penalties, prompt)
+    rng = np.random.default_rng(seed)
+    fed: list[int] = []
+    for step, token in enumerate([None, *generated]):
+        if token is not None:
+            adjuster.fed(mx.array([token], dtype=mx.uint32))
+            fed.append(token)
+        if step % 3 == 2 or step == len(generated):
+            row = rng.normal(scale=3.0, size=16).astype(np.float32)
+            got = np.array(adjuster.adjust(mx.array(row)))
+            np.testing.assert_allclose(got, _numpy_rule(row, penalties, prompt, fed), rtol=1e-5, atol=1e-4)
