@@ -319,11 +319,11 @@ class Executor:
             return
         try:
             token_logprob = None if first.picks is None else first.picks.read().get(sequence.request_id)
-            prompt_logprobs = tuple(record for picks in sequence.prompt_picks for record in picks.read().values())
+            taken = sequence.take_prompt_picks()
+            prompt_logprobs = tuple(record for picks in taken for record in picks.read().values())
         except Exception as error:
             self._let_go(sequence, error, run)
             return
-        sequence.prompt_picks.clear()
         sequence.emitted(token)
         run.chunks.append(
             _chunk_done(

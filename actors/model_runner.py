@@ -374,7 +374,7 @@ class CacheRunner(abc.ABC):
                 # Position p's logits give token p + 1's records.
                 picks = pick_positions(logits[0], sequence.prompt[start + 1 : body_end + 1], width, start + 1)
                 mx.async_eval(picks.arrays)
-                sequence.prompt_picks.append(picks)
+                sequence.picked_prompt(picks)
             self._record_snapshot(sequence, cache, body_end)
             sequence.computed(body_end)
         if end < total:

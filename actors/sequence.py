@@ -125,6 +125,17 @@ class SequenceState:
         """``token`` is its next answer token."""
         self.generated.append(token)
 
+    def picked_prompt(self, picks: Picks) -> None:
+        """The records of the prompt tokens a chunk computed, queued (where
+        ``prompt_logprobs`` asks for them)."""
+        assert self.spec.prompt_logprobs is not None, f"{self!r} asked for no prompt records"
+        self.prompt_picks.append(picks)
+
+    def take_prompt_picks(self) -> list[Picks]:
+        """The prompt's records queued so far, which it no longer holds."""
+        picks, self.prompt_picks = self.prompt_picks, []
+        return picks
+
     def snapshot(self, position: int, state: tuple[Optional[tuple[Any, ...]], ...]) -> None:
         """Its recurrent layers' ``state`` after ``position`` tokens (a block end)."""
         assert position % self.spec.block_size == 0, (self, position)

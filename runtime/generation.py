@@ -300,11 +300,13 @@ class GenerationRequest:
             InvalidInput: an empty or out-of-vocabulary prompt, ``max_tokens``
                 below 1, a token-id prompt that with ``max_tokens`` exceeds the
                 model's context, images for a model that does not take them, a
-                salt that is not a str, a bad request id, or ``logprobs``
-                not None or an int in ``[0, MAX_TOP_LOGPROBS]``.
+                salt that is not a str, a bad request id, ``logprobs`` or
+                ``prompt_logprobs`` not None or an int in ``[0,
+                MAX_TOP_LOGPROBS]``, or a bias on a token past the vocabulary.
         """
         logprobs = top_logprobs_checked(logprobs, "logprobs")
         prompt_logprobs = top_logprobs_checked(prompt_logprobs, "prompt_logprobs")
+        penalties.check_vocabulary(info.vocab_size)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise InvalidInput("max_tokens", max_tokens, "must be an int >= 1")
         if request_id is None:

@@ -729,7 +729,6 @@ class CacheRuntime:
             repetition_penalty=repetition_penalty,
             logit_bias=logit_bias,
         )
-        penalties.check_vocabulary(context.model.vocab_size)
         request = GenerationRequest.checked(
             prompt,
             max_tokens=max_tokens,
