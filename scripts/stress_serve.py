@@ -4,6 +4,7 @@ Starts ``mlxkv serve`` (the built-in model, or ``--model``) with an API key,
 small admission limits and a short body timeout, then for ``--duration``
 seconds runs ``--clients`` well-formed clients (streamed and plain chat and
 completions, greedy and sampled, a quarter of them of 2-4 choices, a quarter
+of the chats after a tool call and its result, a quarter
 of the completions a batch of two prompts, a quarter
 with log-probabilities, a quarter with penalties and a bias) beside
 ``--attackers`` that cycle through
@@ -18,6 +19,8 @@ the attacks, each on its own connection:
   5,000-digit integer, UTF-16;
 - ``long_chat``: a chat whose tokens fill the context;
 - ``many_choices``: a billion choices (``n``) of one prompt;
+- ``many_tools``: 100,000 tools offered (the built-in model calls none, and
+  a model that does takes at most 128);
 - ``no_key``: /metrics, /health and a completion without the key.
 
 Then it waits for the server to settle and reports: well-formed requests
@@ -168,6 +171,11 @@ class Attacks:
         body = {"prompt": "hello", "max_tokens": 4, "n": 10**9}
         return await self._raw(_post("/v1/completions", json.dumps(body).encode()))
 
+    async def many_tools(self) -> int:
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "tools": [tool] * 100_000}
+        return await self._raw(_post("/v1/chat/completions", json.dumps(body).encode()))
+
     async def no_key(self) -> int:
         async with httpx.AsyncClient(base_url=self.url, timeout=30) as http:
             metrics = await http.get("/metrics")
@@ -177,7 +185,10 @@ class Attacks:
         return metrics.status_code if metrics.status_code != 401 else reply.status_code
 
     def all(self) -> dict[str, Callable[[], Any]]:
-        names = ("close", "top_k", "huge_prompt", "withheld", "trickle", "bad_json", "long_chat", "many_choices", "no_key")
+        names = (
+            "close", "top_k", "huge_prompt", "withheld", "trickle", "bad_json", "long_chat", "many_choices",
+            "many_tools", "no_key",
+        )  # fmt: skip
         return {name: getattr(self, name) for name in names}
 
 
@@ -187,7 +198,8 @@ def _entries(logprobs: dict[str, Any]) -> list[Any]:
 
 
 async def well_formed(url: str, rng: random.Random, served: collections.Counter, failures: list[str]) -> None:
-    """One well-formed request: chat or completion (of one prompt or two),
+    """One well-formed request: chat (a quarter of them after a tool call and
+    its result) or completion (of one prompt or two),
     streamed or not, greedy or sampled, with penalties or not, of 1-4
     choices a prompt, with log-probabilities
     or not, echoed or not (an answer's entries must be as many as its
@@ -208,6 +220,12 @@ async def well_formed(url: str, rng: random.Random, served: collections.Counter,
     logprobs = rng.randint(0, 5) if rng.random() < 0.25 else None
     if rng.random() < 0.5:
         path, body = "/v1/chat/completions", {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "Why?"}]}
+        if rng.random() < 0.25:  # a conversation that called a tool and has its result
+            call = {"id": "call_1", "type": "function", "function": {"name": "look", "arguments": '{"q": "why"}'}}
+            body["messages"] += [
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "Because."},
+            ]
         if logprobs is not None:
             options.update(logprobs=True, top_logprobs=logprobs)
     else:

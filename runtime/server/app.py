@@ -12,8 +12,10 @@ socket the caller bound; :func:`running` does both for an ``async with``::
 
 Endpoints: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST
 /v1/completions`` (text or token ids), ``POST /v1/chat/completions``
-(rendered with the model's chat template; image parts as ``data:`` URLs on a
-vision-language model), ``GET /health``, ``GET /metrics``. Streaming is
+(rendered with the model's chat template, offering the request's ``tools``;
+image parts as ``data:`` URLs on a vision-language model; the answer's tool
+calls read out of its text, in the syntax mlx-lm knows for the model:
+:mod:`mlxkv.server.tools`), ``GET /health``, ``GET /metrics``. Streaming is
 server-sent events, with a usage chunk on ``stream_options.include_usage``;
 ``usage.prompt_tokens_details.cached_tokens`` says how many prompt tokens
 came from the cache.
@@ -47,7 +49,7 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, Optional, Union
 
 import anyio
@@ -79,11 +81,14 @@ from mlxkv.server.request import (
     ChatRequest,
     CompletionRequest,
     Options,
+    ToolCall,
+    answer_key,
     parse_chat,
     parse_completion,
     parse_json,
 )
 from mlxkv.server.stop import StopMatcher
+from mlxkv.server.tools import RawCall, Segment, ToolSyntax
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
@@ -322,7 +327,8 @@ class OpenAIServer:
         body = parse_json(raw)
         parsed: Union[ChatRequest, CompletionRequest]
         if endpoint == "chat":
-            parsed = parse_chat(body, takes_images=self._info.takes_images)
+            takes_tools = self.chat is not None and self.chat.tool_syntax is not None
+            parsed = parse_chat(body, takes_images=self._info.takes_images, takes_tools=takes_tools)
             if self.chat is None:
                 raise InvalidInput(
                     "messages",
@@ -467,19 +473,26 @@ class _Prompt:
 
 @attrs.frozen
 class _Piece:
-    """Some of an answer's text as it may be sent, and the log-probabilities
-    of the tokens generated since the last piece (empty unless asked for)."""
+    """Some of an answer's text as it may be sent, or tool calls it made
+    (``first_call``: the index of the first among the answer's calls), and
+    the log-probabilities of the tokens generated since the last piece
+    (empty unless asked for)."""
 
     text: str
     tokens: tuple[LoggedToken, ...] = ()
+    calls: tuple[ToolCall, ...] = ()
+    first_call: int = 0
 
 
 class _Answer:
     """One generation's text as it may be sent (choice ``index`` of its
-    request, over ``prompt``): stop strings cut it, counts kept.
+    request, over ``prompt``): stop strings cut it, tool calls are read out
+    of it (where ``syntax`` is given: the model's, the request offering
+    ``tools``), counts kept.
 
-    Owns: the stop matcher, the counts, and the log-probabilities of the
-    tokens whose piece is not out yet; the generation is the caller's.
+    Owns: the stop matcher, the call splitter, the calls made, the counts,
+    and the log-probabilities of the tokens whose piece is not out yet; the
+    generation is the caller's.
     """
 
     def __init__(
@@ -489,6 +502,9 @@ class _Answer:
         generation: Generation,
         stops: Sequence[str],
         on_first_token: Callable[[], None],
+        *,
+        syntax: Optional[ToolSyntax] = None,
+        tools: Sequence[Mapping[str, Any]] = (),
     ) -> None:
         self.index = index
         self.prompt = prompt
@@ -496,7 +512,11 @@ class _Answer:
         self.report: Optional[GenerationReport] = None
         self.finish_reason = "length"
         self.num_tokens = 0
+        self.calls: list[ToolCall] = []
         self._matcher = StopMatcher(stops)
+        self._syntax = syntax
+        self._tools = tools
+        self._splitter = None if syntax is None else syntax.splitter()
         self._on_first_token = on_first_token
         self._logged: list[LoggedToken] = []
         self._offset = 0  # characters of the generation's text so far
@@ -512,17 +532,17 @@ class _Answer:
         return self.report is not None and not self._matcher.stopped
 
     async def pieces(self) -> AsyncIterator[_Piece]:
-        """The answer in pieces, none empty (of text, or of log-probabilities:
-        a token's come with the first piece that holds its text, or with the
-        last); ends at the report or a stop string. Every counted token's
-        log-probabilities come out, if asked for."""
+        """The answer in pieces, none empty (of text, of calls, or of
+        log-probabilities: a token's come with the first piece after it,
+        or with the last); ends at the report or a stop string. Every
+        counted token's log-probabilities come out, if asked for."""
         async for record in self.generation:
             if isinstance(record, GenerationReport):
                 self.report = record
-                self.finish_reason = record.finish_reason
-                tail = self._matcher.flush()
-                if tail or self._logged:
-                    yield self._piece(tail)
+                pieces = self._out(self._matcher.flush(), end=True)
+                self._end(record.finish_reason)
+                for piece in pieces:
+                    yield piece
                 return
             if not self.num_tokens:
                 self._on_first_token()
@@ -531,15 +551,43 @@ class _Answer:
                 self._logged.append(LoggedToken(record.logprob, self._offset))
             self._offset += len(record.text)
             text = self._matcher.feed(record.text)
-            if text or (self._logged and self._matcher.stopped):
-                yield self._piece(text)
+            for piece in self._out(text, end=self._matcher.stopped):
+                yield piece
             if self._matcher.stopped:
-                self.finish_reason = "stop"
+                self._end("stop")
                 return
 
-    def _piece(self, text: str) -> _Piece:
+    def _end(self, reason: str) -> None:
+        """The answer ended for ``reason``: ended by the model after calling
+        tools, it ended for them (OpenAI's ``tool_calls``)."""
+        self.finish_reason = "tool_calls" if reason == "stop" and self.calls else reason
+
+    def _out(self, text: str, *, end: bool) -> list[_Piece]:
+        """The pieces ``text`` makes (its calls read out); at the ``end``,
+        the splitter's rest too, and a last piece for tokens not yet out."""
+        segments: list[Segment] = [text]
+        if self._splitter is not None:
+            segments = self._splitter.feed(text) + (self._splitter.finish() if end else [])
+        pieces = []
+        for segment in segments:
+            if isinstance(segment, RawCall):
+                assert self._syntax is not None
+                calls = self._syntax.calls(segment, self._tools)
+                if not isinstance(calls, str):
+                    pieces.append(self._piece("", calls))
+                    continue
+                segment = calls  # unreadable: the model's text, as written
+            if segment:
+                pieces.append(self._piece(segment))
+        if end and self._logged:
+            pieces.append(self._piece(""))
+        return pieces
+
+    def _piece(self, text: str, calls: tuple[ToolCall, ...] = ()) -> _Piece:
         logged, self._logged = tuple(self._logged), []
-        return _Piece(text, logged)
+        first = len(self.calls)
+        self.calls.extend(calls)
+        return _Piece(text, logged, calls, first)
 
 
 class _Answering(Response):
@@ -627,6 +675,7 @@ class _Answering(Response):
                     await self._rendered(send, prompts)
                     return
                 limits = [self._max_tokens(prompt) for prompt in prompts]
+                reading = self._reading(parsed)
                 await server.admission.widen(slot, len(prompts) * options.n)  # a slot a choice
                 async with contextlib.AsyncExitStack() as generations:
                     answers = []
@@ -636,7 +685,9 @@ class _Answering(Response):
                             request_id = self._id if len(prompts) * options.n == 1 else f"{self._id}-{index}"
                             generation = self._generation(prompt, max_tokens, choice, request_id)
                             await generations.enter_async_context(generation)
-                            answers.append(_Answer(index, prompt, generation, options.stop, self._first_token))
+                            answers.append(
+                                _Answer(index, prompt, generation, options.stop, self._first_token, **reading)
+                            )
                     if options.stream:
                         await self._stream(send, answers)
                     else:
@@ -685,6 +736,14 @@ class _Answering(Response):
             prompt_logprobs=options.logprobs if options.echo else None,
         )
 
+    def _reading(self, parsed: Union[ChatRequest, CompletionRequest]) -> dict[str, Any]:
+        """How the answers read tool calls: the model's syntax and the tools
+        offered, where the request asks for its calls read (else nothing)."""
+        chat = self._server.chat
+        if not isinstance(parsed, ChatRequest) or not parsed.read_calls or chat is None:
+            return {}
+        return {"syntax": chat.tool_syntax, "tools": parsed.tools}
+
     def _in_request_terms(self, error: InvalidInput) -> InvalidInput:
         """A chat prompt's fault is its messages' (the runtime says ``prompt``)."""
         if self._endpoint == "chat" and error.argument in ("prompt", "images"):
@@ -730,7 +789,7 @@ class _Answering(Response):
             return prompts
         chat = server.chat
         assert chat is not None, "a chat request is refused without a template"
-        text = await anyio.to_thread.run_sync(chat.render, parsed.messages)
+        text = await anyio.to_thread.run_sync(chat.render, parsed.messages, parsed.tools)
         self._check_length("messages", text)
         turn = server.memory.continued(self._salt, parsed.messages, text, count=not self._render)
         if turn is None:
@@ -817,7 +876,7 @@ class _Answering(Response):
         self._remember(answers, whole)
         if self._endpoint == "chat":
             kind = "chat.completion"
-            contents = [{"message": {"role": "assistant", "content": text}} for text in whole]
+            contents = [{"message": _message(text, answer.calls)} for answer, text in zip(answers, whole)]
         else:
             kind = "text_completion"
             contents = [{"text": (a.prompt.echo or "") + text} for a, text in zip(answers, whole)]
@@ -848,6 +907,9 @@ class _Answering(Response):
                 await self._chunk(send, answer, answer.prompt.echo, logprobs=self._logprobs((), answer, echoed=True))
             if piece is None:
                 await self._chunk(send, answer, None)
+            elif piece.calls:
+                calls = [call.for_response(piece.first_call + i) for i, call in enumerate(piece.calls)]
+                await self._chunk(send, answer, {"tool_calls": calls}, logprobs=self._logprobs(piece.tokens))
             else:
                 texts[answer.index].append(piece.text)
                 await self._chunk(send, answer, piece.text, logprobs=self._logprobs(piece.tokens))
@@ -931,10 +993,12 @@ class _Answering(Response):
         (answer,), (text,) = answers, texts
         prompt = answer.prompt
         report = answer.report
-        if prompt.text is None or report is None or not answer.complete or text != report.text:
+        if prompt.text is None or report is None or not answer.complete:
+            return
+        if not answer.calls and text != report.text:
             return
         self._server.memory.remember(
-            self._salt, text, Turn(prompt.text + text, prompt.tokens + report.tokens)
+            self._salt, answer_key(text, answer.calls), Turn(prompt.text + report.text, prompt.tokens + report.tokens)
         )
 
     def _count(self, answers: Sequence[_Answer]) -> None:
@@ -1011,6 +1075,14 @@ def _choice(
     where it has ``ended`` (a chunk's piece: not yet)."""
     finish_reason = answer.finish_reason if ended else None
     return {"index": answer.index, **content, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def _message(text: str, calls: Sequence[ToolCall]) -> dict[str, Any]:
+    """A chat answer's message: its text, and its calls where it made any
+    (then a message of calls alone has no content, as OpenAI's)."""
+    if not calls:
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": text or None, "tool_calls": [call.for_response() for call in calls]}
 
 
 def _request_outcome(answers: Sequence[_Answer]) -> str:

@@ -25,42 +25,48 @@ with the memory it extends turn 1's prompt and answer exactly.
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 import attrs
 
 from mlxkv.errors import InvalidInput
 from mlxkv.server.request import ChatMessage
+from mlxkv.server.tools import ToolSyntax
 
 __all__ = ["ChatTemplate", "ConversationMemory", "Turn"]
 
 
 class ChatTemplate:
-    """A model's chat template and tokenizer (a Hugging Face tokenizer, loaded
-    beside the runtime from the same model directory).
+    """A model's chat template and tokenizer (mlx-lm's tokenizer wrapper, loaded
+    beside the runtime from the same model directory), and how the model
+    writes tool calls, where mlx-lm knows.
 
-    Owns: the tokenizer. Use it from one thread at a time (the server uses it
-    on the event loop).
+    Rendered as ``mlx_lm.server`` renders it: mlx-lm's own template where it
+    has one for the model, its thinking switch at the model's default.
+
+    Owns: the tokenizer. The server renders and encodes on worker threads,
+    several requests' at once: it keeps no state between calls.
     """
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
+        self.tool_syntax: Optional[ToolSyntax] = ToolSyntax.of(tokenizer)
 
     @classmethod
     def load(cls, model: str) -> Optional[ChatTemplate]:
         """The template of the model at ``model`` (a directory or a Hub id), or
         None if its tokenizer has no chat template. Blocks: run it on a thread."""
-        import mlx_lm  # noqa: F401  (quiets transformers' advisory warnings first)
-        from transformers import AutoTokenizer
+        from mlx_lm.utils import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(model)
-        if not getattr(tokenizer, "chat_template", None):
+        tokenizer = load_tokenizer(model)
+        if not tokenizer.has_chat_template:
             return None
         return cls(tokenizer)
 
-    def render(self, messages: Sequence[ChatMessage]) -> str:
-        """The conversation as the model reads it, ending where the assistant begins.
+    def render(self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]] = ()) -> str:
+        """The conversation as the model reads it, ending where the assistant
+        begins, with ``tools`` offered where there are any.
 
         Raises:
             InvalidInput: the template refused the messages (it may require
@@ -69,6 +75,7 @@ class ChatTemplate:
         try:
             return self._tokenizer.apply_chat_template(
                 [message.for_template() for message in messages],
+                tools=[dict(tool) for tool in tools] or None,
                 tokenize=False,
                 add_generation_prompt=True,
             )
@@ -169,7 +176,7 @@ class ConversationMemory:
         for message in reversed(messages):
             if message.role != "assistant":
                 continue
-            key = (salt, message.text())
+            key = (salt, message.answer_key())
             for turn in self._turns.get(key, ()):
                 if text.startswith(turn.text):
                     if count:

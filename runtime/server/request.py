@@ -5,8 +5,8 @@ into a frozen record or raise :class:`~mlxkv.InvalidInput` naming the field
 (the server answers 400 with its message). Everything is checked before
 anything is sent to the runtime: the JSON types, the ranges the OpenAI API
 gives (a completion's prompt: one, or a batch), fields this server cannot
-honour at other than their default (``best_of``, ``suffix``, tools...), and
-fields it does not know. Values the
+honour at other than their default (``best_of``, ``suffix``, a forced tool
+call...), and fields it does not know. Values the
 runtime checks itself (a token id past the vocabulary, a prompt past the
 context) are left to it.
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Union
 
 import attrs
@@ -40,6 +40,7 @@ __all__ = [
     "ChatRequest",
     "CompletionRequest",
     "Options",
+    "ToolCall",
     "parse_chat",
     "parse_completion",
     "parse_json",
@@ -48,7 +49,12 @@ __all__ = [
 #: The most stop strings (as OpenAI), and the longest one.
 MAX_STOPS, MAX_STOP_LENGTH = 4, 256
 
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+#: The most tools a request may offer, and a function name's form (OpenAI's).
+MAX_TOOLS = 128
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+#: What ``tool_choice`` may be: offer the tools and read the calls, or offer them and read none.
+_TOOL_CHOICES = ("auto", "none")
 
 
 @attrs.frozen(kw_only=True)
@@ -107,18 +113,75 @@ class CompletionRequest:
 
 
 @attrs.frozen(kw_only=True)
+class ToolCall:
+    """A call of a function (OpenAI's shape): an answer's, or an assistant message's.
+
+    Attributes:
+        id: the handle the tool's result is sent back under (None where a
+            message gave none).
+        name: the function's.
+        arguments: its arguments as JSON text (as the OpenAI API carries them).
+    """
+
+    id: Optional[str]
+    name: str
+    arguments: str
+
+    def for_template(self) -> dict[str, Any]:
+        """The call as chat templates take it: arguments that are a JSON
+        object as the object (templates write them with ``tojson``), others
+        as the text."""
+        try:
+            arguments: Any = json.loads(self.arguments)
+        except ValueError:
+            arguments = self.arguments
+        if not isinstance(arguments, dict):
+            arguments = self.arguments
+        call: dict[str, Any] = {"type": "function", "function": {"name": self.name, "arguments": arguments}}
+        if self.id is not None:
+            call["id"] = self.id
+        return call
+
+    def for_response(self, index: Optional[int] = None) -> dict[str, Any]:
+        """The call in a response (with its ``index`` among the answer's calls in a streamed chunk)."""
+        call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+    def key(self) -> str:
+        """The call as a conversation is remembered by: its name and its
+        arguments as canonical JSON (a client may send them back spaced
+        otherwise), not its id."""
+        try:
+            arguments = json.dumps(json.loads(self.arguments), sort_keys=True, separators=(",", ":"))
+        except ValueError:
+            arguments = self.arguments
+        return f"{self.name}\x00{arguments}"
+
+
+def answer_key(text: str, calls: Sequence[ToolCall]) -> str:
+    """What an assistant's answer is remembered and found under: its text,
+    then (where it called tools) each call's :meth:`ToolCall.key`."""
+    return text + "".join(f"\x00{call.key()}" for call in calls)
+
+
+@attrs.frozen(kw_only=True)
 class ChatMessage:
     """One message as the chat template takes it.
 
     Attributes:
-        role: ``system``, ``user`` or ``assistant`` (``developer`` is ``system``).
+        role: ``system``, ``user``, ``assistant`` or ``tool`` (``developer``
+            is ``system``).
         content: a string, or (on a vision-language model, when the message
             has images) a tuple of ``{"type": "text", "text": ...}`` and
             ``{"type": "image"}`` parts.
+        tool_calls: an assistant message's calls of the request's tools.
+        tool_call_id: a ``tool`` message's: the call it answers.
     """
 
     role: str
     content: Union[str, tuple[Mapping[str, str], ...]]
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: Optional[str] = None
 
     def text(self) -> str:
         """The message's text, its parts' texts joined."""
@@ -126,10 +189,20 @@ class ChatMessage:
             return self.content
         return "".join(part.get("text", "") for part in self.content)
 
+    def answer_key(self) -> str:
+        """What an assistant message is found under in the conversation memory
+        (:func:`answer_key`: its text and its calls)."""
+        return answer_key(self.text(), self.tool_calls)
+
     def for_template(self) -> dict[str, Any]:
         """The message as ``apply_chat_template`` takes it."""
         content = self.content if isinstance(self.content, str) else [dict(p) for p in self.content]
-        return {"role": self.role, "content": content}
+        message: dict[str, Any] = {"role": self.role, "content": content}
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 @attrs.frozen(kw_only=True)
@@ -140,11 +213,19 @@ class ChatRequest:
         messages: the conversation.
         images: the ``data:`` URLs of its images, in order of appearance.
         options: the options.
+        tools: the functions the model is offered (OpenAI's ``tools``, each
+            ``{"type": "function", "function": {...}}``), as the template takes them.
+        read_calls: whether the answer's tool calls are read out of its text
+            (``tool_choice`` ``auto``, with tools); with ``none`` the tools
+            are still offered (the prompt, and what is cached of it, is the
+            same) and the answer is all text.
     """
 
     messages: tuple[ChatMessage, ...]
     images: tuple[str, ...]
     options: Options
+    tools: tuple[Mapping[str, Any], ...] = ()
+    read_calls: bool = False
 
 
 def parse_json(raw: Union[bytes, bytearray]) -> dict[str, Any]:
@@ -233,12 +314,14 @@ def parse_completion(body: Mapping[str, Any]) -> CompletionRequest:
     return CompletionRequest(prompts=prompts, options=options)
 
 
-def parse_chat(body: Mapping[str, Any], *, takes_images: bool) -> ChatRequest:
+def parse_chat(body: Mapping[str, Any], *, takes_images: bool, takes_tools: bool = False) -> ChatRequest:
     """Check a ``/v1/chat/completions`` body.
 
     Args:
         body: the decoded JSON.
         takes_images: whether the model sees images (else an image part is refused).
+        takes_tools: whether the model calls tools (its chat template takes
+            them and mlx-lm can read its calls; else ``tools`` is refused).
 
     Raises:
         InvalidInput: naming the first field at fault.
@@ -249,9 +332,12 @@ def parse_chat(body: Mapping[str, Any], *, takes_images: bool) -> ChatRequest:
     top = _int("top_logprobs", fields.take("top_logprobs"), minimum=0, maximum=MAX_TOP_LOGPROBS)
     if top is not None and not wanted:
         raise InvalidInput("top_logprobs", top, "is only allowed with logprobs: true")
-    fields.default_only("tools", None)
-    fields.default_only("tool_choice", None)
-    fields.default_only("parallel_tool_calls", None)
+    tools = _tools(fields.take("tools"), takes_tools)
+    choice = _tool_choice(fields.take("tool_choice"), tools)
+    if not _bool("parallel_tool_calls", fields.take("parallel_tool_calls"), default=True):
+        raise InvalidInput(
+            "parallel_tool_calls", False, "is not supported by this server (only true: it reads every call made)"
+        )
     fields.default_only("response_format", None, also=({"type": "text"},))
     max_tokens = fields.take("max_completion_tokens")
     legacy = fields.take("max_tokens")
@@ -259,7 +345,67 @@ def parse_chat(body: Mapping[str, Any], *, takes_images: bool) -> ChatRequest:
     if wanted:
         options = attrs.evolve(options, logprobs=top or 0)
     fields.finish()
-    return ChatRequest(messages=messages, images=images, options=options)
+    return ChatRequest(
+        messages=messages, images=images, options=options, tools=tools, read_calls=bool(tools) and choice == "auto"
+    )
+
+
+def _tools(value: Any, takes_tools: bool) -> tuple[Mapping[str, Any], ...]:
+    """OpenAI's ``tools``: functions, each named, as the template takes them."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise InvalidInput("tools", value, 'must be a list of {"type": "function", "function": {...}}')
+    if not value:
+        return ()
+    if not takes_tools:
+        raise InvalidInput(
+            "tools",
+            Shown(f"<{len(value)} tools>"),
+            "this model does not call tools (mlx-lm knows no tool syntax for it)",
+        )
+    if len(value) > MAX_TOOLS:
+        raise InvalidInput("tools", Shown(f"<{len(value)} tools>"), f"at most {MAX_TOOLS} are taken")
+    names = set()
+    for i, tool in enumerate(value):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function" or set(tool) - {"type", "function"}:
+            raise InvalidInput(where, tool, 'must be {"type": "function", "function": {...}}')
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise InvalidInput(f"{where}.function", function, "must be an object with a name")
+        unknown = set(function) - {"name", "description", "parameters", "strict"}
+        if unknown:
+            name = sorted(unknown)[0]
+            raise InvalidInput(f"{where}.function.{name}", function[name], "is not a field of a function")
+        name = function.get("name")
+        if not isinstance(name, str) or not _FUNCTION_NAME.fullmatch(name):
+            raise InvalidInput(
+                f"{where}.function.name", name, "must be 1-64 letters, digits, underscores, dots or dashes"
+            )
+        if name in names:
+            raise InvalidInput(f"{where}.function.name", name, "names another tool's function")
+        names.add(name)
+        if not isinstance(function.get("description", ""), str):
+            raise InvalidInput(f"{where}.function.description", function["description"], "must be a string")
+        if not isinstance(function.get("parameters", {}), dict):
+            raise InvalidInput(f"{where}.function.parameters", function["parameters"], "must be a JSON Schema object")
+        _bool(f"{where}.function.strict", function.get("strict"), default=False)
+    return tuple(value)
+
+
+def _tool_choice(value: Any, tools: Sequence[Mapping[str, Any]]) -> str:
+    """``tool_choice``: ``auto`` (the default with tools) or ``none``; a call
+    cannot be forced (that needs decoding constrained to the call's form)."""
+    if value is None:
+        return "auto" if tools else "none"
+    if value in _TOOL_CHOICES:
+        if value == "auto" and not tools:
+            raise InvalidInput("tool_choice", value, "is only allowed with tools")
+        return value
+    raise InvalidInput(
+        "tool_choice", value, 'is not supported by this server (only "auto" or "none": it cannot force a call)'
+    )
 
 
 class _Fields:
@@ -441,16 +587,21 @@ def _messages(value: Any, takes_images: bool) -> tuple[tuple[ChatMessage, ...], 
             raise InvalidInput(where, message, "must be an object with a role and a content")
         role = message.get("role")
         if not isinstance(role, str) or role not in _ROLES:
-            raise InvalidInput(
-                f"{where}.role", role, f"must be one of {', '.join(_ROLES)} (no tools)"
-            )
-        unknown = set(message) - {"role", "content", "name"}
+            raise InvalidInput(f"{where}.role", role, f"must be one of {', '.join(_ROLES)}")
+        allowed = {"role", "content", "name"} | _MESSAGE_FIELDS.get(role, set())
+        unknown = set(message) - allowed
         if unknown:
             name = sorted(unknown)[0]
-            raise InvalidInput(f"{where}.{name}", message[name], "is not supported by this server")
+            raise InvalidInput(f"{where}.{name}", message[name], f"is not a field of a {role} message")
+        calls = _calls(message.get("tool_calls"), f"{where}.tool_calls")
+        call_id = message.get("tool_call_id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise InvalidInput(f"{where}.tool_call_id", call_id, "must be a string")
         content = message.get("content")
+        if content is None and calls:
+            content = ""  # an assistant's calls alone
         if isinstance(content, str):
-            messages.append(ChatMessage(role=_ROLES[role], content=content))
+            messages.append(ChatMessage(role=_ROLES[role], content=content, tool_calls=calls, tool_call_id=call_id))
             continue
         if not isinstance(content, list):
             raise InvalidInput(f"{where}.content", content, "must be a string or a list of parts")
@@ -466,9 +617,45 @@ def _messages(value: Any, takes_images: bool) -> tuple[tuple[ChatMessage, ...], 
             messages.append(ChatMessage(role=_ROLES[role], content=tuple(parts)))
         else:
             messages.append(
-                ChatMessage(role=_ROLES[role], content="\n".join(p["text"] for p in parts))
+                ChatMessage(
+                    role=_ROLES[role], content="\n".join(p["text"] for p in parts), tool_calls=calls,
+                    tool_call_id=call_id,
+                )
             )
     return tuple(messages), tuple(images)
+
+
+#: Fields a message of a role has besides ``role``, ``content`` and ``name``.
+_MESSAGE_FIELDS = {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}
+
+
+def _calls(value: Any, where: str) -> tuple[ToolCall, ...]:
+    """An assistant message's ``tool_calls``: each ``{"id", "type": "function",
+    "function": {"name", "arguments"}}``, the arguments JSON text."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise InvalidInput(where, value, "must be a list of calls")
+    calls = []
+    for i, call in enumerate(value):
+        at = f"{where}[{i}]"
+        if not isinstance(call, dict) or call.get("type", "function") != "function" or set(call) - {
+            "id", "type", "function"
+        }:
+            raise InvalidInput(at, call, 'must be {"id": ..., "type": "function", "function": {...}}')
+        call_id = call.get("id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise InvalidInput(f"{at}.id", call_id, "must be a string")
+        function = call.get("function")
+        if (
+            not isinstance(function, dict)
+            or set(function) - {"name", "arguments"}
+            or not isinstance(function.get("name"), str)
+            or not isinstance(function.get("arguments", ""), str)
+        ):
+            raise InvalidInput(f"{at}.function", function, 'must be {"name": str, "arguments": JSON text}')
+        calls.append(ToolCall(id=call_id, name=function["name"], arguments=function.get("arguments", "")))
+    return tuple(calls)
 
 
 def _part(part: Any, where: str, takes_images: bool) -> Optional[str]:

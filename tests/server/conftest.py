@@ -73,3 +73,44 @@ def serve(default_model_path: str, chat_template: Any) -> Callable[..., Any]:
                     yield Served(rt, server, url, client)
 
     return serving
+
+
+#: A chat template that offers tools and writes calls as Qwen's do
+#: (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``: mlx-lm's
+#: ``json_tools`` syntax, which it infers from this template), over the
+#: built-in model's byte-level tokenizer; without tools it renders what the
+#: built-in template renders.
+TOOL_TEMPLATE = (
+    "{% if tools %}<|begin_of_text|>system: Tools:\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    'Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call>\n{% endif %}'
+    "{% for m in messages %}<|begin_of_text|>{{ m['role'] }}: {{ m['content'] or '' }}"
+    "{% for call in m.tool_calls or [] %}{% set tool_call = call.function %}"
+    '<tool_call>{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}</tool_call>'
+    "{% endfor %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}<|begin_of_text|>assistant: {% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def tool_model_path(default_model_path: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The built-in model with :data:`TOOL_TEMPLATE` for its chat template
+    (its other files linked, not copied)."""
+    import json
+    from pathlib import Path
+
+    source, target = Path(default_model_path), tmp_path_factory.mktemp("tool-model")
+    for file in source.iterdir():
+        if file.name != "tokenizer_config.json":
+            (target / file.name).symlink_to(file)
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    (target / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TOOL_TEMPLATE}))
+    return str(target)
+
+
+@pytest.fixture(scope="session")
+def tool_chat_template(tool_model_path: str) -> Any:
+    """:data:`TOOL_TEMPLATE`, loaded as the server loads a model's template."""
+    from mlxkv.server.chat import ChatTemplate
+
+    return ChatTemplate.load(tool_model_path)

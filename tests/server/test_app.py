@@ -8,12 +8,15 @@ client cannot see (blocks held, live computations).
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
+import re
 import sys
 from typing import Any
 
 import anyio
+import attrs
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -26,7 +29,7 @@ import httpx  # noqa: E402
 
 from mlxkv import GeneratedToken  # noqa: E402
 from mlxkv.actors.prompt_preparer import encode_text  # noqa: E402
-from mlxkv.server.request import ChatMessage  # noqa: E402
+from mlxkv.server.request import ChatMessage, ToolCall  # noqa: E402
 
 from device_arithmetic import LOGITS_ATOL  # noqa: E402
 from greedy import CLEAR_GAP, least_gap, reference_load  # noqa: E402
@@ -361,7 +364,7 @@ class TestErrors:
                 )
             with pytest.raises(openai.BadRequestError) as caught:
                 await s.client.chat.completions.create(
-                    model="tiny", messages=[{"role": "tool", "content": "x"}]
+                    model="tiny", messages=[{"role": "robot", "content": "x"}]
                 )
             assert caught.value.body["param"] == "messages[0].role"
             with pytest.raises(openai.BadRequestError) as caught:
@@ -856,6 +859,158 @@ class TestPenalties:
         assert banned.choices[0].logprobs.tokens[0] != s.runtime.preparer.decode([first])
         assert set(forced.choices[0].logprobs.tokens) == {s.runtime.preparer.decode([42])}
         assert info.value.body["param"] == "logit_bias"
+
+
+#: A function tool, and a conversation that called it and has its result.
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather", "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}  # fmt: skip
+CALLED = [
+    {"role": "system", "content": SYSTEM},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+    ]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C."},
+]  # fmt: skip
+
+
+class TestTools:
+    """Tools offered, calls read out of the answer, a tool's result sent back:
+    on the built-in model with a chat template that takes tools
+    (``TOOL_TEMPLATE`` in conftest.py, in mlx-lm's ``json_tools`` syntax)."""
+
+    async def test_the_prompt_is_mlx_lms_render(self, serve, tool_model_path, tool_chat_template):
+        """A conversation with tools, an assistant's call and the tool's result
+        runs on exactly the tokens ``mlx_lm.server`` renders for it (mlx-lm's
+        tokenizer, arguments given to the template as an object); with
+        ``tool_choice: none`` the tools are still offered: the same tokens."""
+        from mlx_lm.utils import load_tokenizer
+
+        tokenizer = load_tokenizer(tool_model_path)
+        as_mlx_lm = json.loads(json.dumps(CALLED))
+        as_mlx_lm[2]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris"}
+        expected = tokenizer.apply_chat_template(as_mlx_lm, tools=[WEATHER], add_generation_prompt=True)
+        async with serve(path=tool_model_path, chat=tool_chat_template) as s:
+            async with httpx.AsyncClient(base_url=s.url) as http:
+                body = {"messages": CALLED, "tools": [WEATHER]}
+                rendered = [
+                    (await http.post("/v1/chat/completions/render", json={**body, **extra})).json()
+                    for extra in ({}, {"tool_choice": "none"})
+                ]
+            assert rendered[0]["token_ids"] == list(expected) == rendered[1]["token_ids"]
+            assert b'"name": "get_weather"' in bytes(t for t in expected if t < 256)
+
+    async def test_a_tool_loop_reuses_the_conversation(self, serve, tool_model_path, tool_chat_template):
+        """Turn 1 offers a tool; turn 2 sends back a call and its result: it is
+        answered, on all of turn 1's prompt from the cache (its full blocks
+        shared, its tail in the conversation's kept cache)."""
+        async with serve(path=tool_model_path, chat=tool_chat_template) as s:
+            first = await s.client.chat.completions.create(
+                model="tiny", messages=CALLED[:2], tools=[WEATHER], max_tokens=8, **GREEDY
+            )
+            assert first.choices[0].message.tool_calls is None  # random weights write no call
+            second = await s.client.chat.completions.create(
+                model="tiny", messages=CALLED, tools=[WEATHER], max_tokens=8, **GREEDY
+            )
+            assert second.usage.completion_tokens == 8 and second.choices[0].message.content
+            assert second.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens
+            await nothing_held(s.runtime)
+
+    async def test_calls_are_read_from_a_real_answer(self, serve, tool_model_path, tool_chat_template):
+        """The answer's calls come out of the model's own text, streamed or
+        not: the server reads them in a syntax this test picks from what the
+        model writes (its markers two-character pieces of a greedy answer; the
+        parser a plain function), since random weights write no real call.
+        Text outside the calls is the content, each call's text its
+        arguments, and the stop string after a call ends it as ``tool_calls``."""
+        from mlxkv.server.tools import ToolSyntax
+
+        ask = {"model": "tiny", "messages": CALLED[:2], "tools": [WEATHER], "max_tokens": 48, **GREEDY}
+        async with serve(path=tool_model_path, chat=tool_chat_template) as s:
+            probe = await s.client.chat.completions.create(
+                **ask, tool_choice="none", extra_body={"cache_salt": "probe"}
+            )  # each request computes the prompt cold, alone: the same greedy text
+            text = probe.choices[0].message.content
+            start, end, stop = _markers(text)
+            template = copy.copy(s.server.chat)
+            template.tool_syntax = ToolSyntax(
+                start=start, end=end, parse=lambda call, tools: {"name": "echo", "arguments": {"text": call}}
+            )
+            s.server.chat = template
+            expected_text, expected_calls = _reference_split(text[: text.index(stop)], start, end)
+            assert expected_calls, (text, start, end)
+            whole = await s.client.chat.completions.create(**ask, stop=[stop], extra_body={"cache_salt": "whole"})
+            message = whole.choices[0].message
+            assert message.content == (expected_text or None)
+            assert [json.loads(c.function.arguments)["text"] for c in message.tool_calls] == expected_calls
+            assert {c.function.name for c in message.tool_calls} == {"echo"}
+            assert len({c.id for c in message.tool_calls}) == len(expected_calls)
+            assert whole.choices[0].finish_reason == "tool_calls"
+            chunks = [
+                c async for c in await s.client.chat.completions.create(
+                    **ask, stop=[stop], stream=True, extra_body={"cache_salt": "streamed"}
+                )
+            ]  # fmt: skip
+            deltas = [c.choices[0].delta for c in chunks if c.choices]
+            assert "".join(d.content or "" for d in deltas) == expected_text
+            streamed = [call for d in deltas for call in d.tool_calls or ()]
+            assert [c.index for c in streamed] == list(range(len(expected_calls)))
+            assert [json.loads(c.function.arguments)["text"] for c in streamed] == expected_calls
+            assert chunks[-1].choices[0].finish_reason == "tool_calls"
+            # Ended by max_tokens (not cut by a stop string), the answer is kept for the
+            # next turn: found by an assistant message of its text and calls, as a client
+            # sends them back (ids its own, arguments spaced otherwise).
+            kept = await s.client.chat.completions.create(**ask, extra_body={"cache_salt": "kept"})
+            assert kept.choices[0].finish_reason == "length" and kept.choices[0].message.tool_calls
+            sent_back = ChatMessage(
+                role="assistant", content=kept.choices[0].message.content or "",
+                tool_calls=tuple(
+                    ToolCall(
+                        id=f"mine-{i}", name=c.function.name,
+                        arguments=json.dumps(json.loads(c.function.arguments), indent=1),
+                    )
+                    for i, c in enumerate(kept.choices[0].message.tool_calls)
+                ),
+            )  # fmt: skip
+            rendered = template.render(_messages(CALLED[:2]), [WEATHER]) + text  # the prompt, the answer as written
+            turn = s.server.memory.continued("kept", [*_messages(CALLED[:2]), sent_back], rendered + "...", count=False)
+            assert turn is not None and turn.text == rendered
+            assert len(turn.tokens) == kept.usage.prompt_tokens + 48
+            assert s.server.memory.continued("kept", [*_messages(CALLED[:2]), attrs.evolve(sent_back, tool_calls=())],
+                                             rendered + "...", count=False) is None  # fmt: skip
+            await nothing_held(s.runtime)
+
+    async def test_tools_on_a_model_that_calls_none_are_refused(self, serve):
+        async with serve() as s:
+            with pytest.raises(openai.BadRequestError) as caught:
+                await s.client.chat.completions.create(model="tiny", messages=chat("Hi"), tools=[WEATHER], max_tokens=2)
+            assert caught.value.body["param"] == "tools" and "does not call tools" in caught.value.body["message"]
+
+
+def _markers(text: str) -> tuple[str, str, str]:
+    """A call's start and end markers and a stop string, each two characters
+    of ``text`` found first where they are picked: a call opens early, ends
+    later, and the stop string comes after it."""
+
+    def first_at(at: int, since: int = 0) -> bool:
+        return text.find(text[at : at + 2], since) == at
+
+    assert len(text) >= 16, f"the greedy answer is too short to pick markers from: {text!r}"
+    a = next(i for i in range(1, len(text) - 8) if first_at(i))
+    b = next(i for i in range(a + 3, len(text) - 4) if first_at(i, a + 2))
+    c = next(i for i in range(b + 2, len(text) - 1) if first_at(i))
+    return text[a : a + 2], text[b : b + 2], text[c : c + 2]
+
+
+def _reference_split(text: str, start: str, end: str) -> tuple[str, list[str]]:
+    """The text outside calls and the calls' texts, read from the whole text at once."""
+    parts = re.split(f"{re.escape(start)}(.*?){re.escape(end)}", text, flags=re.DOTALL)
+    return "".join(parts[0::2]), parts[1::2]
 
 
 class TestHealthAndMetrics:

@@ -10,6 +10,16 @@ from mlxkv import InvalidInput
 from mlxkv.server.request import ChatMessage, parse_chat, parse_completion, parse_json
 
 
+#: A function tool as OpenAI's clients send it.
+_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather", "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}  # fmt: skip
+
+
 def refused(parse: Any, body: dict[str, Any], **kwargs: Any) -> InvalidInput:
     with pytest.raises(InvalidInput) as caught:
         parse(body, **kwargs)
@@ -125,7 +135,7 @@ class TestChatBody:
         [
             ([], "messages", False),
             (["hi"], "messages[0]", False),
-            ([{"role": "tool", "content": "x"}], "messages[0].role", False),
+            ([{"role": "robot", "content": "x"}], "messages[0].role", False),
             ([{"role": "user", "content": 3}], "messages[0].content", False),
             ([{"role": "user", "content": "x", "tool_calls": []}], "messages[0].tool_calls", False),
             ([{"role": "user", "content": [{"type": "audio"}]}], "messages[0].content[0]", False),
@@ -186,9 +196,17 @@ class TestChatBody:
             assert refused(parse_chat, {**body, **bad}, takes_images=False).argument == argument
 
     def test_unsupported_features_are_refused(self):
-        """Tools and a JSON response format are refused, not ignored."""
+        """Tools (on a model that calls none), forcing a call, and a JSON
+        response format are refused, not ignored."""
         body = {"messages": [{"role": "user", "content": "x"}]}
-        assert refused(parse_chat, {**body, "tools": [{}]}, takes_images=False).argument == "tools"
+        assert refused(parse_chat, {**body, "tools": [_TOOL]}, takes_images=False).argument == "tools"
+        for bad, argument in (
+            ({"tool_choice": "required"}, "tool_choice"),
+            ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+            ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+        ):
+            with_tools = {**body, "tools": [_TOOL], **bad}
+            assert refused(parse_chat, with_tools, takes_images=False, takes_tools=True).argument == argument
         assert (
             refused(
                 parse_chat, {**body, "response_format": {"type": "json_object"}}, takes_images=False
@@ -196,6 +214,56 @@ class TestChatBody:
             == "response_format"
         )
         assert parse_chat({**body, "response_format": {"type": "text"}}, takes_images=False)
+
+    def test_tools_and_calls_are_read(self):
+        """Tools are kept as the template takes them; ``tool_choice`` says
+        whether calls are read; an assistant's calls and a tool's answer
+        reach the template in its shape (arguments that are a JSON object as
+        the object)."""
+        conversation = [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            ]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ]  # fmt: skip
+        request = parse_chat({"messages": conversation, "tools": [_TOOL]}, takes_images=False, takes_tools=True)
+        assert request.tools == (_TOOL,) and request.read_calls
+        assistant, tool = request.messages[1:]
+        assert assistant.for_template() == {
+            "role": "assistant", "content": "",
+            "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+        }  # fmt: skip
+        assert tool.for_template() == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+        none = parse_chat(
+            {"messages": conversation, "tools": [_TOOL], "tool_choice": "none"}, takes_images=False, takes_tools=True
+        )
+        assert none.tools == (_TOOL,) and not none.read_calls  # offered (the same prompt), not read
+        assert not parse_chat({"messages": conversation}, takes_images=False).read_calls  # a model without tools
+        assert parse_chat({"messages": conversation, "tools": []}, takes_images=False).tools == ()
+
+    @pytest.mark.parametrize(
+        ("body", "argument"),
+        [
+            ({"tools": {"type": "function"}}, "tools"),
+            ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
+            ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name"),
+            ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools[0].function.parameters"),
+            ({"tools": [{"type": "function", "function": {"name": "f", "exec": 1}}]}, "tools[0].function.exec"),
+            ({"tools": [_TOOL, _TOOL]}, "tools[1].function.name"),
+            ({"tools": [_TOOL] * 129}, "tools"),
+            ({"tool_choice": "auto"}, "tool_choice"),  # with no tools
+            ({"messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}]}]},
+             "messages[0].tool_calls[0].function"),  # arguments must be JSON text
+            ({"messages": [{"role": "assistant", "tool_calls": "f"}]}, "messages[0].tool_calls"),
+            ({"messages": [{"role": "assistant", "content": None}]}, "messages[0].content"),  # no calls: content needed
+            ({"messages": [{"role": "tool", "content": "x", "tool_call_id": 7}]}, "messages[0].tool_call_id"),
+            ({"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]}, "messages[0].tool_call_id"),
+        ],
+    )  # fmt: skip
+    def test_bad_tools_and_calls_are_named(self, body: dict[str, Any], argument: str):
+        full = {"messages": [{"role": "user", "content": "x"}], **body}
+        assert refused(parse_chat, full, takes_images=False, takes_tools=True).argument == argument
 
     #: What vllm-router 0.1.17 adds to every request it forwards.
     ROUTER_FIELDS = {
