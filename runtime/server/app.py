@@ -88,7 +88,9 @@ from mlxkv.server.request import (
     parse_json,
 )
 from mlxkv.server.stop import StopMatcher
-from mlxkv.server.tools import RawCall, Segment, ToolSyntax
+from mlxkv.server.markers import Inside, MarkedSplitter, Segment
+from mlxkv.server.reasoning import ReasoningSyntax
+from mlxkv.server.tools import ToolSyntax
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
@@ -473,25 +475,38 @@ class _Prompt:
 
 @attrs.frozen
 class _Piece:
-    """Some of an answer's text as it may be sent, or tool calls it made
-    (``first_call``: the index of the first among the answer's calls), and
-    the log-probabilities of the tokens generated since the last piece
-    (empty unless asked for)."""
+    """Some of an answer's text as it may be sent, of its reasoning, or
+    tool calls it made (``first_call``: the index of the first among the
+    answer's calls); and the log-probabilities of the tokens generated since
+    the last piece (empty unless asked for)."""
 
     text: str
     tokens: tuple[LoggedToken, ...] = ()
     calls: tuple[ToolCall, ...] = ()
     first_call: int = 0
+    reasoning: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class _Reading:
+    """What a chat answer reads out of its text: its reasoning (in the
+    model's ``reasoning`` syntax; sent unless ``include_reasoning`` is
+    false), and its tool calls (in the model's ``calls`` syntax, of the
+    ``tools`` offered). None of either: the text as written."""
+
+    reasoning: Optional[ReasoningSyntax] = None
+    include_reasoning: bool = True
+    calls: Optional[ToolSyntax] = None
+    tools: tuple[Mapping[str, Any], ...] = ()
 
 
 class _Answer:
     """One generation's text as it may be sent (choice ``index`` of its
-    request, over ``prompt``): stop strings cut it, tool calls are read out
-    of it (where ``syntax`` is given: the model's, the request offering
-    ``tools``), counts kept.
+    request, over ``prompt``): stop strings cut it, its reasoning and tool
+    calls are read out of it (as ``reading`` says), counts kept.
 
-    Owns: the stop matcher, the call splitter, the calls made, the counts,
-    and the log-probabilities of the tokens whose piece is not out yet; the
+    Owns: the stop matcher, the splitters, the calls made, the counts, and
+    the log-probabilities of the tokens whose piece is not out yet; the
     generation is the caller's.
     """
 
@@ -502,9 +517,7 @@ class _Answer:
         generation: Generation,
         stops: Sequence[str],
         on_first_token: Callable[[], None],
-        *,
-        syntax: Optional[ToolSyntax] = None,
-        tools: Sequence[Mapping[str, Any]] = (),
+        reading: _Reading = _Reading(),
     ) -> None:
         self.index = index
         self.prompt = prompt
@@ -514,9 +527,9 @@ class _Answer:
         self.num_tokens = 0
         self.calls: list[ToolCall] = []
         self._matcher = StopMatcher(stops)
-        self._syntax = syntax
-        self._tools = tools
-        self._splitter = None if syntax is None else syntax.splitter()
+        self._reading = reading
+        self._thoughts = None if reading.reasoning is None else reading.reasoning.splitter(prompt.text or "")
+        self._calls = None if reading.calls is None else reading.calls.splitter()
         self._on_first_token = on_first_token
         self._logged: list[LoggedToken] = []
         self._offset = 0  # characters of the generation's text so far
@@ -532,9 +545,9 @@ class _Answer:
         return self.report is not None and not self._matcher.stopped
 
     async def pieces(self) -> AsyncIterator[_Piece]:
-        """The answer in pieces, none empty (of text, of calls, or of
-        log-probabilities: a token's come with the first piece after it,
-        or with the last); ends at the report or a stop string. Every
+        """The answer in pieces, none empty (of text, of reasoning, of calls,
+        or of log-probabilities: a token's come with the first piece after
+        it, or with the last); ends at the report or a stop string. Every
         counted token's log-probabilities come out, if asked for."""
         async for record in self.generation:
             if isinstance(record, GenerationReport):
@@ -563,31 +576,49 @@ class _Answer:
         self.finish_reason = "tool_calls" if reason == "stop" and self.calls else reason
 
     def _out(self, text: str, *, end: bool) -> list[_Piece]:
-        """The pieces ``text`` makes (its calls read out); at the ``end``,
-        the splitter's rest too, and a last piece for tokens not yet out."""
-        segments: list[Segment] = [text]
-        if self._splitter is not None:
-            segments = self._splitter.feed(text) + (self._splitter.finish() if end else [])
+        """The pieces ``text`` makes (its reasoning and calls read out); at
+        the ``end``, the splitters' rest too, and a last piece for tokens not
+        yet out."""
         pieces = []
-        for segment in segments:
-            if isinstance(segment, RawCall):
-                assert self._syntax is not None
-                calls = self._syntax.calls(segment, self._tools)
-                if not isinstance(calls, str):
-                    pieces.append(self._piece("", calls))
-                    continue
-                segment = calls  # unreadable: the model's text, as written
-            if segment:
-                pieces.append(self._piece(segment))
+        for segment in _split(self._thoughts, text, end=end):
+            if not isinstance(segment, Inside):
+                pieces += self._content(_split(self._calls, segment, end=False))
+            elif self._reading.include_reasoning and segment.text:
+                pieces.append(self._piece(reasoning=segment.text))
+        if end and self._calls is not None:
+            pieces += self._content(self._calls.finish())
         if end and self._logged:
-            pieces.append(self._piece(""))
+            pieces.append(self._piece())
         return pieces
 
-    def _piece(self, text: str, calls: tuple[ToolCall, ...] = ()) -> _Piece:
+    def _content(self, parts: list[Segment]) -> list[_Piece]:
+        """The pieces of the content's ``parts``: its text, and its calls
+        (a call the parser cannot read: the model's text, as written)."""
+        pieces = []
+        for part in parts:
+            if isinstance(part, Inside):
+                assert self._reading.calls is not None
+                calls = self._reading.calls.calls(part, self._reading.tools)
+                if not isinstance(calls, str):
+                    pieces.append(self._piece(calls=calls))
+                    continue
+                part = calls
+            if part:
+                pieces.append(self._piece(part))
+        return pieces
+
+    def _piece(self, text: str = "", *, calls: tuple[ToolCall, ...] = (), reasoning: str = "") -> _Piece:
         logged, self._logged = tuple(self._logged), []
         first = len(self.calls)
         self.calls.extend(calls)
-        return _Piece(text, logged, calls, first)
+        return _Piece(text, logged, calls, first, reasoning)
+
+
+def _split(splitter: Optional[MarkedSplitter], text: str, *, end: bool) -> list[Segment]:
+    """``text`` cut by ``splitter`` (and its rest, at the ``end``); by none, as it is."""
+    if splitter is None:
+        return [text]
+    return splitter.feed(text) + (splitter.finish() if end else [])
 
 
 class _Answering(Response):
@@ -686,7 +717,7 @@ class _Answering(Response):
                             generation = self._generation(prompt, max_tokens, choice, request_id)
                             await generations.enter_async_context(generation)
                             answers.append(
-                                _Answer(index, prompt, generation, options.stop, self._first_token, **reading)
+                                _Answer(index, prompt, generation, options.stop, self._first_token, reading)
                             )
                     if options.stream:
                         await self._stream(send, answers)
@@ -736,13 +767,20 @@ class _Answering(Response):
             prompt_logprobs=options.logprobs if options.echo else None,
         )
 
-    def _reading(self, parsed: Union[ChatRequest, CompletionRequest]) -> dict[str, Any]:
-        """How the answers read tool calls: the model's syntax and the tools
-        offered, where the request asks for its calls read (else nothing)."""
+    def _reading(self, parsed: Union[ChatRequest, CompletionRequest]) -> _Reading:
+        """What a chat answer reads out of its text: its reasoning, where the
+        model reasons and the request keeps it apart; its tool calls, where
+        the request asks for them read. A completion: nothing."""
         chat = self._server.chat
-        if not isinstance(parsed, ChatRequest) or not parsed.read_calls or chat is None:
-            return {}
-        return {"syntax": chat.tool_syntax, "tools": parsed.tools}
+        if not isinstance(parsed, ChatRequest) or chat is None:
+            return _Reading()
+        options = parsed.options
+        return _Reading(
+            reasoning=chat.reasoning_syntax if options.separate_reasoning else None,
+            include_reasoning=options.include_reasoning,
+            calls=chat.tool_syntax if parsed.read_calls else None,
+            tools=parsed.tools,
+        )
 
     def _in_request_terms(self, error: InvalidInput) -> InvalidInput:
         """A chat prompt's fault is its messages' (the runtime says ``prompt``)."""
@@ -789,7 +827,7 @@ class _Answering(Response):
             return prompts
         chat = server.chat
         assert chat is not None, "a chat request is refused without a template"
-        text = await anyio.to_thread.run_sync(chat.render, parsed.messages, parsed.tools)
+        text = await anyio.to_thread.run_sync(chat.render, parsed.messages, parsed.tools, parsed.template_kwargs)
         self._check_length("messages", text)
         turn = server.memory.continued(self._salt, parsed.messages, text, count=not self._render)
         if turn is None:
@@ -864,11 +902,13 @@ class _Answering(Response):
 
     async def _reply(self, send: Send, answers: Sequence[_Answer]) -> None:
         texts: list[list[str]] = [[] for _ in answers]
+        thoughts: list[list[str]] = [[] for _ in answers]
         logged: list[list[LoggedToken]] = [[] for _ in answers]
 
         async def collect(answer: _Answer, piece: Optional[_Piece]) -> None:
             if piece is not None:
                 texts[answer.index].append(piece.text)
+                thoughts[answer.index].append(piece.reasoning)
                 logged[answer.index].extend(piece.tokens)
 
         await _each_piece(answers, collect)
@@ -876,7 +916,10 @@ class _Answering(Response):
         self._remember(answers, whole)
         if self._endpoint == "chat":
             kind = "chat.completion"
-            contents = [{"message": _message(text, answer.calls)} for answer, text in zip(answers, whole)]
+            contents = [
+                {"message": _message(text, answer.calls, "".join(thought))}
+                for answer, text, thought in zip(answers, whole, thoughts)
+            ]
         else:
             kind = "text_completion"
             contents = [{"text": (a.prompt.echo or "") + text} for a, text in zip(answers, whole)]
@@ -892,6 +935,14 @@ class _Answering(Response):
     async def _stream(self, send: Send, answers: Sequence[_Answer]) -> None:
         texts: list[list[str]] = [[] for _ in answers]
         echoed: set[int] = set()
+        held: dict[int, list[_Piece]] = {}  # reasoning not streamed, until its block ends
+
+        async def release(answer: _Answer) -> None:
+            pieces = held.pop(answer.index, [])
+            if pieces:
+                reasoning = "".join(piece.reasoning for piece in pieces)
+                tokens = [token for piece in pieces for token in piece.tokens]
+                await self._chunk(send, answer, {"reasoning": reasoning}, logprobs=self._logprobs(tokens))
 
         async def forward(answer: _Answer, piece: Optional[_Piece]) -> None:
             if not self._headers_sent:
@@ -905,8 +956,14 @@ class _Answering(Response):
                 # Its prompt's records are known from its first token on.
                 echoed.add(answer.index)
                 await self._chunk(send, answer, answer.prompt.echo, logprobs=self._logprobs((), answer, echoed=True))
+            if piece is not None and piece.reasoning and not self._options.stream_reasoning:
+                held.setdefault(answer.index, []).append(piece)
+                return
+            await release(answer)
             if piece is None:
                 await self._chunk(send, answer, None)
+            elif piece.reasoning:
+                await self._chunk(send, answer, {"reasoning": piece.reasoning}, logprobs=self._logprobs(piece.tokens))
             elif piece.calls:
                 calls = [call.for_response(piece.first_call + i) for i, call in enumerate(piece.calls)]
                 await self._chunk(send, answer, {"tool_calls": calls}, logprobs=self._logprobs(piece.tokens))
@@ -995,8 +1052,6 @@ class _Answering(Response):
         report = answer.report
         if prompt.text is None or report is None or not answer.complete:
             return
-        if not answer.calls and text != report.text:
-            return
         self._server.memory.remember(
             self._salt, answer_key(text, answer.calls), Turn(prompt.text + report.text, prompt.tokens + report.tokens)
         )
@@ -1077,12 +1132,16 @@ def _choice(
     return {"index": answer.index, **content, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def _message(text: str, calls: Sequence[ToolCall]) -> dict[str, Any]:
-    """A chat answer's message: its text, and its calls where it made any
-    (then a message of calls alone has no content, as OpenAI's)."""
-    if not calls:
-        return {"role": "assistant", "content": text}
-    return {"role": "assistant", "content": text or None, "tool_calls": [call.for_response() for call in calls]}
+def _message(text: str, calls: Sequence[ToolCall], reasoning: str) -> dict[str, Any]:
+    """A chat answer's message: its text, its reasoning where it was read
+    apart, and its calls where it made any (then a message of calls alone
+    has no content, as OpenAI's)."""
+    message: dict[str, Any] = {"role": "assistant", "content": (text or None) if calls else text}
+    if reasoning:
+        message["reasoning"] = reasoning
+    if calls:
+        message["tool_calls"] = [call.for_response() for call in calls]
+    return message
 
 
 def _request_outcome(answers: Sequence[_Answer]) -> str:

@@ -32,6 +32,7 @@ import attrs
 
 from mlxkv.errors import InvalidInput
 from mlxkv.server.request import ChatMessage
+from mlxkv.server.reasoning import ReasoningSyntax
 from mlxkv.server.tools import ToolSyntax
 
 __all__ = ["ChatTemplate", "ConversationMemory", "Turn"]
@@ -40,7 +41,7 @@ __all__ = ["ChatTemplate", "ConversationMemory", "Turn"]
 class ChatTemplate:
     """A model's chat template and tokenizer (mlx-lm's tokenizer wrapper, loaded
     beside the runtime from the same model directory), and how the model
-    writes tool calls, where mlx-lm knows.
+    writes tool calls and marks its reasoning, where mlx-lm knows.
 
     Rendered as ``mlx_lm.server`` renders it: mlx-lm's own template where it
     has one for the model, its thinking switch at the model's default.
@@ -52,6 +53,7 @@ class ChatTemplate:
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
         self.tool_syntax: Optional[ToolSyntax] = ToolSyntax.of(tokenizer)
+        self.reasoning_syntax: Optional[ReasoningSyntax] = ReasoningSyntax.of(tokenizer)
 
     @classmethod
     def load(cls, model: str) -> Optional[ChatTemplate]:
@@ -64,9 +66,15 @@ class ChatTemplate:
             return None
         return cls(tokenizer)
 
-    def render(self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]] = ()) -> str:
+    def render(
+        self,
+        messages: Sequence[ChatMessage],
+        tools: Sequence[Mapping[str, Any]] = (),
+        variables: Optional[Mapping[str, Any]] = None,
+    ) -> str:
         """The conversation as the model reads it, ending where the assistant
-        begins, with ``tools`` offered where there are any.
+        begins, with ``tools`` offered where there are any, and the template's
+        ``variables`` (a request's ``chat_template_kwargs``) set.
 
         Raises:
             InvalidInput: the template refused the messages (it may require
@@ -78,6 +86,7 @@ class ChatTemplate:
                 tools=[dict(tool) for tool in tools] or None,
                 tokenize=False,
                 add_generation_prompt=True,
+                **(variables or {}),
             )
         except Exception as error:  # a template's raise_exception, or a Jinja error
             raise InvalidInput(

@@ -15,9 +15,10 @@ Beyond the OpenAI fields, both take vLLM's extensions ``cache_salt``,
 add to every request they forward (vllm-router, sglang-router) where their
 value is what this server does anyway: ``ignore_eos``, ``no_stop_trim``,
 ``continue_final_message`` and ``return_hidden_states`` false,
-``skip_special_tokens`` true, and the reasoning switches
-(``separate_reasoning``, ``stream_reasoning``, ``include_reasoning``) at
-either value, as this server parses no reasoning out of an answer.
+``skip_special_tokens`` true; and SGLang's reasoning switches
+(``separate_reasoning``, ``stream_reasoning``, ``include_reasoning``), which
+a chat answer honours where its model reasons (a completion is text as
+written, whatever they say).
 """
 
 from __future__ import annotations
@@ -83,6 +84,12 @@ class Options:
             written as strings, as JSON must).
         echo: (completions) the answer begins with the prompt; with
             ``logprobs``, so do its entries (the first token's has none).
+        separate_reasoning: (chat, on a model that reasons) send the
+            reasoning apart from the content (else it stays in the content,
+            markers and all).
+        include_reasoning: send the reasoning at all (false: only the content).
+        stream_reasoning: stream the reasoning as it is written (false: in
+            one delta, once its block ends).
     """
 
     model: Optional[str] = None
@@ -100,6 +107,9 @@ class Options:
     logprobs: Optional[int] = None
     penalties: Penalties = NO_PENALTIES
     echo: bool = False
+    separate_reasoning: bool = True
+    include_reasoning: bool = True
+    stream_reasoning: bool = True
 
 
 @attrs.frozen(kw_only=True)
@@ -219,6 +229,9 @@ class ChatRequest:
             (``tool_choice`` ``auto``, with tools); with ``none`` the tools
             are still offered (the prompt, and what is cached of it, is the
             same) and the answer is all text.
+        template_kwargs: variables for the chat template (vLLM's and
+            ``mlx_lm.server``'s ``chat_template_kwargs``: Qwen3's
+            ``enable_thinking``, say).
     """
 
     messages: tuple[ChatMessage, ...]
@@ -226,6 +239,7 @@ class ChatRequest:
     options: Options
     tools: tuple[Mapping[str, Any], ...] = ()
     read_calls: bool = False
+    template_kwargs: Mapping[str, Any] = attrs.field(factory=dict)
 
 
 def parse_json(raw: Union[bytes, bytearray]) -> dict[str, Any]:
@@ -333,6 +347,7 @@ def parse_chat(body: Mapping[str, Any], *, takes_images: bool, takes_tools: bool
     if top is not None and not wanted:
         raise InvalidInput("top_logprobs", top, "is only allowed with logprobs: true")
     tools = _tools(fields.take("tools"), takes_tools)
+    template_kwargs = _template_kwargs(fields.take("chat_template_kwargs"))
     choice = _tool_choice(fields.take("tool_choice"), tools)
     if not _bool("parallel_tool_calls", fields.take("parallel_tool_calls"), default=True):
         raise InvalidInput(
@@ -346,8 +361,30 @@ def parse_chat(body: Mapping[str, Any], *, takes_images: bool, takes_tools: bool
         options = attrs.evolve(options, logprobs=top or 0)
     fields.finish()
     return ChatRequest(
-        messages=messages, images=images, options=options, tools=tools, read_calls=bool(tools) and choice == "auto"
-    )
+        messages=messages, images=images, options=options, tools=tools, read_calls=bool(tools) and choice == "auto",
+        template_kwargs=template_kwargs,
+    )  # fmt: skip
+
+
+#: The template's own arguments, which ``chat_template_kwargs`` cannot set.
+_TEMPLATE_ARGUMENTS = frozenset({"messages", "tools", "add_generation_prompt", "tokenize", "documents", "return_dict"})
+#: The most variables ``chat_template_kwargs`` may set.
+MAX_TEMPLATE_KWARGS = 32
+
+
+def _template_kwargs(value: Any) -> dict[str, Any]:
+    """``chat_template_kwargs``: an object of variables for the template
+    (not its own arguments, which the request's other fields set)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidInput("chat_template_kwargs", value, "must be an object of template variables")
+    if len(value) > MAX_TEMPLATE_KWARGS:
+        raise InvalidInput("chat_template_kwargs", Shown(f"<{len(value)} keys>"), f"sets at most {MAX_TEMPLATE_KWARGS}")
+    for name in value:
+        if name in _TEMPLATE_ARGUMENTS or not name.isidentifier():
+            raise InvalidInput(f"chat_template_kwargs.{name}", value[name], "is not a variable a request may set")
+    return dict(value)
 
 
 def _tools(value: Any, takes_tools: bool) -> tuple[Mapping[str, Any], ...]:
@@ -443,15 +480,15 @@ _ROUTER_FIELDS = (
     ("return_hidden_states", False),
     ("skip_special_tokens", True),
 )
-#: Switches of a reasoning parser this server does not have: either value is the same answer.
-_REASONING_FIELDS = ("separate_reasoning", "stream_reasoning", "include_reasoning")
 
 
 def _options(fields: _Fields, *, max_tokens: Any) -> Options:
     for name, value in _ROUTER_FIELDS:
         fields.default_only(name, value)
-    for name in _REASONING_FIELDS:
-        _bool(name, fields.take(name), default=False)
+    reasoning = {
+        name: _bool(name, fields.take(name), default=True)
+        for name in ("separate_reasoning", "include_reasoning", "stream_reasoning")
+    }
     given = {name: fields.take(name) for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")}
     # Penalties checks each value's type and range, naming the field.
     penalties = Penalties(
@@ -491,6 +528,7 @@ def _options(fields: _Fields, *, max_tokens: Any) -> Options:
         cache_salt=salt,
         n=_int("n", fields.take("n"), minimum=1) or 1,
         penalties=penalties,
+        **reasoning,
     )
 
 

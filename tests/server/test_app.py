@@ -13,7 +13,7 @@ import functools
 import json
 import re
 import sys
-from typing import Any
+from typing import Any, Optional
 
 import anyio
 import attrs
@@ -937,6 +937,7 @@ class TestTools:
             )  # each request computes the prompt cold, alone: the same greedy text
             text = probe.choices[0].message.content
             start, end, stop = _markers(text)
+            assert stop is not None, text
             template = copy.copy(s.server.chat)
             template.tool_syntax = ToolSyntax(
                 start=start, end=end, parse=lambda call, tools: {"name": "echo", "arguments": {"text": call}}
@@ -985,6 +986,31 @@ class TestTools:
                                              rendered + "...", count=False) is None  # fmt: skip
             await nothing_held(s.runtime)
 
+    async def test_template_variables_reach_the_template(self, serve, default_model_path):
+        """``chat_template_kwargs`` sets the template's variables (Qwen3's
+        ``enable_thinking``, here over a template that reads it; mlx-lm's own
+        default for it, the model's, yields to the request's); the template's
+        own arguments cannot be set so."""
+        from mlx_lm.utils import load_tokenizer
+
+        from mlxkv.server.chat import ChatTemplate
+
+        tokenizer = load_tokenizer(default_model_path)
+        tokenizer.chat_template = "{{ messages[0]['content'] }}{% if enable_thinking %} <think>{% endif %}"
+        async with serve(chat=ChatTemplate(tokenizer)) as s:
+            async with httpx.AsyncClient(base_url=s.url) as http:
+
+                async def rendered(**extra: Any) -> Any:
+                    body = {"messages": [{"role": "user", "content": "Hi"}], **extra}
+                    return await http.post("/v1/chat/completions/render", json=body)
+
+                plain = (await rendered()).json()["token_ids"]
+                thinking = (await rendered(chat_template_kwargs={"enable_thinking": True})).json()["token_ids"]
+                assert bytes(plain) == b"Hi" and bytes(thinking) == b"Hi <think>"
+                refused = await rendered(chat_template_kwargs={"add_generation_prompt": False})
+                assert refused.status_code == 400
+                assert refused.json()["error"]["param"] == "chat_template_kwargs.add_generation_prompt"
+
     async def test_tools_on_a_model_that_calls_none_are_refused(self, serve):
         async with serve() as s:
             with pytest.raises(openai.BadRequestError) as caught:
@@ -992,24 +1018,79 @@ class TestTools:
             assert caught.value.body["param"] == "tools" and "does not call tools" in caught.value.body["message"]
 
 
-def _markers(text: str) -> tuple[str, str, str]:
-    """A call's start and end markers and a stop string, each two characters
-    of ``text`` found first where they are picked: a call opens early, ends
-    later, and the stop string comes after it."""
+def _markers(text: str, *, longest: bool = False) -> tuple[str, str, Optional[str]]:
+    """A block's start and end markers and a stop string, each two characters
+    of ``text`` found first where they are picked: a block opens early, ends
+    later (at the first end it can, or the last: the ``longest`` first
+    block), and the stop string comes after it (None if none can)."""
 
     def first_at(at: int, since: int = 0) -> bool:
         return text.find(text[at : at + 2], since) == at
 
     assert len(text) >= 16, f"the greedy answer is too short to pick markers from: {text!r}"
     a = next(i for i in range(1, len(text) - 8) if first_at(i))
-    b = next(i for i in range(a + 3, len(text) - 4) if first_at(i, a + 2))
-    c = next(i for i in range(b + 2, len(text) - 1) if first_at(i))
-    return text[a : a + 2], text[b : b + 2], text[c : c + 2]
+    ends = [i for i in range(a + 3, len(text) - 4) if first_at(i, a + 2)]
+    b = ends[-1] if longest else ends[0]
+    c = next((i for i in range(b + 2, len(text) - 1) if first_at(i)), None)
+    return text[a : a + 2], text[b : b + 2], None if c is None else text[c : c + 2]
 
 
 def _reference_split(text: str, start: str, end: str) -> tuple[str, list[str]]:
     """The text outside calls and the calls' texts, read from the whole text at once."""
     parts = re.split(f"{re.escape(start)}(.*?){re.escape(end)}", text, flags=re.DOTALL)
+    return "".join(parts[0::2]), parts[1::2]
+
+
+class TestReasoning:
+    """A reasoning model's reasoning, sent apart from its answer."""
+
+    async def test_reasoning_is_read_apart_from_a_real_answer(self, serve):
+        """The reasoning comes out of the model's own text, apart from the
+        content: in the message's ``reasoning``, streamed in ``reasoning``
+        deltas as it is written (or, with ``stream_reasoning: false``, one
+        delta a block), left out on ``include_reasoning: false``, and kept in
+        the content on ``separate_reasoning: false``. The markers are two-character
+        pieces of a greedy answer this test picks (random weights write no
+        ``<think>``); every request computes the prompt cold, alone: the same text."""
+        from mlxkv.server.reasoning import ReasoningSyntax
+
+        ask = {"model": "tiny", "messages": chat("Think first."), "max_tokens": 48, **GREEDY}
+
+        async def asked(salt: str, **extra: Any) -> Any:
+            return await s.client.chat.completions.create(**ask, extra_body={"cache_salt": salt, **extra})
+
+        async def deltas(salt: str, **extra: Any) -> list[Any]:
+            stream = await s.client.chat.completions.create(**ask, stream=True, extra_body={"cache_salt": salt, **extra})
+            return [c.choices[0].delta async for c in stream if c.choices]
+
+        async with serve() as s:
+            text = (await asked("probe")).choices[0].message.content
+            start, end, _ = _markers(text, longest=True)
+            template = copy.copy(s.server.chat)
+            template.reasoning_syntax = ReasoningSyntax(start=start, end=end)
+            s.server.chat = template
+            content, blocks = _reference_reasoning(text, start, end)
+            assert len(blocks) >= 2 and len(blocks[0]) >= 4, (text, start, end)
+            message = (await asked("whole")).choices[0].message
+            assert message.content == content and message.reasoning == "".join(blocks)
+            streamed = await deltas("streamed")
+            thoughts = [d.reasoning for d in streamed if getattr(d, "reasoning", None)]
+            assert "".join(thoughts) == "".join(blocks) and len(thoughts) > len(blocks)  # as written
+            assert "".join(d.content or "" for d in streamed) == content
+            held = await deltas("held", stream_reasoning=False)
+            assert [d.reasoning for d in held if getattr(d, "reasoning", None)] == [b for b in blocks if b]
+            assert "".join(d.content or "" for d in held) == content
+            left_out = (await asked("left-out", include_reasoning=False)).choices[0].message
+            assert left_out.content == content and getattr(left_out, "reasoning", None) is None
+            kept_in = (await asked("kept-in", separate_reasoning=False)).choices[0].message
+            assert kept_in.content == text and getattr(kept_in, "reasoning", None) is None
+            await nothing_held(s.runtime)
+
+
+def _reference_reasoning(text: str, start: str, end: str) -> tuple[str, list[str]]:
+    """The text outside reasoning and each block's, read from the whole text
+    at once (a block left open runs to the end)."""
+    parts = re.split(f"{re.escape(start)}(.*?)(?:{re.escape(end)}|\\Z)", text, flags=re.DOTALL)
     return "".join(parts[0::2]), parts[1::2]
 
 

@@ -259,6 +259,10 @@ class TestChatBody:
             ({"messages": [{"role": "assistant", "content": None}]}, "messages[0].content"),  # no calls: content needed
             ({"messages": [{"role": "tool", "content": "x", "tool_call_id": 7}]}, "messages[0].tool_call_id"),
             ({"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]}, "messages[0].tool_call_id"),
+            ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
+            ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools"),
+            ({"chat_template_kwargs": {"not a name": 1}}, "chat_template_kwargs.not a name"),
+            ({"chat_template_kwargs": {f"v{i}": 1 for i in range(33)}}, "chat_template_kwargs"),
         ],
     )  # fmt: skip
     def test_bad_tools_and_calls_are_named(self, body: dict[str, Any], argument: str):
@@ -278,7 +282,9 @@ class TestChatBody:
         body = {"messages": [{"role": "user", "content": "x"}], **self.ROUTER_FIELDS}
         assert parse_chat(body, takes_images=False).messages
         assert parse_completion({"prompt": "x", **self.ROUTER_FIELDS}).prompts == ("x",)
-        assert parse_chat({**body, "include_reasoning": False}, takes_images=False)
+        options = parse_chat({**body, "include_reasoning": False, "stream_reasoning": False}, takes_images=False).options
+        assert (options.separate_reasoning, options.include_reasoning, options.stream_reasoning) == (True, False, False)
+        assert parse_chat(body, takes_images=False).options.include_reasoning  # the switches' defaults: true
         for name, changed in (("ignore_eos", True), ("skip_special_tokens", False), ("no_stop_trim", True)):
             assert refused(parse_chat, {**body, name: changed}, takes_images=False).argument == name
         assert refused(parse_chat, {**body, "stream_reasoning": "yes"}, takes_images=False).argument == "stream_reasoning"

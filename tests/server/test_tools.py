@@ -1,7 +1,8 @@
-"""Tool calls: cut out of an answer as it streams (:class:`CallSplitter`),
-parsed with mlx-lm's parser of the model's syntax (:class:`ToolSyntax`),
+"""Tool calls and reasoning: parsed with mlx-lm's parser of the model's
+syntax (:class:`ToolSyntax`), marked as mlx-lm knows (:class:`ReasoningSyntax`),
 and an answer's pieces carrying them (``_Answer``), text and log-probabilities
-kept whole. The served paths are in ``test_app.py``'s ``TestTools``."""
+kept whole. The splitting itself is ``test_markers.py``'s; the served paths
+are ``test_app.py``'s ``TestTools`` and ``TestReasoning``."""
 
 from __future__ import annotations
 
@@ -9,8 +10,6 @@ import json
 from typing import Any
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 pytest.importorskip("starlette")
 
@@ -18,9 +17,11 @@ from mlx_lm.tool_parsers import json_tools, mistral  # noqa: E402
 
 from mlxkv.actors.token_logprobs import TokenLogprob  # noqa: E402
 from mlxkv.generation import GeneratedToken, GenerationReport  # noqa: E402
-from mlxkv.server.app import _Answer, _Prompt  # noqa: E402
+from mlxkv.server.app import _Answer, _Prompt, _Reading  # noqa: E402
 from mlxkv.server.request import ToolCall  # noqa: E402
-from mlxkv.server.tools import CallSplitter, RawCall, ToolSyntax  # noqa: E402
+from mlxkv.server.markers import Inside  # noqa: E402
+from mlxkv.server.reasoning import ReasoningSyntax  # noqa: E402
+from mlxkv.server.tools import ToolSyntax  # noqa: E402
 
 JSON_TOOLS, MISTRAL = (
     ToolSyntax(start=module.tool_call_start, end=module.tool_call_end, parse=module.parse_tool_call)
@@ -28,67 +29,14 @@ JSON_TOOLS, MISTRAL = (
 )
 
 
-def split(splitter: CallSplitter, pieces: list[str]) -> list[Any]:
-    """Every segment, adjacent texts joined (when a text comes out is the splitter's)."""
-    segments = [segment for piece in pieces for segment in splitter.feed(piece)] + splitter.finish()
-    joined: list[Any] = []
-    for segment in segments:
-        if isinstance(segment, str) and joined and isinstance(joined[-1], str):
-            joined[-1] += segment
-        else:
-            joined.append(segment)
-    return joined
-
-
-def written(segments: list[Any], start: str, end: str) -> str:
-    return "".join(s if isinstance(s, str) else start + s.text + end for s in segments)
-
-
-#: Texts made of marker fragments, so markers begin, end and break across pieces.
-_TEXTS = st.lists(
-    st.sampled_from(["<", "<tool", "_call>", "</tool_call>", "<tool_call>", "x", "{}", "/", ">"]), max_size=12
-)
-
-
-class TestCallSplitter:
-    def test_calls_between_markers(self):
-        segments = split(CallSplitter("<c>", "</c>"), ["a<c>1</c>b<", "c>2</", "c>", "<c"])
-        assert segments == ["a", RawCall("1"), "b", RawCall("2"), "<c"]
-
-    def test_a_call_left_open_is_text(self):
-        """Cut short (``max_tokens``), a call is the model's text, its start marker included."""
-        assert split(CallSplitter("<c>", "</c>"), ["a<c>", "{1"]) == ["a<c>{1"]
-
-    def test_a_call_without_an_end_marker_runs_to_the_end(self):
-        assert split(CallSplitter("[T]", ""), ["ok [", "T]x", "y"]) == ["ok ", RawCall("xy")]
-
-    def test_nothing_is_held_that_cannot_begin_a_marker(self):
-        splitter = CallSplitter("<c>", "</c>")
-        assert splitter.feed("ab<") == ["ab"]
-        assert splitter.feed("x") == ["<x"]
-
-    @given(_TEXTS, st.data())
-    def test_any_cut_gives_the_same_segments_and_loses_nothing(self, parts: list[str], data: st.DataObject):
-        """However the text is cut into pieces, the segments are the same, and
-        written back (each call between its markers) they are the text."""
-        text = "".join(parts)
-        cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
-        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-        whole = split(CallSplitter("<tool_call>", "</tool_call>"), [text])
-        assert split(CallSplitter("<tool_call>", "</tool_call>"), pieces) == whole
-        assert written(whole, "<tool_call>", "</tool_call>") == text
-        for end in ("", "</tool_call>"):  # a call running to the end loses nothing either
-            assert written(split(CallSplitter("<tool_call>", end), pieces), "<tool_call>", end) == text
-
-
 class TestToolSyntax:
     def test_a_call_is_parsed_with_an_id(self):
-        (call,) = JSON_TOOLS.calls(RawCall('\n{"name": "get", "arguments": {"city": "Zürich"}}\n'), [])
+        (call,) = JSON_TOOLS.calls(Inside('\n{"name": "get", "arguments": {"city": "Zürich"}}\n'), [])
         assert (call.name, json.loads(call.arguments)) == ("get", {"city": "Zürich"})
         assert call.id.startswith("call_") and "Zürich" in call.arguments  # JSON text, not escaped
 
     def test_several_calls_in_one_and_the_models_ids(self):
-        raw = RawCall('[{"name": "a", "arguments": {}, "id": "abc123def"}, {"name": "b", "arguments": {"x": 1}}]')
+        raw = Inside('[{"name": "a", "arguments": {}, "id": "abc123def"}, {"name": "b", "arguments": {"x": 1}}]')
         calls = MISTRAL.calls(raw, [])
         assert [c.name for c in calls] == ["a", "b"] and calls[0].id == "abc123def"
         assert calls[1].id != calls[0].id and json.loads(calls[1].arguments) == {"x": 1}
@@ -97,7 +45,7 @@ class TestToolSyntax:
     def test_an_unreadable_call_is_given_back_as_written(self, text: str):
         """Nothing the model wrote is dropped: what the parser cannot read (or
         names no function) is text, markers and all."""
-        assert JSON_TOOLS.calls(RawCall(text), []) == "<tool_call>" + text + "</tool_call>"
+        assert JSON_TOOLS.calls(Inside(text), []) == "<tool_call>" + text + "</tool_call>"
 
     def test_of_a_tokenizer(self, tool_chat_template, chat_template):
         """mlx-lm infers the syntax from the template (json_tools here); the
@@ -137,11 +85,15 @@ def _generation(texts: list[str], finish_reason: str) -> list[Any]:
     return [*tokens, report]
 
 
-async def _answer(texts: list[str], finish_reason: str, stops: tuple[str, ...] = ()) -> tuple[list[Any], _Answer]:
-    answer = _Answer(
-        0, _Prompt(tokens=(1,)), _Scripted(_generation(texts, finish_reason)), stops, lambda: None,  # type: ignore[arg-type]
-        syntax=JSON_TOOLS, tools=(),
-    )  # fmt: skip
+THINK = ReasoningSyntax(start="<think>", end="</think>")
+
+
+async def _answer(
+    texts: list[str], finish_reason: str, stops: tuple[str, ...] = (), *, prompt: str = "",
+    reading: _Reading = _Reading(calls=JSON_TOOLS),
+) -> tuple[list[Any], _Answer]:  # fmt: skip
+    generation = _Scripted(_generation(texts, finish_reason))
+    answer = _Answer(0, _Prompt(tokens=(1,), text=prompt), generation, stops, lambda: None, reading)  # type: ignore[arg-type]
     return [piece async for piece in answer.pieces()], answer
 
 
@@ -170,6 +122,53 @@ class TestAnswerWithCalls:
     async def test_no_calls_is_plain_text(self):
         pieces, answer = await _answer(["a", "b <", "x"], "stop")
         assert "".join(p.text for p in pieces) == "ab <x" and answer.finish_reason == "stop"
+
+
+class TestAnswerWithReasoning:
+    async def test_reasoning_streams_apart_then_text_and_calls(self):
+        """Reasoning comes out as it is written, apart; a call inside it is
+        reasoning, not a call; after it, text and calls as without it."""
+        texts = ["<thi", "nk>hmm <tool_call>{}", "</tool_call></th", "ink>Yes.", ' <tool_call>{"name": "a"}</tool_call>']
+        pieces, answer = await _answer(texts, "stop", reading=_Reading(reasoning=THINK, calls=JSON_TOOLS))
+        assert [(p.reasoning, p.text, [c.name for c in p.calls]) for p in pieces] == [
+            ("hmm <tool_call>{}", "", []), ("</tool_call>", "", []), ("", "Yes.", []), ("", " ", []), ("", "", ["a"]),
+        ]  # fmt: skip
+        assert [t.record.token for p in pieces for t in p.tokens] == [0, 1, 2, 3, 4]
+        assert answer.finish_reason == "tool_calls"
+
+    async def test_a_prompt_that_opened_the_block(self):
+        """The template opened the reasoning (the prompt ends inside it): the
+        answer begins in it; one cut short by max_tokens stays reasoning."""
+        pieces, _ = await _answer(["so", "</think>ok"], "stop", prompt="user: q <think>\n", reading=_Reading(reasoning=THINK))
+        assert [(p.reasoning, p.text) for p in pieces] == [("so", ""), ("", "ok")]
+        pieces, _ = await _answer(["so", " far"], "length", prompt="<think>", reading=_Reading(reasoning=THINK))
+        assert "".join(p.reasoning for p in pieces) == "so far" and not any(p.text for p in pieces)
+        closed = "<think>a</think> user: q"  # a block of an earlier turn, closed: the answer begins outside
+        pieces, _ = await _answer(["so"], "stop", prompt=closed, reading=_Reading(reasoning=THINK))
+        assert [(p.reasoning, p.text) for p in pieces] == [("", "so")]
+
+    async def test_left_out_its_tokens_still_logged(self):
+        """``include_reasoning: false`` sends no reasoning; its tokens'
+        log-probabilities still come out (with the next piece)."""
+        reading = _Reading(reasoning=THINK, include_reasoning=False)
+        pieces, _ = await _answer(["<think>x", "y</think>", "z"], "stop", reading=reading)
+        assert [(p.reasoning, p.text) for p in pieces] == [("", "z")]
+        assert [t.record.token for p in pieces for t in p.tokens] == [0, 1, 2]
+
+    def test_of_a_tokenizer(self, tmp_path, chat_template):
+        """mlx-lm knows a model reasons from its vocabulary (``<think>`` and
+        ``</think>`` tokens); the built-in model does not."""
+        from tokenizers import Tokenizer, models
+
+        from mlxkv.server.chat import ChatTemplate
+
+        tokenizer = Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>"))
+        tokenizer.add_special_tokens(["<think>", "</think>"])
+        tokenizer.save(str(tmp_path / "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": "{{ messages[0]['content'] }}"}
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+        assert ChatTemplate.load(str(tmp_path)).reasoning_syntax == THINK
+        assert chat_template.reasoning_syntax is None
 
 
 def test_a_calls_key_ignores_its_id_and_spacing():
