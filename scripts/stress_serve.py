@@ -16,7 +16,7 @@ the attacks, each on its own connection:
 - ``withheld``: a 4 MiB body, its last bytes never sent;
 - ``trickle``: a body sent a byte at a time;
 - ``bad_json``: nested 1,000 deep, ``"role": []``, a lone surrogate, a
-  5,000-digit integer, UTF-16;
+  5,000-digit integer, UTF-16, 2.5 million empty lists;
 - ``long_chat``: a chat whose tokens fill the context;
 - ``many_choices``: a billion choices (``n``) of one prompt;
 - ``many_tools``: 100,000 tools offered (the built-in model calls none, and
@@ -158,6 +158,7 @@ class Attacks:
                 b'{"prompt": "hi \\ud800"}',
                 b'{"prompt": "hi", "seed": ' + b"7" * 5000 + b"}",
                 '{"prompt": "hi"}'.encode("utf-16"),
+                b'{"prompt": [' + b"[]," * 2_500_000 + b"[]]}",  # 7.5 MB that would parse to 160 MB
             ]
         )
         path = "/v1/chat/completions" if b"messages" in raw else "/v1/completions"

@@ -13,9 +13,10 @@ socket the caller bound; :func:`running` does both for an ``async with``::
 Endpoints: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST
 /v1/completions`` (text or token ids), ``POST /v1/chat/completions``
 (rendered with the model's chat template, offering the request's ``tools``;
-image parts as ``data:`` URLs on a vision-language model; the answer's tool
-calls read out of its text, in the syntax mlx-lm knows for the model:
-:mod:`mlxkv.server.tools`), ``GET /health``, ``GET /metrics``. Streaming is
+image parts as ``data:`` URLs on a vision-language model; the answer's
+reasoning and tool calls read out of its text, in the syntax mlx-lm knows for
+the model: :mod:`mlxkv.server.reasoning`, :mod:`mlxkv.server.tools`), ``GET
+/health``, ``GET /metrics``. Streaming is
 server-sent events, with a usage chunk on ``stream_options.include_usage``;
 ``usage.prompt_tokens_details.cached_tokens`` says how many prompt tokens
 came from the cache.
@@ -76,7 +77,9 @@ from mlxkv.server.chat import ChatTemplate, ConversationMemory, Turn
 from mlxkv.server.errors import ApiError
 from mlxkv.server.kv_wire import KVEventPublisher, KVWireConfig
 from mlxkv.server.logprobs import LoggedToken, TokenTexts, chat_logprobs, completion_logprobs, echoed_logprobs
+from mlxkv.server.markers import Inside, MarkedSplitter, Segment
 from mlxkv.server.metrics import CONTENT_TYPE, ServerMetrics
+from mlxkv.server.reasoning import ReasoningSyntax
 from mlxkv.server.request import (
     ChatRequest,
     CompletionRequest,
@@ -88,8 +91,6 @@ from mlxkv.server.request import (
     parse_json,
 )
 from mlxkv.server.stop import StopMatcher
-from mlxkv.server.markers import Inside, MarkedSplitter, Segment
-from mlxkv.server.reasoning import ReasoningSyntax
 from mlxkv.server.tools import ToolSyntax
 
 if sys.version_info < (3, 11):  # pragma: no cover

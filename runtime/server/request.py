@@ -246,15 +246,24 @@ def parse_json(raw: Union[bytes, bytearray]) -> dict[str, Any]:
     """The body as a JSON object, every string of it valid Unicode.
 
     The body must be UTF-8 (RFC 8259; no other encoding is guessed), nested
-    at most :data:`MAX_DEPTH` deep, with no lone surrogate (``"\\ud800"``,
+    at most :data:`MAX_DEPTH` deep, with at most :data:`MAX_ITEMS` items in
+    its arrays and objects together (counted before it is parsed: parsed,
+    each item is a Python object, 25 times the bytes of ``[],`` an item),
+    with no lone surrogate (``"\\ud800"``,
     which no UTF-8 text can hold) in a string or a field name. An integer of
     more than :data:`MAX_INT_DIGITS` digits is read as a float (infinite), so
     the field that holds one is refused by name as not an integer.
 
     Raises:
-        InvalidInput: not UTF-8, not JSON, not an object, too deep, or a
-            string with a lone surrogate (naming where).
+        InvalidInput: not UTF-8, not JSON, not an object, too deep, too many
+            items, or a string with a lone surrogate (naming where).
     """
+    if len(raw) > 2 * MAX_ITEMS:  # a smaller body cannot hold more (an item takes two bytes)
+        items = _STRING.sub(b'""', raw).count(b",") + 1
+        if items > MAX_ITEMS:
+            raise InvalidInput(
+                "body", Shown(f"<{len(raw)} bytes>"), f"holds more than {MAX_ITEMS} items in its arrays and objects"
+            )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -276,6 +285,11 @@ def parse_json(raw: Union[bytes, bytearray]) -> dict[str, Any]:
 
 #: How deep a request body may nest (an OpenAI body nests 6 deep at most).
 MAX_DEPTH = 32
+#: The most items a body's arrays and objects may hold together: a batch of
+#: 16 prompts of 128k token ids each fits.
+MAX_ITEMS = 1 << 21
+#: A JSON string (its escapes included), found in the raw body.
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 #: The most digits an integer may have (a 64-bit seed has 20).
 MAX_INT_DIGITS = 40
 _SURROGATE = re.compile("[\ud800-\udfff]")

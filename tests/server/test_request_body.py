@@ -299,3 +299,17 @@ class TestJson:
         assert refused(parse_json, b"[1]").argument == "body"
         assert refused(parse_json, b"\xff").argument == "body"
         assert parse_json(b'{"a": 1}') == {"a": 1}
+
+    def test_too_many_items_are_refused_before_parsing(self):
+        """A body of more items than :data:`MAX_ITEMS` (each a Python object
+        once parsed: ``[],`` is 3 bytes and 64 parsed) is refused as the body;
+        commas inside strings (escaped quotes too) are not items."""
+        from mlxkv.server.request import MAX_ITEMS
+
+        lists = b'{"prompt": [' + b"[]," * MAX_ITEMS + b"[]]}"
+        caught = refused(parse_json, lists)
+        assert caught.argument == "body" and "more than 2097152 items" in str(caught)
+        text = b'{"prompt": "' + b'a,\\",' * MAX_ITEMS + b'", "n": [' + b"1," * 9 + b"1]}"
+        assert len(parse_json(text)["n"]) == 10
+        ids = b'{"prompt": [' + b"7," * (MAX_ITEMS - 1) + b"7]}"
+        assert len(parse_json(ids)["prompt"]) == MAX_ITEMS
