@@ -89,6 +89,7 @@ from mlxkv.server.request import (
     parse_chat,
     parse_completion,
     parse_json,
+    template_variables,
 )
 from mlxkv.server.stop import StopMatcher
 from mlxkv.server.tools import ToolSyntax
@@ -152,6 +153,10 @@ class ServerConfig:
             ``max_concurrent``). Each is a generation of its own, side by
             side in the decode batch and over its prompt's KV computed
             once, and holds an admission slot of its own.
+        chat_template_args: the chat template's variables where a request
+            sets none of its own (``mlx_lm.server``'s
+            ``--chat-template-args``; a request's ``chat_template_kwargs``
+            set over them): ``{"enable_thinking": false}`` for a Qwen3, say.
     """
 
     model_name: str
@@ -165,6 +170,9 @@ class ServerConfig:
     public_metrics: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     kv_events: Optional[KVWireConfig] = None
     max_choices: int = attrs.field(default=16, validator=int_at_least(1))
+    chat_template_args: Mapping[str, Any] = attrs.field(
+        factory=dict, converter=lambda value: template_variables(value, "chat_template_args")
+    )
 
 
 async def load_chat_template(model: str) -> Optional[ChatTemplate]:
@@ -828,7 +836,8 @@ class _Answering(Response):
             return prompts
         chat = server.chat
         assert chat is not None, "a chat request is refused without a template"
-        text = await anyio.to_thread.run_sync(chat.render, parsed.messages, parsed.tools, parsed.template_kwargs)
+        variables = {**server.config.chat_template_args, **parsed.template_kwargs}
+        text = await anyio.to_thread.run_sync(chat.render, parsed.messages, parsed.tools, variables)
         self._check_length("messages", text)
         turn = server.memory.continued(self._salt, parsed.messages, text, count=not self._render)
         if turn is None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import signal
 import socket
@@ -146,6 +147,12 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
         " default) or announced with their tokens (announce)",
     )
     parser.add_argument(
+        "--chat-template-args",
+        metavar="JSON",
+        help="the chat template's variables where a request sets none, as a JSON object"
+        " ('{\"enable_thinking\": false}' for a Qwen3)",
+    )
+    parser.add_argument(
         "--graceful-timeout",
         type=float,
         default=3.0,
@@ -182,6 +189,7 @@ def serve_command(args: argparse.Namespace) -> int:
             header_timeout=args.header_timeout,
             public_metrics=args.public_metrics,
             kv_events=_kv_wire(args, KVWireConfig),
+            chat_template_args=_json_object(args.chat_template_args, "--chat-template-args"),
         )
     except InvalidInput as error:
         return _say(str(error), _USAGE)
@@ -227,6 +235,19 @@ def _kv_wire(args: argparse.Namespace, config: Any) -> Any:
         topic=args.kv_events_topic,
         salted=args.kv_events_salted,
     )
+
+
+def _json_object(text: Optional[str], option: str) -> Any:
+    """``--chat-template-args``' JSON text as the template's variables (None: not given)."""
+    from mlxkv.server.request import template_variables
+
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise InvalidInput(option, text, "must be a JSON object") from None
+    return template_variables(value, option)
 
 
 def _model_name(model: Optional[str]) -> Optional[str]:

@@ -45,6 +45,7 @@ __all__ = [
     "parse_chat",
     "parse_completion",
     "parse_json",
+    "template_variables",
 ]
 
 #: The most stop strings (as OpenAI), and the longest one.
@@ -361,7 +362,7 @@ def parse_chat(body: Mapping[str, Any], *, takes_images: bool, takes_tools: bool
     if top is not None and not wanted:
         raise InvalidInput("top_logprobs", top, "is only allowed with logprobs: true")
     tools = _tools(fields.take("tools"), takes_tools)
-    template_kwargs = _template_kwargs(fields.take("chat_template_kwargs"))
+    template_kwargs = template_variables(fields.take("chat_template_kwargs"))
     choice = _tool_choice(fields.take("tool_choice"), tools)
     if not _bool("parallel_tool_calls", fields.take("parallel_tool_calls"), default=True):
         raise InvalidInput(
@@ -386,18 +387,20 @@ _TEMPLATE_ARGUMENTS = frozenset({"messages", "tools", "add_generation_prompt", "
 MAX_TEMPLATE_KWARGS = 32
 
 
-def _template_kwargs(value: Any) -> dict[str, Any]:
-    """``chat_template_kwargs``: an object of variables for the template
-    (not its own arguments, which the request's other fields set)."""
+def template_variables(value: Any, where: str = "chat_template_kwargs") -> dict[str, Any]:
+    """Variables for the chat template (a request's ``chat_template_kwargs``,
+    or the server's defaults, ``where`` naming them): an object of at most
+    :data:`MAX_TEMPLATE_KWARGS`, none of them the template's own arguments
+    (which the request's other fields set)."""
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise InvalidInput("chat_template_kwargs", value, "must be an object of template variables")
+        raise InvalidInput(where, value, "must be an object of template variables")
     if len(value) > MAX_TEMPLATE_KWARGS:
-        raise InvalidInput("chat_template_kwargs", Shown(f"<{len(value)} keys>"), f"sets at most {MAX_TEMPLATE_KWARGS}")
+        raise InvalidInput(where, Shown(f"<{len(value)} keys>"), f"sets at most {MAX_TEMPLATE_KWARGS}")
     for name in value:
         if name in _TEMPLATE_ARGUMENTS or not name.isidentifier():
-            raise InvalidInput(f"chat_template_kwargs.{name}", value[name], "is not a variable a request may set")
+            raise InvalidInput(f"{where}.{name}", value[name], "is not a variable a request may set")
     return dict(value)
 
 

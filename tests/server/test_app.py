@@ -1010,6 +1010,13 @@ class TestTools:
                 refused = await rendered(chat_template_kwargs={"add_generation_prompt": False})
                 assert refused.status_code == 400
                 assert refused.json()["error"]["param"] == "chat_template_kwargs.add_generation_prompt"
+        # The server's defaults (--chat-template-args), under the request's own.
+        defaults = {"chat_template_args": {"enable_thinking": True}}
+        async with serve(chat=ChatTemplate(tokenizer), server_options=defaults) as s:
+            async with httpx.AsyncClient(base_url=s.url) as http:
+                assert bytes((await rendered()).json()["token_ids"]) == b"Hi <think>"
+                off = await rendered(chat_template_kwargs={"enable_thinking": False})
+                assert bytes(off.json()["token_ids"]) == b"Hi"
 
     async def test_tools_on_a_model_that_calls_none_are_refused(self, serve):
         async with serve() as s:

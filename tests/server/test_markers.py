@@ -100,7 +100,8 @@ class TestStreamedBlocks:
 
     def test_opened_by_the_prompt(self):
         """A prompt that opened the block: the text is inside it from the start."""
-        assert split(MarkedSplitter("<t>", "</t>", streamed=True, inside=True), ["hm</", "t>ok"]) == [Inside("hm"), "ok"]
+        opened = MarkedSplitter("<t>", "</t>", streamed=True, inside=True)
+        assert split(opened, ["hm</", "t>ok"]) == [Inside("hm"), "ok"]
 
     def test_left_open_it_is_still_inside(self):
         assert split(MarkedSplitter("<t>", "</t>", streamed=True), ["a<t>h", "m</"]) == ["a", Inside("hm</")]
@@ -119,4 +120,5 @@ def test_any_cut_gives_the_same_text_in_the_same_places(text: str, cuts: list[in
         if streamed:
             assert labelled(given_out) == reference(text, "<tool_call>", end)
         else:
-            assert written(split(MarkedSplitter("<tool_call>", end, streamed=False), pieces), "<tool_call>", end) == text
+            whole_blocks = split(MarkedSplitter("<tool_call>", end, streamed=False), pieces)
+            assert written(whole_blocks, "<tool_call>", end) == text

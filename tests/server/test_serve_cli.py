@@ -223,6 +223,8 @@ class TestServeErrors:
             (("--max-request-pixels", "0"), "max_request_pixels"),
             (("--kv-events", "http://127.0.0.1:1"), "kv_events"),
             (("--kv-events-replay", "tcp://*:5558"), "needs --kv-events"),
+            (("--chat-template-args", "{nope"), "--chat-template-args"),
+            (("--chat-template-args", '{"messages": []}'), "--chat-template-args.messages"),
         ],
     )
     def test_bad_options_are_one_line(self, model_dir: Path, args: tuple[str, ...], needle: str):
