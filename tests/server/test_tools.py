@@ -47,6 +47,11 @@ class TestToolSyntax:
         names no function) is text, markers and all."""
         assert JSON_TOOLS.calls(Inside(text), []) == "<tool_call>" + text + "</tool_call>"
 
+    def test_a_parser_that_fails_otherwise_leaves_text(self):
+        """Whatever a parser raises on text it cannot read (an IndexError, say), the call is text."""
+        syntax = ToolSyntax(start="<c>", end="</c>", parse=lambda text, tools: [][0])
+        assert syntax.calls(Inside("x"), []) == "<c>x</c>"
+
     def test_of_a_tokenizer(self, tool_chat_template, chat_template):
         """mlx-lm infers the syntax from the template (json_tools here); the
         built-in model's template takes no tools."""
