@@ -47,6 +47,31 @@ class TestToolSyntax:
         names no function) is text, markers and all."""
         assert JSON_TOOLS.calls(Inside(text), []) == "<tool_call>" + text + "</tool_call>"
 
+    #: A call of ``get`` with ``x`` = 1, as each family writes it between its markers.
+    FAMILIES = {
+        "json_tools": '{"name": "get", "arguments": {"x": 1}}',
+        "mistral": 'get[ARGS]{"x": 1}',
+        "pythonic": "[get(x=1)]",
+        "qwen3_coder": "<function=get>\n<parameter=x>\n1\n</parameter>\n</function>",
+        "glm47": "get\n<arg_key>x</arg_key>\n<arg_value>1</arg_value>\n",
+        "function_gemma": "call:get{x:1}",
+        "kimi_k2": '<|tool_call_begin|>functions.get:0<|tool_call_argument_begin|>{"x": 1}<|tool_call_end|>',
+    }
+
+    @pytest.mark.parametrize("family", sorted(FAMILIES))
+    def test_every_familys_parser_gives_an_openai_call(self, family: str):
+        """mlx-lm's parsers answer in their own shapes (a mapping or a list,
+        arguments parsed or as text, an id or none); each becomes an OpenAI
+        call with JSON text for its arguments and an id."""
+        import importlib
+
+        module = importlib.import_module(f"mlx_lm.tool_parsers.{family}")
+        syntax = ToolSyntax(start=module.tool_call_start, end=module.tool_call_end, parse=module.parse_tool_call)
+        tools = [{"type": "function", "function": {"name": "get", "parameters": {
+            "type": "object", "properties": {"x": {"type": "integer"}}}}}]  # fmt: skip
+        (call,) = syntax.calls(Inside(self.FAMILIES[family]), tools)
+        assert call.name == "get" and json.loads(call.arguments) == {"x": 1} and call.id
+
     def test_a_parser_that_fails_otherwise_leaves_text(self):
         """Whatever a parser raises on text it cannot read (an IndexError, say), the call is text."""
         syntax = ToolSyntax(start="<c>", end="</c>", parse=lambda text, tools: [][0])
