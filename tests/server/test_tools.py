@@ -15,13 +15,13 @@ pytest.importorskip("starlette")
 
 from mlx_lm.tool_parsers import json_tools, mistral  # noqa: E402
 
-from mlxkv.actors.token_logprobs import TokenLogprob  # noqa: E402
-from mlxkv.generation import GeneratedToken, GenerationReport  # noqa: E402
 from mlxkv.server.app import _Answer, _Prompt, _Reading  # noqa: E402
 from mlxkv.server.request import ToolCall  # noqa: E402
 from mlxkv.server.markers import Inside  # noqa: E402
 from mlxkv.server.reasoning import ReasoningSyntax  # noqa: E402
 from mlxkv.server.tools import ToolSyntax  # noqa: E402
+
+from scripted_generation import Scripted, report, tokens  # noqa: E402
 
 JSON_TOOLS, MISTRAL = (
     ToolSyntax(start=module.tool_call_start, end=module.tool_call_end, parse=module.parse_tool_call)
@@ -85,36 +85,6 @@ class TestToolSyntax:
         assert chat_template.tool_syntax is None
 
 
-class _Scripted:
-    """Yields ``records`` as a generation would (a stand-in: a model with
-    random weights cannot be made to write a call split just so; the served
-    path with a real generation is ``test_app.py``'s)."""
-
-    def __init__(self, records: list[Any]) -> None:
-        self._records = iter(records)
-
-    def __aiter__(self) -> Any:
-        return self
-
-    async def __anext__(self) -> Any:
-        try:
-            return next(self._records)
-        except StopIteration:
-            raise StopAsyncIteration from None
-
-
-def _generation(texts: list[str], finish_reason: str) -> list[Any]:
-    tokens = [
-        GeneratedToken(index=i, token=i, text=text, logprob=TokenLogprob(i, -0.1 * i)) for i, text in enumerate(texts)
-    ]
-    report = GenerationReport(
-        request_id="r", prompt_tokens=1, cached_tokens=0, generated_tokens=len(tokens), finish_reason=finish_reason,
-        tokens=tuple(t.token for t in tokens), text="".join(texts), time_to_first_token=0.0,
-        decode_tokens_per_second=0.0, total_time=0.0, stored_blocks=0, stored_bytes=0,
-    )  # fmt: skip
-    return [*tokens, report]
-
-
 THINK = ReasoningSyntax(start="<think>", end="</think>")
 
 
@@ -122,7 +92,8 @@ async def _answer(
     texts: list[str], finish_reason: str, stops: tuple[str, ...] = (), *, prompt: str = "",
     reading: _Reading = _Reading(calls=JSON_TOOLS),
 ) -> tuple[list[Any], _Answer]:  # fmt: skip
-    generation = _Scripted(_generation(texts, finish_reason))
+    generated = tokens(*texts)
+    generation = Scripted([*generated, report(generated, finish_reason)])
     answer = _Answer(0, _Prompt(tokens=(1,), text=prompt), generation, stops, lambda: None, reading)  # type: ignore[arg-type]
     return [piece async for piece in answer.pieces()], answer
 
@@ -136,7 +107,7 @@ class TestAnswerWithCalls:
         assert [(p.text, [c.name for c in p.calls], p.first_call) for p in pieces] == [
             ("Sure. ", [], 0), ("", ["a"], 0), ("", ["b"], 1),
         ]  # fmt: skip
-        assert [t.record.token for p in pieces for t in p.tokens] == [0, 1, 2, 3]
+        assert [t.record.token for p in pieces for t in p.tokens] == [100, 101, 102, 103]
         assert answer.finish_reason == "tool_calls" and [c.name for c in answer.calls] == ["a", "b"]
 
     async def test_cut_by_max_tokens_a_call_is_text(self):
@@ -163,7 +134,7 @@ class TestAnswerWithReasoning:
         assert [(p.reasoning, p.text, [c.name for c in p.calls]) for p in pieces] == [
             ("hmm <tool_call>{}", "", []), ("</tool_call>", "", []), ("", "Yes.", []), ("", " ", []), ("", "", ["a"]),
         ]  # fmt: skip
-        assert [t.record.token for p in pieces for t in p.tokens] == [0, 1, 2, 3, 4]
+        assert [t.record.token for p in pieces for t in p.tokens] == [100, 101, 102, 103, 104]
         assert answer.finish_reason == "tool_calls"
 
     async def test_a_prompt_that_opened_the_block(self):
@@ -183,7 +154,7 @@ class TestAnswerWithReasoning:
         reading = _Reading(reasoning=THINK, include_reasoning=False)
         pieces, _ = await _answer(["<think>x", "y</think>", "z"], "stop", reading=reading)
         assert [(p.reasoning, p.text) for p in pieces] == [("", "z")]
-        assert [t.record.token for p in pieces for t in p.tokens] == [0, 1, 2]
+        assert [t.record.token for p in pieces for t in p.tokens] == [100, 101, 102]
 
     def test_of_a_tokenizer(self, tmp_path, chat_template):
         """mlx-lm knows a model reasons from its vocabulary (``<think>`` and
