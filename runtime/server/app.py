@@ -501,12 +501,14 @@ class _Reading:
     """What a chat answer reads out of its text: its reasoning (in the
     model's ``reasoning`` syntax; sent unless ``include_reasoning`` is
     false), and its tool calls (in the model's ``calls`` syntax, of the
-    ``tools`` offered). None of either: the text as written."""
+    ``tools`` offered; with ``one_call``, the answer ends at its first).
+    None of either: the text as written."""
 
     reasoning: Optional[ReasoningSyntax] = None
     include_reasoning: bool = True
     calls: Optional[ToolSyntax] = None
     tools: tuple[Mapping[str, Any], ...] = ()
+    one_call: bool = False
 
 
 class _Answer:
@@ -536,6 +538,7 @@ class _Answer:
         self.num_tokens = 0
         self.calls: list[ToolCall] = []
         self._matcher = StopMatcher(stops)
+        self._called = False  # its one call read (``one_call``): the answer ends there
         self._reading = reading
         self._thoughts = None if reading.reasoning is None else reading.reasoning.splitter(prompt.text or "")
         self._calls = None if reading.calls is None else reading.calls.splitter()
@@ -550,8 +553,8 @@ class _Answer:
     @property
     def complete(self) -> bool:
         """Whether the answer is the whole generation (ended by the model or
-        ``max_tokens``, not cut by a stop string)."""
-        return self.report is not None and not self._matcher.stopped
+        ``max_tokens``, not cut by a stop string or at its one call)."""
+        return self.report is not None and not self._matcher.stopped and not self._called
 
     async def pieces(self) -> AsyncIterator[_Piece]:
         """The answer in pieces, none empty (of text, of reasoning, of calls,
@@ -575,7 +578,7 @@ class _Answer:
             text = self._matcher.feed(record.text)
             for piece in self._out(text, end=self._matcher.stopped):
                 yield piece
-            if self._matcher.stopped:
+            if self._matcher.stopped or self._called:
                 self._end("stop")
                 return
 
@@ -592,10 +595,12 @@ class _Answer:
         for segment in _split(self._thoughts, text, end=end):
             if not isinstance(segment, Inside):
                 pieces += self._content(_split(self._calls, segment, end=False))
-            elif self._reading.include_reasoning and segment.text:
+            elif self._reading.include_reasoning and segment.text and not self._called:
                 pieces.append(self._piece(reasoning=segment.text))
         if end and self._calls is not None:
             pieces += self._content(self._calls.finish())
+        if self._called:
+            end = True  # nothing after the one call is sent
         if end and self._logged:
             pieces.append(self._piece())
         return pieces
@@ -605,10 +610,14 @@ class _Answer:
         (a call the parser cannot read: the model's text, as written)."""
         pieces = []
         for part in parts:
+            if self._called:
+                break
             if isinstance(part, Inside):
                 assert self._reading.calls is not None
                 calls = self._reading.calls.calls(part, self._reading.tools)
                 if not isinstance(calls, str):
+                    if self._reading.one_call:
+                        calls, self._called = calls[:1], True
                     pieces.append(self._piece(calls=calls))
                     continue
                 part = calls
@@ -789,6 +798,7 @@ class _Answering(Response):
             include_reasoning=options.include_reasoning,
             calls=chat.tool_syntax if parsed.read_calls else None,
             tools=parsed.tools,
+            one_call=parsed.one_call,
         )
 
     def _in_request_terms(self, error: InvalidInput) -> InvalidInput:

@@ -230,6 +230,8 @@ class ChatRequest:
             (``tool_choice`` ``auto``, with tools); with ``none`` the tools
             are still offered (the prompt, and what is cached of it, is the
             same) and the answer is all text.
+        one_call: ``parallel_tool_calls: false``: the answer ends with its
+            first call (the first of a block that holds several).
         template_kwargs: variables for the chat template (vLLM's and
             ``mlx_lm.server``'s ``chat_template_kwargs``: Qwen3's
             ``enable_thinking``, say).
@@ -240,6 +242,7 @@ class ChatRequest:
     options: Options
     tools: tuple[Mapping[str, Any], ...] = ()
     read_calls: bool = False
+    one_call: bool = False
     template_kwargs: Mapping[str, Any] = attrs.field(factory=dict)
 
 
@@ -364,10 +367,7 @@ def parse_chat(body: Mapping[str, Any], *, takes_images: bool, takes_tools: bool
     tools = _tools(fields.take("tools"), takes_tools)
     template_kwargs = template_variables(fields.take("chat_template_kwargs"))
     choice = _tool_choice(fields.take("tool_choice"), tools)
-    if not _bool("parallel_tool_calls", fields.take("parallel_tool_calls"), default=True):
-        raise InvalidInput(
-            "parallel_tool_calls", False, "is not supported by this server (only true: it reads every call made)"
-        )
+    parallel = _bool("parallel_tool_calls", fields.take("parallel_tool_calls"), default=True)
     fields.default_only("response_format", None, also=({"type": "text"},))
     max_tokens = fields.take("max_completion_tokens")
     legacy = fields.take("max_tokens")
@@ -377,7 +377,7 @@ def parse_chat(body: Mapping[str, Any], *, takes_images: bool, takes_tools: bool
     fields.finish()
     return ChatRequest(
         messages=messages, images=images, options=options, tools=tools, read_calls=bool(tools) and choice == "auto",
-        template_kwargs=template_kwargs,
+        one_call=not parallel, template_kwargs=template_kwargs,
     )  # fmt: skip
 
 

@@ -963,6 +963,15 @@ class TestTools:
             assert [c.index for c in streamed] == list(range(len(expected_calls)))
             assert [json.loads(c.function.arguments)["text"] for c in streamed] == expected_calls
             assert chunks[-1].choices[0].finish_reason == "tool_calls"
+            # parallel_tool_calls: false -- the answer ends with its first call.
+            one = await s.client.chat.completions.create(
+                **ask, parallel_tool_calls=False, extra_body={"cache_salt": "one"}
+            )
+            first_end = text.index(end, text.index(start) + len(start)) + len(end)
+            first_text, first_calls = _reference_split(text[:first_end], start, end)
+            assert [json.loads(c.function.arguments)["text"] for c in one.choices[0].message.tool_calls] == first_calls
+            assert one.choices[0].message.content == (first_text or None)
+            assert one.choices[0].finish_reason == "tool_calls" and one.usage.completion_tokens < 48
             # Ended by max_tokens (not cut by a stop string), the answer is kept for the
             # next turn: found by an assistant message of its text and calls, as a client
             # sends them back (ids its own, arguments spaced otherwise).

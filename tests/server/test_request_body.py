@@ -197,13 +197,13 @@ class TestChatBody:
 
     def test_unsupported_features_are_refused(self):
         """Tools (on a model that calls none), forcing a call, and a JSON
-        response format are refused, not ignored."""
+        response format are refused, not ignored."""  # parallel_tool_calls: false is honoured
         body = {"messages": [{"role": "user", "content": "x"}]}
         assert refused(parse_chat, {**body, "tools": [_TOOL]}, takes_images=False).argument == "tools"
         for bad, argument in (
             ({"tool_choice": "required"}, "tool_choice"),
             ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
-            ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+            ({"parallel_tool_calls": "no"}, "parallel_tool_calls"),
         ):
             with_tools = {**body, "tools": [_TOOL], **bad}
             assert refused(parse_chat, with_tools, takes_images=False, takes_tools=True).argument == argument
@@ -228,7 +228,11 @@ class TestChatBody:
             {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
         ]  # fmt: skip
         request = parse_chat({"messages": conversation, "tools": [_TOOL]}, takes_images=False, takes_tools=True)
-        assert request.tools == (_TOOL,) and request.read_calls
+        assert request.tools == (_TOOL,) and request.read_calls and not request.one_call
+        one = parse_chat(
+            {"messages": conversation, "tools": [_TOOL], "parallel_tool_calls": False}, takes_images=False, takes_tools=True
+        )
+        assert one.one_call
         assistant, tool = request.messages[1:]
         assert assistant.for_template() == {
             "role": "assistant", "content": "",

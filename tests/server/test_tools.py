@@ -120,6 +120,23 @@ class TestAnswerWithCalls:
         pieces, answer = await _answer(['<tool_call>{"name": "a"}</tool_call> END', " more"], "length", ("END",))
         assert [p.text for p in pieces] == ["", " "] and answer.finish_reason == "tool_calls"
 
+    async def test_one_call_ends_the_answer(self):
+        """``parallel_tool_calls: false``: the answer ends at its first call
+        (the first of a block of several); what follows is not read, the
+        generation is closed there, and no token after it is counted."""
+        texts = ['a<tool_call>[{"name": "x"}, {"name": "y"}]</tool_call> b', '<tool_call>{"name": "z"}</tool_call>']
+        generated = tokens(*texts)
+        generation = Scripted([*generated, report(generated, "stop")])
+        mistral_like = ToolSyntax(start="<tool_call>", end="</tool_call>", parse=mistral.parse_tool_call)
+        answer = _Answer(
+            0, _Prompt(tokens=(1,)), generation, (), lambda: None,  # type: ignore[arg-type]
+            _Reading(calls=mistral_like, one_call=True),
+        )  # fmt: skip
+        pieces = [piece async for piece in answer.pieces()]
+        assert [(p.text, [c.name for c in p.calls]) for p in pieces] == [("a", []), ("", ["x"])]
+        assert answer.finish_reason == "tool_calls" and answer.num_tokens == 1 and not answer.complete
+        assert await generation.__anext__() is generated[1]  # never read
+
     async def test_no_calls_is_plain_text(self):
         pieces, answer = await _answer(["a", "b <", "x"], "stop")
         assert "".join(p.text for p in pieces) == "ab <x" and answer.finish_reason == "stop"
