@@ -83,12 +83,15 @@ from mlxkv.server.reasoning import ReasoningSyntax
 from mlxkv.server.request import (
     ChatRequest,
     CompletionRequest,
+    DetokenizeRequest,
     Options,
     ToolCall,
     answer_key,
     parse_chat,
     parse_completion,
+    parse_detokenize,
     parse_json,
+    parse_tokenize,
     template_variables,
 )
 from mlxkv.server.stop import StopMatcher
@@ -226,6 +229,8 @@ class OpenAIServer:
                 Route("/v1/chat/completions", self._chat_completions, methods=["POST"]),
                 Route("/v1/completions/render", self._render_completions, methods=["POST"]),
                 Route("/v1/chat/completions/render", self._render_chat, methods=["POST"]),
+                Route("/tokenize", self._tokenize, methods=["POST"]),
+                Route("/detokenize", self._detokenize, methods=["POST"]),
                 Route("/health", self._health, methods=["GET"]),
                 Route("/metrics", self._metrics, methods=["GET"]),
             ],
@@ -256,10 +261,16 @@ class OpenAIServer:
         return await self._generation(request, "chat")
 
     async def _render_completions(self, request: Request) -> Response:
-        return await self._generation(request, "completions", render=True)
+        return await self._generation(request, "completions", mode="render")
 
     async def _render_chat(self, request: Request) -> Response:
-        return await self._generation(request, "chat", render=True)
+        return await self._generation(request, "chat", mode="render")
+
+    async def _tokenize(self, request: Request) -> Response:
+        return await self._generation(request, "tokenize", mode="tokenize")
+
+    async def _detokenize(self, request: Request) -> Response:
+        return await self._generation(request, "detokenize", mode="detokenize")
 
     async def _health(self, request: Request) -> Response:
         """Liveness (503 once the server cannot serve at all) and the admission
@@ -312,10 +323,11 @@ class OpenAIServer:
 
     # -- generation requests ---------------------------------------------------
 
-    async def _generation(self, request: Request, endpoint: str, *, render: bool = False) -> Response:
+    async def _generation(self, request: Request, endpoint: str, *, mode: str = "generate") -> Response:
         """Refuse at once what the headers refuse (shutting down, no key); the
-        rest is answered by :class:`_Answering`, body and all (``render``: the
-        prompt's tokens instead of a generation)."""
+        rest is answered by :class:`_Answering`, body and all (its ``mode``:
+        a generation, or the prompt's tokens as a render or a tokenize
+        request answers them, or a detokenize request's text)."""
         arrived = time.perf_counter()
         try:
             if self.draining:
@@ -323,13 +335,16 @@ class OpenAIServer:
             salt = self._tenant(request)
             RequestBody.refuse_declared(request.headers, self.config.max_body_bytes)
         except ApiError as api:
-            label = f"{endpoint}_render" if render else endpoint
-            self.metrics.requests.labels(label, _outcome(api)).inc()
+            self.metrics.requests.labels(_label(endpoint, mode), _outcome(api)).inc()
             return _error_response(api)
-        return _Answering(self, endpoint, salt, arrived, render=render)
+        return _Answering(self, endpoint, salt, arrived, mode=mode)
 
-    def parse(self, endpoint: str, raw: Union[bytes, bytearray]) -> Union[ChatRequest, CompletionRequest]:
-        """A request body, checked (any thread: it reads only the server's settings).
+    def parse(
+        self, endpoint: str, raw: Union[bytes, bytearray]
+    ) -> Union[ChatRequest, CompletionRequest, DetokenizeRequest]:
+        """A request body, checked (any thread: it reads only the server's
+        settings); a ``tokenize`` body is a chat or a completion, as it holds
+        ``messages`` or not.
 
         Raises:
             InvalidInput: a bad body (400).
@@ -337,17 +352,23 @@ class OpenAIServer:
         """
         body = parse_json(raw)
         parsed: Union[ChatRequest, CompletionRequest]
-        if endpoint == "chat":
-            takes_tools = self.chat is not None and self.chat.tool_syntax is not None
+        takes_tools = self.chat is not None and self.chat.tool_syntax is not None
+        if endpoint == "detokenize":
+            detokenize = parse_detokenize(body)
+            self._check_model(detokenize.model)
+            return detokenize
+        if endpoint == "tokenize":
+            parsed = parse_tokenize(body, takes_images=self._info.takes_images, takes_tools=takes_tools)
+        elif endpoint == "chat":
             parsed = parse_chat(body, takes_images=self._info.takes_images, takes_tools=takes_tools)
-            if self.chat is None:
-                raise InvalidInput(
-                    "messages",
-                    len(parsed.messages),
-                    "this model has no chat template: use /v1/completions",
-                )
         else:
             parsed = parse_completion(body)
+        if isinstance(parsed, ChatRequest) and self.chat is None:
+            raise InvalidInput(
+                "messages",
+                len(parsed.messages),
+                "this model has no chat template: use /v1/completions",
+            )
         self._check_model(parsed.options.model)
         most, bound = min((self.config.max_choices, "--max-choices"), (self.config.max_concurrent, "--max-concurrent"))
         prompts = len(parsed.prompts) if isinstance(parsed, CompletionRequest) else 1
@@ -438,6 +459,11 @@ def _salt(tenant: Optional[str], own: Optional[str]) -> Optional[str]:
     if tenant is None:
         return own
     return tenant if own is None else f"{tenant}/{own}"
+
+
+def _label(endpoint: str, mode: str) -> str:
+    """A request's endpoint as ``/metrics`` counts it."""
+    return f"{endpoint}_render" if mode == "render" else endpoint
 
 
 def _outcome(error: ApiError) -> str:
@@ -644,7 +670,9 @@ class _Answering(Response):
     sending (see the module docstring). A render request (vLLM's
     ``/render`` endpoints) goes the same way up to its prompt's tokens, and
     answers with them instead of generating: a router keys its blocks on
-    exactly the tokens this server would run.
+    exactly the tokens this server would run; so does a tokenize request
+    (vLLM's ``/tokenize``: a client counting what a prompt costs), in its
+    own shape. A detokenize request answers its tokens' text.
 
     One task reads the connection throughout (:class:`RequestBody`): the body
     as admission allows (whole within ``body_timeout`` of admission), then
@@ -659,11 +687,12 @@ class _Answering(Response):
         salt: Optional[str],
         arrived: float,
         *,
-        render: bool = False,
+        mode: str = "generate",
     ) -> None:
         self._server = server
         self._endpoint = endpoint
-        self._render = render
+        self._mode = mode
+        self._label = _label(endpoint, mode)
         self._body = RequestBody(server.config.max_body_bytes)
         self._tenant_salt = salt
         self._salt = salt  # until the body's own cache_salt is read
@@ -694,8 +723,7 @@ class _Answering(Response):
                 await self._fail(sending, _shutting_down())
         finally:
             outcome = "disconnected" if self._disconnected else self._outcome
-            label = f"{self._endpoint}_render" if self._render else self._endpoint
-            self._server.metrics.requests.labels(label, outcome).inc()
+            self._server.metrics.requests.labels(self._label, outcome).inc()
             if self._body.peak_bytes >= TRIM_AFTER_BYTES:
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(return_freed_memory)
@@ -717,11 +745,18 @@ class _Answering(Response):
                     return  # the client left (and the request is being cancelled)
                 parsed = await _off_the_loop(len(body), server.parse, self._endpoint, body)
                 del body
+                if isinstance(parsed, DetokenizeRequest):
+                    await self._detokenized(send, parsed.tokens)
+                    return
+                self._endpoint = "chat" if isinstance(parsed, ChatRequest) else "completions"  # a tokenize body's
                 self._options = options = parsed.options
                 self._salt = _salt(self._tenant_salt, options.cache_salt)
                 prompts = await self._prompts(parsed)
-                if self._render:
+                if self._mode == "render":
                     await self._rendered(send, prompts)
+                    return
+                if self._mode == "tokenize":
+                    await self._tokenized(send, prompts[0])
                     return
                 limits = [self._max_tokens(prompt) for prompt in prompts]
                 reading = self._reading(parsed)
@@ -849,7 +884,7 @@ class _Answering(Response):
         variables = {**server.config.chat_template_args, **parsed.template_kwargs}
         text = await anyio.to_thread.run_sync(chat.render, parsed.messages, parsed.tools, variables)
         self._check_length("messages", text)
-        turn = server.memory.continued(self._salt, parsed.messages, text, count=not self._render)
+        turn = server.memory.continued(self._salt, parsed.messages, text, count=self._mode == "generate")
         if turn is None:
             tokens = await anyio.to_thread.run_sync(chat.encode, text)
         else:
@@ -913,6 +948,27 @@ class _Answering(Response):
         ]
         self._outcome = "rendered"
         await _send_json(send, 200, rendered[0] if self._endpoint == "chat" else rendered)
+
+    async def _tokenized(self, send: Send, prompt: _Prompt) -> None:
+        """Answer a tokenize request: the prompt's tokens, as this server
+        would run them, their count, and the model's context (vLLM's shape)."""
+        self._outcome = "rendered"
+        context = self._server._info.max_context
+        body = {"count": len(prompt.tokens), "max_model_len": context, "tokens": list(prompt.tokens)}
+        await _send_json(send, 200, body)
+
+    async def _detokenized(self, send: Send, tokens: tuple[int, ...]) -> None:
+        """Answer a detokenize request: the tokens' text (an id past the
+        vocabulary is refused, naming it)."""
+        vocab = self._server._info.vocab_size
+        for index, token in enumerate(tokens):
+            if token < 0 or (vocab is not None and token >= vocab):
+                raise InvalidInput("tokens", token, f"is not a token id of this model (at index {index})")
+        preparer = self._server.runtime.preparer
+        assert preparer is not None, "a served runtime has its preparer"
+        text = await anyio.to_thread.run_sync(preparer.decode, tokens)
+        self._outcome = "rendered"
+        await _send_json(send, 200, {"prompt": text})
 
     def _first_token(self) -> None:
         """The request's first token, of whichever choice: its time to it, once."""

@@ -40,11 +40,14 @@ __all__ = [
     "ChatMessage",
     "ChatRequest",
     "CompletionRequest",
+    "DetokenizeRequest",
     "Options",
     "ToolCall",
     "parse_chat",
     "parse_completion",
+    "parse_detokenize",
     "parse_json",
+    "parse_tokenize",
     "template_variables",
 ]
 
@@ -462,6 +465,58 @@ def _tool_choice(value: Any, tools: Sequence[Mapping[str, Any]]) -> str:
     )
 
 
+@attrs.frozen(kw_only=True)
+class DetokenizeRequest:
+    """A checked ``/detokenize`` body (vLLM's): token ids to turn into text."""
+
+    tokens: tuple[int, ...]
+    model: Optional[str] = None
+
+
+def parse_tokenize(
+    body: Mapping[str, Any], *, takes_images: bool, takes_tools: bool = False
+) -> Union[ChatRequest, CompletionRequest]:
+    """Check a ``/tokenize`` body (vLLM's): a chat (``messages``, as
+    ``/v1/chat/completions`` takes them) or one completion ``prompt``, to be
+    answered with the tokens this server would run. vLLM's switches are
+    taken at what the server runs: ``add_special_tokens`` (true for a
+    prompt, false for a chat: the template writes its own),
+    ``add_generation_prompt`` true, ``return_token_strs`` false.
+
+    Raises:
+        InvalidInput: naming the first field at fault.
+    """
+    chat = "messages" in body
+    fields = _Fields(body)
+    fields.default_only("return_token_strs", False)
+    fields.default_only("add_special_tokens", not chat)
+    if chat:
+        fields.default_only("add_generation_prompt", True)
+        return parse_chat(fields.rest(), takes_images=takes_images, takes_tools=takes_tools)
+    request = parse_completion(fields.rest())
+    if len(request.prompts) != 1:
+        raise InvalidInput("prompt", Shown(f"<{len(request.prompts)} prompts>"), "must be one prompt to tokenize")
+    return request
+
+
+def parse_detokenize(body: Mapping[str, Any]) -> DetokenizeRequest:
+    """Check a ``/detokenize`` body: ``tokens``, a list of token ids (the
+    vocabulary is the server's to check).
+
+    Raises:
+        InvalidInput: naming the first field at fault.
+    """
+    fields = _Fields(body)
+    tokens = fields.take("tokens", required=True)
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise InvalidInput("tokens", Shown("<...>") if isinstance(tokens, list) else tokens, "must be a list of token ids")
+    model = fields.take("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidInput("model", model, "must be a string")
+    fields.finish()
+    return DetokenizeRequest(tokens=tuple(tokens), model=model)
+
+
 class _Fields:
     """A body's fields, taken one by one; :meth:`finish` refuses what is left."""
 
@@ -480,6 +535,10 @@ class _Fields:
             raise InvalidInput(
                 name, value, f"is not supported by this server (only {json.dumps(default)})"
             )
+
+    def rest(self) -> dict[str, Any]:
+        """The fields not taken."""
+        return dict(self._body)
 
     def finish(self) -> None:
         for ignored in ("user", "metadata"):

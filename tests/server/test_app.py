@@ -1110,6 +1110,56 @@ def _reference_reasoning(text: str, start: str, end: str) -> tuple[str, list[str
     return "".join(parts[0::2]), parts[1::2]
 
 
+class TestTokenize:
+    """vLLM's ``/tokenize`` and ``/detokenize``: what a prompt costs, and the text of tokens."""
+
+    async def test_tokens_are_what_the_server_runs(self, serve):
+        """A prompt's tokens are those a completion of it runs on, a chat's
+        those its generation runs on (its usage counts them); their count and
+        the model's context come with them. Detokenized, the prompt's tokens
+        are its text again."""
+        async with serve() as s:
+            async with httpx.AsyncClient(base_url=s.url) as http:
+                prompt = await http.post("/tokenize", json={"model": "tiny", "prompt": ASK})
+                conversation = await http.post("/tokenize", json={"messages": chat("Hello!")})
+                back = await http.post("/detokenize", json={"tokens": prompt.json()["tokens"]})
+            assert prompt.status_code == conversation.status_code == back.status_code == 200
+            assert prompt.json()["tokens"] == list(await s.runtime.tokenize(ASK))
+            assert prompt.json()["count"] == len(prompt.json()["tokens"])
+            assert prompt.json()["max_model_len"] == s.runtime.model_info.max_context
+            answered = await s.client.chat.completions.create(
+                model="tiny", messages=chat("Hello!"), max_tokens=2, **GREEDY
+            )
+            assert conversation.json()["count"] == answered.usage.prompt_tokens
+            assert back.json() == {"prompt": ASK}
+            metrics = await _metrics(s.url)
+            assert metrics['mlxkv_requests_total{endpoint="tokenize",outcome="rendered"}'] == 2
+            await nothing_held(s.runtime)
+
+    async def test_bad_bodies_are_named(self, serve):
+        async with serve() as s:
+            async with httpx.AsyncClient(base_url=s.url) as http:
+                for path, body, param in (
+                    ("/tokenize", {"prompt": "x", "add_special_tokens": False}, "add_special_tokens"),
+                    ("/tokenize", {"prompt": ["a", "b"]}, "prompt"),
+                    ("/tokenize", {"messages": chat("x"), "return_token_strs": True}, "return_token_strs"),
+                    ("/tokenize", {"messages": chat("x"), "add_generation_prompt": False}, "add_generation_prompt"),
+                    ("/tokenize", {"prompt": "x", "model": "other"}, "model"),  # 404
+                    ("/detokenize", {"tokens": [1, 100_000]}, "tokens"),
+                    ("/detokenize", {"tokens": "abc"}, "tokens"),
+                    ("/detokenize", {}, "tokens"),
+                ):
+                    answer = await http.post(path, json=body)
+                    assert answer.status_code == (404 if body.get("model") else 400), (path, body, answer.text)
+                    assert answer.json()["error"]["param"] == param, (path, body)
+            assert "index 1" in (await http_post(s.url, "/detokenize", {"tokens": [1, 100_000]}))["error"]["message"]
+
+
+async def http_post(url: str, path: str, body: dict[str, Any]) -> Any:
+    async with httpx.AsyncClient(base_url=url) as http:
+        return (await http.post(path, json=body)).json()
+
+
 class TestHealthAndMetrics:
     """``GET /health`` and ``GET /metrics``."""
 
