@@ -217,6 +217,12 @@ class OpenAIServer:
         self.max_prompt_chars = None if per_token is None or context is None else context * per_token
         #: The cancel scopes of the generation requests being answered.
         self._answering: set[anyio.CancelScope] = set()
+        #: Large bodies are parsed one at a time: parsed, a body of many small
+        #: values is many times its bytes (2M items, the most taken, ~150 MB),
+        #: and the memory a parse held stays the process's (the allocator's
+        #: fragments); one at a time, that is one parse's, not a parse's
+        #: times the requests admitted. It guards no state: it bounds work.
+        self.parsing = anyio.CapacityLimiter(1)
         #: Set by :meth:`drain`: generation requests are refused from then on.
         self.draining = False
         #: The KV events' publisher while :func:`serve` runs with ``kv_events``.
@@ -478,12 +484,14 @@ def _outcome(error: ApiError) -> str:
 _INLINE_BODY = 256 << 10
 
 
-async def _off_the_loop(size: int, function: Callable[..., Any], *args: Any) -> Any:
-    """``function(*args)``, on a worker thread when ``size`` (bytes it works
-    through) is past :data:`_INLINE_BODY`."""
+async def _off_the_loop(
+    size: int, function: Callable[..., Any], *args: Any, limiter: Optional[anyio.CapacityLimiter] = None
+) -> Any:
+    """``function(*args)``, on a worker thread (of ``limiter``'s, if given)
+    when ``size`` (bytes it works through) is past :data:`_INLINE_BODY`."""
     if size <= _INLINE_BODY:
         return function(*args)
-    return await anyio.to_thread.run_sync(function, *args)
+    return await anyio.to_thread.run_sync(function, *args, limiter=limiter)
 
 
 _SSE_HEADERS = [
@@ -743,7 +751,7 @@ class _Answering(Response):
                 body = await self._body.wait(server.config.body_timeout)
                 if body is None:
                     return  # the client left (and the request is being cancelled)
-                parsed = await _off_the_loop(len(body), server.parse, self._endpoint, body)
+                parsed = await _off_the_loop(len(body), server.parse, self._endpoint, body, limiter=server.parsing)
                 del body
                 if isinstance(parsed, DetokenizeRequest):
                     await self._detokenized(send, parsed.tokens)

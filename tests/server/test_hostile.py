@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import gc
 import io
 import json
@@ -199,6 +200,37 @@ class TestLargePrompts:
             finally:
                 preparer.encode, template.encode = encode, chat_encode
             assert len(threads) == 2 and loop_thread not in threads
+            await still_serving(s)
+
+
+class TestLargeBodies:
+    """Large bodies are parsed off the event loop, one at a time."""
+
+    async def test_large_bodies_are_parsed_one_at_a_time(self, serve):
+        """Three 400 KB bodies sent together are each parsed on a worker
+        thread, never two at once (parsed, a body of many small values holds
+        many times its bytes; one at a time, the process holds one's), and
+        each is answered."""
+        async with serve() as s:
+            parse, inside, most = s.server.parse, [0], [0]
+
+            def counted(*args: Any) -> Any:  # the server's own parse, its overlaps counted
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+                try:
+                    threading.Event().wait(0.2)
+                    return parse(*args)
+                finally:
+                    inside[0] -= 1
+
+            s.server.parse = counted
+            create = functools.partial(
+                s.client.completions.create, model="tiny", prompt="Hi", max_tokens=1, user="u" * 400_000
+            )  # 400 KB (an OpenAI field the server takes and ignores): past what is parsed on the loop
+            async with anyio.create_task_group() as tg:
+                for _ in range(3):
+                    tg.start_soon(create)
+            assert most[0] == 1
             await still_serving(s)
 
 
