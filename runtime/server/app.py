@@ -47,7 +47,6 @@ import json
 import logging
 import math
 import socket
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -69,17 +68,16 @@ from mlxkv.cache.errors import Shown
 from mlxkv.cache.validators import int_at_least
 from mlxkv.errors import CacheError, ComputeFailed, InvalidInput, RuntimeClosed
 from mlxkv.freed_memory import TRIM_AFTER_BYTES, return_freed_memory
-from mlxkv.generation import Generation, GenerationReport
+from mlxkv.generation import Generation
 from mlxkv.runtime import CacheRuntime
 from mlxkv.server.admission import Admission, Overloaded
+from mlxkv.server.answer import Answer, Piece, Prompt, Reading, each_piece
 from mlxkv.server.body import RequestBody
 from mlxkv.server.chat import ChatTemplate, ConversationMemory, Turn
 from mlxkv.server.errors import ApiError
 from mlxkv.server.kv_wire import KVEventPublisher, KVWireConfig
 from mlxkv.server.logprobs import LoggedToken, TokenTexts, chat_logprobs, completion_logprobs, echoed_logprobs
-from mlxkv.server.markers import Inside, MarkedSplitter, Segment
 from mlxkv.server.metrics import CONTENT_TYPE, ServerMetrics
-from mlxkv.server.reasoning import ReasoningSyntax
 from mlxkv.server.request import (
     ChatRequest,
     CompletionRequest,
@@ -94,11 +92,6 @@ from mlxkv.server.request import (
     parse_tokenize,
     template_variables,
 )
-from mlxkv.server.stop import StopMatcher
-from mlxkv.server.tools import ToolSyntax
-
-if sys.version_info < (3, 11):  # pragma: no cover
-    from exceptiongroup import BaseExceptionGroup
 
 __all__ = ["OpenAIServer", "ServerConfig", "load_chat_template", "listen", "running", "serve"]
 
@@ -505,174 +498,6 @@ def _error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
-@attrs.frozen(kw_only=True)
-class _Prompt:
-    """A prompt ready to generate from: its tokens, images, (for chat) text,
-    and (for a completion that echoes it) the text its answers begin with."""
-
-    tokens: tuple[int, ...]
-    images: tuple[str, ...] = ()
-    text: Optional[str] = None
-    echo: Optional[str] = None
-
-
-@attrs.frozen
-class _Piece:
-    """Some of an answer's text as it may be sent, of its reasoning, or
-    tool calls it made (``first_call``: the index of the first among the
-    answer's calls); and the log-probabilities of the tokens generated since
-    the last piece (empty unless asked for)."""
-
-    text: str
-    tokens: tuple[LoggedToken, ...] = ()
-    calls: tuple[ToolCall, ...] = ()
-    first_call: int = 0
-    reasoning: str = ""
-
-
-@attrs.frozen(kw_only=True)
-class _Reading:
-    """What a chat answer reads out of its text: its reasoning (in the
-    model's ``reasoning`` syntax; sent unless ``include_reasoning`` is
-    false), and its tool calls (in the model's ``calls`` syntax, of the
-    ``tools`` offered; with ``one_call``, the answer ends at its first).
-    None of either: the text as written."""
-
-    reasoning: Optional[ReasoningSyntax] = None
-    include_reasoning: bool = True
-    calls: Optional[ToolSyntax] = None
-    tools: tuple[Mapping[str, Any], ...] = ()
-    one_call: bool = False
-
-
-class _Answer:
-    """One generation's text as it may be sent (choice ``index`` of its
-    request, over ``prompt``): stop strings cut it, its reasoning and tool
-    calls are read out of it (as ``reading`` says), counts kept.
-
-    Owns: the stop matcher, the splitters, the calls made, the counts, and
-    the log-probabilities of the tokens whose piece is not out yet; the
-    generation is the caller's.
-    """
-
-    def __init__(
-        self,
-        index: int,
-        prompt: _Prompt,
-        generation: Generation,
-        stops: Sequence[str],
-        on_first_token: Callable[[], None],
-        reading: _Reading = _Reading(),
-    ) -> None:
-        self.index = index
-        self.prompt = prompt
-        self.generation = generation
-        self.report: Optional[GenerationReport] = None
-        self.finish_reason = "length"
-        self.num_tokens = 0
-        self.calls: list[ToolCall] = []
-        self._matcher = StopMatcher(stops)
-        self._called = False  # its one call read (``one_call``): the answer ends there
-        self._reading = reading
-        self._thoughts = None if reading.reasoning is None else reading.reasoning.splitter(prompt.text or "")
-        self._calls = None if reading.calls is None else reading.calls.splitter()
-        self._on_first_token = on_first_token
-        self._logged: list[LoggedToken] = []
-        self._offset = 0  # characters of the generation's text so far
-
-    @property
-    def cached_tokens(self) -> int:
-        return self.generation.cached_tokens or 0
-
-    @property
-    def complete(self) -> bool:
-        """Whether the answer is the whole generation (ended by the model or
-        ``max_tokens``, not cut by a stop string or at its one call)."""
-        return self.report is not None and not self._matcher.stopped and not self._called
-
-    async def pieces(self) -> AsyncIterator[_Piece]:
-        """The answer in pieces, none empty (of text, of reasoning, of calls,
-        or of log-probabilities: a token's come with the first piece after
-        it, or with the last); ends at the report or a stop string. Every
-        counted token's log-probabilities come out, if asked for."""
-        async for record in self.generation:
-            if isinstance(record, GenerationReport):
-                self.report = record
-                pieces = self._out(self._matcher.flush(), end=True)
-                self._end(record.finish_reason)
-                for piece in pieces:
-                    yield piece
-                return
-            if not self.num_tokens:
-                self._on_first_token()
-            self.num_tokens += 1
-            if record.logprob is not None:
-                self._logged.append(LoggedToken(record.logprob, self._offset))
-            self._offset += len(record.text)
-            text = self._matcher.feed(record.text)
-            for piece in self._out(text, end=self._matcher.stopped):
-                yield piece
-            if self._matcher.stopped or self._called:
-                self._end("stop")
-                return
-
-    def _end(self, reason: str) -> None:
-        """The answer ended for ``reason``: ended by the model after calling
-        tools, it ended for them (OpenAI's ``tool_calls``)."""
-        self.finish_reason = "tool_calls" if reason == "stop" and self.calls else reason
-
-    def _out(self, text: str, *, end: bool) -> list[_Piece]:
-        """The pieces ``text`` makes (its reasoning and calls read out); at
-        the ``end``, the splitters' rest too, and a last piece for tokens not
-        yet out."""
-        pieces = []
-        for segment in _split(self._thoughts, text, end=end):
-            if not isinstance(segment, Inside):
-                pieces += self._content(_split(self._calls, segment, end=False))
-            elif self._reading.include_reasoning and segment.text and not self._called:
-                pieces.append(self._piece(reasoning=segment.text))
-        if end and self._calls is not None:
-            pieces += self._content(self._calls.finish())
-        if self._called:
-            end = True  # nothing after the one call is sent
-        if end and self._logged:
-            pieces.append(self._piece())
-        return pieces
-
-    def _content(self, parts: list[Segment]) -> list[_Piece]:
-        """The pieces of the content's ``parts``: its text, and its calls
-        (a call the parser cannot read: the model's text, as written)."""
-        pieces = []
-        for part in parts:
-            if self._called:
-                break
-            if isinstance(part, Inside):
-                assert self._reading.calls is not None
-                calls = self._reading.calls.calls(part, self._reading.tools)
-                if not isinstance(calls, str):
-                    if self._reading.one_call:
-                        calls, self._called = calls[:1], True
-                    pieces.append(self._piece(calls=calls))
-                    continue
-                part = calls
-            if part:
-                pieces.append(self._piece(part))
-        return pieces
-
-    def _piece(self, text: str = "", *, calls: tuple[ToolCall, ...] = (), reasoning: str = "") -> _Piece:
-        logged, self._logged = tuple(self._logged), []
-        first = len(self.calls)
-        self.calls.extend(calls)
-        return _Piece(text, logged, calls, first, reasoning)
-
-
-def _split(splitter: Optional[MarkedSplitter], text: str, *, end: bool) -> list[Segment]:
-    """``text`` cut by ``splitter`` (and its rest, at the ``end``); by none, as it is."""
-    if splitter is None:
-        return [text]
-    return splitter.feed(text) + (splitter.finish() if end else [])
-
-
 class _Answering(Response):
     """A generation request's response: admission, body, prompt, generation and
     sending (see the module docstring). A render request (vLLM's
@@ -778,7 +603,7 @@ class _Answering(Response):
                             generation = self._generation(prompt, max_tokens, choice, request_id)
                             await generations.enter_async_context(generation)
                             answers.append(
-                                _Answer(index, prompt, generation, options.stop, self._first_token, reading)
+                                Answer(index, prompt, generation, options.stop, self._first_token, reading)
                             )
                     if options.stream:
                         await self._stream(send, answers)
@@ -803,7 +628,7 @@ class _Answering(Response):
             error = ApiError(500, f"internal error while answering request {self._id}", type="server_error")
         await self._fail(send, error)
 
-    def _generation(self, prompt: _Prompt, max_tokens: int, choice: int, request_id: str) -> Generation:
+    def _generation(self, prompt: Prompt, max_tokens: int, choice: int, request_id: str) -> Generation:
         """The generation of choice ``choice`` of ``prompt``, as the options ask
         (a seed moves by the choice, so a prompt's answers do not depend on
         the other prompts of its batch)."""
@@ -828,15 +653,15 @@ class _Answering(Response):
             prompt_logprobs=options.logprobs if options.echo else None,
         )
 
-    def _reading(self, parsed: Union[ChatRequest, CompletionRequest]) -> _Reading:
+    def _reading(self, parsed: Union[ChatRequest, CompletionRequest]) -> Reading:
         """What a chat answer reads out of its text: its reasoning, where the
         model reasons and the request keeps it apart; its tool calls, where
         the request asks for them read. A completion: nothing."""
         chat = self._server.chat
         if not isinstance(parsed, ChatRequest) or chat is None:
-            return _Reading()
+            return Reading()
         options = parsed.options
-        return _Reading(
+        return Reading(
             reasoning=chat.reasoning_syntax if options.separate_reasoning else None,
             include_reasoning=options.include_reasoning,
             calls=chat.tool_syntax if parsed.read_calls else None,
@@ -870,7 +695,7 @@ class _Answering(Response):
                 raise
             _LOG.debug("server.refusal_cut_short", request_id=self._id, error=repr(gone))
 
-    async def _prompts(self, parsed: Union[ChatRequest, CompletionRequest]) -> list[_Prompt]:
+    async def _prompts(self, parsed: Union[ChatRequest, CompletionRequest]) -> list[Prompt]:
         """The prompts' tokens (and images, and chat text): tokenized on a worker
         thread, after a text that cannot fit the context is refused untokenized."""
         server = self._server
@@ -881,11 +706,11 @@ class _Answering(Response):
                     preparer = server.runtime.preparer
                     assert preparer is not None, "a served runtime has its preparer"
                     echo = await anyio.to_thread.run_sync(preparer.decode, prompt) if parsed.options.echo else None
-                    prompts.append(_Prompt(tokens=prompt, echo=echo))
+                    prompts.append(Prompt(tokens=prompt, echo=echo))
                     continue
                 self._check_length("prompt", prompt)
                 tokens = await server.runtime.tokenize(prompt)
-                prompts.append(_Prompt(tokens=tokens, echo=prompt if parsed.options.echo else None))
+                prompts.append(Prompt(tokens=tokens, echo=prompt if parsed.options.echo else None))
             return prompts
         chat = server.chat
         assert chat is not None, "a chat request is refused without a template"
@@ -898,7 +723,7 @@ class _Answering(Response):
         else:
             rest = text[len(turn.text) :]
             tokens = turn.tokens + ((await anyio.to_thread.run_sync(chat.encode, rest)) if rest else ())
-        return [_Prompt(tokens=tokens, images=parsed.images, text=text)]
+        return [Prompt(tokens=tokens, images=parsed.images, text=text)]
 
     def _check_length(self, field: str, text: str) -> None:
         """Refuse a text too long to fit the model's context, by its characters alone."""
@@ -912,7 +737,7 @@ class _Answering(Response):
                 f" (this tokenizer needs more than {context} tokens for over {limit} characters)",
             )
 
-    def _max_tokens(self, prompt: _Prompt) -> int:
+    def _max_tokens(self, prompt: Prompt) -> int:
         """The request's ``max_tokens``, or its endpoint's default; refuses a
         prompt that leaves no room for it in the model's context."""
         context = self._server.runtime.model_info.max_context  # type: ignore[union-attr]
@@ -930,7 +755,7 @@ class _Answering(Response):
         limit = self._server.config.max_tokens
         return limit if context is None else min(limit, context - len(prompt.tokens))
 
-    async def _rendered(self, send: Send, prompts: Sequence[_Prompt]) -> None:
+    async def _rendered(self, send: Send, prompts: Sequence[Prompt]) -> None:
         """Answer a render request: the prompts as this server would run them
         (vLLM's shape: one object for chat, a list, one a prompt, for completions)."""
         options = self._options
@@ -957,7 +782,7 @@ class _Answering(Response):
         self._outcome = "rendered"
         await _send_json(send, 200, rendered[0] if self._endpoint == "chat" else rendered)
 
-    async def _tokenized(self, send: Send, prompt: _Prompt) -> None:
+    async def _tokenized(self, send: Send, prompt: Prompt) -> None:
         """Answer a tokenize request: the prompt's tokens, as this server
         would run them, their count, and the model's context (vLLM's shape)."""
         self._outcome = "rendered"
@@ -984,18 +809,18 @@ class _Answering(Response):
             self._answered = True
             self._server.metrics.time_to_first_token.observe(time.perf_counter() - self._arrived)
 
-    async def _reply(self, send: Send, answers: Sequence[_Answer]) -> None:
+    async def _reply(self, send: Send, answers: Sequence[Answer]) -> None:
         texts: list[list[str]] = [[] for _ in answers]
         thoughts: list[list[str]] = [[] for _ in answers]
         logged: list[list[LoggedToken]] = [[] for _ in answers]
 
-        async def collect(answer: _Answer, piece: Optional[_Piece]) -> None:
+        async def collect(answer: Answer, piece: Optional[Piece]) -> None:
             if piece is not None:
                 texts[answer.index].append(piece.text)
                 thoughts[answer.index].append(piece.reasoning)
                 logged[answer.index].extend(piece.tokens)
 
-        await _each_piece(answers, collect)
+        await each_piece(answers, collect)
         whole = ["".join(text) for text in texts]
         self._remember(answers, whole)
         if self._endpoint == "chat":
@@ -1016,19 +841,19 @@ class _Answering(Response):
         self._outcome = _request_outcome(answers)
         await _send_json(send, 200, body)
 
-    async def _stream(self, send: Send, answers: Sequence[_Answer]) -> None:
+    async def _stream(self, send: Send, answers: Sequence[Answer]) -> None:
         texts: list[list[str]] = [[] for _ in answers]
         echoed: set[int] = set()
-        held: dict[int, list[_Piece]] = {}  # reasoning not streamed, until its block ends
+        held: dict[int, list[Piece]] = {}  # reasoning not streamed, until its block ends
 
-        async def release(answer: _Answer) -> None:
+        async def release(answer: Answer) -> None:
             pieces = held.pop(answer.index, [])
             if pieces:
                 reasoning = "".join(piece.reasoning for piece in pieces)
                 tokens = [token for piece in pieces for token in piece.tokens]
                 await self._chunk(send, answer, {"reasoning": reasoning}, logprobs=self._logprobs(tokens))
 
-        async def forward(answer: _Answer, piece: Optional[_Piece]) -> None:
+        async def forward(answer: Answer, piece: Optional[Piece]) -> None:
             if not self._headers_sent:
                 # The headers wait for the first text (or end): an error before it keeps its status.
                 await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
@@ -1055,7 +880,7 @@ class _Answering(Response):
                 texts[answer.index].append(piece.text)
                 await self._chunk(send, answer, piece.text, logprobs=self._logprobs(piece.tokens))
 
-        await _each_piece(answers, forward)
+        await each_piece(answers, forward)
         self._remember(answers, ["".join(text) for text in texts])
         self._outcome = _request_outcome(answers)
         if self._options.include_usage:
@@ -1067,7 +892,7 @@ class _Answering(Response):
         return "chat.completion.chunk" if self._endpoint == "chat" else "text_completion"
 
     async def _chunk(
-        self, send: Send, answer: _Answer, delta: Union[str, dict, None], *, logprobs: Optional[dict] = None
+        self, send: Send, answer: Answer, delta: Union[str, dict, None], *, logprobs: Optional[dict] = None
     ) -> None:
         """One streamed chunk of ``answer``'s choice: a piece of text (with
         its tokens' ``logprobs``), the chat's opening role, or (None) its
@@ -1085,7 +910,7 @@ class _Answering(Response):
         await _send_event(send, body)
 
     def _logprobs(
-        self, tokens: Sequence[LoggedToken], answer: Optional[_Answer] = None, *, echoed: bool = False
+        self, tokens: Sequence[LoggedToken], answer: Optional[Answer] = None, *, echoed: bool = False
     ) -> Optional[dict[str, Any]]:
         """``tokens``' log-probabilities in the endpoint's shape, after their
         prompt's where ``echoed`` and ``answer``'s prompt is echoed; None
@@ -1115,7 +940,7 @@ class _Answering(Response):
             body["system_fingerprint"] = None
         return body
 
-    def _usage(self, answers: Sequence[_Answer]) -> dict[str, Any]:
+    def _usage(self, answers: Sequence[Answer]) -> dict[str, Any]:
         """Each prompt counted once, every choice's tokens (OpenAI's usage for ``n``)."""
         prompt_tokens = _prompt_tokens(answers)
         completion_tokens = sum(answer.num_tokens for answer in answers)
@@ -1126,7 +951,7 @@ class _Answering(Response):
             "prompt_tokens_details": {"cached_tokens": _cached_tokens(answers)},
         }
 
-    def _remember(self, answers: Sequence[_Answer], texts: Sequence[str]) -> None:
+    def _remember(self, answers: Sequence[Answer], texts: Sequence[str]) -> None:
         """Keep a whole chat answer's conversation for its next turn (a request
         of one choice: of several, none is the conversation's)."""
         if len(answers) != 1:
@@ -1140,7 +965,7 @@ class _Answering(Response):
             self._salt, answer_key(text, answer.calls), Turn(prompt.text + report.text, prompt.tokens + report.tokens)
         )
 
-    def _count(self, answers: Sequence[_Answer]) -> None:
+    def _count(self, answers: Sequence[Answer]) -> None:
         metrics = self._server.metrics
         cached, generated = _cached_tokens(answers), sum(answer.num_tokens for answer in answers)
         prompt_tokens = _prompt_tokens(answers)
@@ -1155,59 +980,8 @@ class _Answering(Response):
             )  # fmt: skip
 
 
-async def _each_piece(
-    answers: Sequence[_Answer], handle: Callable[[_Answer, Optional[_Piece]], Awaitable[None]]
-) -> None:
-    """``handle(answer, piece)`` for every piece of every answer as it comes,
-    then ``handle(answer, None)`` as that answer ends, one at a time in this
-    task: several answers (generating side by side, in one batch) send their
-    pieces over one channel, a task each. The first failure ends them all and
-    is raised as itself."""
-    if len(answers) == 1:
-        await _pieces_of(answers[0], handle)
-        return
-    pieces_in, pieces = anyio.create_memory_object_stream[tuple[_Answer, Optional[_Piece]]]()
-
-    async def produce(answer: _Answer, out: Any) -> None:
-        async def put(answer: _Answer, piece: Optional[_Piece]) -> None:
-            await out.send((answer, piece))
-
-        async with out:
-            await _pieces_of(answer, put)
-
-    try:
-        async with anyio.create_task_group() as tg:
-            async with pieces_in:
-                for answer in answers:
-                    tg.start_soon(produce, answer, pieces_in.clone())
-            async with pieces:
-                async for answer, piece in pieces:
-                    await handle(answer, piece)
-    except BaseExceptionGroup as group:
-        failure = _first_failure(group)
-        if failure is None:
-            raise
-        raise failure from None
-
-
-async def _pieces_of(answer: _Answer, handle: Callable[[_Answer, Optional[_Piece]], Awaitable[None]]) -> None:
-    async with contextlib.aclosing(answer.pieces()) as pieces:
-        async for piece in pieces:
-            await handle(answer, piece)
-    await handle(answer, None)
-
-
-def _first_failure(group: BaseExceptionGroup) -> Optional[BaseException]:
-    """The first exception in a task group's ``group`` (nested groups opened)
-    that is not a cancellation, or None if it holds only cancellations."""
-    _, failures = group.split(anyio.get_cancelled_exc_class())
-    while isinstance(failures, BaseExceptionGroup):
-        failures = failures.exceptions[0]
-    return failures
-
-
 def _choice(
-    answer: _Answer, content: dict[str, Any], *, ended: bool = True, logprobs: Optional[dict[str, Any]] = None
+    answer: Answer, content: dict[str, Any], *, ended: bool = True, logprobs: Optional[dict[str, Any]] = None
 ) -> dict[str, Any]:
     """One choice of a body or chunk: ``answer``'s index, its content, its
     tokens' ``logprobs`` (None unless asked for), and its finish reason
@@ -1228,26 +1002,26 @@ def _message(text: str, calls: Sequence[ToolCall], reasoning: str) -> dict[str, 
     return message
 
 
-def _request_outcome(answers: Sequence[_Answer]) -> str:
+def _request_outcome(answers: Sequence[Answer]) -> str:
     """A request's outcome as its choices finished: ``length`` if any ran
     out of tokens, else ``stop``."""
     return "length" if any(answer.finish_reason == "length" for answer in answers) else "stop"
 
 
-def _by_prompt(answers: Sequence[_Answer]) -> list[list[_Answer]]:
+def _by_prompt(answers: Sequence[Answer]) -> list[list[Answer]]:
     """The answers grouped by their prompt (the choices of one), in order."""
-    groups: dict[int, list[_Answer]] = {}
+    groups: dict[int, list[Answer]] = {}
     for answer in answers:
         groups.setdefault(id(answer.prompt), []).append(answer)
     return list(groups.values())
 
 
-def _prompt_tokens(answers: Sequence[_Answer]) -> int:
+def _prompt_tokens(answers: Sequence[Answer]) -> int:
     """The request's prompt tokens: each prompt's counted once, whatever its choices."""
     return sum(len(group[0].prompt.tokens) for group in _by_prompt(answers))
 
 
-def _cached_tokens(answers: Sequence[_Answer]) -> int:
+def _cached_tokens(answers: Sequence[Answer]) -> int:
     """The prompt tokens the request did not compute: of each prompt, those
     every one of its choices found cached (one that computed the prompt
     computed it for the request)."""

@@ -1,7 +1,7 @@
 """A scripted generation: the records a real one yields, in a given order.
 
 A stand-in for the runtime's :class:`~mlxkv.Generation` in the tests of an
-answer's pieces (``_Answer``): a model with random weights cannot be made to
+answer's pieces (``Answer``): a model with random weights cannot be made to
 yield a token of no text at its end, a stop string split just so, or a tool
 call or a reasoning block cut across tokens. The served paths, with real
 generations, are tested in ``test_app.py``.

@@ -1,4 +1,4 @@
-"""An answer's pieces (``_Answer`` in ``mlxkv.server.app``): text cut by stop
+"""An answer's pieces (``Answer`` in ``mlxkv.server.app``): text cut by stop
 strings, and every counted token's log-probabilities carried out.
 
 The generation here is a scripted sequence of the records a real one yields
@@ -15,13 +15,13 @@ import pytest
 pytest.importorskip("starlette")
 
 from mlxkv.generation import GeneratedToken  # noqa: E402
-from mlxkv.server.app import _Answer, _Prompt  # noqa: E402
+from mlxkv.server.answer import Answer, Prompt  # noqa: E402
 
 from scripted_generation import Scripted, report, tokens  # noqa: E402
 
 
-async def _pieces(records: list[Any], stops: tuple[str, ...] = ()) -> tuple[list[Any], _Answer]:
-    answer = _Answer(0, _Prompt(tokens=(1,)), Scripted(records), stops, lambda: None)  # type: ignore[arg-type]
+async def _pieces(records: list[Any], stops: tuple[str, ...] = ()) -> tuple[list[Any], Answer]:
+    answer = Answer(0, Prompt(tokens=(1,)), Scripted(records), stops, lambda: None)  # type: ignore[arg-type]
     return [piece async for piece in answer.pieces()], answer
 
 

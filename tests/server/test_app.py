@@ -664,7 +664,7 @@ class TestChoices:
         nested groups opened and the cancellations it caused passed over;
         nothing where it holds only cancellations (then the group goes on)."""
         from mlxkv.errors import ComputeFailed
-        from mlxkv.server.app import _first_failure
+        from mlxkv.server.answer import first_failure
 
         async def cancelled() -> BaseException:
             """A real cancellation of this backend (trio's has no public constructor)."""
@@ -678,8 +678,8 @@ class TestChoices:
 
         failure = ComputeFailed("x-1", RuntimeError("injected"))
         nested = BaseExceptionGroup("", [await cancelled(), BaseExceptionGroup("", [await cancelled(), failure])])
-        assert _first_failure(nested) is failure
-        assert _first_failure(BaseExceptionGroup("", [await cancelled(), await cancelled()])) is None
+        assert first_failure(nested) is failure
+        assert first_failure(BaseExceptionGroup("", [await cancelled(), await cancelled()])) is None
 
     @pytest.mark.parametrize("stream", [False, True])
     async def test_a_failing_choice_fails_the_request_as_itself(self, serve, monkeypatch, stream):

@@ -1,6 +1,6 @@
 """Tool calls and reasoning: parsed with mlx-lm's parser of the model's
 syntax (:class:`ToolSyntax`), marked as mlx-lm knows (:class:`ReasoningSyntax`),
-and an answer's pieces carrying them (``_Answer``), text and log-probabilities
+and an answer's pieces carrying them (``Answer``), text and log-probabilities
 kept whole. The splitting itself is ``test_markers.py``'s; the served paths
 are ``test_app.py``'s ``TestTools`` and ``TestReasoning``."""
 
@@ -15,7 +15,7 @@ pytest.importorskip("starlette")
 
 from mlx_lm.tool_parsers import json_tools, mistral  # noqa: E402
 
-from mlxkv.server.app import _Answer, _Prompt, _Reading  # noqa: E402
+from mlxkv.server.answer import Answer, Prompt, Reading  # noqa: E402
 from mlxkv.server.request import ToolCall  # noqa: E402
 from mlxkv.server.markers import Inside  # noqa: E402
 from mlxkv.server.reasoning import ReasoningSyntax  # noqa: E402
@@ -90,11 +90,11 @@ THINK = ReasoningSyntax(start="<think>", end="</think>")
 
 async def _answer(
     texts: list[str], finish_reason: str, stops: tuple[str, ...] = (), *, prompt: str = "",
-    reading: _Reading = _Reading(calls=JSON_TOOLS),
-) -> tuple[list[Any], _Answer]:  # fmt: skip
+    reading: Reading = Reading(calls=JSON_TOOLS),
+) -> tuple[list[Any], Answer]:  # fmt: skip
     generated = tokens(*texts)
     generation = Scripted([*generated, report(generated, finish_reason)])
-    answer = _Answer(0, _Prompt(tokens=(1,), text=prompt), generation, stops, lambda: None, reading)  # type: ignore[arg-type]
+    answer = Answer(0, Prompt(tokens=(1,), text=prompt), generation, stops, lambda: None, reading)  # type: ignore[arg-type]
     return [piece async for piece in answer.pieces()], answer
 
 
@@ -128,9 +128,9 @@ class TestAnswerWithCalls:
         generated = tokens(*texts)
         generation = Scripted([*generated, report(generated, "stop")])
         mistral_like = ToolSyntax(start="<tool_call>", end="</tool_call>", parse=mistral.parse_tool_call)
-        answer = _Answer(
-            0, _Prompt(tokens=(1,)), generation, (), lambda: None,  # type: ignore[arg-type]
-            _Reading(calls=mistral_like, one_call=True),
+        answer = Answer(
+            0, Prompt(tokens=(1,)), generation, (), lambda: None,  # type: ignore[arg-type]
+            Reading(calls=mistral_like, one_call=True),
         )  # fmt: skip
         pieces = [piece async for piece in answer.pieces()]
         assert [(p.text, [c.name for c in p.calls]) for p in pieces] == [("a", []), ("", ["x"])]
@@ -147,7 +147,7 @@ class TestAnswerWithReasoning:
         """Reasoning comes out as it is written, apart; a call inside it is
         reasoning, not a call; after it, text and calls as without it."""
         texts = ["<thi", "nk>hmm <tool_call>{}", "</tool_call></th", "ink>Yes.", ' <tool_call>{"name": "a"}</tool_call>']
-        pieces, answer = await _answer(texts, "stop", reading=_Reading(reasoning=THINK, calls=JSON_TOOLS))
+        pieces, answer = await _answer(texts, "stop", reading=Reading(reasoning=THINK, calls=JSON_TOOLS))
         assert [(p.reasoning, p.text, [c.name for c in p.calls]) for p in pieces] == [
             ("hmm <tool_call>{}", "", []), ("</tool_call>", "", []), ("", "Yes.", []), ("", " ", []), ("", "", ["a"]),
         ]  # fmt: skip
@@ -157,18 +157,18 @@ class TestAnswerWithReasoning:
     async def test_a_prompt_that_opened_the_block(self):
         """The template opened the reasoning (the prompt ends inside it): the
         answer begins in it; one cut short by max_tokens stays reasoning."""
-        pieces, _ = await _answer(["so", "</think>ok"], "stop", prompt="user: q <think>\n", reading=_Reading(reasoning=THINK))
+        pieces, _ = await _answer(["so", "</think>ok"], "stop", prompt="user: q <think>\n", reading=Reading(reasoning=THINK))
         assert [(p.reasoning, p.text) for p in pieces] == [("so", ""), ("", "ok")]
-        pieces, _ = await _answer(["so", " far"], "length", prompt="<think>", reading=_Reading(reasoning=THINK))
+        pieces, _ = await _answer(["so", " far"], "length", prompt="<think>", reading=Reading(reasoning=THINK))
         assert "".join(p.reasoning for p in pieces) == "so far" and not any(p.text for p in pieces)
         closed = "<think>a</think> user: q"  # a block of an earlier turn, closed: the answer begins outside
-        pieces, _ = await _answer(["so"], "stop", prompt=closed, reading=_Reading(reasoning=THINK))
+        pieces, _ = await _answer(["so"], "stop", prompt=closed, reading=Reading(reasoning=THINK))
         assert [(p.reasoning, p.text) for p in pieces] == [("", "so")]
 
     async def test_left_out_its_tokens_still_logged(self):
         """``include_reasoning: false`` sends no reasoning; its tokens'
         log-probabilities still come out (with the next piece)."""
-        reading = _Reading(reasoning=THINK, include_reasoning=False)
+        reading = Reading(reasoning=THINK, include_reasoning=False)
         pieces, _ = await _answer(["<think>x", "y</think>", "z"], "stop", reading=reading)
         assert [(p.reasoning, p.text) for p in pieces] == [("", "z")]
         assert [t.record.token for p in pieces for t in p.tokens] == [100, 101, 102]
