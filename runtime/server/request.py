@@ -190,12 +190,16 @@ class ChatMessage:
             ``{"type": "image"}`` parts.
         tool_calls: an assistant message's calls of the request's tools.
         tool_call_id: a ``tool`` message's: the call it answers.
+        reasoning: an assistant message's reasoning, sent back; the template
+            gets it as ``reasoning_content`` (what Qwen3's and GLM's read) and
+            as ``reasoning``.
     """
 
     role: str
     content: Union[str, tuple[Mapping[str, str], ...]]
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: Optional[str] = None
+    reasoning: Optional[str] = None
 
     def text(self) -> str:
         """The message's text, its parts' texts joined."""
@@ -216,6 +220,8 @@ class ChatMessage:
             message["tool_calls"] = [call.for_template() for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.reasoning is not None:
+            message["reasoning_content"] = message["reasoning"] = self.reasoning
         return message
 
 
@@ -711,11 +717,13 @@ def _messages(value: Any, takes_images: bool) -> tuple[tuple[ChatMessage, ...], 
         call_id = message.get("tool_call_id")
         if call_id is not None and not isinstance(call_id, str):
             raise InvalidInput(f"{where}.tool_call_id", call_id, "must be a string")
+        reasoning = _reasoning(message, where)
+        besides = {"tool_calls": calls, "tool_call_id": call_id, "reasoning": reasoning}
         content = message.get("content")
-        if content is None and calls:
-            content = ""  # an assistant's calls alone
+        if content is None and (calls or reasoning is not None):
+            content = ""  # an assistant's calls, or reasoning, alone
         if isinstance(content, str):
-            messages.append(ChatMessage(role=_ROLES[role], content=content, tool_calls=calls, tool_call_id=call_id))
+            messages.append(ChatMessage(role=_ROLES[role], content=content, **besides))
             continue
         if not isinstance(content, list):
             raise InvalidInput(f"{where}.content", content, "must be a string or a list of parts")
@@ -728,19 +736,28 @@ def _messages(value: Any, takes_images: bool) -> tuple[tuple[ChatMessage, ...], 
                 parts.append({"type": "image"})
                 images.append(url)
         if any(part["type"] == "image" for part in parts):
-            messages.append(ChatMessage(role=_ROLES[role], content=tuple(parts)))
+            messages.append(ChatMessage(role=_ROLES[role], content=tuple(parts), **besides))
         else:
-            messages.append(
-                ChatMessage(
-                    role=_ROLES[role], content="\n".join(p["text"] for p in parts), tool_calls=calls,
-                    tool_call_id=call_id,
-                )
-            )
+            messages.append(ChatMessage(role=_ROLES[role], content="\n".join(p["text"] for p in parts), **besides))
     return tuple(messages), tuple(images)
 
 
-#: Fields a message of a role has besides ``role``, ``content`` and ``name``.
-_MESSAGE_FIELDS = {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}
+#: Fields a message of a role has besides ``role``, ``content`` and ``name``:
+#: an assistant's reasoning under either name clients send it back by (vLLM's
+#: and mlx_lm.server's ``reasoning``, DeepSeek's ``reasoning_content``).
+_MESSAGE_FIELDS = {"assistant": {"tool_calls", "reasoning", "reasoning_content"}, "tool": {"tool_call_id"}}
+
+
+def _reasoning(message: Mapping[str, Any], where: str) -> Optional[str]:
+    """An assistant message's reasoning, sent back (for templates that
+    render earlier turns' reasoning), under either name -- not two that differ."""
+    given = {name: message[name] for name in ("reasoning", "reasoning_content") if message.get(name) is not None}
+    for name, value in given.items():
+        if not isinstance(value, str):
+            raise InvalidInput(f"{where}.{name}", value, "must be a string")
+    if len(set(given.values())) > 1:
+        raise InvalidInput(f"{where}.reasoning_content", Shown("<text>"), "differs from the message's reasoning")
+    return next(iter(given.values()), None)
 
 
 def _calls(value: Any, where: str) -> tuple[ToolCall, ...]:

@@ -1027,6 +1027,21 @@ class TestTools:
                 off = await rendered(chat_template_kwargs={"enable_thinking": False})
                 assert bytes(off.json()["token_ids"]) == b"Hi"
 
+    async def test_reasoning_sent_back_is_rendered(self, serve, default_model_path):
+        """A template that renders earlier turns' reasoning (interleaved
+        thinking) gets it from the assistant message a client sends back."""
+        from mlx_lm.utils import load_tokenizer
+
+        from mlxkv.server.chat import ChatTemplate
+
+        tokenizer = load_tokenizer(default_model_path)
+        tokenizer.chat_template = "{% for m in messages %}[{{ m.reasoning_content or '' }}]{{ m.content }}{% endfor %}"
+        turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": "hm"}]
+        async with serve(chat=ChatTemplate(tokenizer)) as s:
+            async with httpx.AsyncClient(base_url=s.url) as http:
+                rendered = await http.post("/v1/chat/completions/render", json={"messages": turns})
+            assert bytes(rendered.json()["token_ids"]) == b"[]q[hm]a"
+
     async def test_tools_on_a_model_that_calls_none_are_refused(self, serve):
         async with serve() as s:
             with pytest.raises(openai.BadRequestError) as caught:

@@ -246,9 +246,24 @@ class TestChatBody:
         assert not parse_chat({"messages": conversation}, takes_images=False).read_calls  # a model without tools
         assert parse_chat({"messages": conversation, "tools": []}, takes_images=False).tools == ()
 
+    def test_reasoning_sent_back_reaches_the_template(self):
+        """An assistant's reasoning, sent back under either name clients use,
+        reaches the template as ``reasoning_content`` (and ``reasoning``);
+        with it, the content may be null."""
+        for name in ("reasoning", "reasoning_content"):
+            body = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, name: "hm"}]}
+            (_, answer) = parse_chat(body, takes_images=False).messages
+            assert answer.for_template() == {"role": "assistant", "content": "", "reasoning_content": "hm", "reasoning": "hm"}
+        same = {"role": "assistant", "content": "a", "reasoning": "hm", "reasoning_content": "hm"}
+        assert parse_chat({"messages": [same]}, takes_images=False).messages[0].reasoning == "hm"
+
     @pytest.mark.parametrize(
         ("body", "argument"),
         [
+            ({"messages": [{"role": "assistant", "content": "a", "reasoning": "x", "reasoning_content": "y"}]},
+             "messages[0].reasoning_content"),
+            ({"messages": [{"role": "assistant", "content": "a", "reasoning": 3}]}, "messages[0].reasoning"),
+            ({"messages": [{"role": "user", "content": "a", "reasoning": "x"}]}, "messages[0].reasoning"),
             ({"tools": {"type": "function"}}, "tools"),
             ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
             ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name"),
