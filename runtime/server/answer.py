@@ -100,7 +100,6 @@ class Answer:
         self.num_tokens = 0
         self.calls: list[ToolCall] = []
         self._matcher = StopMatcher(stops)
-        self._called = False  # its one call read (``one_call``): the answer ends there
         self._reading = reading
         self._thoughts = None if reading.reasoning is None else reading.reasoning.splitter(prompt.text or "")
         self._calls = None if reading.calls is None else reading.calls.splitter()
@@ -116,7 +115,12 @@ class Answer:
     def complete(self) -> bool:
         """Whether the answer is the whole generation (ended by the model or
         ``max_tokens``, not cut by a stop string or at its one call)."""
-        return self.report is not None and not self._matcher.stopped and not self._called
+        return self.report is not None and not self._matcher.stopped and not self._at_its_one_call
+
+    @property
+    def _at_its_one_call(self) -> bool:
+        """Whether the answer ends here: at its first call, where it may make one (``one_call``)."""
+        return self._reading.one_call and bool(self.calls)
 
     async def pieces(self) -> AsyncIterator[Piece]:
         """The answer in pieces, none empty (of text, of reasoning, of calls,
@@ -140,7 +144,7 @@ class Answer:
             text = self._matcher.feed(record.text)
             for piece in self._out(text, end=self._matcher.stopped):
                 yield piece
-            if self._matcher.stopped or self._called:
+            if self._matcher.stopped or self._at_its_one_call:
                 self._end("stop")
                 return
 
@@ -157,11 +161,11 @@ class Answer:
         for segment in split_by(self._thoughts, text, end=end):
             if not isinstance(segment, Inside):
                 pieces += self._content(split_by(self._calls, segment, end=False))
-            elif self._reading.include_reasoning and segment.text and not self._called:
+            elif self._reading.include_reasoning and segment.text and not self._at_its_one_call:
                 pieces.append(self._piece(reasoning=segment.text))
         if end and self._calls is not None:
             pieces += self._content(self._calls.finish())
-        if self._called:
+        if self._at_its_one_call:
             end = True  # nothing after the one call is sent
         if end and self._logged:
             pieces.append(self._piece())
@@ -172,14 +176,14 @@ class Answer:
         (a call the parser cannot read: the model's text, as written)."""
         pieces = []
         for part in parts:
-            if self._called:
+            if self._at_its_one_call:
                 break
             if isinstance(part, Inside):
                 assert self._reading.calls is not None
                 calls = self._reading.calls.calls(part, self._reading.tools)
                 if not isinstance(calls, str):
                     if self._reading.one_call:
-                        calls, self._called = calls[:1], True
+                        calls = calls[:1]
                     pieces.append(self._piece(calls=calls))
                     continue
                 part = calls
