@@ -908,17 +908,28 @@ class TestTools:
     async def test_a_tool_loop_reuses_the_conversation(self, serve, tool_model_path, tool_chat_template):
         """Turn 1 offers a tool; turn 2 sends back a call and its result: it is
         answered, on all of turn 1's prompt from the cache (its full blocks
-        shared, its tail in the conversation's kept cache)."""
+        shared, its tail in the conversation's kept cache), as a cold run of
+        it answers: the same tokens (its greedy run clear of ties) with the
+        same log-probabilities (a reused KV that were wrong would move them)."""
         async with serve(path=tool_model_path, chat=tool_chat_template) as s:
             first = await s.client.chat.completions.create(
                 model="tiny", messages=CALLED[:2], tools=[WEATHER], max_tokens=8, **GREEDY
             )
             assert first.choices[0].message.tool_calls is None  # random weights write no call
-            second = await s.client.chat.completions.create(
-                model="tiny", messages=CALLED, tools=[WEATHER], max_tokens=8, **GREEDY
-            )
+            again = {"model": "tiny", "messages": CALLED, "tools": [WEATHER], "max_tokens": 8, "logprobs": True, **GREEDY}
+            second = await s.client.chat.completions.create(**again)
             assert second.usage.completion_tokens == 8 and second.choices[0].message.content
             assert second.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens
+            cold = await s.client.chat.completions.create(**again, extra_body={"cache_salt": "cold"})
+            assert cold.usage.prompt_tokens_details.cached_tokens == 0
+            async with httpx.AsyncClient(base_url=s.url) as http:
+                ids = (await http.post("/tokenize", json={"messages": CALLED, "tools": [WEATHER]})).json()["tokens"]
+            assert least_gap(reference_load(tool_model_path)[0], ids, 8) > CLEAR_GAP
+            assert second.choices[0].message.content == cold.choices[0].message.content
+            # Each token's log-probability too (a reused KV that were wrong moves them, the tokens or not).
+            warm_lp = [entry.logprob for entry in second.choices[0].logprobs.content]
+            cold_lp = [entry.logprob for entry in cold.choices[0].logprobs.content]
+            assert np.allclose(warm_lp, cold_lp, rtol=0, atol=LOGITS_ATOL), (warm_lp, cold_lp)
             await nothing_held(s.runtime)
 
     async def test_calls_are_read_from_a_real_answer(self, serve, tool_model_path, tool_chat_template):
@@ -1066,9 +1077,12 @@ def _markers(text: str, *, longest: bool = False) -> tuple[str, str, Optional[st
     return text[a : a + 2], text[b : b + 2], None if c is None else text[c : c + 2]
 
 
-def _reference_split(text: str, start: str, end: str) -> tuple[str, list[str]]:
-    """The text outside calls and the calls' texts, read from the whole text at once."""
-    parts = re.split(f"{re.escape(start)}(.*?){re.escape(end)}", text, flags=re.DOTALL)
+def _reference_split(text: str, start: str, end: str, *, open_runs_to_end: bool = False) -> tuple[str, list[str]]:
+    """The text outside blocks and each block's text, read from the whole
+    text at once; a block left open is text (a call cut short), or, with
+    ``open_runs_to_end``, a block to the end (reasoning)."""
+    closing = f"(?:{re.escape(end)}|\\Z)" if open_runs_to_end else re.escape(end)
+    parts = re.split(f"{re.escape(start)}(.*?){closing}", text, flags=re.DOTALL)
     return "".join(parts[0::2]), parts[1::2]
 
 
@@ -1100,7 +1114,7 @@ class TestReasoning:
             template = copy.copy(s.server.chat)
             template.reasoning_syntax = ReasoningSyntax(start=start, end=end)
             s.server.chat = template
-            content, blocks = _reference_reasoning(text, start, end)
+            content, blocks = _reference_split(text, start, end, open_runs_to_end=True)
             assert len(blocks) >= 2 and len(blocks[0]) >= 4, (text, start, end)
             message = (await asked("whole")).choices[0].message
             assert message.content == content and message.reasoning == "".join(blocks)
@@ -1116,13 +1130,6 @@ class TestReasoning:
             kept_in = (await asked("kept-in", separate_reasoning=False)).choices[0].message
             assert kept_in.content == text and getattr(kept_in, "reasoning", None) is None
             await nothing_held(s.runtime)
-
-
-def _reference_reasoning(text: str, start: str, end: str) -> tuple[str, list[str]]:
-    """The text outside reasoning and each block's, read from the whole text
-    at once (a block left open runs to the end)."""
-    parts = re.split(f"{re.escape(start)}(.*?)(?:{re.escape(end)}|\\Z)", text, flags=re.DOTALL)
-    return "".join(parts[0::2]), parts[1::2]
 
 
 class TestTokenize:
