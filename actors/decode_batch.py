@@ -11,6 +11,11 @@ sampled, builds this step's graph (logits and samples), starts evaluating it
 them. So the model computes step *n + 1* while the event loop hands out the
 tokens of step *n*: a row's token is emitted in the job that feeds it, and
 the KV of a row always holds exactly its prompt and its emitted tokens.
+A row held to a JSON grammar needs the token it feeds before its draw (what
+may follow depends on it): a step with such a row queues its model call,
+then reads the fed tokens and masks the constrained rows' logits while the
+device computes (:meth:`DecodeBatch._feed_constraints`); a step without one
+never waits.
 
 Rows join with the first token their prefill sampled (already emitted) and
 leave when finished or cancelled; joining and leaving copy the batch cache
@@ -43,6 +48,7 @@ import attrs
 
 from mlxkv.actors.model_runner import ModelRunner
 from mlxkv.actors.request import stop_reason
+from mlxkv.actors.json_constraint import ConstrainedRow, ConstraintBroken, masked
 from mlxkv.actors.penalties import adjust_rows
 from mlxkv.actors.sampling import draw_rows
 from mlxkv.actors.sequence import SequenceState
@@ -334,6 +340,11 @@ class DecodeBatch:
             if sequence.adjuster is not None:
                 sequence.adjuster.fed(inputs[index : index + 1])  # generated now, counted from this step
         logits = adjust_rows(logits, [sequence.adjuster for sequence in self.rows])
+        constraints = [sequence.constraint for sequence in self.rows]
+        broken: list[RowFailed] = []
+        if any(constraint is not None for constraint in constraints):
+            broken = self._feed_constraints(inputs, logits, constraints)
+            logits = masked(logits, constraints)
         if any(
             sequence.sampler is not None or sequence.keep_logits or sequence.top_logprobs is not None
             for sequence in self.rows
@@ -341,6 +352,7 @@ class DecodeBatch:
             logits = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         # (Greedy rows take the argmax, which log-probabilities do not move.)
         self._next, failed = self._sample(logits)
+        failed.extend(broken)
         self._next_logprobs = [
             logits[i] if sequence.keep_logits else None for i, sequence in enumerate(self.rows)
         ]
@@ -368,6 +380,32 @@ class DecodeBatch:
         # (a fresh row is never done: its prefill would have finished it).
         done = {id(item.sequence) for item in emitted if _done(item)}
         return emitted, [failure for failure in failed if id(failure.sequence) not in done]
+
+    def _feed_constraints(
+        self, inputs: Any, logits: Any, constraints: list[Optional[ConstrainedRow]]
+    ) -> list[RowFailed]:
+        """Move each constrained row past the token it feeds in this step, so
+        that its draw is among the tokens that may follow (a row whose token
+        its constraint refused leaves ``constraints`` and fails).
+
+        The step's model call is queued first: the device computes it while
+        the host reads the fed tokens (the previous step's draws, done by
+        now) and finds what each row allows. That read is the one wait a
+        constrained row adds to a step; a batch without one never waits."""
+        import mlx.core as mx
+
+        mx.async_eval(logits)
+        fed = inputs.tolist()
+        failed = []
+        for index, constraint in enumerate(constraints):
+            if constraint is None:
+                continue
+            try:
+                constraint.fed(fed[index])
+            except ConstraintBroken as error:
+                failed.append(RowFailed(self.rows[index], error))
+                constraints[index] = None
+        return failed
 
     def _sample(self, logprobs: Any) -> tuple[Any, list[RowFailed]]:
         """Each row's next token (:func:`~mlxkv.actors.sampling.draw_rows`:

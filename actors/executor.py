@@ -43,6 +43,7 @@ import attrs
 from mlxkv.actors.decode_batch import BatchBroken, DecodeBatch, RowFailed, without_frames
 from mlxkv.actors.model_runner import ModelRunner, cache_tokens
 from mlxkv.actors.request import blocks_out_at_start, next_chunk_end
+from mlxkv.actors.json_constraint import masked
 from mlxkv.actors.penalties import adjust_rows
 from mlxkv.actors.sampling import draw_rows
 from mlxkv.actors.plan import (
@@ -280,6 +281,7 @@ class Executor:
 
         try:
             logits = adjust_rows(mx.stack([last for *_, last in done]), [s.adjuster for s, *_ in done])
+            logits = masked(logits, [s.constraint for s, *_ in done])
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             tokens, failed = draw_rows([sequence.sampler for sequence, *_ in done], logprobs)
         except Exception as error:

@@ -102,6 +102,11 @@ class PromptPreparer(Protocol):
         """The text of ``tokens``."""
         ...
 
+    def token_pieces(self) -> list[Optional[bytes]]:
+        """Each token's bytes in the text, None for one that adds none
+        (:func:`~mlxkv.actors.json_constraint.token_pieces`)."""
+        ...
+
 
 def encode_text(tokenizer: Any, text: str) -> tuple[int, ...]:
     """``text``'s token ids, special tokens as ``tokenizer`` adds them.
@@ -138,6 +143,11 @@ class TextPreparer:
 
     def new_detokenizer(self) -> Any:
         return self._tokenizer.detokenizer
+
+    def token_pieces(self) -> list[Optional[bytes]]:
+        from mlxkv.actors.json_constraint import token_pieces
+
+        return token_pieces(self._tokenizer)
 
     def decode(self, tokens: Seq[int]) -> str:
         return self._tokenizer.decode(list(tokens))

@@ -18,6 +18,7 @@ from typing import Any, Literal, Optional
 
 import attrs
 
+from mlxkv.actors.json_constraint import JsonConstraint
 from mlxkv.actors.penalties import NO_PENALTIES, Penalties
 from mlxkv.actors.sampling import GREEDY, Sampling
 from mlxkv.actors.token_logprobs import MAX_TOP_LOGPROBS
@@ -95,6 +96,8 @@ class RequestSpec:
             tokens (cache salt, images).
         inputs: what the model runner needs beyond the tokens (a
             vision-language prompt's images), as its preparer made them.
+        constraint: the JSON grammar its answer is held to (each draw only
+            among the tokens it allows), or None.
     """
 
     request_id: str = attrs.field(validator=_request_id)
@@ -113,6 +116,7 @@ class RequestSpec:
     held_blocks: int = attrs.field(default=0, validator=int_at_least(0))
     namespace: Hashable = None
     inputs: Any = attrs.field(default=None, eq=False, repr=False)
+    constraint: Optional[JsonConstraint] = attrs.field(default=None, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if not self.prefix:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any, Optional
 
+from mlxkv.actors.json_constraint import ConstrainedRow
 from mlxkv.actors.penalties import LogitsAdjuster
 from mlxkv.actors.token_logprobs import Picks
 from mlxkv.actors.request import RequestSpec, prompt_and_answer
@@ -42,6 +43,7 @@ class SequenceState:
         "spec",
         "sampler",
         "adjuster",
+        "constraint",
         "prompt_picks",
         "cache",
         "prepared",
@@ -59,6 +61,8 @@ class SequenceState:
         self.sampler: Optional[Sampler] = spec.sampling.make_sampler()
         #: Its penalties' state, or None where it asked for none.
         self.adjuster = LogitsAdjuster(spec.penalties, spec.prompt) if spec.penalties.active else None
+        #: Its place in the JSON grammar it is held to, or None.
+        self.constraint = ConstrainedRow(spec.constraint) if spec.constraint is not None else None
         #: The records of the prompt tokens computed so far, queued, by
         #: position (where ``prompt_logprobs`` asks for them).
         self.prompt_picks: list[Picks] = []

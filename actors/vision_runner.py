@@ -228,6 +228,11 @@ class VisionPreparer:
     def decode(self, tokens: Seq[int]) -> str:
         return self._tokenizer.decode(list(tokens))
 
+    def token_pieces(self) -> list[Optional[bytes]]:
+        from mlxkv.actors.json_constraint import token_pieces
+
+        return token_pieces(self._tokenizer)
+
 
 def _pad_runs(tokens: tuple[int, ...], pad: int) -> list[tuple[int, int]]:
     """(start, length) of each run of ``pad`` in ``tokens``."""

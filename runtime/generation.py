@@ -82,6 +82,7 @@ from mlxkv.actors.compute import (
     events_needed,
 )
 from mlxkv.actors.event_log import EventLog
+from mlxkv.actors.json_grammar import JsonGrammar
 from mlxkv.actors.model_info import ModelInfo
 from mlxkv.actors.prompt_preparer import PreparedPrompt, PromptPreparer
 from mlxkv.actors.prefix_index import RequestId
@@ -96,6 +97,7 @@ from mlxkv.cache.token_ids import TokenIds, check_token_ids
 from mlxkv.client import CacheClient, FetchResult
 from mlxkv.gate import Gate
 from mlxkv.images import KeyedImages, describe, freed_pictures
+from mlxkv.json_output import JsonOutputs
 from mlxkv.storer import RequestStorer
 
 __all__ = [
@@ -267,6 +269,7 @@ class GenerationRequest:
         penalties: what is added to the logits before each draw.
         prompt_logprobs: alternatives for each prompt token's record (0 to
             ``MAX_TOP_LOGPROBS``), or None: no records of the prompt.
+        grammar: the JSON grammar the answer is held to, or None.
     """
 
     request_id: RequestId
@@ -278,6 +281,7 @@ class GenerationRequest:
     logprobs: Optional[int] = None
     penalties: Penalties = NO_PENALTIES
     prompt_logprobs: Optional[int] = None
+    grammar: Optional[JsonGrammar] = attrs.field(default=None, eq=False, repr=False)
 
     @classmethod
     def checked(
@@ -293,6 +297,7 @@ class GenerationRequest:
         logprobs: Optional[int] = None,
         penalties: Penalties = NO_PENALTIES,
         prompt_logprobs: Optional[int] = None,
+        grammar: Optional[JsonGrammar] = None,
     ) -> GenerationRequest:
         """Check a ``generate`` call's arguments before anything is sent.
 
@@ -343,6 +348,7 @@ class GenerationRequest:
             logprobs=logprobs,
             penalties=penalties,
             prompt_logprobs=prompt_logprobs,
+            grammar=grammar,
         )
 
 
@@ -361,6 +367,7 @@ class GenerationContext:
         share_in_flight: wait for prefix blocks others compute.
         trace: emit one ``generation.finished`` event per generation.
         counters: the runtime's generation counts.
+        json_outputs: the model's JSON grammars and constraints.
     """
 
     client: CacheClient
@@ -373,6 +380,7 @@ class GenerationContext:
     share_in_flight: bool
     trace: bool
     counters: GenerationCounters
+    json_outputs: JsonOutputs
 
 
 class Generation:
@@ -619,6 +627,9 @@ class _Run:
         context, request = self._context, self.request
         block_size = context.block_size
         held = len(fetch.grants)
+        constraint = None
+        if request.grammar is not None:
+            constraint = await context.json_outputs.constraint(request.grammar)
         # The last prompt token is computed, whatever is cached: its logits
         # give the first token.
         usable = min(
@@ -662,6 +673,7 @@ class _Run:
                 prompt_logprobs=request.prompt_logprobs,
                 namespace=(request.cache_salt, images_key),
                 inputs=prepared.inputs,
+                constraint=constraint,
             )
             await context.compute.start(spec, events=events_in, to_cache=to_cache_in)
         except BaseException:

@@ -33,6 +33,7 @@ from mlxkv.actors.prompt_preparer import PromptPreparer
 from mlxkv.actors.model_source import check_model_source
 from mlxkv.actors.prefix_index import PrefixIndexActor, PrefixIndexHandle, RequestId
 from mlxkv.actors.penalties import Penalties
+from mlxkv.json_output import JsonOutputs
 from mlxkv.actors.sampling import Sampling
 from mlxkv.cache.block_hash import ChainKeys
 from mlxkv.cache.errors import InvalidInput, UnknownRequest
@@ -217,6 +218,9 @@ class CacheRuntime:
                 share_in_flight=config.share_in_flight,
                 trace=config.trace,
                 counters=self._counters,
+                json_outputs=JsonOutputs(
+                    self._preparer, self._model_info.vocab_size, self._model_info.eos_token_ids
+                ),
             )
         if config.freeze_gc:
             HEAP_FREEZE.hold()
@@ -639,6 +643,7 @@ class CacheRuntime:
         repetition_penalty: float = 1.0,
         logit_bias: Optional[Mapping[int, float]] = None,
         prompt_logprobs: Optional[int] = None,
+        json_schema: Optional[Any] = None,
     ) -> Generation:
         """Generate from ``prompt``, reusing every cached block of its prefix.
 
@@ -695,6 +700,15 @@ class CacheRuntime:
                 blocks for others), and its chunks' logits over the
                 vocabulary are made (a chunk's positions times the
                 vocabulary, in memory while the chunk runs).
+            json_schema: hold the answer to JSON text this schema allows
+                (``{"type": "object"}``: any JSON object, OpenAI's JSON mode;
+                the subset is :mod:`mlxkv.actors.json_grammar`'s): each token
+                is drawn among those that keep the text a prefix of such a
+                value, and an end-of-sequence token is allowed only once it
+                is whole. An answer cut by ``max_tokens`` is a prefix. The
+                log-probabilities are of the tokens allowed. None: free text.
+                A step of a batch with such a request waits for the
+                tokens drawn before it (the host finds what each row allows).
 
         Returns:
             The :class:`~mlxkv.generation.Generation` to iterate.
@@ -740,6 +754,7 @@ class CacheRuntime:
             logprobs=logprobs,
             penalties=penalties,
             prompt_logprobs=prompt_logprobs,
+            grammar=None if json_schema is None else context.json_outputs.grammar(json_schema),
         )
         return Generation(request, context)
 

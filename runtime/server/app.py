@@ -651,6 +651,7 @@ class _Answering(Response):
             repetition_penalty=penalties.repetition_penalty,
             logit_bias=dict(penalties.logit_bias),
             prompt_logprobs=options.logprobs if options.echo else None,
+            json_schema=options.json_schema,
         )
 
     def _reading(self, parsed: Union[ChatRequest, CompletionRequest]) -> Reading:
@@ -670,9 +671,12 @@ class _Answering(Response):
         )
 
     def _in_request_terms(self, error: InvalidInput) -> InvalidInput:
-        """A chat prompt's fault is its messages' (the runtime says ``prompt``)."""
+        """A chat prompt's fault is its messages' (the runtime says
+        ``prompt``); a schema's is the response format's."""
         if self._endpoint == "chat" and error.argument in ("prompt", "images"):
             return InvalidInput("messages", error.value, error.reason)
+        if error.argument == "json_schema":
+            return InvalidInput("response_format", error.value, error.reason)
         return error
 
     async def _fail(self, send: Send, error: ApiError) -> None:

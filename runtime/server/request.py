@@ -35,6 +35,7 @@ from mlxkv.actors.penalties import NO_PENALTIES, Penalties
 from mlxkv.actors.token_logprobs import MAX_TOP_LOGPROBS
 from mlxkv.cache.errors import Shown
 from mlxkv.errors import InvalidInput
+from mlxkv.json_output import JSON_OBJECT
 
 __all__ = [
     "ChatMessage",
@@ -94,6 +95,9 @@ class Options:
         include_reasoning: send the reasoning at all (false: only the content).
         stream_reasoning: stream the reasoning as it is written (false: in
             one delta, once its block ends).
+        json_schema: the schema the answer's text is held to (OpenAI's
+            ``response_format``: ``json_object`` is any JSON object,
+            ``json_schema`` its ``schema``), or None: free text.
     """
 
     model: Optional[str] = None
@@ -114,6 +118,7 @@ class Options:
     separate_reasoning: bool = True
     include_reasoning: bool = True
     stream_reasoning: bool = True
+    json_schema: Optional[Any] = None
 
 
 @attrs.frozen(kw_only=True)
@@ -377,12 +382,15 @@ def parse_chat(body: Mapping[str, Any], *, takes_images: bool, takes_tools: bool
     template_kwargs = template_variables(fields.take("chat_template_kwargs"))
     choice = _tool_choice(fields.take("tool_choice"), tools)
     parallel = _bool("parallel_tool_calls", fields.take("parallel_tool_calls"), default=True)
-    fields.default_only("response_format", None, also=({"type": "text"},))
     max_tokens = fields.take("max_completion_tokens")
     legacy = fields.take("max_tokens")
     options = _options(fields, max_tokens=legacy if max_tokens is None else max_tokens)
     if wanted:
         options = attrs.evolve(options, logprobs=top or 0)
+    if options.json_schema is not None and tools and choice == "auto":
+        raise InvalidInput(
+            "response_format", Shown("<a JSON format>"), 'is not supported with tools (unless tool_choice is "none")'
+        )
     fields.finish()
     return ChatRequest(
         messages=messages, images=images, options=options, tools=tools, read_calls=bool(tools) and choice == "auto",
@@ -610,8 +618,45 @@ def _options(fields: _Fields, *, max_tokens: Any) -> Options:
         cache_salt=salt,
         n=_int("n", fields.take("n"), minimum=1) or 1,
         penalties=penalties,
+        json_schema=_response_format(fields.take("response_format")),
         **reasoning,
     )
+
+
+#: A ``json_schema`` format's name (OpenAI's rule).
+_FORMAT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _response_format(value: Any) -> Optional[Any]:
+    """OpenAI's ``response_format``: ``text`` (None), ``json_object`` (any
+    JSON object) or ``json_schema`` (its ``schema``; any JSON value where it
+    gives none). Whether the grammar supports the schema is the runtime's
+    check (refused naming ``response_format``)."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text" and len(value) == 1:
+        return None
+    if kind == "json_object" and len(value) == 1:
+        return JSON_OBJECT
+    if kind != "json_schema" or set(value) != {"type", "json_schema"}:
+        raise InvalidInput(
+            "response_format", value,
+            'must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}',
+        )  # fmt: skip
+    spec = value["json_schema"]
+    if not isinstance(spec, dict) or set(spec) - {"name", "schema", "description", "strict"}:
+        raise InvalidInput(
+            "response_format.json_schema", spec, 'must be {"name": ..., "schema": {...}} (description, strict optional)'
+        )
+    name = spec.get("name")
+    if not isinstance(name, str) or not _FORMAT_NAME.fullmatch(name):
+        raise InvalidInput("response_format.json_schema.name", name, "must be 1-64 letters, digits, _ or -")
+    _bool("response_format.json_schema.strict", spec.get("strict"), default=False)
+    schema = spec.get("schema", {})
+    if not isinstance(schema, (dict, bool)):
+        raise InvalidInput("response_format.json_schema.schema", schema, "must be a JSON schema (an object)")
+    return schema
 
 
 def _logit_bias(value: Any) -> Optional[dict[int, Any]]:

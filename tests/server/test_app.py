@@ -861,6 +861,82 @@ class TestPenalties:
         assert info.value.body["param"] == "logit_bias"
 
 
+#: A schema a random model's answer ends quickly in (closed, short values).
+VERDICT = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "mood": {"enum": ["calm", "tense"]}, "score": {"enum": [1, 2, 3]}},
+    "required": ["ok", "mood", "score"],
+}
+
+
+class TestJsonOutput:
+    """``response_format``: the answer is JSON the schema (or JSON mode) allows."""
+
+    async def test_a_schema_holds_streamed_and_whole_answers_and_every_choice(self, serve):
+        """Chat, streamed and not, ``n`` 3 sampled: every answer is whole JSON
+        of the schema (finish ``stop``); the streamed answer is the whole one."""
+        response_format = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": VERDICT, "strict": True}}
+        kwargs: dict[str, Any] = {
+            "model": "tiny", "messages": chat("Judge this."), "max_tokens": 400, "response_format": response_format,
+        }  # fmt: skip
+        async with serve() as s:
+            whole = await s.client.chat.completions.create(**kwargs, **GREEDY)
+            stream = await s.client.chat.completions.create(**kwargs, **GREEDY, stream=True)
+            streamed = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+            sampled = await s.client.chat.completions.create(**kwargs, n=3, temperature=1.0, seed=5)
+            await nothing_held(s.runtime)
+        assert streamed == whole.choices[0].message.content
+        for choice in [whole.choices[0], *sampled.choices]:
+            assert choice.finish_reason == "stop", choice.message.content
+            value = json.loads(choice.message.content)
+            assert list(value) == ["ok", "mood", "score"] and isinstance(value["ok"], bool)
+            assert value["mood"] in ("calm", "tense") and value["score"] in (1, 2, 3)
+
+    async def test_json_mode_and_completions(self, serve):
+        """``json_object``: an object (or, cut by ``max_tokens``, the start of
+        one); completions take the field too, and a free answer of the same
+        prompt is not JSON."""
+        async with serve() as s:
+            chat_answer = await s.client.chat.completions.create(
+                model="tiny", messages=chat("JSON please."), max_tokens=40, response_format={"type": "json_object"},
+                **GREEDY,
+            )  # fmt: skip
+            completion = await s.client.completions.create(
+                model="tiny", prompt=ASK, max_tokens=40, extra_body={"response_format": {"type": "json_object"}},
+                **GREEDY,
+            )  # fmt: skip
+            free = await s.client.completions.create(model="tiny", prompt=ASK, max_tokens=40, **GREEDY)
+            grammar = s.runtime._generation.json_outputs.grammar({"type": "object"})
+        for text, finish in (
+            (chat_answer.choices[0].message.content, chat_answer.choices[0].finish_reason),
+            (completion.choices[0].text, completion.choices[0].finish_reason),
+        ):
+            state = grammar.read(grammar.start, text.encode())
+            assert text.startswith("{") and state
+            assert grammar.complete(state) == (finish == "stop")
+        assert not free.choices[0].text.startswith("{")
+
+    async def test_what_cannot_be_held_is_400_naming_response_format(self, serve):
+        async with serve() as s:
+            with pytest.raises(openai.BadRequestError) as info:
+                await s.client.chat.completions.create(
+                    model="tiny", messages=chat("x"), max_tokens=4,
+                    response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"pattern": "a"}}},
+                )  # fmt: skip
+            assert info.value.body["param"] == "response_format" and "'pattern'" in info.value.body["message"]
+            for response_format in (
+                {"type": "json_schema", "json_schema": {"name": "bad name!", "schema": {}}},
+                {"type": "json_schema"},
+                {"type": "yaml"},
+            ):
+                with pytest.raises(openai.BadRequestError) as info:
+                    await s.client.chat.completions.create(
+                        model="tiny", messages=chat("x"), max_tokens=4, response_format=response_format
+                    )
+                assert info.value.body["param"].startswith("response_format"), response_format
+            await nothing_held(s.runtime)
+
+
 #: A function tool, and a conversation that called it and has its result.
 WEATHER = {
     "type": "function",

@@ -197,7 +197,7 @@ class TestChatBody:
 
     def test_unsupported_features_are_refused(self):
         """Tools (on a model that calls none), forcing a call, and a JSON
-        response format are refused, not ignored."""  # parallel_tool_calls: false is honoured
+        response format with tools read are refused, not ignored."""  # parallel_tool_calls: false is honoured
         body = {"messages": [{"role": "user", "content": "x"}]}
         assert refused(parse_chat, {**body, "tools": [_TOOL]}, takes_images=False).argument == "tools"
         for bad, argument in (
@@ -207,13 +207,35 @@ class TestChatBody:
         ):
             with_tools = {**body, "tools": [_TOOL], **bad}
             assert refused(parse_chat, with_tools, takes_images=False, takes_tools=True).argument == argument
-        assert (
-            refused(
-                parse_chat, {**body, "response_format": {"type": "json_object"}}, takes_images=False
-            ).argument
-            == "response_format"
-        )
-        assert parse_chat({**body, "response_format": {"type": "text"}}, takes_images=False)
+        assert parse_chat({**body, "response_format": {"type": "text"}}, takes_images=False).options.json_schema is None
+        json_mode = {**body, "response_format": {"type": "json_object"}}
+        assert parse_chat(json_mode, takes_images=False).options.json_schema == {"type": "object"}
+        with_tools = {**json_mode, "tools": [_TOOL]}
+        assert refused(parse_chat, with_tools, takes_images=False, takes_tools=True).argument == "response_format"
+        assert parse_chat({**with_tools, "tool_choice": "none"}, takes_images=False, takes_tools=True)
+
+    def test_response_formats(self):
+        """``json_schema`` gives its schema (any value without one); anything
+        else is refused naming the part at fault."""
+        body = {"messages": [{"role": "user", "content": "x"}]}
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+        given = {"type": "json_schema", "json_schema": {"name": "a_b-1", "schema": schema, "strict": True}}
+        assert parse_chat({**body, "response_format": given}, takes_images=False).options.json_schema == schema
+        bare = {"type": "json_schema", "json_schema": {"name": "x"}}
+        assert parse_chat({**body, "response_format": bare}, takes_images=False).options.json_schema == {}
+        assert parse_completion({"prompt": "x", "response_format": given}).options.json_schema == schema
+        for bad, argument in (
+            ({"type": "xml"}, "response_format"),
+            ({"type": "json_object", "schema": {}}, "response_format"),
+            ({"type": "json_schema"}, "response_format"),
+            ({"type": "json_schema", "json_schema": {"name": "x", "other": 1}}, "response_format.json_schema"),
+            ({"type": "json_schema", "json_schema": {"schema": {}}}, "response_format.json_schema.name"),
+            ({"type": "json_schema", "json_schema": {"name": "a b"}}, "response_format.json_schema.name"),
+            ({"type": "json_schema", "json_schema": {"name": "x", "strict": "yes"}}, "response_format.json_schema.strict"),  # noqa: E501
+            ({"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}, "response_format.json_schema.schema"),  # noqa: E501
+            ("json", "response_format"),
+        ):
+            assert refused(parse_chat, {**body, "response_format": bad}, takes_images=False).argument == argument
 
     def test_tools_and_calls_are_read(self):
         """Tools are kept as the template takes them; ``tool_choice`` says

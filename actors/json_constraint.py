@@ -1,0 +1,261 @@
+"""A generation held to a JSON grammar: which of the model's tokens may come next.
+
+:class:`TokenBytes` is a tokenizer's vocabulary as the bytes each token adds
+to the text (special tokens add none: they are never allowed inside the
+text). :class:`JsonConstraint` joins it with a
+:class:`~mlxkv.actors.json_grammar.JsonGrammar`: for a grammar state, the
+tokens whose every byte the grammar takes (the state stays live through the
+whole token), and the end-of-sequence tokens once the text is a whole
+value. :class:`ConstrainedRow` is one generation's place in it.
+
+Finding the tokens walks the vocabulary in byte order, each shared prefix
+read once, and skips every token under a prefix the grammar refuses (most
+of them, outside strings). Inside a string, between characters, a token of
+whole UTF-8 characters with no ``"``, ``\\`` or control byte keeps the state as it is: those
+are taken as a whole (a vector precomputed once) and only the others
+walked. What a state allows is cached per constraint (a bounded LRU), so a
+schema's repeated places cost one walk.
+
+Ownership: a constraint is made on the event loop; from then on its caches
+are read and written on the MLX thread only (every generation's rows
+step there). A :class:`ConstrainedRow` belongs to its
+:class:`~mlxkv.actors.sequence.SequenceState`.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Any, Optional
+
+from mlxkv.actors.json_grammar import JsonGrammar, State
+
+__all__ = ["ConstrainedRow", "ConstraintBroken", "JsonConstraint", "TokenBytes", "masked", "token_pieces"]
+
+#: Bytes of allowed-token vectors a constraint keeps (one byte a token a
+#: state: about 440 states over 150,000 tokens), and bounds on their count.
+MASK_BYTES = 64 << 20
+MASKS_KEPT_MIN, MASKS_KEPT_MAX = 64, 4096
+_NOT_PLAIN = frozenset(b'"\\') | frozenset(range(0x20))
+
+
+class ConstraintBroken(RuntimeError):
+    """A row's token was not one its constraint allowed (a bug, not bad input)."""
+
+
+class TokenBytes:
+    """A vocabulary as the bytes each token adds to the text.
+
+    Attributes:
+        width: the logits' width (the model's vocabulary; ids past the
+            tokenizer's add nothing).
+        pieces: each id's bytes, None for a token that adds none (special
+            tokens, padding past the tokenizer, tokens that decode to nothing).
+
+    Invariants: ``sorted_pieces`` is every piece, in byte order, beside
+    its id; ``plain`` marks the ids whose bytes are whole UTF-8 characters
+    with no ``"``, ``\\`` or control byte (text inside a string that leaves
+    its state as it is); ``other_pieces`` are the rest, sorted.
+    """
+
+    def __init__(self, pieces: Sequence[Optional[bytes]], width: int) -> None:
+        import numpy as np
+
+        self.width = width
+        self.pieces = list(pieces)[:width] + [None] * max(0, width - len(pieces))
+        texts = sorted((piece, token) for token, piece in enumerate(self.pieces) if piece)
+        self.sorted_pieces = [piece for piece, _ in texts]
+        self.sorted_ids = [token for _, token in texts]
+        self.plain = np.zeros(width, dtype=bool)
+        others = []
+        for piece, token in texts:
+            if _NOT_PLAIN.isdisjoint(piece) and _whole_characters(piece):
+                self.plain[token] = True
+            else:
+                others.append((piece, token))
+        self.other_pieces = [piece for piece, _ in others]
+        self.other_ids = [token for _, token in others]
+
+    @classmethod
+    def of(cls, tokenizer: Any, width: int) -> TokenBytes:
+        """An mlx-lm tokenizer's vocabulary as bytes (byte-level BPE,
+        SentencePiece, or each token decoded alone; see :func:`token_pieces`)."""
+        return cls(token_pieces(tokenizer), width)
+
+
+def token_pieces(tokenizer: Any) -> list[Optional[bytes]]:
+    """Each token's bytes in the text, as ``tokenizer``'s own streaming
+    detokenizer reads them: a byte-level BPE token's characters map back to
+    bytes, a SentencePiece token's ``▁`` is a space and ``<0xNN>`` a byte;
+    otherwise a token decoded alone (one that decodes to a part of a
+    character adds nothing: it is never allowed). Special tokens add none."""
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer, _byte_decoder
+
+    detokenizer = getattr(tokenizer, "_detokenizer", None)
+    size = len(tokenizer)
+    special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    special.update(
+        token for token, added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
+        if getattr(added, "special", True)
+    )  # fmt: skip
+    if isinstance(detokenizer, BPEStreamingDetokenizer):
+        decoder = _byte_decoder()
+        pieces: list[Optional[bytes]] = []
+        for name in detokenizer.tokenmap:
+            try:
+                pieces.append(bytes(decoder[c] for c in name))
+            except (KeyError, TypeError):
+                pieces.append(None)
+    elif isinstance(detokenizer, SPMStreamingDetokenizer):
+        pieces = [piece.replace("\u2581".encode(), b" ") for piece in detokenizer.tokenmap]
+    else:
+        pieces = []
+        for token in range(size):
+            text = tokenizer.decode([token])
+            pieces.append(None if "\ufffd" in text else text.encode())
+    return [None if token in special or not piece else piece for token, piece in enumerate(pieces[:size])]
+
+
+class JsonConstraint:
+    """A grammar over a vocabulary: the tokens each state allows (see the module docstring).
+
+    Attributes:
+        grammar: the JSON grammar.
+        tokens: the vocabulary as bytes.
+        end_tokens: the tokens that end a generation, allowed once the
+            text is a whole value (and only then).
+    """
+
+    def __init__(self, grammar: JsonGrammar, tokens: TokenBytes, end_tokens: Iterable[int]) -> None:
+        self.grammar = grammar
+        self.tokens = tokens
+        self.end_tokens = sorted(token for token in set(end_tokens) if 0 <= token < tokens.width)
+        self._masks: OrderedDict[State, Any] = OrderedDict()
+        self._kept = min(MASKS_KEPT_MAX, max(MASKS_KEPT_MIN, MASK_BYTES // max(1, tokens.width)))
+
+    def allowed(self, state: State) -> Any:
+        """The tokens ``state`` allows next, as a NumPy bool vector of the vocabulary's width."""
+        found = self._masks.get(state)
+        if found is not None:
+            self._masks.move_to_end(state)
+            return found
+        import numpy as np
+
+        tokens = self.tokens
+        if self.grammar.in_plain_string(state):
+            mask = tokens.plain.copy()
+            self._walk(state, tokens.other_pieces, tokens.other_ids, mask)
+        else:
+            mask = np.zeros(tokens.width, dtype=bool)
+            self._walk(state, tokens.sorted_pieces, tokens.sorted_ids, mask)
+        if self.grammar.complete(state):
+            mask[self.end_tokens] = True
+        self._masks[state] = mask
+        if len(self._masks) > self._kept:
+            self._masks.popitem(last=False)
+        return mask
+
+    def _walk(self, start: State, pieces: list[bytes], ids: list[int], mask: Any) -> None:
+        """Mark each of ``pieces`` (sorted) the grammar reads whole from ``start``.
+
+        ``states[d]`` is the state after the first ``d`` bytes of ``prefix``,
+        the bytes shared with the piece before; a byte refused at depth
+        ``d`` rules out every piece that starts with the same ``d + 1``
+        bytes, skipped at once."""
+        step = self.grammar.step
+        states = [start]
+        prefix = b""
+        index, count = 0, len(pieces)
+        while index < count:
+            piece = pieces[index]
+            shared = 0
+            limit = min(len(prefix), len(piece), len(states) - 1)
+            while shared < limit and prefix[shared] == piece[shared]:
+                shared += 1
+            del states[shared + 1 :]
+            refused = -1
+            for depth in range(shared, len(piece)):
+                state = step(states[depth], piece[depth])
+                if not state:
+                    refused = depth
+                    break
+                states.append(state)
+            if refused < 0:
+                mask[ids[index]] = True
+                prefix = piece
+                index += 1
+                continue
+            prefix = piece[:refused]
+            index = _past(pieces, piece[: refused + 1], index + 1)
+
+
+def _whole_characters(piece: bytes) -> bool:
+    try:
+        piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _past(pieces: list[bytes], prefix: bytes, start: int) -> int:
+    """The first index from ``start`` whose piece does not start with ``prefix`` (pieces sorted)."""
+    while prefix and prefix[-1] == 0xFF:
+        prefix = prefix[:-1]
+    if not prefix:
+        return len(pieces)
+    return bisect.bisect_left(pieces, prefix[:-1] + bytes([prefix[-1] + 1]), start)
+
+
+class ConstrainedRow:
+    """One generation's place in its constraint.
+
+    Invariants: ``state`` is the grammar's state after the tokens fed so
+    far (each allowed by the state before it); it is live until an end
+    token is fed.
+    """
+
+    __slots__ = ("constraint", "state")
+
+    def __init__(self, constraint: JsonConstraint) -> None:
+        self.constraint = constraint
+        self.state = constraint.grammar.start
+
+    def allowed(self) -> Any:
+        """The tokens allowed next (a NumPy bool vector)."""
+        return self.constraint.allowed(self.state)
+
+    def fed(self, token: int) -> None:
+        """Move past ``token``, generated next.
+
+        Raises:
+            ConstraintBroken: the state did not allow ``token``.
+        """
+        constraint = self.constraint
+        piece = constraint.tokens.pieces[token] if 0 <= token < constraint.tokens.width else None
+        if piece is None:
+            if token in constraint.end_tokens and constraint.grammar.complete(self.state):
+                return
+            raise ConstraintBroken(f"token {token} is not allowed by the JSON constraint here")
+        state = constraint.grammar.read(self.state, piece)
+        if not state:
+            raise ConstraintBroken(f"token {token} ({piece!r}) is not allowed by the JSON constraint here")
+        self.state = state
+
+
+def masked(logits: Any, rows: Sequence[Optional[ConstrainedRow]]) -> Any:
+    """``logits`` ``(rows, vocab)`` with the tokens each constrained row may
+    not take next at ``-inf`` (the others' rows as they are)."""
+    if all(row is None for row in rows):
+        return logits
+    import mlx.core as mx
+    import numpy as np
+
+    width = logits.shape[-1]
+    allowed = np.ones((len(rows), width), dtype=bool)
+    for index, row in enumerate(rows):
+        if row is not None:
+            mask = row.allowed()
+            allowed[index, : len(mask)] = mask[:width]
+            allowed[index, len(mask) :] = False
+    return mx.where(mx.array(allowed), logits, mx.array(-mx.inf, dtype=logits.dtype))

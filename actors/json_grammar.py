@@ -1,0 +1,505 @@
+"""JSON text as a schema allows it, read one byte at a time.
+
+A :class:`JsonGrammar` compiles a JSON Schema (the subset below) into nodes
+and reads text against it byte by byte. Its states are immutable and
+hashable, so what a state allows next can be cached
+(:mod:`mlxkv.actors.json_constraint` masks a model's tokens with it).
+
+A state is a frozenset of *stacks* (tuples of frames, the innermost last):
+every way the bytes read so far can go on. A schema's alternatives
+(``anyOf``, ``enum``, which object key comes next) each keep their own
+stack until a byte rules them out. The empty set is a dead state (the bytes
+are no prefix of any allowed text); the empty stack ``()`` is a complete
+value.
+
+Invariants:
+    - a live state's every stack can be completed: :meth:`JsonGrammar.step`
+      never returns a state from which no text leads to a complete value
+      (a comma only where a key or item may follow, a key only where one is
+      allowed), so a constrained generation never runs out of tokens;
+    - the text is the value alone, no whitespace before or after it; a
+      number at the top level is complete and may still grow;
+    - whitespace between tokens is at most one newline and
+      :data:`MAX_WHITESPACE` spaces or tabs after it (a gap of JSON written
+      with an indent; a model cannot pad forever), containers nest at most
+      :data:`MAX_DEPTH` deep.
+
+The subset: ``type`` (a name or a list), ``properties``, ``required``,
+``additionalProperties``, ``items``, ``minItems``, ``maxItems``, ``enum``,
+``const``, ``anyOf`` and ``oneOf`` (read as ``anyOf``: that only one
+alternative matches is not checked), ``allOf`` of one schema, and ``$ref``
+to ``#/$defs/...`` or ``#/definitions/...`` (recursion allowed).
+Annotations (``title``, ``description``, ``format``...) are read and
+ignored, ``format`` as the JSON Schema specification makes it by
+default. Any other keyword is refused (:class:`SchemaNotSupported`): a
+constraint the text would not be held to is not silently dropped.
+
+Objects with ``properties`` have exactly those keys, in the order given
+(each required one present, others optional), as the text of the names
+written by ``json.dumps``; an object without ``properties`` takes any
+keys, each value per ``additionalProperties`` (any JSON value by default).
+``enum`` and ``const`` values are written compactly (``json.dumps`` with
+no spaces).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, Optional
+
+__all__ = ["MAX_DEPTH", "MAX_WHITESPACE", "JsonGrammar", "SchemaNotSupported", "State"]
+
+#: Spaces or tabs allowed in one gap between tokens (after at most one newline).
+MAX_WHITESPACE = 16
+#: Containers nested at most this deep.
+MAX_DEPTH = 32
+
+#: A set of stacks (see the module docstring).
+State = frozenset
+
+_TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
+_ANNOTATIONS = frozenset(
+    {
+        "title", "description", "default", "examples", "$schema", "$id", "$comment", "format",
+        "deprecated", "readOnly", "writeOnly", "$defs", "definitions", "strict", "name",
+    }
+)  # fmt: skip
+_SUPPORTED = frozenset(
+    {
+        "type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
+        "enum", "const", "anyOf", "oneOf", "allOf", "$ref",
+    }
+)  # fmt: skip
+_WHITESPACE = frozenset(b" \t\n")
+_NEWLINE = 1 << 8
+#: A gap already full: no whitespace at all (before the top-level value).
+_NO_GAP = _NEWLINE + MAX_WHITESPACE
+_DIGITS = frozenset(b"0123456789")
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+_ESCAPES = frozenset(b'"\\/bfnrt')
+_QUOTE, _BACKSLASH = ord('"'), ord("\\")
+
+# A number's states: what each byte class leads to (JSON's grammar), and
+# which states end a number.
+_NUMBER = {
+    "sign": {"zero": "zero", "digit": "int"},
+    "zero": {"dot": "dot", "exp": "exp"},
+    "int": {"digit": "int", "zero": "int", "dot": "dot", "exp": "exp"},
+    "dot": {"digit": "frac", "zero": "frac"},
+    "frac": {"digit": "frac", "zero": "frac", "exp": "exp"},
+    "exp": {"sign": "exp_sign", "plus": "exp_sign", "digit": "exp_digits", "zero": "exp_digits"},
+    "exp_sign": {"digit": "exp_digits", "zero": "exp_digits"},
+    "exp_digits": {"digit": "exp_digits", "zero": "exp_digits"},
+}
+_NUMBER_ENDS = frozenset({"zero", "int", "frac", "exp_digits"})
+
+
+def _number_class(byte: int) -> Optional[str]:
+    if byte == ord("0"):
+        return "zero"
+    if byte in _DIGITS:
+        return "digit"
+    return {ord("-"): "sign", ord("+"): "plus", ord("."): "dot", ord("e"): "exp", ord("E"): "exp"}.get(byte)
+
+
+class SchemaNotSupported(ValueError):
+    """A schema this grammar cannot hold text to (the message says where and why)."""
+
+
+class _Node:
+    """One compiled schema (compared by identity; fields set once, at compile)."""
+
+    __slots__ = ("types", "properties", "required", "additional", "items", "min_items", "max_items",
+                 "literals", "alternatives")  # fmt: skip
+
+    def __init__(self) -> None:
+        self.types: frozenset[str] = _TYPES
+        #: ``(name, the key's JSON text, node)`` in order, or None: any keys.
+        self.properties: Optional[tuple[tuple[str, bytes, _Node], ...]] = None
+        self.required: frozenset[str] = frozenset()
+        #: The values of keys not in ``properties`` (None: no such keys).
+        self.additional: Optional[_Node] = None
+        self.items: Optional[_Node] = None
+        self.min_items = 0
+        self.max_items: Optional[int] = None
+        #: The value's allowed texts (``enum``/``const``), or None.
+        self.literals: Optional[tuple[bytes, ...]] = None
+        #: ``anyOf`` alternatives, or None.
+        self.alternatives: Optional[tuple[_Node, ...]] = None
+
+
+def _compact(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+class JsonGrammar:
+    """A schema's JSON texts, as a byte-level automaton (see the module docstring).
+
+    Immutable once made (its step cache aside, which only memoises
+    :meth:`step`), so one grammar serves any number of generations.
+
+    Raises (on construction):
+        SchemaNotSupported: a keyword outside the subset, a malformed value,
+            a ``$ref`` that names nothing, or a schema that allows no value.
+    """
+
+    def __init__(self, schema: Any) -> None:
+        self._root_schema = schema
+        self._refs: dict[str, _Node] = {}
+        self._any = _Node()
+        self._any.items = self._any
+        self._any.additional = self._any
+        self.root = self._compile(schema, "schema")
+        self.start: State = frozenset({(("v", self.root, _NO_GAP),)})
+        self._steps: dict[tuple[State, int], State] = {}
+
+    # -- compiling -----------------------------------------------------------
+
+    def _compile(self, schema: Any, where: str) -> _Node:
+        if schema is True or (isinstance(schema, Mapping) and not set(schema) - _ANNOTATIONS):
+            return self._any
+        if not isinstance(schema, Mapping):
+            raise SchemaNotSupported(f"{where} must be an object (a schema) or true")
+        unknown = sorted(set(schema) - _SUPPORTED - _ANNOTATIONS)
+        if unknown:
+            raise SchemaNotSupported(f"{where}: keyword {unknown[0]!r} is not supported")
+        if "$ref" in schema:
+            if set(schema) - _ANNOTATIONS - {"$ref"}:
+                raise SchemaNotSupported(f"{where}: $ref with other keywords is not supported")
+            return self._ref(schema["$ref"], where)
+        for key in ("anyOf", "oneOf"):
+            if key in schema:
+                return self._alternatives(schema, key, where)
+        if "allOf" in schema:
+            parts = schema["allOf"]
+            if not isinstance(parts, list) or len(parts) != 1 or set(schema) - _ANNOTATIONS - {"allOf"}:
+                raise SchemaNotSupported(f"{where}: allOf is supported with one schema alone")
+            return self._compile(parts[0], f"{where}.allOf[0]")
+        node = _Node()
+        self._types(node, schema, where)
+        if "const" in schema or "enum" in schema:
+            values = [schema["const"]] if "const" in schema else schema["enum"]
+            if not isinstance(values, list) or not values:
+                raise SchemaNotSupported(f"{where}: enum must be a non-empty list")
+            literals = tuple(dict.fromkeys(_compact(value) for value in values))
+            node.literals = literals
+            return node
+        if "object" in node.types:
+            self._object(node, schema, where)
+        if "array" in node.types:
+            self._array(node, schema, where)
+        return node
+
+    def _types(self, node: _Node, schema: Mapping, where: str) -> None:
+        if "type" in schema:
+            names = schema["type"]
+            names = [names] if isinstance(names, str) else names
+            if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+                raise SchemaNotSupported(f"{where}.type must be a type name or a non-empty list of them")
+            wrong = [n for n in names if n not in _TYPES]
+            if wrong:
+                raise SchemaNotSupported(f"{where}.type: {wrong[0]!r} is not a JSON type")
+            node.types = frozenset(names)
+        elif {"properties", "required", "additionalProperties"} & set(schema):
+            node.types = frozenset({"object"})
+        elif {"items", "minItems", "maxItems"} & set(schema):
+            node.types = frozenset({"array"})
+
+    def _object(self, node: _Node, schema: Mapping, where: str) -> None:
+        required = schema.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(name, str) for name in required):
+            raise SchemaNotSupported(f"{where}.required must be a list of names")
+        additional = schema.get("additionalProperties", True)
+        if "properties" in schema:
+            properties = schema["properties"]
+            if not isinstance(properties, Mapping):
+                raise SchemaNotSupported(f"{where}.properties must be an object")
+            missing = [name for name in required if name not in properties]
+            if missing:
+                raise SchemaNotSupported(f"{where}.required names {missing[0]!r}, not in its properties")
+            node.properties = tuple(
+                (name, json.dumps(name, ensure_ascii=False).encode(), self._compile(value, f"{where}.{name}"))
+                for name, value in properties.items()
+            )
+            node.required = frozenset(required)
+            return
+        if required:
+            raise SchemaNotSupported(f"{where}: required keys need properties naming them")
+        if additional is False:
+            node.properties = ()
+        else:
+            node.additional = self._compile(additional, f"{where}.additionalProperties")
+
+    def _array(self, node: _Node, schema: Mapping, where: str) -> None:
+        node.items = self._compile(schema.get("items", True), f"{where}.items")
+        node.min_items = _count(schema.get("minItems", 0), f"{where}.minItems")
+        if "maxItems" in schema:
+            node.max_items = _count(schema["maxItems"], f"{where}.maxItems")
+            if node.max_items < node.min_items:
+                raise SchemaNotSupported(f"{where}: maxItems is below minItems")
+
+    def _alternatives(self, schema: Mapping, key: str, where: str) -> _Node:
+        parts = schema[key]
+        if set(schema) - _ANNOTATIONS - {key}:
+            raise SchemaNotSupported(f"{where}: {key} with other keywords is not supported")
+        if not isinstance(parts, list) or not parts:
+            raise SchemaNotSupported(f"{where}.{key} must be a non-empty list")
+        node = _Node()
+        node.alternatives = tuple(self._compile(part, f"{where}.{key}[{i}]") for i, part in enumerate(parts))
+        return node
+
+    def _ref(self, ref: Any, where: str) -> _Node:
+        if ref in self._refs:
+            return self._refs[ref]
+        if ref == "#":
+            target: Any = self._root_schema
+        else:
+            parts = ref.split("/") if isinstance(ref, str) else []
+            if len(parts) != 3 or parts[0] != "#" or parts[1] not in ("$defs", "definitions"):
+                raise SchemaNotSupported(f"{where}: $ref {ref!r} must be '#/$defs/NAME' or '#/definitions/NAME'")
+            table = self._root_schema.get(parts[1]) if isinstance(self._root_schema, Mapping) else None
+            if not isinstance(table, Mapping) or parts[2] not in table:
+                raise SchemaNotSupported(f"{where}: $ref {ref!r} names no definition")
+            target = table[parts[2]]
+        # A placeholder first, so that a definition may refer to itself.
+        node = _Node()
+        self._refs[ref] = node
+        compiled = self._compile(target, ref)
+        for slot in _Node.__slots__:
+            setattr(node, slot, getattr(compiled, slot))
+        if compiled is self._any:
+            node.items = node.additional = node
+        return node
+
+    # -- reading -------------------------------------------------------------
+
+    def step(self, state: State, byte: int) -> State:
+        """The state after ``byte`` (empty: ``byte`` cannot come next)."""
+        key = (state, byte)
+        found = self._steps.get(key)
+        if found is None:
+            found = frozenset(after for stack in state for after in self._advance(stack, byte))
+            if len(self._steps) > 200_000:
+                self._steps.clear()
+            self._steps[key] = found
+        return found
+
+    def read(self, state: State, data: bytes) -> State:
+        """The state after ``data`` (empty as soon as a byte cannot come next)."""
+        for byte in data:
+            state = self.step(state, byte)
+            if not state:
+                break
+        return state
+
+    def complete(self, state: State) -> bool:
+        """Whether the text read so far is a whole value (it may end here)."""
+        return any(not stack or (len(stack) == 1 and _ended_number(stack[0])) for stack in state)
+
+    def in_plain_string(self, state: State) -> bool:
+        """Whether every way on is inside a string, between characters: text
+        of whole UTF-8 characters with no ``"``, ``\\`` or control character
+        leaves the state as it is."""
+        return all(stack and stack[-1] == ("s", 0) for stack in state)
+
+    def accepts(self, text: bytes) -> bool:
+        """Whether ``text`` is, whole, a value the schema allows."""
+        return self.complete(self.read(self.start, text))
+
+    # A stack's successors after one byte (each live: see the invariants).
+    def _advance(self, stack: tuple, byte: int) -> list[tuple]:
+        if not stack:
+            return []
+        top, rest = stack[-1], stack[:-1]
+        kind = top[0]
+        if kind == "s":
+            return self._string(top[1], rest, byte, stack)
+        if kind == "v":
+            _, node, spaces = top
+            if byte in _WHITESPACE:
+                gap = _gap(spaces, byte)
+                return [] if gap is None else [rest + (("v", node, gap),)]
+            return self._begin(rest, node, byte)
+        if kind == "l":
+            _, text, at, tag = top
+            if text[at] != byte:
+                return []
+            if at + 1 == len(text):
+                return self._done(rest, tag)
+            return [rest + (("l", text, at + 1, tag),)]
+        if kind == "n":
+            _, where, integer = top
+            out = []
+            kind_of = _number_class(byte)
+            following = _NUMBER[where].get(kind_of) if kind_of else None
+            if following is not None and not (integer and following in ("dot", "exp")):
+                out.append(rest + (("n", following, integer),))
+            if where in _NUMBER_ENDS:
+                out.extend(after for done in self._done(rest) for after in self._advance(done, byte))
+            return out
+        if kind == "o":
+            return self._in_object(top, rest, byte)
+        return self._in_array(top, rest, byte)
+
+    def _string(self, escape: Any, rest: tuple, byte: int, stack: tuple) -> list[tuple]:
+        # ``escape``: 0 plain; -1 after a backslash; 1-4 hex digits of a
+        # ``\\u`` escape still to come; ``(low, high, n)``: a UTF-8
+        # continuation byte in ``[low, high]`` comes next, then ``n`` more.
+        if escape == 0:
+            if byte == _QUOTE:
+                return self._done(rest)
+            if byte == _BACKSLASH:
+                return [rest + (("s", -1),)]
+            if byte < 0x80:
+                return [] if byte < 0x20 else [stack]
+            following = _utf8_following(byte)
+            return [rest + (("s", following),)] if following else []
+        if isinstance(escape, tuple):
+            low, high, more = escape
+            if not low <= byte <= high:
+                return []
+            return [rest + (("s", (0x80, 0xBF, more - 1) if more else 0),)]
+        if escape == -1:
+            if byte in _ESCAPES:
+                return [rest + (("s", 0),)]
+            return [rest + (("s", 4),)] if byte == ord("u") else []
+        return [rest + (("s", escape - 1),)] if byte in _HEX else []
+
+    def _begin(self, rest: tuple, node: _Node, byte: int) -> list[tuple]:
+        """The stacks after a value's first byte, the value per ``node``."""
+        if node.alternatives is not None:
+            return [stack for part in node.alternatives for stack in self._begin(rest, part, byte)]
+        if node.literals is not None:
+            return [
+                stack
+                for text in node.literals
+                if text[0] == byte
+                for stack in ([rest + (("l", text, 1, -1),)] if len(text) > 1 else self._done(rest))
+            ]
+        types = node.types
+        deep = len(rest) >= MAX_DEPTH
+        if byte == ord("{") and "object" in types and not deep:
+            return [rest + (("o", node, 0, 0, 0),)]
+        if byte == ord("[") and "array" in types and not deep:
+            return [rest + (("a", node, 0, 0, 0),)]
+        if byte == _QUOTE and "string" in types:
+            return [rest + (("s", 0),)]
+        number, integer = "number" in types, "integer" in types and "number" not in types
+        kind_of = _number_class(byte)
+        if (number or integer) and kind_of in ("sign", "zero", "digit"):
+            return [rest + (("n", {"sign": "sign", "zero": "zero", "digit": "int"}[kind_of], integer),)]
+        literal = {ord("t"): ("boolean", b"true"), ord("f"): ("boolean", b"false"), ord("n"): ("null", b"null")}
+        if byte in literal and literal[byte][0] in types:
+            return [rest + (("l", literal[byte][1], 1, -1),)]
+        return []
+
+    def _done(self, rest: tuple, tag: int = -1) -> list[tuple]:
+        """The stacks once the value (or key) on top of ``rest`` is finished."""
+        if not rest:
+            return [()]
+        kind, node, phase, at, _ = rest[-1]
+        outer = rest[:-1]
+        if kind == "o":
+            if phase == 5:  # a key: ``tag`` is its property's index (closed objects)
+                return [outer + (("o", node, 2, tag if tag >= 0 else at, 0),)]
+            return [outer + (("o", node, 4, at + 1 if node.properties is not None else 0, 0),)]
+        return [outer + (("a", node, 4, min(at + 1, _count_cap(node)), 0),)]
+
+    def _in_object(self, top: tuple, rest: tuple, byte: int) -> list[tuple]:
+        _, node, phase, at, spaces = top
+        if byte in _WHITESPACE:
+            gap = _gap(spaces, byte)
+            return [] if gap is None else [rest + (("o", node, phase, at, gap),)]
+        if phase in (0, 1):
+            if phase == 0 and byte == ord("}") and _may_close(node, at):
+                return self._done(rest)
+            if byte != _QUOTE:
+                return []
+            keying = rest + (("o", node, 5, at, 0),)
+            if node.properties is None:
+                return [keying + (("s", 0),)]
+            return [keying + (("l", node.properties[j][1], 1, j),) for j in _next_keys(node, at)]
+        if phase == 2:
+            if byte != ord(":"):
+                return []
+            value = node.properties[at][2] if node.properties is not None else node.additional
+            return [rest + (("o", node, 3, at, 0), ("v", value, 0))]
+        # phase 4: after a value
+        if byte == ord(",") and (node.properties is None or _next_keys(node, at)):
+            return [rest + (("o", node, 1, at, 0),)]
+        if byte == ord("}") and _may_close(node, at):
+            return self._done(rest)
+        return []
+
+    def _in_array(self, top: tuple, rest: tuple, byte: int) -> list[tuple]:
+        _, node, phase, count, spaces = top
+        if byte in _WHITESPACE:
+            gap = _gap(spaces, byte)
+            return [] if gap is None else [rest + (("a", node, phase, count, gap),)]
+        if phase in (0, 1):
+            out = []
+            if phase == 0 and byte == ord("]") and node.min_items == 0:
+                out.extend(self._done(rest))
+            if node.max_items is None or count < node.max_items:
+                out.extend(self._begin(rest + (("a", node, 3, count, 0),), node.items, byte))
+            return out
+        # phase 4: after an item
+        if byte == ord(",") and (node.max_items is None or count < node.max_items):
+            return [rest + (("a", node, 1, count, 0),)]
+        if byte == ord("]") and count >= node.min_items:
+            return self._done(rest)
+        return []
+
+
+def _gap(gap: int, byte: int) -> Optional[int]:
+    """A gap's whitespace after ``byte`` (None: not allowed): the gap is
+    ``gap % _NEWLINE`` spaces or tabs, after a newline where ``gap >= _NEWLINE``."""
+    if byte == ord("\n"):
+        return None if gap >= _NEWLINE else _NEWLINE
+    return gap + 1 if gap % _NEWLINE < MAX_WHITESPACE else None
+
+
+def _utf8_following(lead: int) -> Optional[tuple[int, int, int]]:
+    """What follows a UTF-8 lead byte: the range of the next byte and how
+    many continuation bytes come after it (None: not a lead byte). The ranges
+    leave out overlong forms, surrogates and code points past U+10FFFF."""
+    if 0xC2 <= lead <= 0xDF:
+        return (0x80, 0xBF, 0)
+    if 0xE0 <= lead <= 0xEF:
+        return (0xA0 if lead == 0xE0 else 0x80, 0x9F if lead == 0xED else 0xBF, 1)
+    if 0xF0 <= lead <= 0xF4:
+        return (0x90 if lead == 0xF0 else 0x80, 0x8F if lead == 0xF4 else 0xBF, 2)
+    return None
+
+
+def _count_cap(node: _Node) -> int:
+    """Where an array's item count stops being told apart: past its bounds
+    every count reads the same (so states repeat, and their masks are reused)."""
+    return node.max_items if node.max_items is not None else node.min_items
+
+
+def _next_keys(node: _Node, at: int) -> list[int]:
+    """The properties whose key may come next: from ``at`` on, up to and
+    including the first required one (a required key is never skipped)."""
+    keys = []
+    for index in range(at, len(node.properties)):
+        keys.append(index)
+        if node.properties[index][0] in node.required:
+            break
+    return keys
+
+
+def _may_close(node: _Node, at: int) -> bool:
+    return node.properties is None or not any(name in node.required for name, _, _ in node.properties[at:])
+
+
+def _ended_number(frame: tuple) -> bool:
+    return frame[0] == "n" and frame[1] in _NUMBER_ENDS
+
+
+def _count(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise SchemaNotSupported(f"{where} must be an int >= 0")
+    return value
+

@@ -1,0 +1,198 @@
+"""The JSON grammar: what it reads against JSON itself and against schemas.
+
+Soundness: every text it takes whole is JSON (``json.loads``) the schema
+allows; completeness: JSON written by ``json.dumps`` (compact or indented)
+that the schema allows is taken; liveness: from every state its bytes reach,
+some byte goes on or the value is whole (a constrained generation never
+runs out of tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mlxkv.actors.json_grammar import MAX_DEPTH, MAX_WHITESPACE, JsonGrammar, SchemaNotSupported
+
+ANY = JsonGrammar({})
+OBJECT = JsonGrammar({"type": "object"})
+
+PERSON = {
+    "type": "object",
+    "title": "Person",
+    "properties": {
+        "name": {"type": "string", "description": "who"},
+        "age": {"type": "integer"},
+        "height": {"type": "number"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 2},
+        "pet": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/Pet"}]},
+        "email": {"type": "string", "format": "email"},
+    },
+    "required": ["name", "age"],
+    "$defs": {"Pet": {"type": "object", "properties": {"kind": {"const": "cat"}}, "required": ["kind"]}},
+}
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=5), children, max_size=4),
+    max_leaves=12,
+)
+
+
+def allowed_bytes(grammar: JsonGrammar, state) -> list[int]:
+    return [byte for byte in range(256) if grammar.step(state, byte)]
+
+
+class TestAgainstJson:
+    @given(json_values)
+    @settings(max_examples=300, deadline=None)
+    def test_any_value_written_by_json_dumps_is_taken(self, value):
+        for text in (json.dumps(value), json.dumps(value, ensure_ascii=False), json.dumps(value, indent=2)):
+            assert ANY.accepts(text.encode()), text
+        assert OBJECT.accepts(json.dumps(value).encode()) == isinstance(value, dict)
+
+    @given(json_values, st.data())
+    @settings(max_examples=300, deadline=None)
+    def test_what_it_takes_is_json(self, value, data):
+        """A byte inserted, dropped or replaced: whenever the grammar still
+        takes the text, JSON reads it (and reads the same as it is)."""
+        text = bytearray(json.dumps(value, ensure_ascii=False).encode())
+        at = data.draw(st.integers(0, len(text)))
+        how = data.draw(st.sampled_from(["insert", "drop", "replace"]))
+        byte = data.draw(st.sampled_from(list(b'{}[]",:.-+eE0123456789 \n\\tfnul') + [0x80, 0xC3, 0x1F]))
+        if how == "insert":
+            text[at:at] = bytes([byte])
+        elif at < len(text):
+            text[at : at + 1] = b"" if how == "drop" else bytes([byte])
+        if ANY.accepts(bytes(text)):
+            json.loads(bytes(text).decode("utf-8"))
+
+    @pytest.mark.parametrize(
+        "text",
+        [b"", b"{", b'{"a":1,}', b"[1,]", b"01", b"1.", b"-", b".5", b"1e", b'"\x01"', b'"\\x"', b'"\\u12"',
+         b"tru", b"nul", b'{"a" 1}', b'{1:2}', b"[1 2]", b'"\xc3"', b'"\xc0\x80"', b'"\xed\xa0\x80"', b'"\xf5"',
+         b"{} ", b" \r{}", b"1 "],
+    )  # fmt: skip
+    def test_not_json_or_not_whole_is_refused(self, text):
+        assert not ANY.accepts(text)
+
+    def test_a_top_level_number_is_whole_and_may_grow(self):
+        state = ANY.read(ANY.start, b"12")
+        assert ANY.complete(state) and ANY.step(state, ord("3"))
+
+    def test_whitespace_is_bounded(self):
+        gap = b"\n" + b" " * MAX_WHITESPACE
+        assert ANY.accepts(b"[" + gap + b"1" + gap + b"]")
+        assert not ANY.accepts(b"[" + gap + b" 1]")
+        assert not ANY.accepts(b"[\n\n1]")
+
+    def test_nesting_is_bounded(self):
+        assert ANY.accepts(b"[" * MAX_DEPTH + b"]" * MAX_DEPTH)
+        assert not ANY.accepts(b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1))
+
+
+class TestSchemas:
+    @pytest.mark.parametrize(
+        "value",
+        [
+            {"name": "x", "age": 3},
+            {"name": "é\n", "age": -40, "height": 1.5e3, "tags": ["a"], "pet": None},
+            {"name": "", "age": 0, "tags": ["c", "a"], "pet": {"kind": "cat"}, "email": "not checked"},
+        ],
+    )
+    def test_values_it_allows_are_taken(self, value):
+        grammar = JsonGrammar(PERSON)
+        assert grammar.accepts(json.dumps(value).encode())
+        assert grammar.accepts(json.dumps(value, indent=2).encode())
+
+    @pytest.mark.parametrize(
+        "value",
+        [
+            {"name": "x"},  # a required key missing
+            {"age": 3, "name": "x"},  # out of order
+            {"name": "x", "age": 3.5},  # not an integer
+            {"name": "x", "age": "3"},
+            {"name": "x", "age": 3, "other": 1},  # not a property
+            {"name": "x", "age": 3, "tags": []},  # minItems
+            {"name": "x", "age": 3, "tags": ["a", "b", "c"]},  # maxItems
+            {"name": "x", "age": 3, "tags": ["d"]},  # not in the enum
+            {"name": "x", "age": 3, "pet": {"kind": "dog"}},  # not the const
+            {"name": "x", "age": 3, "pet": {}},
+            ["x", 3],
+        ],
+    )
+    def test_values_it_does_not_allow_are_refused(self, value):
+        assert not JsonGrammar(PERSON).accepts(json.dumps(value).encode())
+
+    def test_recursive_definitions(self):
+        children = {"type": "array", "items": {"$ref": "#/$defs/Node"}}
+        node = {"type": "object", "properties": {"children": children}, "required": ["children"]}
+        tree = {"$defs": {"Node": node}, "$ref": "#/$defs/Node"}
+        grammar = JsonGrammar(tree)
+        assert grammar.accepts(b'{"children":[{"children":[]},{"children":[{"children":[]}]}]}')
+        assert not grammar.accepts(b'{"children":[{}]}')
+
+    def test_open_and_closed_objects(self):
+        assert JsonGrammar({"type": "object", "additionalProperties": {"type": "integer"}}).accepts(b'{"a":1,"b":2}')
+        assert not JsonGrammar({"type": "object", "additionalProperties": {"type": "integer"}}).accepts(b'{"a":"1"}')
+        closed = JsonGrammar({"type": "object", "additionalProperties": False})
+        assert closed.accepts(b"{}") and not closed.accepts(b'{"a":1}')
+
+    @pytest.mark.parametrize(
+        ("schema", "said"),
+        [
+            ({"type": "string", "pattern": "a+"}, "'pattern'"),
+            ({"type": "string", "maxLength": 3}, "'maxLength'"),
+            ({"type": "integer", "minimum": 0}, "'minimum'"),
+            ({"type": "date"}, "'date'"),
+            ({"enum": []}, "non-empty"),
+            ({"$ref": "#/$defs/Nope"}, "names no definition"),
+            ({"$ref": "http://example.com/schema"}, "must be"),
+            ({"type": "object", "required": ["a"]}, "need properties"),
+            ({"properties": {"a": {}}, "required": ["b"]}, "'b'"),
+            ({"allOf": [{}, {}]}, "allOf"),
+            ({"type": "array", "minItems": 3, "maxItems": 2}, "maxItems"),
+            (False, "must be an object"),
+            ({"properties": {"a": 5}}, "schema.a must be an object"),
+        ],
+    )
+    def test_what_it_cannot_hold_text_to_is_refused(self, schema, said):
+        with pytest.raises(SchemaNotSupported, match=said):
+            JsonGrammar(schema)
+
+
+class TestLiveness:
+    @pytest.mark.parametrize(
+        "schema", [{}, {"type": "object"}, PERSON, {"type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 3}]
+    )
+    def test_every_state_reached_goes_on_or_is_whole(self, schema):
+        """Random walks over the bytes each state allows: none gets stuck,
+        and every walk that ends where the value is whole is JSON the
+        schema allows (checked against the schema's own reading too)."""
+        grammar = JsonGrammar(schema)
+        rng = random.Random(0)
+        finished = 0
+        for _ in range(60):
+            state, text = grammar.start, b""
+            for _ in range(300):
+                nexts = allowed_bytes(grammar, state)
+                if grammar.complete(state) and (not nexts or rng.random() < 0.3):
+                    break
+                assert nexts, text
+                # Prefer closing bytes now and then, so that walks finish.
+                closing = [b for b in nexts if b in b'}]"']
+                byte = rng.choice(closing if closing and rng.random() < 0.3 else nexts)
+                state = grammar.step(state, byte)
+                text += bytes([byte])
+            else:
+                continue
+            finished += 1
+            value = json.loads(text.decode("utf-8"))
+            assert grammar.accepts(text)
+            if schema is PERSON:
+                assert list(value)[:2] == ["name", "age"]
+        assert finished >= 20
