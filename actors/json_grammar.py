@@ -5,7 +5,9 @@ and reads text against it byte by byte. Its states are immutable and
 hashable, so what a state allows next can be cached
 (:mod:`mlxkv.actors.json_constraint` masks a model's tokens with it).
 
-A state is a frozenset of *stacks* (tuples of frames, the innermost last):
+A grammar may also hold the text to fixed bytes before and after the value
+(a tool call's markers around its JSON). A state is a frozenset of
+*stacks* (tuples of frames, the innermost last):
 every way the bytes read so far can go on. A schema's alternatives
 (``anyOf``, ``enum``, which object key comes next) each keep their own
 stack until a byte rules them out. The empty set is a dead state (the bytes
@@ -144,14 +146,20 @@ class JsonGrammar:
             a ``$ref`` that names nothing, or a schema that allows no value.
     """
 
-    def __init__(self, schema: Any) -> None:
+    def __init__(self, schema: Any, *, before: bytes = b"", after: bytes = b"") -> None:
         self._root_schema = schema
         self._refs: dict[str, _Node] = {}
         self._any = _Node()
         self._any.items = self._any
         self._any.additional = self._any
         self.root = self._compile(schema, "schema")
-        self.start: State = frozenset({(("v", self.root, _NO_GAP),)})
+        #: The text is ``before``, the value, ``after`` (a tool call's markers, say).
+        self.before, self.after = bytes(before), bytes(after)
+        stack: tuple = (("t", self.after),) if self.after else ()
+        stack += (("v", self.root, _NO_GAP),)
+        if self.before:
+            stack += (("l", self.before, 0, -1),)
+        self.start: State = frozenset({stack})
         self._steps: dict[tuple[State, int], State] = {}
 
     # -- compiling -----------------------------------------------------------
@@ -294,7 +302,8 @@ class JsonGrammar:
         return state
 
     def complete(self, state: State) -> bool:
-        """Whether the text read so far is a whole value (it may end here)."""
+        """Whether the text read so far is whole (the value, and the text
+        around it): it may end here."""
         return any(not stack or (len(stack) == 1 and _ended_number(stack[0])) for stack in state)
 
     def in_plain_string(self, state: State) -> bool:
@@ -398,6 +407,10 @@ class JsonGrammar:
         """The stacks once the value (or key) on top of ``rest`` is finished."""
         if not rest:
             return [()]
+        if rest[-1][0] == "v":  # the text before the value, written: the value comes
+            return [rest]
+        if rest[-1][0] == "t":  # the value, written: the text after it comes
+            return [rest[:-1] + (("l", rest[-1][1], 0, -1),)]
         kind, node, phase, at, _ = rest[-1]
         outer = rest[:-1]
         if kind == "o":

@@ -34,7 +34,7 @@ JSON_OBJECT: Mapping[str, Any] = {"type": "object"}
 class JsonOutputs:
     """A model's JSON grammars and constraints (see the module docstring).
 
-    Invariants: ``_kept`` maps a schema's JSON text to its grammar and that
+    Invariants: ``_kept`` maps a schema's JSON text (with its markers) to its grammar and that
     grammar's one constraint (None until a generation asks for it); the
     vocabulary's bytes are read at most once.
     """
@@ -47,21 +47,25 @@ class JsonOutputs:
         self._tokens: Optional[TokenBytes] = None
         self._reading: Optional[anyio.Event] = None
 
-    def grammar(self, schema: Any) -> JsonGrammar:
-        """``schema``'s grammar, compiled once.
+    def grammar(self, schema: Any, markers: tuple[str, str] = ("", "")) -> JsonGrammar:
+        """``schema``'s grammar (the value written between ``markers``), compiled once.
 
         Raises:
             InvalidInput: a schema that is not JSON or that the grammar does
-                not support (the message names the keyword and where).
+                not support (the message names the keyword and where), or
+                markers that are not two strings.
         """
+        if not (isinstance(markers, tuple) and len(markers) == 2 and all(isinstance(m, str) for m in markers)):
+            raise InvalidInput("json_markers", markers, "must be a (before, after) pair of strings")
         try:
-            key = json.dumps(schema, ensure_ascii=False, allow_nan=False)
+            key = json.dumps([schema, markers], ensure_ascii=False, allow_nan=False)
         except (TypeError, ValueError) as error:
             raise InvalidInput("json_schema", _short(schema), f"must be JSON: {error}") from None
         kept = self._kept.get(key)
         if kept is None:
             try:
-                kept = [JsonGrammar(schema), None]
+                before, after = (marker.encode() for marker in markers)
+                kept = [JsonGrammar(schema, before=before, after=after), None]
             except SchemaNotSupported as error:
                 raise InvalidInput("json_schema", _short(schema), str(error)) from None
             except RecursionError:

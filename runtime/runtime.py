@@ -644,6 +644,7 @@ class CacheRuntime:
         logit_bias: Optional[Mapping[int, float]] = None,
         prompt_logprobs: Optional[int] = None,
         json_schema: Optional[Any] = None,
+        json_markers: tuple[str, str] = ("", ""),
     ) -> Generation:
         """Generate from ``prompt``, reusing every cached block of its prefix.
 
@@ -709,6 +710,9 @@ class CacheRuntime:
                 log-probabilities are of the tokens allowed. None: free text.
                 A step of a batch with such a request waits for the
                 tokens drawn before it (the host finds what each row allows).
+            json_markers: ``(before, after)``: with ``json_schema``, text the
+                answer writes before and after the value (a tool call's
+                markers), as written.
 
         Returns:
             The :class:`~mlxkv.generation.Generation` to iterate.
@@ -754,7 +758,7 @@ class CacheRuntime:
             logprobs=logprobs,
             penalties=penalties,
             prompt_logprobs=prompt_logprobs,
-            grammar=None if json_schema is None else context.json_outputs.grammar(json_schema),
+            grammar=None if json_schema is None else context.json_outputs.grammar(json_schema, json_markers),
         )
         return Generation(request, context)
 

@@ -531,6 +531,8 @@ class _Answering(Response):
         self._salt = salt  # until the body's own cache_salt is read
         self._arrived = arrived
         self._options = Options()  # until the body is parsed
+        #: Its answer is held to one tool call (``tool_choice``).
+        self._forced = False
         self._id = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
         self._created = int(time.time())
         self._disconnected = False
@@ -582,7 +584,7 @@ class _Answering(Response):
                     await self._detokenized(send, parsed.tokens)
                     return
                 self._endpoint = "chat" if isinstance(parsed, ChatRequest) else "completions"  # a tokenize body's
-                self._options = options = parsed.options
+                self._options = options = self._with_forced_call(parsed)
                 self._salt = _salt(self._tenant_salt, options.cache_salt)
                 prompts = await self._prompts(parsed)
                 if self._mode == "render":
@@ -652,6 +654,7 @@ class _Answering(Response):
             logit_bias=dict(penalties.logit_bias),
             prompt_logprobs=options.logprobs if options.echo else None,
             json_schema=options.json_schema,
+            json_markers=options.json_markers,
         )
 
     def _reading(self, parsed: Union[ChatRequest, CompletionRequest]) -> Reading:
@@ -670,13 +673,26 @@ class _Answering(Response):
             one_call=parsed.one_call,
         )
 
+    def _with_forced_call(self, parsed: Union[ChatRequest, CompletionRequest, Any]) -> Options:
+        """The request's options, holding the answer to its one call where
+        ``tool_choice`` forces one (in the model's syntax)."""
+        if not isinstance(parsed, ChatRequest) or not parsed.forced_call:
+            return parsed.options
+        syntax = self._server.chat.tool_syntax if self._server.chat is not None else None
+        if syntax is None:  # tools were taken: the model has a syntax
+            raise InvalidInput("tool_choice", list(parsed.forced_call), "cannot force a call on this model")
+        schema, markers = syntax.forced(parsed.tools, parsed.forced_call)
+        self._forced = True
+        return attrs.evolve(parsed.options, json_schema=schema, json_markers=markers)
+
     def _in_request_terms(self, error: InvalidInput) -> InvalidInput:
         """A chat prompt's fault is its messages' (the runtime says
-        ``prompt``); a schema's is the response format's."""
+        ``prompt``); a schema's is the response format's, or a forced call's
+        tools'."""
         if self._endpoint == "chat" and error.argument in ("prompt", "images"):
             return InvalidInput("messages", error.value, error.reason)
         if error.argument == "json_schema":
-            return InvalidInput("response_format", error.value, error.reason)
+            return InvalidInput("tools" if self._forced else "response_format", error.value, error.reason)
         return error
 
     async def _fail(self, send: Send, error: ApiError) -> None:

@@ -97,7 +97,9 @@ class Options:
             one delta, once its block ends).
         json_schema: the schema the answer's text is held to (OpenAI's
             ``response_format``: ``json_object`` is any JSON object,
-            ``json_schema`` its ``schema``), or None: free text.
+            ``json_schema`` its ``schema``; a forced tool call's), or None: free text.
+        json_markers: the text before and after the JSON value (a forced
+            call's markers).
     """
 
     model: Optional[str] = None
@@ -119,6 +121,7 @@ class Options:
     include_reasoning: bool = True
     stream_reasoning: bool = True
     json_schema: Optional[Any] = None
+    json_markers: tuple[str, str] = ("", "")
 
 
 @attrs.frozen(kw_only=True)
@@ -249,6 +252,9 @@ class ChatRequest:
         template_kwargs: variables for the chat template (vLLM's and
             ``mlx_lm.server``'s ``chat_template_kwargs``: Qwen3's
             ``enable_thinking``, say).
+        forced_call: (``tool_choice`` ``required`` or a function) the names
+            the answer's one call may have: the answer is held to that call
+            (decoding constrained to it); empty: not forced.
     """
 
     messages: tuple[ChatMessage, ...]
@@ -258,6 +264,7 @@ class ChatRequest:
     read_calls: bool = False
     one_call: bool = False
     template_kwargs: Mapping[str, Any] = attrs.field(factory=dict)
+    forced_call: tuple[str, ...] = ()
 
 
 def parse_json(raw: Union[bytes, bytearray]) -> dict[str, Any]:
@@ -380,21 +387,21 @@ def parse_chat(body: Mapping[str, Any], *, takes_images: bool, takes_tools: bool
         raise InvalidInput("top_logprobs", top, "is only allowed with logprobs: true")
     tools = _tools(fields.take("tools"), takes_tools)
     template_kwargs = template_variables(fields.take("chat_template_kwargs"))
-    choice = _tool_choice(fields.take("tool_choice"), tools)
+    choice, forced = _tool_choice(fields.take("tool_choice"), tools)
     parallel = _bool("parallel_tool_calls", fields.take("parallel_tool_calls"), default=True)
     max_tokens = fields.take("max_completion_tokens")
     legacy = fields.take("max_tokens")
     options = _options(fields, max_tokens=legacy if max_tokens is None else max_tokens)
     if wanted:
         options = attrs.evolve(options, logprobs=top or 0)
-    if options.json_schema is not None and tools and choice == "auto":
+    if options.json_schema is not None and tools and choice != "none":
         raise InvalidInput(
             "response_format", Shown("<a JSON format>"), 'is not supported with tools (unless tool_choice is "none")'
         )
     fields.finish()
     return ChatRequest(
-        messages=messages, images=images, options=options, tools=tools, read_calls=bool(tools) and choice == "auto",
-        one_call=not parallel, template_kwargs=template_kwargs,
+        messages=messages, images=images, options=options, tools=tools, read_calls=bool(tools) and choice != "none",
+        one_call=not parallel or bool(forced), template_kwargs=template_kwargs, forced_call=forced,
     )  # fmt: skip
 
 
@@ -465,18 +472,26 @@ def _tools(value: Any, takes_tools: bool) -> tuple[Mapping[str, Any], ...]:
     return tuple(value)
 
 
-def _tool_choice(value: Any, tools: Sequence[Mapping[str, Any]]) -> str:
-    """``tool_choice``: ``auto`` (the default with tools) or ``none``; a call
-    cannot be forced (that needs decoding constrained to the call's form)."""
+def _tool_choice(value: Any, tools: Sequence[Mapping[str, Any]]) -> tuple[str, tuple[str, ...]]:
+    """``tool_choice``: ``auto`` (the default with tools), ``none``,
+    ``required`` (a call of any of the tools) or ``{"type": "function",
+    "function": {"name": ...}}`` (a call of that one): the choice (``forced``
+    for the last two) and the names a forced call may have."""
     if value is None:
-        return "auto" if tools else "none"
-    if value in _TOOL_CHOICES:
-        if value == "auto" and not tools:
+        return ("auto" if tools else "none"), ()
+    if value in _TOOL_CHOICES or value == "required":
+        if value != "none" and not tools:
             raise InvalidInput("tool_choice", value, "is only allowed with tools")
-        return value
-    raise InvalidInput(
-        "tool_choice", value, 'is not supported by this server (only "auto" or "none": it cannot force a call)'
-    )
+        if value == "required":
+            return "forced", tuple(tool["function"]["name"] for tool in tools)
+        return value, ()
+    function = value.get("function") if isinstance(value, dict) and value.get("type") == "function" else None
+    if not isinstance(function, dict) or set(value) != {"type", "function"} or set(function) != {"name"}:
+        shapes = '"auto", "none", "required" or {"type": "function", "function": {"name": ...}}'
+        raise InvalidInput("tool_choice", value, f"must be {shapes}")
+    if function["name"] not in {tool["function"]["name"] for tool in tools}:
+        raise InvalidInput("tool_choice.function.name", function["name"], "names none of the tools")
+    return "forced", (function["name"],)
 
 
 @attrs.frozen(kw_only=True)

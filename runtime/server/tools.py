@@ -10,18 +10,21 @@ into its own text and its calls' texts (each whole: a call is read only
 once it is), and :meth:`~ToolSyntax.calls` turns a call's text into
 :class:`~mlxkv.server.request.ToolCall` records, or gives it back as text
 when the parser cannot read it (a call cut short by ``max_tokens``, say):
-nothing the model wrote is dropped.
+nothing the model wrote is dropped. Where a model writes a call as a JSON
+object, :meth:`~ToolSyntax.forced` gives the schema and markers that hold an
+answer to one call (``tool_choice`` ``required`` or a function's name).
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional, Union
 
 import attrs
 
+from mlxkv.errors import InvalidInput
 from mlxkv.server.markers import Inside, MarkedSplitter
 from mlxkv.server.request import ToolCall
 
@@ -40,11 +43,15 @@ class ToolSyntax:
             the markers) and the request's tools to a ``{"name", "arguments"}``
             mapping (``"id"`` too, where the model wrote one), or a list of them;
             raises ``ValueError`` on text it cannot read.
+        json_body: a call is a JSON object ``{"name", "arguments"}`` between
+            the markers (mlx-lm's ``json_tools``: Qwen 2.5 and 3, Hermes...),
+            so a call can be forced (:meth:`forced`).
     """
 
     start: str
     end: str
     parse: Callable[[str, Any], Any] = attrs.field(repr=False)
+    json_body: bool = False
 
     @classmethod
     def of(cls, tokenizer: Any) -> Optional[ToolSyntax]:
@@ -52,7 +59,38 @@ class ToolSyntax:
         knows no tool calling for its model."""
         if not getattr(tokenizer, "has_tool_calling", False) or tokenizer.tool_parser is None:
             return None
-        return cls(start=tokenizer.tool_call_start, end=tokenizer.tool_call_end or "", parse=tokenizer.tool_parser)
+        parser = tokenizer.tool_parser
+        return cls(
+            start=tokenizer.tool_call_start, end=tokenizer.tool_call_end or "", parse=parser,
+            json_body=getattr(parser, "__module__", None) == _JSON_BODY_PARSER,
+        )  # fmt: skip
+
+    def forced(self, tools: Sequence[Mapping[str, Any]], names: Sequence[str]) -> tuple[Any, tuple[str, str]]:
+        """The JSON schema and markers that hold an answer to one call of a
+        function named in ``names`` (its arguments per its ``parameters``),
+        written as the template writes one: the start marker and a newline,
+        the call, a newline and the end marker.
+
+        Raises:
+            InvalidInput: (``tool_choice``) the model does not write calls as JSON.
+        """
+        if not self.json_body:
+            raise InvalidInput(
+                "tool_choice", list(names),
+                "cannot force a call on this model: only where it writes calls as JSON between markers",
+            )  # fmt: skip
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": function.get("parameters") or {"type": "object"}},
+                "required": ["name", "arguments"],
+            }
+            for function in (tool["function"] for tool in tools)
+            if (name := function["name"]) in names
+        ]  # fmt: skip
+        schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        return schema, (self.start + "\n", "\n" + self.end)
+
 
     def splitter(self) -> MarkedSplitter:
         """A splitter for one answer's text: its calls come out whole."""
@@ -71,6 +109,10 @@ class ToolSyntax:
         if not calls:
             return self.start + raw.text + self.end
         return calls
+
+
+#: The module of mlx-lm's parser of calls written as JSON objects.
+_JSON_BODY_PARSER = "mlx_lm.tool_parsers.json_tools"
 
 
 def _call(parsed: Any) -> ToolCall:

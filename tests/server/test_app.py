@@ -1008,6 +1008,45 @@ class TestTools:
             assert np.allclose(warm_lp, cold_lp, rtol=0, atol=LOGITS_ATOL), (warm_lp, cold_lp)
             await nothing_held(s.runtime)
 
+    async def test_a_forced_call_is_the_answer(self, serve, tool_model_path, tool_chat_template):
+        """``tool_choice`` naming a function, or ``required``: the answer is
+        one call of it (of one of them), arguments of its schema, streamed or
+        not; a schema outside the subset is a 400 naming the tools."""
+        mode = {
+            "type": "function",
+            "function": {
+                "name": "set_mode",
+                "parameters": {
+                    "type": "object", "properties": {"mode": {"enum": ["fast", "safe"]}, "level": {"enum": [1, 2]}},
+                    "required": ["mode", "level"],
+                },
+            },
+        }  # fmt: skip
+        ask = {"model": "tiny", "messages": CALLED[:2], "tools": [WEATHER, mode], "max_tokens": 600, **GREEDY}
+        async with serve(path=tool_model_path, chat=tool_chat_template) as s:
+            assert s.server.chat.tool_syntax.json_body
+            named = {"type": "function", "function": {"name": "set_mode"}}
+            whole = await s.client.chat.completions.create(**ask, tool_choice=named)
+            chunks = [c async for c in await s.client.chat.completions.create(**ask, tool_choice=named, stream=True)]
+            sampled = await s.client.chat.completions.create(
+                **{**ask, "temperature": 1.0, "seed": 3, "n": 3, "tools": [mode]}, tool_choice="required"
+            )
+            strict = {**mode, "function": {**mode["function"], "parameters": {"type": "string", "pattern": "x"}}}
+            with pytest.raises(openai.BadRequestError) as info:
+                await s.client.chat.completions.create(**{**ask, "tools": [strict]}, tool_choice="required")
+            await nothing_held(s.runtime)
+        assert info.value.body["param"] == "tools" and "'pattern'" in info.value.body["message"]
+        for choice in [whole.choices[0], *sampled.choices]:
+            assert choice.finish_reason == "tool_calls" and not choice.message.content, choice.message
+            (call,) = choice.message.tool_calls
+            arguments = json.loads(call.function.arguments)
+            assert call.function.name == "set_mode"
+            assert arguments["mode"] in ("fast", "safe") and arguments["level"] in (1, 2)
+        streamed = [call for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or ()]
+        assert [(c.function.name, c.function.arguments) for c in streamed] == [
+            (c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls
+        ]
+
     async def test_calls_are_read_from_a_real_answer(self, serve, tool_model_path, tool_chat_template):
         """The answer's calls come out of the model's own text, streamed or
         not: the server reads them in a syntax this test picks from what the

@@ -196,13 +196,15 @@ class TestChatBody:
             assert refused(parse_chat, {**body, **bad}, takes_images=False).argument == argument
 
     def test_unsupported_features_are_refused(self):
-        """Tools (on a model that calls none), forcing a call, and a JSON
-        response format with tools read are refused, not ignored."""  # parallel_tool_calls: false is honoured
+        """Tools (on a model that calls none), a forced call of no tool, and a
+        JSON response format with tools read are refused, not ignored."""  # parallel_tool_calls: false is honoured
         body = {"messages": [{"role": "user", "content": "x"}]}
         assert refused(parse_chat, {**body, "tools": [_TOOL]}, takes_images=False).argument == "tools"
         for bad, argument in (
-            ({"tool_choice": "required"}, "tool_choice"),
-            ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+            ({"tool_choice": "any"}, "tool_choice"),
+            ({"tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice.function.name"),
+            ({"tool_choice": {"type": "function", "function": {"name": "get_weather", "x": 1}}}, "tool_choice"),
+            ({"tool_choice": {"type": "tool", "function": {"name": "get_weather"}}}, "tool_choice"),
             ({"parallel_tool_calls": "no"}, "parallel_tool_calls"),
         ):
             with_tools = {**body, "tools": [_TOOL], **bad}
@@ -213,6 +215,21 @@ class TestChatBody:
         with_tools = {**json_mode, "tools": [_TOOL]}
         assert refused(parse_chat, with_tools, takes_images=False, takes_tools=True).argument == "response_format"
         assert parse_chat({**with_tools, "tool_choice": "none"}, takes_images=False, takes_tools=True)
+        forced = {**with_tools, "tool_choice": "required"}
+        assert refused(parse_chat, forced, takes_images=False, takes_tools=True).argument == "response_format"
+
+    def test_a_call_is_forced_by_tool_choice(self):
+        """``required``: a call of any tool; a function: of that one; each reads
+        the one call."""
+        other = {"type": "function", "function": {"name": "get_time"}}
+        body = {"messages": [{"role": "user", "content": "x"}], "tools": [_TOOL, other]}
+        required = parse_chat({**body, "tool_choice": "required"}, takes_images=False, takes_tools=True)
+        assert required.forced_call == ("get_weather", "get_time") and required.read_calls and required.one_call
+        named = {**body, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}
+        assert parse_chat(named, takes_images=False, takes_tools=True).forced_call == ("get_time",)
+        assert parse_chat(body, takes_images=False, takes_tools=True).forced_call == ()
+        no_tools = {**body, "tools": [], "tool_choice": "required"}
+        assert refused(parse_chat, no_tools, takes_images=False, takes_tools=True).argument == "tool_choice"
 
     def test_response_formats(self):
         """``json_schema`` gives its schema (any value without one); anything

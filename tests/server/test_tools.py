@@ -30,6 +30,32 @@ JSON_TOOLS, MISTRAL = (
 
 
 class TestToolSyntax:
+    def test_a_forced_call_is_a_schema_between_the_markers(self):
+        """One call of the named functions, each name with its own
+        arguments' schema (none given: any object); where the model does not
+        write calls as JSON, forcing one is refused."""
+        from mlxkv.actors.json_grammar import JsonGrammar
+        from mlxkv.errors import InvalidInput
+
+        integer_x = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+        tools = [
+            {"type": "function", "function": {"name": "a", "parameters": integer_x}},
+            {"type": "function", "function": {"name": "b"}},
+            {"type": "function", "function": {"name": "c", "parameters": {"type": "object"}}},
+        ]
+        syntax = ToolSyntax(start="<tool_call>", end="</tool_call>", parse=json_tools.parse_tool_call, json_body=True)
+        schema, (before, after) = syntax.forced(tools, ("a", "b"))
+        grammar = JsonGrammar(schema, before=before.encode(), after=after.encode())
+        assert grammar.accepts(b'<tool_call>\n{"name":"a","arguments":{"x":1}}\n</tool_call>')
+        assert grammar.accepts(b'<tool_call>\n{"name":"b","arguments":{"y":[]}}\n</tool_call>')
+        for wrong in (b'{"name":"a","arguments":{"x":"1"}}', b'{"name":"c","arguments":{}}', b'{"name":"b"}'):
+            assert not grammar.accepts(b"<tool_call>\n" + wrong + b"\n</tool_call>")
+        single, _ = syntax.forced(tools, ("c",))
+        assert single["properties"]["name"] == {"const": "c"}
+        with pytest.raises(InvalidInput) as refused:
+            MISTRAL.forced(tools, ("a",))
+        assert refused.value.argument == "tool_choice"
+
     def test_a_call_is_parsed_with_an_id(self):
         (call,) = JSON_TOOLS.calls(Inside('\n{"name": "get", "arguments": {"city": "Zürich"}}\n'), [])
         assert (call.name, json.loads(call.arguments)) == ("get", {"city": "Zürich"})
