@@ -10,11 +10,12 @@ value. :class:`ConstrainedRow` is one generation's place in it.
 
 Finding the tokens walks the vocabulary in byte order, each shared prefix
 read once, and skips every token under a prefix the grammar refuses (most
-of them, outside strings). Inside a string, between characters, a token of
-whole UTF-8 characters with no ``"``, ``\\`` or control byte keeps the state as it is: those
-are taken as a whole (a vector precomputed once) and only the others
-walked. What a state allows is cached per constraint (a bounded LRU), so a
-schema's repeated places cost one walk.
+of them, outside strings). Inside a string, between characters, whether a
+token stays in the string (validly) does not depend on what holds the
+string: those tokens are a vector read once a vocabulary, and only the
+tokens that end the string are walked, from their closing quote on. What a
+state allows is cached per constraint (a bounded LRU), so a schema's
+repeated places cost one walk.
 
 Ownership: a constraint is made on the event loop; from then on its caches
 are read and written on the MLX thread only (every generation's rows
@@ -29,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any, Optional
 
-from mlxkv.actors.json_grammar import JsonGrammar, State
+from mlxkv.actors.json_grammar import CLOSED, JsonGrammar, State, string_step
 
 __all__ = ["ConstrainedRow", "ConstraintBroken", "JsonConstraint", "TokenBytes", "masked", "token_pieces"]
 
@@ -37,7 +38,6 @@ __all__ = ["ConstrainedRow", "ConstraintBroken", "JsonConstraint", "TokenBytes",
 #: state: about 440 states over 150,000 tokens), and bounds on their count.
 MASK_BYTES = 64 << 20
 MASKS_KEPT_MIN, MASKS_KEPT_MAX = 64, 4096
-_NOT_PLAIN = frozenset(b'"\\') | frozenset(range(0x20))
 
 
 class ConstraintBroken(RuntimeError):
@@ -54,9 +54,11 @@ class TokenBytes:
             tokens, padding past the tokenizer, tokens that decode to nothing).
 
     Invariants: ``sorted_pieces`` is every piece, in byte order, beside
-    its id; ``plain`` marks the ids whose bytes are whole UTF-8 characters
-    with no ``"``, ``\\`` or control byte (text inside a string that leaves
-    its state as it is); ``other_pieces`` are the rest, sorted.
+    its id. Read inside a string between characters (whatever holds the
+    string): ``in_string`` marks the pieces that stay inside it, valid;
+    ``closing_pieces`` are, for the pieces whose valid text ends the string,
+    the rest of each from its closing quote on, sorted, beside their ids;
+    any other piece cannot come there.
     """
 
     def __init__(self, pieces: Sequence[Optional[bytes]], width: int) -> None:
@@ -67,15 +69,17 @@ class TokenBytes:
         texts = sorted((piece, token) for token, piece in enumerate(self.pieces) if piece)
         self.sorted_pieces = [piece for piece, _ in texts]
         self.sorted_ids = [token for _, token in texts]
-        self.plain = np.zeros(width, dtype=bool)
-        others = []
+        self.in_string = np.zeros(width, dtype=bool)
+        closing = []
         for piece, token in texts:
-            if _NOT_PLAIN.isdisjoint(piece) and _whole_characters(piece):
-                self.plain[token] = True
-            else:
-                others.append((piece, token))
-        self.other_pieces = [piece for piece, _ in others]
-        self.other_ids = [token for _, token in others]
+            rest = _read_in_string(piece)
+            if rest == b"":
+                self.in_string[token] = True
+            elif rest is not None:
+                closing.append((rest, token))
+        closing.sort()
+        self.closing_pieces = [piece for piece, _ in closing]
+        self.closing_ids = [token for _, token in closing]
 
     @classmethod
     def of(cls, tokenizer: Any, width: int) -> TokenBytes:
@@ -144,8 +148,10 @@ class JsonConstraint:
 
         tokens = self.tokens
         if self.grammar.in_plain_string(state):
-            mask = tokens.plain.copy()
-            self._walk(state, tokens.other_pieces, tokens.other_ids, mask)
+            # What stays in the string is allowed whatever holds it; what
+            # ends it is read on from its closing quote.
+            mask = tokens.in_string.copy()
+            self._walk(state, tokens.closing_pieces, tokens.closing_ids, mask)
         else:
             mask = np.zeros(tokens.width, dtype=bool)
             self._walk(state, tokens.sorted_pieces, tokens.sorted_ids, mask)
@@ -190,12 +196,18 @@ class JsonConstraint:
             index = _past(pieces, piece[: refused + 1], index + 1)
 
 
-def _whole_characters(piece: bytes) -> bool:
-    try:
-        piece.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
+def _read_in_string(piece: bytes) -> Optional[bytes]:
+    """``piece`` read inside a string between characters: ``b""`` if it stays
+    in the string, the rest from the quote that ends it if it does, None if
+    it cannot come there (a control byte, a bad escape or UTF-8)."""
+    escape: Any = 0
+    for index, byte in enumerate(piece):
+        escape = string_step(escape, byte)
+        if escape is None:
+            return None
+        if escape is CLOSED:
+            return piece[index:]
+    return b""
 
 
 def _past(pieces: list[bytes], prefix: bytes, start: int) -> int:

@@ -50,7 +50,7 @@ import json
 from collections.abc import Mapping
 from typing import Any, Optional
 
-__all__ = ["MAX_DEPTH", "MAX_WHITESPACE", "JsonGrammar", "SchemaNotSupported", "State"]
+__all__ = ["CLOSED", "MAX_DEPTH", "MAX_WHITESPACE", "JsonGrammar", "SchemaNotSupported", "State", "string_step"]
 
 #: Spaces or tabs allowed in one gap between tokens (after at most one newline).
 MAX_WHITESPACE = 16
@@ -352,28 +352,12 @@ class JsonGrammar:
         return self._in_array(top, rest, byte)
 
     def _string(self, escape: Any, rest: tuple, byte: int, stack: tuple) -> list[tuple]:
-        # ``escape``: 0 plain; -1 after a backslash; 1-4 hex digits of a
-        # ``\\u`` escape still to come; ``(low, high, n)``: a UTF-8
-        # continuation byte in ``[low, high]`` comes next, then ``n`` more.
-        if escape == 0:
-            if byte == _QUOTE:
-                return self._done(rest)
-            if byte == _BACKSLASH:
-                return [rest + (("s", -1),)]
-            if byte < 0x80:
-                return [] if byte < 0x20 else [stack]
-            following = _utf8_following(byte)
-            return [rest + (("s", following),)] if following else []
-        if isinstance(escape, tuple):
-            low, high, more = escape
-            if not low <= byte <= high:
-                return []
-            return [rest + (("s", (0x80, 0xBF, more - 1) if more else 0),)]
-        if escape == -1:
-            if byte in _ESCAPES:
-                return [rest + (("s", 0),)]
-            return [rest + (("s", 4),)] if byte == ord("u") else []
-        return [rest + (("s", escape - 1),)] if byte in _HEX else []
+        after = string_step(escape, byte)
+        if after is None:
+            return []
+        if after is CLOSED:
+            return self._done(rest)
+        return [stack] if after == escape else [rest + (("s", after),)]
 
     def _begin(self, rest: tuple, node: _Node, byte: int) -> list[tuple]:
         """The stacks after a value's first byte, the value per ``node``."""
@@ -463,6 +447,37 @@ class JsonGrammar:
         if byte == ord("]") and count >= node.min_items:
             return self._done(rest)
         return []
+
+
+#: :func:`string_step`'s answer to the quote that ends a string.
+CLOSED = "closed"
+
+
+def string_step(escape: Any, byte: int) -> Any:
+    """Inside a string at ``escape``, the escape after ``byte``: :data:`CLOSED`
+    where it ends the string, None where it cannot come.
+
+    ``escape``: 0 between characters; -1 after a backslash; 1-4 hex digits
+    of a ``\\u`` escape still to come; ``(low, high, n)``: a UTF-8
+    continuation byte in ``[low, high]`` comes next, then ``n`` more."""
+    if escape == 0:
+        if byte == _QUOTE:
+            return CLOSED
+        if byte == _BACKSLASH:
+            return -1
+        if byte < 0x80:
+            return None if byte < 0x20 else 0
+        return _utf8_following(byte)
+    if isinstance(escape, tuple):
+        low, high, more = escape
+        if not low <= byte <= high:
+            return None
+        return (0x80, 0xBF, more - 1) if more else 0
+    if escape == -1:
+        if byte in _ESCAPES:
+            return 0
+        return 4 if byte == ord("u") else None
+    return escape - 1 if byte in _HEX else None
 
 
 def _gap(gap: int, byte: int) -> Optional[int]:
