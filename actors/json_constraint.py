@@ -13,7 +13,8 @@ read once, and skips every token under a prefix the grammar refuses (most
 of them, outside strings). Inside a string, between characters, whether a
 token stays in the string (validly) does not depend on what holds the
 string: those tokens are a vector read once a vocabulary, and only the
-tokens that end the string are walked, from their closing quote on. What a
+tokens that end the string are walked, from their closing quote on (and
+the same in a reasoning block: tokens without its end marker stay in it). What a
 state allows is cached per constraint (a bounded LRU), so a schema's
 repeated places cost one walk.
 
@@ -80,6 +81,29 @@ class TokenBytes:
         closing.sort()
         self.closing_pieces = [piece for piece, _ in closing]
         self.closing_ids = [token for _, token in closing]
+        self._free_text: dict[bytes, tuple[Any, list[bytes], list[int]]] = {}
+
+    def free_text(self, end: bytes) -> tuple[Any, list[bytes], list[int]]:
+        """Read in free text that ends at ``end`` (a reasoning block), from no
+        part of it written: the tokens that stay in it (a vector), and the
+        rest of each token that ends it, after ``end``, sorted, beside their
+        ids. Made once a marker (on the MLX thread: one pass of
+        ``bytes.find``)."""
+        found = self._free_text.get(end)
+        if found is None:
+            import numpy as np
+
+            stays = np.zeros(self.width, dtype=bool)
+            ending = []
+            for piece, token in zip(self.sorted_pieces, self.sorted_ids):
+                at = piece.find(end)
+                if at < 0:
+                    stays[token] = True
+                else:
+                    ending.append((piece[at + len(end) :], token))
+            ending.sort()
+            found = self._free_text[end] = (stays, [piece for piece, _ in ending], [token for _, token in ending])
+        return found
 
     @classmethod
     def of(cls, tokenizer: Any, width: int) -> TokenBytes:
@@ -147,7 +171,12 @@ class JsonConstraint:
         import numpy as np
 
         tokens = self.tokens
-        if self.grammar.in_plain_string(state):
+        end = self.grammar.in_free_text(state)
+        if end is not None:
+            mask, pieces, ids = tokens.free_text(end)
+            mask = mask.copy()
+            self._walk(self.grammar.after_free_text(state), pieces, ids, mask)
+        elif self.grammar.in_plain_string(state):
             # What stays in the string is allowed whatever holds it; what
             # ends it is read on from its closing quote.
             mask = tokens.in_string.copy()

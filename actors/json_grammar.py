@@ -6,7 +6,9 @@ hashable, so what a state allows next can be cached
 (:mod:`mlxkv.actors.json_constraint` masks a model's tokens with it).
 
 A grammar may also hold the text to fixed bytes before and after the value
-(a tool call's markers around its JSON). A state is a frozenset of
+(a tool call's markers around its JSON), and let it begin with a reasoning
+block (free text up to the block's end marker, then whitespace: a reasoning
+model thinks before it answers). A state is a frozenset of
 *stacks* (tuples of frames, the innermost last):
 every way the bytes read so far can go on. A schema's alternatives
 (``anyOf``, ``enum``, which object key comes next) each keep their own
@@ -146,7 +148,15 @@ class JsonGrammar:
             a ``$ref`` that names nothing, or a schema that allows no value.
     """
 
-    def __init__(self, schema: Any, *, before: bytes = b"", after: bytes = b"") -> None:
+    def __init__(
+        self,
+        schema: Any,
+        *,
+        before: bytes = b"",
+        after: bytes = b"",
+        reasoning: Optional[tuple[bytes, bytes]] = None,
+        reasoning_opened: bool = False,
+    ) -> None:
         self._root_schema = schema
         self._refs: dict[str, _Node] = {}
         self._any = _Node()
@@ -159,7 +169,17 @@ class JsonGrammar:
         stack += (("v", self.root, _NO_GAP),)
         if self.before:
             stack += (("l", self.before, 0, -1),)
-        self.start: State = frozenset({stack})
+        #: A reasoning block's markers: the text may begin with one (inside
+        #: one, where the prompt opened it), then whitespace, then the rest.
+        self.reasoning = reasoning
+        stacks = {stack}
+        if reasoning is not None:
+            start, end = (bytes(marker) for marker in reasoning)
+            if not start or not end:
+                raise SchemaNotSupported("reasoning markers must not be empty")
+            reasoned = stack + (("w", 0), ("f", end, 0))
+            stacks = {reasoned} if reasoning_opened else {stack, reasoned + (("l", start, 0, -1),)}
+        self.start: State = frozenset(stacks)
         self._steps: dict[tuple[State, int], State] = {}
 
     # -- compiling -----------------------------------------------------------
@@ -306,6 +326,18 @@ class JsonGrammar:
         around it): it may end here."""
         return any(not stack or (len(stack) == 1 and _ended_number(stack[0])) for stack in state)
 
+    def in_free_text(self, state: State) -> Optional[bytes]:
+        """The end marker, where every way on is in a reasoning block with
+        no part of the marker just written (text without the marker leaves
+        the state as it is), else None."""
+        ends = {stack[-1][1] for stack in state if stack and stack[-1][0] == "f" and stack[-1][2] == 0}
+        return next(iter(ends)) if len(ends) == 1 and all(stack and stack[-1][0] == "f" for stack in state) else None
+
+    def after_free_text(self, state: State) -> State:
+        """The state once the reasoning block of ``state`` (one
+        :meth:`in_free_text` names) has ended with its marker."""
+        return frozenset(stack[:-1] for stack in state)
+
     def in_plain_string(self, state: State) -> bool:
         """Whether every way on is inside a string, between characters: text
         of whole UTF-8 characters with no ``"``, ``\\`` or control character
@@ -324,6 +356,14 @@ class JsonGrammar:
         kind = top[0]
         if kind == "s":
             return self._string(top[1], rest, byte, stack)
+        if kind == "f":
+            _, end, matched = top
+            matched = _marker_step(end, matched, byte)
+            return [rest] if matched == len(end) else [rest + (("f", end, matched),)]
+        if kind == "w":
+            if byte in _WHITESPACE and top[1] < MAX_WHITESPACE:
+                return [rest + (("w", top[1] + 1),)]
+            return self._advance(rest, byte)
         if kind == "v":
             _, node, spaces = top
             if byte in _WHITESPACE:
@@ -391,7 +431,7 @@ class JsonGrammar:
         """The stacks once the value (or key) on top of ``rest`` is finished."""
         if not rest:
             return [()]
-        if rest[-1][0] == "v":  # the text before the value, written: the value comes
+        if rest[-1][0] in ("v", "f"):  # the text before the value (or the reasoning), written
             return [rest]
         if rest[-1][0] == "t":  # the value, written: the text after it comes
             return [rest[:-1] + (("l", rest[-1][1], 0, -1),)]
@@ -478,6 +518,16 @@ def string_step(escape: Any, byte: int) -> Any:
             return 0
         return 4 if byte == ord("u") else None
     return escape - 1 if byte in _HEX else None
+
+
+def _marker_step(marker: bytes, matched: int, byte: int) -> int:
+    """How much of ``marker`` the text ends with after ``byte``, where it
+    ended with ``matched`` bytes of it (the longest such prefix)."""
+    text = marker[:matched] + bytes([byte])
+    for length in range(min(len(text), len(marker)), 0, -1):
+        if text.endswith(marker[:length]):
+            return length
+    return 0
 
 
 def _gap(gap: int, byte: int) -> Optional[int]:

@@ -25,6 +25,7 @@ from mlxkv.errors import (
 )
 from mlxkv.actors.token_logprobs import TokenLogprob
 from mlxkv.generation import GeneratedToken, Generation, GenerationReport
+from mlxkv.json_output import JsonText
 from mlxkv.runtime import CacheRuntime, FetchResult, RequestHandle, StoreResult
 from mlxkv.runtime_config import RuntimeConfig
 from mlxkv.runtime_statistics import KVMemoryStatistics, RuntimeStatistics
@@ -41,6 +42,7 @@ __all__ = [
     "Generation",
     "GenerationReport",
     "InvalidInput",
+    "JsonText",
     "KVMemoryStatistics",
     "ModelLoadError",
     "NotReconstructable",

@@ -17,13 +17,14 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Optional
 
 import anyio
+import attrs
 
 from mlxkv.actors.json_constraint import JsonConstraint, TokenBytes
 from mlxkv.actors.json_grammar import JsonGrammar, SchemaNotSupported
 from mlxkv.actors.prompt_preparer import PromptPreparer
 from mlxkv.cache.errors import InvalidInput
 
-__all__ = ["GRAMMARS_KEPT", "JsonOutputs", "JSON_OBJECT"]
+__all__ = ["GRAMMARS_KEPT", "JSON_OBJECT", "JsonOutputs", "JsonText"]
 
 #: Schemas whose grammar (and constraint) a runtime keeps.
 GRAMMARS_KEPT = 32
@@ -31,10 +32,44 @@ GRAMMARS_KEPT = 32
 JSON_OBJECT: Mapping[str, Any] = {"type": "object"}
 
 
+def _text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise InvalidInput("json_text", value, "markers must be strings")
+    return value
+
+
+def _markers(value: Any) -> Optional[tuple[str, str]]:
+    if value is None:
+        return None
+    if not isinstance(value, tuple) or len(value) != 2 or not all(isinstance(m, str) and m for m in value):
+        raise InvalidInput("json_text", value, "reasoning must be a (start, end) pair of non-empty strings")
+    return value
+
+
+@attrs.frozen(kw_only=True)
+class JsonText:
+    """Where an answer's JSON value sits in its text (``generate``'s ``json_text``).
+
+    Attributes:
+        before: text written before the value, as given (a tool call's start marker).
+        after: text written after it (its end marker).
+        reasoning: a reasoning block's ``(start, end)`` markers: the text may
+            begin with one (free text up to its end marker, then up to 16
+            whitespace bytes) before the rest; None: it may not.
+        reasoning_opened: the prompt opened the block: the text begins inside it.
+    """
+
+    before: str = attrs.field(default="", converter=_text)
+    after: str = attrs.field(default="", converter=_text)
+    reasoning: Optional[tuple[str, str]] = attrs.field(default=None, converter=_markers)
+    reasoning_opened: bool = False
+
+
 class JsonOutputs:
     """A model's JSON grammars and constraints (see the module docstring).
 
-    Invariants: ``_kept`` maps a schema's JSON text (with its markers) to its grammar and that
+    Invariants: ``_kept`` maps a schema's JSON text (with its
+    :class:`JsonText`) to its grammar and that
     grammar's one constraint (None until a generation asks for it); the
     vocabulary's bytes are read at most once.
     """
@@ -47,25 +82,33 @@ class JsonOutputs:
         self._tokens: Optional[TokenBytes] = None
         self._reading: Optional[anyio.Event] = None
 
-    def grammar(self, schema: Any, markers: tuple[str, str] = ("", "")) -> JsonGrammar:
-        """``schema``'s grammar (the value written between ``markers``), compiled once.
+    def grammar(self, schema: Any, text: Optional[JsonText] = None) -> JsonGrammar:
+        """``schema``'s grammar (the value in ``text``), compiled once.
 
         Raises:
             InvalidInput: a schema that is not JSON or that the grammar does
-                not support (the message names the keyword and where), or
-                markers that are not two strings.
+                not support (the message names the keyword and where), or a
+                ``text`` that is not a :class:`JsonText`.
         """
-        if not (isinstance(markers, tuple) and len(markers) == 2 and all(isinstance(m, str) for m in markers)):
-            raise InvalidInput("json_markers", markers, "must be a (before, after) pair of strings")
+        if text is None:
+            text = JsonText()
+        if not isinstance(text, JsonText):
+            raise InvalidInput("json_text", text, "must be a JsonText")
         try:
-            key = json.dumps([schema, markers], ensure_ascii=False, allow_nan=False)
+            key = json.dumps([schema, attrs.astuple(text)], ensure_ascii=False, allow_nan=False)
         except (TypeError, ValueError) as error:
             raise InvalidInput("json_schema", _short(schema), f"must be JSON: {error}") from None
         kept = self._kept.get(key)
         if kept is None:
             try:
-                before, after = (marker.encode() for marker in markers)
-                kept = [JsonGrammar(schema, before=before, after=after), None]
+                reasoning = None if text.reasoning is None else tuple(m.encode() for m in text.reasoning)
+                kept = [
+                    JsonGrammar(
+                        schema, before=text.before.encode(), after=text.after.encode(), reasoning=reasoning,
+                        reasoning_opened=text.reasoning_opened,
+                    ),
+                    None,
+                ]  # fmt: skip
             except SchemaNotSupported as error:
                 raise InvalidInput("json_schema", _short(schema), str(error)) from None
             except RecursionError:

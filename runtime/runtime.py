@@ -33,7 +33,7 @@ from mlxkv.actors.prompt_preparer import PromptPreparer
 from mlxkv.actors.model_source import check_model_source
 from mlxkv.actors.prefix_index import PrefixIndexActor, PrefixIndexHandle, RequestId
 from mlxkv.actors.penalties import Penalties
-from mlxkv.json_output import JsonOutputs
+from mlxkv.json_output import JsonOutputs, JsonText
 from mlxkv.actors.sampling import Sampling
 from mlxkv.cache.block_hash import ChainKeys
 from mlxkv.cache.errors import InvalidInput, UnknownRequest
@@ -644,7 +644,7 @@ class CacheRuntime:
         logit_bias: Optional[Mapping[int, float]] = None,
         prompt_logprobs: Optional[int] = None,
         json_schema: Optional[Any] = None,
-        json_markers: tuple[str, str] = ("", ""),
+        json_text: Optional[JsonText] = None,
     ) -> Generation:
         """Generate from ``prompt``, reusing every cached block of its prefix.
 
@@ -710,9 +710,10 @@ class CacheRuntime:
                 log-probabilities are of the tokens allowed. None: free text.
                 A step of a batch with such a request waits for the
                 tokens drawn before it (the host finds what each row allows).
-            json_markers: ``(before, after)``: with ``json_schema``, text the
-                answer writes before and after the value (a tool call's
-                markers), as written.
+            json_text: with ``json_schema``, where the value sits in the
+                answer's text (:class:`~mlxkv.json_output.JsonText`: text
+                before and after it, such as a tool call's markers; a
+                reasoning block it may begin with); None: the value alone.
 
         Returns:
             The :class:`~mlxkv.generation.Generation` to iterate.
@@ -758,7 +759,7 @@ class CacheRuntime:
             logprobs=logprobs,
             penalties=penalties,
             prompt_logprobs=prompt_logprobs,
-            grammar=None if json_schema is None else context.json_outputs.grammar(json_schema, json_markers),
+            grammar=None if json_schema is None else context.json_outputs.grammar(json_schema, json_text),
         )
         return Generation(request, context)
 

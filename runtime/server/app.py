@@ -69,6 +69,7 @@ from mlxkv.cache.validators import int_at_least
 from mlxkv.errors import CacheError, ComputeFailed, InvalidInput, RuntimeClosed
 from mlxkv.freed_memory import TRIM_AFTER_BYTES, return_freed_memory
 from mlxkv.generation import Generation
+from mlxkv.json_output import JsonText
 from mlxkv.runtime import CacheRuntime
 from mlxkv.server.admission import Admission, Overloaded
 from mlxkv.server.answer import Answer, Piece, Prompt, Reading, each_piece
@@ -654,7 +655,7 @@ class _Answering(Response):
             logit_bias=dict(penalties.logit_bias),
             prompt_logprobs=options.logprobs if options.echo else None,
             json_schema=options.json_schema,
-            json_markers=options.json_markers,
+            json_text=self._json_text(prompt),
         )
 
     def _reading(self, parsed: Union[ChatRequest, CompletionRequest]) -> Reading:
@@ -673,6 +674,16 @@ class _Answering(Response):
             one_call=parsed.one_call,
         )
 
+    def _json_text(self, prompt: Prompt) -> Optional[JsonText]:
+        """Where a held answer's JSON sits in its text: where the model
+        reasons, after a reasoning block it may write first (or is in, where
+        the chat's prompt opened one)."""
+        text = self._options.json_text
+        syntax = self._server.chat.reasoning_syntax if self._server.chat is not None else None
+        if self._options.json_schema is None or syntax is None or prompt.text is None:
+            return text
+        return attrs.evolve(text, reasoning=(syntax.start, syntax.end), reasoning_opened=syntax.opened(prompt.text))
+
     def _with_forced_call(self, parsed: Union[ChatRequest, CompletionRequest, Any]) -> Options:
         """The request's options, holding the answer to its one call where
         ``tool_choice`` forces one (in the model's syntax)."""
@@ -681,9 +692,9 @@ class _Answering(Response):
         syntax = self._server.chat.tool_syntax if self._server.chat is not None else None
         if syntax is None:  # tools were taken: the model has a syntax
             raise InvalidInput("tool_choice", list(parsed.forced_call), "cannot force a call on this model")
-        schema, markers = syntax.forced(parsed.tools, parsed.forced_call)
+        schema, text = syntax.forced(parsed.tools, parsed.forced_call)
         self._forced = True
-        return attrs.evolve(parsed.options, json_schema=schema, json_markers=markers)
+        return attrs.evolve(parsed.options, json_schema=schema, json_text=text)
 
     def _in_request_terms(self, error: InvalidInput) -> InvalidInput:
         """A chat prompt's fault is its messages' (the runtime says

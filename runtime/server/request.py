@@ -35,7 +35,7 @@ from mlxkv.actors.penalties import NO_PENALTIES, Penalties
 from mlxkv.actors.token_logprobs import MAX_TOP_LOGPROBS
 from mlxkv.cache.errors import Shown
 from mlxkv.errors import InvalidInput
-from mlxkv.json_output import JSON_OBJECT
+from mlxkv.json_output import JSON_OBJECT, JsonText
 
 __all__ = [
     "ChatMessage",
@@ -98,8 +98,8 @@ class Options:
         json_schema: the schema the answer's text is held to (OpenAI's
             ``response_format``: ``json_object`` is any JSON object,
             ``json_schema`` its ``schema``; a forced tool call's), or None: free text.
-        json_markers: the text before and after the JSON value (a forced
-            call's markers).
+        json_text: where the JSON value sits in the answer's text (a forced
+            call's markers around it).
     """
 
     model: Optional[str] = None
@@ -121,7 +121,7 @@ class Options:
     include_reasoning: bool = True
     stream_reasoning: bool = True
     json_schema: Optional[Any] = None
-    json_markers: tuple[str, str] = ("", "")
+    json_text: JsonText = JsonText()
 
 
 @attrs.frozen(kw_only=True)

@@ -25,6 +25,7 @@ from typing import Any, Optional, Union
 import attrs
 
 from mlxkv.errors import InvalidInput
+from mlxkv.json_output import JsonText
 from mlxkv.server.markers import Inside, MarkedSplitter
 from mlxkv.server.request import ToolCall
 
@@ -65,7 +66,7 @@ class ToolSyntax:
             json_body=getattr(parser, "__module__", None) == _JSON_BODY_PARSER,
         )  # fmt: skip
 
-    def forced(self, tools: Sequence[Mapping[str, Any]], names: Sequence[str]) -> tuple[Any, tuple[str, str]]:
+    def forced(self, tools: Sequence[Mapping[str, Any]], names: Sequence[str]) -> tuple[Any, JsonText]:
         """The JSON schema and markers that hold an answer to one call of a
         function named in ``names`` (its arguments per its ``parameters``),
         written as the template writes one: the start marker and a newline,
@@ -89,7 +90,7 @@ class ToolSyntax:
             if (name := function["name"]) in names
         ]  # fmt: skip
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        return schema, (self.start + "\n", "\n" + self.end)
+        return schema, JsonText(before=self.start + "\n", after="\n" + self.end)
 
 
     def splitter(self) -> MarkedSplitter:

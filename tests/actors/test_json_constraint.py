@@ -39,7 +39,10 @@ CORPUS = [
     json.dumps({"name": "東京 \\ \"quoted\"", "count": 0}, indent=2, ensure_ascii=False),
     '{"a": [true, false, null], "b": "\\u00e9\\n"}',
     "Plain words, more words and the words again. ",
+    "<think>Let me think: </th is not </think>\n\n",
 ]
+#: A reasoning model's markers.
+THINK = (b"<think>", b"</think>")
 
 
 def byte_level() -> TokenizerWrapper:
@@ -98,15 +101,24 @@ def brute_force(constraint: JsonConstraint, state) -> np.ndarray:
 
 def random_generation(constraint: JsonConstraint, rng: random.Random, check, steps: int = 200) -> bytes | None:
     """Tokens drawn among the allowed ones (``check`` run on each state) until
-    an end token; the text, or None if it ran out of steps."""
+    an end token; the text, or None if it ran out of steps. In a reasoning
+    block, tokens that write its end marker are drawn half the time (so that
+    walks leave it)."""
     row = ConstrainedRow(constraint)
     text = b""
+    end = THINK[1]
     for _ in range(steps):
         check(row.state)
         allowed = np.flatnonzero(row.allowed())
         assert len(allowed), text
         ends = [t for t in allowed if t in constraint.end_tokens]
-        token = int(rng.choice(ends)) if ends and rng.random() < 0.4 else int(rng.choice(list(allowed)))
+        pieces = constraint.tokens.pieces
+        written = max(m for m in range(len(end)) if text.endswith(end[:m]))  # of the marker, so far
+        closing = [t for t in allowed if pieces[t] and (end[written:].startswith(pieces[t]) or end in pieces[t])]
+        if closing and end not in text and rng.random() < 0.5:
+            token = int(rng.choice(closing))
+        else:
+            token = int(rng.choice(ends)) if ends and rng.random() < 0.4 else int(rng.choice(list(allowed)))
         row.fed(token)
         if token in constraint.end_tokens:
             return text
@@ -153,14 +165,24 @@ class TestTokenPieces:
 
 class TestAllowed:
     @pytest.mark.parametrize("name", ["byte-level", "sentencepiece-like"])
-    @pytest.mark.parametrize("schema", [{"type": "object"}, SCHEMA], ids=["json_object", "schema"])
-    def test_the_walk_finds_exactly_the_tokens_the_grammar_reads(self, tokenizers, name, schema):
+    @pytest.mark.parametrize(
+        ("schema", "around"),
+        [
+            ({"type": "object"}, {}),
+            (SCHEMA, {}),
+            (SCHEMA, {"before": b"<tool_call>\n", "after": b"\n</tool_call>"}),
+            ({"type": "object"}, {"reasoning": THINK}),
+            ({"type": "object"}, {"reasoning": THINK, "reasoning_opened": True}),
+        ],
+        ids=["json_object", "schema", "markers", "reasoning", "inside reasoning"],
+    )
+    def test_the_walk_finds_exactly_the_tokens_the_grammar_reads(self, tokenizers, name, schema, around):
         """On every state random generations reach, the tokens allowed are
-        the definition's (the walk's skips and the shortcut inside strings
-        lose and add none), and every finished generation is JSON the schema
-        allows."""
+        the definition's (the walk's skips and the shortcuts inside strings
+        and reasoning lose and add none), and every finished generation is
+        JSON the schema allows."""
         tokenizer = tokenizers[name]
-        grammar = JsonGrammar(schema)
+        grammar = JsonGrammar(schema, **around)
         tokens = TokenBytes(token_pieces(tokenizer), len(tokenizer) + 5)  # a padded vocabulary
         constraint = JsonConstraint(grammar, tokens, tokenizer.eos_token_ids)
         checked = set()
@@ -173,10 +195,14 @@ class TestAllowed:
         rng = random.Random(7)
         finished = 0
         for _ in range(40):
-            text = random_generation(constraint, rng, check)
+            text = random_generation(constraint, rng, check, steps=400)
             if text is not None:
                 finished += 1
-                json.loads(text.decode("utf-8"))
+                value = text
+                if around.get("reasoning_opened") or ("reasoning" in around and value.startswith(b"<think>")):
+                    value = value.split(b"</think>", 1)[1]  # the block (any bytes) ends at its first end marker
+                value = value.decode("utf-8").removeprefix("<tool_call>\n").removesuffix("\n</tool_call>")
+                json.loads(value)
                 assert grammar.accepts(text)
         assert finished >= 10 and len(checked) >= 30
 

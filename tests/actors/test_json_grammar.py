@@ -165,6 +165,46 @@ class TestSchemas:
             JsonGrammar(schema)
 
 
+class TestAround:
+    """Text before and after the value, and a reasoning block before it all."""
+
+    def test_markers_are_written_as_given(self):
+        grammar = JsonGrammar({"type": "object"}, before=b"<tool_call>\n", after=b"\n</tool_call>")
+        assert grammar.accepts(b'<tool_call>\n{"a":1}\n</tool_call>')
+        for text in (b"{}", b"<tool_call>\n{}", b"<tool_call>{}\n</tool_call>", b"<tool_call>\n{}\n</tool_call>\n"):
+            assert not grammar.accepts(text)
+        number = JsonGrammar({"type": "number"}, before=b"<", after=b">")
+        assert number.accepts(b"<12>") and not number.complete(number.read(number.start, b"<12"))
+
+    @pytest.mark.parametrize(
+        ("text", "opened", "taken"),
+        [
+            (b"{}", False, True),
+            (b"<think>a < </th </thin</think>\n\n{}", False, True),
+            (b"<think>\xff\x00 any bytes</think>{}", False, True),
+            (b"<think>done</think>", False, False),  # the value is still to come
+            (b"<think>x</think>" + b" " * (MAX_WHITESPACE + 1) + b"{}", False, False),
+            (b"x<think></think>{}", False, False),
+            (b"{}", True, False),  # inside a block: it must end first
+            (b"still thinking</think>\n{}", True, True),
+            (b"<</think>{}", True, True),
+            (b"</think>{}</think>", True, False),
+        ],
+    )
+    def test_a_reasoning_block_comes_first(self, text, opened, taken):
+        grammar = JsonGrammar({"type": "object"}, reasoning=(b"<think>", b"</think>"), reasoning_opened=opened)
+        assert grammar.accepts(text) == taken
+
+    def test_the_block_is_free_text_up_to_its_marker(self):
+        grammar = JsonGrammar({"type": "object"}, reasoning=(b"<think>", b"</think>"), reasoning_opened=True)
+        state = grammar.read(grammar.start, b"some text")
+        assert grammar.in_free_text(state) == b"</think>"
+        assert grammar.in_free_text(grammar.read(state, b"</th")) is None  # part of the marker written
+        assert grammar.read(grammar.after_free_text(state), b"{}") and grammar.complete(
+            grammar.read(grammar.after_free_text(state), b"\n{}")
+        )
+
+
 class TestLiveness:
     @pytest.mark.parametrize(
         "schema", [{}, {"type": "object"}, PERSON, {"type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 3}]

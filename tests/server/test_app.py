@@ -916,6 +916,38 @@ class TestJsonOutput:
             assert grammar.complete(state) == (finish == "stop")
         assert not free.choices[0].text.startswith("{")
 
+    async def test_a_reasoning_model_reasons_first(self, serve):
+        """Where the model reasons and the prompt opened a block, the answer
+        is the model's own free reasoning up to the end marker, then JSON:
+        the reasoning apart, the content an object. The markers: the start the
+        prompt's last two characters (so the prompt opens a block), the end
+        two characters of the free greedy answer (random weights write no
+        ``</think>``)."""
+        from mlxkv.actors.json_grammar import JsonGrammar
+        from mlxkv.server.reasoning import ReasoningSyntax
+
+        ask = {"model": "tiny", "messages": chat("Think, then JSON."), "max_tokens": 80, **GREEDY}
+        async with serve() as s:
+            free = (await s.client.chat.completions.create(**ask, extra_body={"cache_salt": "free"})).choices[0]
+            text = free.message.content
+            prompt = s.server.chat.render(_messages(ask["messages"]))
+            end_at = next(i for i in range(4, len(text) - 2) if text.find(text[i : i + 2]) == i)
+            start, end = prompt[-2:], text[end_at : end_at + 2]
+            assert start != end and prompt.rfind(end) < len(prompt) - 2
+            template = copy.copy(s.server.chat)
+            template.reasoning_syntax = ReasoningSyntax(start=start, end=end)
+            s.server.chat = template
+            held = await s.client.chat.completions.create(
+                **ask, response_format={"type": "json_object"}, extra_body={"cache_salt": "held"}
+            )
+            await nothing_held(s.runtime)
+        message = held.choices[0].message
+        assert message.reasoning == text[:end_at]  # free text: the model's own greedy run
+        grammar = JsonGrammar({"type": "object"})
+        state = grammar.read(grammar.start, message.content.lstrip().encode())
+        assert message.content.lstrip().startswith("{") and state
+        assert grammar.complete(state) == (held.choices[0].finish_reason == "stop")
+
     async def test_what_cannot_be_held_is_400_naming_response_format(self, serve):
         async with serve() as s:
             with pytest.raises(openai.BadRequestError) as info:

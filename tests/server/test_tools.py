@@ -44,8 +44,9 @@ class TestToolSyntax:
             {"type": "function", "function": {"name": "c", "parameters": {"type": "object"}}},
         ]
         syntax = ToolSyntax(start="<tool_call>", end="</tool_call>", parse=json_tools.parse_tool_call, json_body=True)
-        schema, (before, after) = syntax.forced(tools, ("a", "b"))
-        grammar = JsonGrammar(schema, before=before.encode(), after=after.encode())
+        schema, around = syntax.forced(tools, ("a", "b"))
+        assert (around.before, around.after) == ("<tool_call>\n", "\n</tool_call>")
+        grammar = JsonGrammar(schema, before=around.before.encode(), after=around.after.encode())
         assert grammar.accepts(b'<tool_call>\n{"name":"a","arguments":{"x":1}}\n</tool_call>')
         assert grammar.accepts(b'<tool_call>\n{"name":"b","arguments":{"y":[]}}\n</tool_call>')
         for wrong in (b'{"name":"a","arguments":{"x":"1"}}', b'{"name":"c","arguments":{}}', b'{"name":"b"}'):
