@@ -49,6 +49,7 @@ import attrs
 from mlxkv.actors.model_runner import ModelRunner
 from mlxkv.actors.request import stop_reason
 from mlxkv.actors.json_constraint import ConstrainedRow, ConstraintBroken, masked
+from mlxkv.actors.json_grammar import GrammarTooAmbiguous
 from mlxkv.actors.penalties import adjust_rows
 from mlxkv.actors.sampling import draw_rows
 from mlxkv.actors.sequence import SequenceState
@@ -344,7 +345,8 @@ class DecodeBatch:
         broken: list[RowFailed] = []
         if any(constraint is not None for constraint in constraints):
             broken = self._feed_constraints(inputs, logits, constraints)
-            logits = masked(logits, constraints)
+            logits, unmasked = masked(logits, constraints)
+            broken.extend(RowFailed(self.rows[row], error) for row, error in unmasked)
         if any(
             sequence.sampler is not None or sequence.keep_logits or sequence.top_logprobs is not None
             for sequence in self.rows
@@ -402,7 +404,7 @@ class DecodeBatch:
                 continue
             try:
                 constraint.fed(fed[index])
-            except ConstraintBroken as error:
+            except (ConstraintBroken, GrammarTooAmbiguous) as error:
                 failed.append(RowFailed(self.rows[index], error))
                 constraints[index] = None
         return failed

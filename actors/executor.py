@@ -281,9 +281,10 @@ class Executor:
 
         try:
             logits = adjust_rows(mx.stack([last for *_, last in done]), [s.adjuster for s, *_ in done])
-            logits = masked(logits, [s.constraint for s, *_ in done])
+            logits, unmasked = masked(logits, [s.constraint for s, *_ in done])
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             tokens, failed = draw_rows([sequence.sampler for sequence, *_ in done], logprobs)
+            failed = unmasked + failed
         except Exception as error:
             tokens, logprobs, failed = None, None, [(row, error) for row in range(len(done))]
         errors = dict(failed)

@@ -31,18 +31,52 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any, Optional
 
-from mlxkv.actors.json_grammar import CLOSED, JsonGrammar, State, string_step
+from mlxkv.actors.json_grammar import CLOSED, GrammarTooAmbiguous, JsonGrammar, State, string_step
 
-__all__ = ["ConstrainedRow", "ConstraintBroken", "JsonConstraint", "TokenBytes", "masked", "token_pieces"]
+__all__ = ["ConstrainedRow", "ConstraintBroken", "JsonConstraint", "MaskCache", "TokenBytes", "masked", "token_pieces"]
 
-#: Bytes of allowed-token vectors a constraint keeps (one byte a token a
-#: state: about 440 states over 150,000 tokens), and bounds on their count.
+#: Bytes of allowed-token vectors a runtime's constraints keep together (one
+#: byte a token a state: about 440 states over 150,000 tokens).
 MASK_BYTES = 64 << 20
-MASKS_KEPT_MIN, MASKS_KEPT_MAX = 64, 4096
+#: Reasoning end markers whose tokens a vocabulary keeps read.
+MARKERS_KEPT = 8
 
 
 class ConstraintBroken(RuntimeError):
     """A row's token was not one its constraint allowed (a bug, not bad input)."""
+
+
+class MaskCache:
+    """The tokens grammar states allow, kept for every constraint of a
+    runtime together: the most recently used, up to ``budget`` bytes.
+
+    Owned by the MLX thread once constraints use it (they read and write it
+    only there). Invariant: ``bytes`` is the size of the vectors kept, at
+    most ``budget`` after every :meth:`put`.
+    """
+
+    def __init__(self, budget: int = MASK_BYTES) -> None:
+        self.budget = budget
+        self.bytes = 0
+        self._kept: OrderedDict[Any, Any] = OrderedDict()
+
+    def get(self, key: Any) -> Any:
+        found = self._kept.get(key)
+        if found is not None:
+            self._kept.move_to_end(key)
+        return found
+
+    def put(self, key: Any, mask: Any) -> None:
+        if key in self._kept:
+            return
+        self._kept[key] = mask
+        self.bytes += mask.nbytes
+        while self.bytes > self.budget and len(self._kept) > 1:
+            _, dropped = self._kept.popitem(last=False)
+            self.bytes -= dropped.nbytes
+
+    def __len__(self) -> int:
+        return len(self._kept)
 
 
 class TokenBytes:
@@ -81,7 +115,7 @@ class TokenBytes:
         closing.sort()
         self.closing_pieces = [piece for piece, _ in closing]
         self.closing_ids = [token for _, token in closing]
-        self._free_text: dict[bytes, tuple[Any, list[bytes], list[int]]] = {}
+        self._free_text: OrderedDict[bytes, tuple[Any, list[bytes], list[int]]] = OrderedDict()
 
     def free_text(self, end: bytes) -> tuple[Any, list[bytes], list[int]]:
         """Read in free text that ends at ``end`` (a reasoning block), from no
@@ -90,7 +124,9 @@ class TokenBytes:
         ids. Made once a marker (on the MLX thread: one pass of
         ``bytes.find``)."""
         found = self._free_text.get(end)
-        if found is None:
+        if found is not None:
+            self._free_text.move_to_end(end)
+        else:
             import numpy as np
 
             stays = np.zeros(self.width, dtype=bool)
@@ -103,6 +139,8 @@ class TokenBytes:
                     ending.append((piece[at + len(end) :], token))
             ending.sort()
             found = self._free_text[end] = (stays, [piece for piece, _ in ending], [token for _, token in ending])
+            if len(self._free_text) > MARKERS_KEPT:
+                self._free_text.popitem(last=False)
         return found
 
     @classmethod
@@ -155,18 +193,25 @@ class JsonConstraint:
             text is a whole value (and only then).
     """
 
-    def __init__(self, grammar: JsonGrammar, tokens: TokenBytes, end_tokens: Iterable[int]) -> None:
+    def __init__(
+        self, grammar: JsonGrammar, tokens: TokenBytes, end_tokens: Iterable[int], masks: Optional[MaskCache] = None
+    ) -> None:
         self.grammar = grammar
         self.tokens = tokens
         self.end_tokens = sorted(token for token in set(end_tokens) if 0 <= token < tokens.width)
-        self._masks: OrderedDict[State, Any] = OrderedDict()
-        self._kept = min(MASKS_KEPT_MAX, max(MASKS_KEPT_MIN, MASK_BYTES // max(1, tokens.width)))
+        #: Where the allowed tokens are kept (a runtime's, shared by its constraints).
+        self.masks = masks if masks is not None else MaskCache()
 
     def allowed(self, state: State) -> Any:
-        """The tokens ``state`` allows next, as a NumPy bool vector of the vocabulary's width."""
-        found = self._masks.get(state)
+        """The tokens ``state`` allows next, as a NumPy bool vector of the vocabulary's width.
+
+        Raises:
+            GrammarTooAmbiguous: a token's text reads more ways at once than
+                the grammar takes.
+        """
+        key = (self.grammar, state)
+        found = self.masks.get(key)
         if found is not None:
-            self._masks.move_to_end(state)
             return found
         import numpy as np
 
@@ -186,9 +231,7 @@ class JsonConstraint:
             self._walk(state, tokens.sorted_pieces, tokens.sorted_ids, mask)
         if self.grammar.complete(state):
             mask[self.end_tokens] = True
-        self._masks[state] = mask
-        if len(self._masks) > self._kept:
-            self._masks.popitem(last=False)
+        self.masks.put(key, mask)
         return mask
 
     def _walk(self, start: State, pieces: list[bytes], ids: list[int], mask: Any) -> None:
@@ -278,25 +321,33 @@ class ConstrainedRow:
             if token in constraint.end_tokens and constraint.grammar.complete(self.state):
                 return
             raise ConstraintBroken(f"token {token} is not allowed by the JSON constraint here")
-        state = constraint.grammar.read(self.state, piece)
+        state = constraint.grammar.read(self.state, piece)  # GrammarTooAmbiguous goes through
         if not state:
             raise ConstraintBroken(f"token {token} ({piece!r}) is not allowed by the JSON constraint here")
         self.state = state
 
 
-def masked(logits: Any, rows: Sequence[Optional[ConstrainedRow]]) -> Any:
+def masked(logits: Any, rows: Sequence[Optional[ConstrainedRow]]) -> tuple[Any, list[tuple[int, Exception]]]:
     """``logits`` ``(rows, vocab)`` with the tokens each constrained row may
-    not take next at ``-inf`` (the others' rows as they are)."""
+    not take next at ``-inf`` (the others' rows as they are), and the rows
+    whose allowed tokens could not be found, each with what raised (their
+    logits left as they are: the row fails, the others go on)."""
     if all(row is None for row in rows):
-        return logits
+        return logits, []
     import mlx.core as mx
     import numpy as np
 
     width = logits.shape[-1]
     allowed = np.ones((len(rows), width), dtype=bool)
+    failed: list[tuple[int, Exception]] = []
     for index, row in enumerate(rows):
-        if row is not None:
+        if row is None:
+            continue
+        try:
             mask = row.allowed()
-            allowed[index, : len(mask)] = mask[:width]
-            allowed[index, len(mask) :] = False
-    return mx.where(mx.array(allowed), logits, mx.array(-mx.inf, dtype=logits.dtype))
+        except GrammarTooAmbiguous as error:
+            failed.append((index, error))
+            continue
+        allowed[index, : len(mask)] = mask[:width]
+        allowed[index, len(mask) :] = False
+    return mx.where(mx.array(allowed), logits, mx.array(-mx.inf, dtype=logits.dtype)), failed

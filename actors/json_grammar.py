@@ -23,6 +23,9 @@ Invariants:
       allowed), so a constrained generation never runs out of tokens;
     - the text is the value alone, no whitespace before or after it; a
       number at the top level is complete and may still grow;
+    - a state holds at most :data:`MAX_WAYS` stacks (:meth:`JsonGrammar.step`
+      raises :class:`GrammarTooAmbiguous` past it), a schema compiles to at
+      most :data:`MAX_SCHEMA_PARTS` parts: what one byte costs is bounded;
     - whitespace between tokens is at most one newline and
       :data:`MAX_WHITESPACE` spaces or tabs after it (a gap of JSON written
       with an indent; a model cannot pad forever), containers nest at most
@@ -48,16 +51,27 @@ no spaces).
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Mapping
 from typing import Any, Optional
 
-__all__ = ["CLOSED", "MAX_DEPTH", "MAX_WHITESPACE", "JsonGrammar", "SchemaNotSupported", "State", "string_step"]
+__all__ = [
+    "CLOSED", "MAX_DEPTH", "MAX_SCHEMA_PARTS", "MAX_WAYS", "MAX_WHITESPACE", "GrammarTooAmbiguous", "JsonGrammar",
+    "SchemaNotSupported", "State", "string_step",
+]  # fmt: skip
 
 #: Spaces or tabs allowed in one gap between tokens (after at most one newline).
 MAX_WHITESPACE = 16
 #: Containers nested at most this deep.
 MAX_DEPTH = 32
+#: Ways one text may be read at once (stacks in a state): a schema whose
+#: alternatives stay alike past this fails the generation (:class:`GrammarTooAmbiguous`).
+MAX_WAYS = 256
+#: Compiled subschemas and enum values a schema may have.
+MAX_SCHEMA_PARTS = 4096
+#: Steps a grammar remembers (cleared when full).
+STEPS_KEPT = 65_536
 
 #: A set of stacks (see the module docstring).
 State = frozenset
@@ -111,6 +125,11 @@ class SchemaNotSupported(ValueError):
     """A schema this grammar cannot hold text to (the message says where and why)."""
 
 
+class GrammarTooAmbiguous(ValueError):
+    """Text read against a schema whose alternatives stay alike: more than
+    :data:`MAX_WAYS` readings at once (which only the text reveals)."""
+
+
 class _Node:
     """One compiled schema (compared by identity; fields set once, at compile)."""
 
@@ -127,7 +146,7 @@ class _Node:
         self.items: Optional[_Node] = None
         self.min_items = 0
         self.max_items: Optional[int] = None
-        #: The value's allowed texts (``enum``/``const``), or None.
+        #: The value's allowed texts (``enum``/``const``), sorted, or None.
         self.literals: Optional[tuple[bytes, ...]] = None
         #: ``anyOf`` alternatives, or None.
         self.alternatives: Optional[tuple[_Node, ...]] = None
@@ -158,6 +177,7 @@ class JsonGrammar:
         reasoning_opened: bool = False,
     ) -> None:
         self._root_schema = schema
+        self._parts = 0
         self._refs: dict[str, _Node] = {}
         self._any = _Node()
         self._any.items = self._any
@@ -184,7 +204,13 @@ class JsonGrammar:
 
     # -- compiling -----------------------------------------------------------
 
+    def _counted(self, parts: int, where: str) -> None:
+        self._parts += parts
+        if self._parts > MAX_SCHEMA_PARTS:
+            raise SchemaNotSupported(f"{where}: the schema has more than {MAX_SCHEMA_PARTS} subschemas and enum values")
+
     def _compile(self, schema: Any, where: str) -> _Node:
+        self._counted(1, where)
         if schema is True or (isinstance(schema, Mapping) and not set(schema) - _ANNOTATIONS):
             return self._any
         if not isinstance(schema, Mapping):
@@ -210,8 +236,8 @@ class JsonGrammar:
             values = [schema["const"]] if "const" in schema else schema["enum"]
             if not isinstance(values, list) or not values:
                 raise SchemaNotSupported(f"{where}: enum must be a non-empty list")
-            literals = tuple(dict.fromkeys(_compact(value) for value in values))
-            node.literals = literals
+            self._counted(len(values), where)
+            node.literals = tuple(sorted(set(_compact(value) for value in values)))
             return node
         if "object" in node.types:
             self._object(node, schema, where)
@@ -308,7 +334,12 @@ class JsonGrammar:
         found = self._steps.get(key)
         if found is None:
             found = frozenset(after for stack in state for after in self._advance(stack, byte))
-            if len(self._steps) > 200_000:
+            if len(found) > MAX_WAYS:
+                raise GrammarTooAmbiguous(
+                    f"the text can be read in more than {MAX_WAYS} ways at once: the schema's alternatives"
+                    " (anyOf, enum) are too alike"
+                )
+            if len(self._steps) >= STEPS_KEPT:
                 self._steps.clear()
             self._steps[key] = found
         return found
@@ -370,6 +401,9 @@ class JsonGrammar:
                 gap = _gap(spaces, byte)
                 return [] if gap is None else [rest + (("v", node, gap),)]
             return self._begin(rest, node, byte)
+        if kind == "e":
+            _, node, low, high, at = top
+            return self._in_literals(rest, node, low, high, at, byte)
         if kind == "l":
             _, text, at, tag = top
             if text[at] != byte:
@@ -399,17 +433,30 @@ class JsonGrammar:
             return self._done(rest)
         return [stack] if after == escape else [rest + (("s", after),)]
 
+    def _in_literals(self, rest: tuple, node: _Node, low: int, high: int, at: int, byte: int) -> list[tuple]:
+        """The stacks after ``byte`` where the value is one of
+        ``node.literals[low:high]`` (sorted), which share their first ``at``
+        bytes: one frame for them all, however many (an enum's values)."""
+        texts = node.literals
+        prefix = texts[low][:at] + bytes([byte])
+        first = bisect.bisect_left(texts, prefix, low, high)
+        last = high if byte == 0xFF else bisect.bisect_left(texts, prefix[:-1] + bytes([byte + 1]), first, high)
+        if first == last:
+            return []
+        out = []
+        if len(texts[first]) == at + 1:  # the shortest (sorted first) is whole here
+            out.extend(self._done(rest))
+            first += 1
+        if first < last:
+            out.append(rest + (("e", node, first, last, at + 1),))
+        return out
+
     def _begin(self, rest: tuple, node: _Node, byte: int) -> list[tuple]:
         """The stacks after a value's first byte, the value per ``node``."""
         if node.alternatives is not None:
             return [stack for part in node.alternatives for stack in self._begin(rest, part, byte)]
         if node.literals is not None:
-            return [
-                stack
-                for text in node.literals
-                if text[0] == byte
-                for stack in ([rest + (("l", text, 1, -1),)] if len(text) > 1 else self._done(rest))
-            ]
+            return self._in_literals(rest, node, 0, len(node.literals), 0, byte)
         types = node.types
         deep = len(rest) >= MAX_DEPTH
         if byte == ord("{") and "object" in types and not deep:

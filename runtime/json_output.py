@@ -19,7 +19,7 @@ from typing import Any, Optional
 import anyio
 import attrs
 
-from mlxkv.actors.json_constraint import JsonConstraint, TokenBytes
+from mlxkv.actors.json_constraint import JsonConstraint, MaskCache, TokenBytes
 from mlxkv.actors.json_grammar import JsonGrammar, SchemaNotSupported
 from mlxkv.actors.prompt_preparer import PromptPreparer
 from mlxkv.cache.errors import InvalidInput
@@ -80,6 +80,8 @@ class JsonOutputs:
         self._end_tokens = frozenset(end_tokens)
         self._kept: OrderedDict[str, list[Any]] = OrderedDict()
         self._tokens: Optional[TokenBytes] = None
+        #: Every constraint's allowed tokens, within one budget.
+        self._masks = MaskCache()
         self._reading: Optional[anyio.Event] = None
 
     def grammar(self, schema: Any, text: Optional[JsonText] = None) -> JsonGrammar:
@@ -126,10 +128,10 @@ class JsonOutputs:
         for kept in self._kept.values():
             if kept[0] is grammar:
                 if kept[1] is None:
-                    kept[1] = JsonConstraint(grammar, tokens, self._end_tokens)
+                    kept[1] = JsonConstraint(grammar, tokens, self._end_tokens, self._masks)
                 return kept[1]
         # Its schema left the kept ones meanwhile: a constraint of its own.
-        return JsonConstraint(grammar, tokens, self._end_tokens)
+        return JsonConstraint(grammar, tokens, self._end_tokens, self._masks)
 
     async def _vocabulary(self) -> TokenBytes:
         while self._tokens is None:

@@ -4,7 +4,7 @@ Starts ``mlxkv serve`` (the built-in model, or ``--model``) with an API key,
 small admission limits and a short body timeout, then for ``--duration``
 seconds runs ``--clients`` well-formed clients (streamed and plain chat and
 completions, greedy and sampled, a quarter of them of 2-4 choices, a quarter
-of the chats after a tool call and its result, a quarter
+of the chats after a tool call and its result, some held to JSON, a quarter
 of the completions a batch of two prompts, a quarter
 with log-probabilities, a quarter with penalties and a bias) beside
 ``--attackers`` that cycle through
@@ -21,6 +21,9 @@ the attacks, each on its own connection:
 - ``many_choices``: a billion choices (``n``) of one prompt;
 - ``many_tools``: 100,000 tools offered (the built-in model calls none, and
   a model that does takes at most 128);
+- ``hostile_schema``: a ``response_format`` schema whose alternatives are
+  too alike (at once, or doubling with each ``[``), too large, or with a
+  keyword the grammar does not hold text to;
 - ``no_key``: /metrics, /health and a completion without the key.
 
 Then it waits for the server to settle and reports: well-formed requests
@@ -177,6 +180,22 @@ class Attacks:
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "tools": [tool] * 100_000}
         return await self._raw(_post("/v1/chat/completions", json.dumps(body).encode()))
 
+    async def hostile_schema(self) -> int:
+        alike = [{"type": "object", "properties": {"a": {"const": i}}} for i in range(300)]
+        schema = random.choice(
+            [
+                {"anyOf": alike},  # 300 readings at once after "{"
+                {"enum": list(range(5000))},  # past the schema's size
+                {"anyOf": [{"type": "array", "items": {"$ref": "#"}}] * 2},  # doubling with each "["
+                {"type": "string", "pattern": "a+"},  # a keyword not held to
+            ]
+        )
+        body = {
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        }  # fmt: skip
+        return await self._raw(_post("/v1/chat/completions", json.dumps(body).encode()))
+
     async def no_key(self) -> int:
         async with httpx.AsyncClient(base_url=self.url, timeout=30) as http:
             metrics = await http.get("/metrics")
@@ -188,7 +207,7 @@ class Attacks:
     def all(self) -> dict[str, Callable[[], Any]]:
         names = (
             "close", "top_k", "huge_prompt", "withheld", "trickle", "bad_json", "long_chat", "many_choices",
-            "many_tools", "no_key",
+            "many_tools", "hostile_schema", "no_key",
         )  # fmt: skip
         return {name: getattr(self, name) for name in names}
 
@@ -229,6 +248,8 @@ async def well_formed(url: str, rng: random.Random, served: collections.Counter,
             ]
         if logprobs is not None:
             options.update(logprobs=True, top_logprobs=logprobs)
+        elif rng.random() < 0.25 and len(body["messages"]) == 2:
+            options["response_format"] = {"type": "json_object"}
     else:
         path, body = "/v1/completions", {"prompt": system + "Why?"}
         if rng.random() < 0.25:
@@ -358,7 +379,7 @@ def main() -> int:
     print(f"well-formed requests served  {sum(report['served'].values())} {report['served']}")
     print(f"well-formed requests failed  {len(report['failures'])} {report['failures'][:5]}")
     for name, counts in report["attacks"].items():
-        print(f"attack {name:<12}          {counts}")
+        print(f"attack {name:<22}{counts}")
     print(
         f"server RSS                   {report['rss_before_mib']} MiB before,"
         f" {report['rss_end_of_load_mib']} MiB at the end of the load, {report['rss_after_mib']} MiB settled"

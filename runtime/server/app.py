@@ -64,6 +64,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from mlxkv.actors.event_log import EventLog
+from mlxkv.actors.json_grammar import GrammarTooAmbiguous
 from mlxkv.cache.errors import Shown
 from mlxkv.cache.validators import int_at_least
 from mlxkv.errors import CacheError, ComputeFailed, InvalidInput, RuntimeClosed
@@ -622,8 +623,11 @@ class _Answering(Response):
         except InvalidInput as invalid:
             error = ApiError.from_error(self._in_request_terms(invalid))
         except ComputeFailed as failure:
-            _LOG.error("server.compute_failed", request_id=self._id, error=repr(failure.cause))
-            error = ApiError.from_error(failure)
+            if isinstance(failure.cause, GrammarTooAmbiguous):  # the request's schema, not the server
+                error = ApiError.from_error(InvalidInput(self._schema_field(), Shown("<schema>"), str(failure.cause)))
+            else:
+                _LOG.error("server.compute_failed", request_id=self._id, error=repr(failure.cause))
+                error = ApiError.from_error(failure)
         except CacheError as failure:
             error = ApiError.from_error(failure)
         except Exception as bug:  # never a bare 500 page: log it, answer OpenAI-shaped
@@ -703,8 +707,12 @@ class _Answering(Response):
         if self._endpoint == "chat" and error.argument in ("prompt", "images"):
             return InvalidInput("messages", error.value, error.reason)
         if error.argument == "json_schema":
-            return InvalidInput("tools" if self._forced else "response_format", error.value, error.reason)
+            return InvalidInput(self._schema_field(), error.value, error.reason)
         return error
+
+    def _schema_field(self) -> str:
+        """The field whose schema the answer is held to."""
+        return "tools" if self._forced else "response_format"
 
     async def _fail(self, send: Send, error: ApiError) -> None:
         """Answer with ``error``: its status, or a last event once streaming.

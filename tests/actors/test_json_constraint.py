@@ -239,6 +239,33 @@ class TestAllowed:
         assert row.state == constraint.grammar.read(constraint.grammar.start, tokenizer.decode(
             tokenizer.encode("{}", add_special_tokens=False)[:1]).encode())
 
+    def test_the_masks_kept_stay_within_their_budget(self):
+        """One budget for every constraint's masks: the least recently used go."""
+        from mlxkv.actors.json_constraint import MaskCache
+
+        cache = MaskCache(budget=3000)
+        masks = [np.zeros(1000, dtype=bool) for _ in range(4)]
+        for key, mask in enumerate(masks[:3]):
+            cache.put(key, mask)
+        assert cache.get(0) is masks[0] and len(cache) == 3  # 0 is now the most recent
+        cache.put(3, masks[3])
+        assert cache.bytes == 3000 and cache.get(1) is None and cache.get(0) is masks[0]
+
+    def test_an_ambiguous_row_fails_alone(self, tokenizers):
+        """A row whose allowed tokens read too many ways at once is named by
+        ``masked`` (its logits as they were); the other rows are masked."""
+        import mlx.core as mx
+
+        tokenizer = tokenizers["byte-level"]
+        tokens = TokenBytes.of(tokenizer, len(tokenizer))
+        one_key = [{"type": "object", "properties": {"a": {"const": i}}, "required": ["a"]} for i in range(300)]
+        alike = JsonConstraint(JsonGrammar({"anyOf": one_key}), tokens, tokenizer.eos_token_ids)
+        fine = object_constraint(tokenizer, len(tokenizer))
+        logits = mx.random.normal((2, len(tokenizer)))
+        out, failed = masked(logits, [ConstrainedRow(alike), ConstrainedRow(fine)])
+        assert [row for row, _ in failed] == [0] and mx.array_equal(out[0], logits[0]).item()
+        assert np.array_equal(np.isfinite(np.array(out[1])), fine.allowed(fine.grammar.start))
+
     def test_masked_leaves_free_rows_alone(self, tokenizers):
         import mlx.core as mx
 
@@ -246,9 +273,10 @@ class TestAllowed:
         width = len(tokenizer) + 3
         constraint = object_constraint(tokenizer, width)
         logits = mx.random.normal((2, width))
-        out = masked(logits, [None, ConstrainedRow(constraint)])
+        out, failed = masked(logits, [None, ConstrainedRow(constraint)])
+        assert failed == []
         assert mx.array_equal(out[0], logits[0]).item()
         allowed = constraint.allowed(constraint.grammar.start)
         finite = np.isfinite(np.array(out[1]))
         assert np.array_equal(finite, allowed)
-        assert masked(logits, [None, None]) is logits
+        assert masked(logits, [None, None])[0] is logits

@@ -16,7 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlxkv.actors.json_grammar import MAX_DEPTH, MAX_WHITESPACE, JsonGrammar, SchemaNotSupported
+from mlxkv.actors.json_grammar import (
+    MAX_DEPTH, MAX_SCHEMA_PARTS, MAX_WAYS, MAX_WHITESPACE, GrammarTooAmbiguous, JsonGrammar, SchemaNotSupported,
+)  # fmt: skip
 
 ANY = JsonGrammar({})
 OBJECT = JsonGrammar({"type": "object"})
@@ -163,6 +165,48 @@ class TestSchemas:
     def test_what_it_cannot_hold_text_to_is_refused(self, schema, said):
         with pytest.raises(SchemaNotSupported, match=said):
             JsonGrammar(schema)
+
+
+def _one_key(value: int) -> dict:
+    return {"type": "object", "properties": {"a": {"const": value}}, "required": ["a"]}
+
+
+class TestBounds:
+    """What one byte may cost is bounded: the schema's size, the readings at once."""
+
+    def test_an_enum_of_many_values_is_read_as_one_way(self):
+        """An enum's values, however many, are one reading (a range of them
+        sorted), also where one is a prefix of another."""
+        values = [f"v{i}" for i in range(3000)] + [1, 12, 123, True, None]
+        grammar = JsonGrammar({"enum": values})
+        for value in (*values[:5], "v2999", 1, 12, 123, True, None):
+            assert grammar.accepts(json.dumps(value).encode()), value
+        for text in (b'"v3000"', b'"v"', b"2", b"1234", b"false", b'"v1'):
+            assert not grammar.accepts(text)
+        assert len(grammar.read(grammar.start, b'"v1')) == 1
+        assert grammar.complete(grammar.read(grammar.start, b"12")) and grammar.read(grammar.start, b"123")
+
+    def test_a_schema_too_large_is_refused(self):
+        with pytest.raises(SchemaNotSupported, match="more than"):
+            JsonGrammar({"enum": list(range(MAX_SCHEMA_PARTS + 1))})
+        wide = {"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(MAX_SCHEMA_PARTS)}}
+        with pytest.raises(SchemaNotSupported, match="more than"):
+            JsonGrammar(wide)
+        JsonGrammar({"enum": list(range(MAX_SCHEMA_PARTS - 1))})  # just within
+
+    def test_alternatives_too_alike_fail_as_the_text_reveals_them(self):
+        """Alike alternatives are read side by side until the text tells
+        them apart; past ``MAX_WAYS`` readings at once the read fails --
+        at once for many alike strings, at a depth for arrays that recurse
+        two ways."""
+        alike = JsonGrammar({"anyOf": [_one_key(i) for i in range(MAX_WAYS + 1)]})
+        with pytest.raises(GrammarTooAmbiguous):
+            alike.read(alike.start, b"{")
+        assert JsonGrammar({"anyOf": [_one_key(i) for i in range(MAX_WAYS)]}).accepts(b'{"a":7}')
+        twice = JsonGrammar({"anyOf": [{"type": "array", "items": {"$ref": "#"}}] * 2})
+        assert twice.accepts(b"[[[]]]")
+        with pytest.raises(GrammarTooAmbiguous):
+            twice.read(twice.start, b"[" * 12)
 
 
 class TestAround:

@@ -34,6 +34,8 @@ CHOICES = {
     "required": ["ok", "color", "size"],
 }
 PROMPT = [(i * 37 + (i // 7) ** 2) % 250 for i in range(80)]
+#: Alternatives too alike: 300 readings at once after ``{``.
+ALIKE = {"anyOf": [{"type": "object", "properties": {"a": {"const": i}}, "required": ["a"]} for i in range(300)]}
 #: Logit noise two paths of float arithmetic may leave between equals.
 TOLERANCE = 2e-3
 
@@ -119,6 +121,36 @@ class TestAnswers:
             if record.token in constraint.end_tokens:
                 break
             row.fed(record.token)
+
+
+class TestFailures:
+    async def test_a_schema_too_ambiguous_fails_its_request_alone(self, model_dir):
+        """Alternatives too alike fail the generation that reads them
+        (``ComputeFailed``, the grammar's error its cause) as its text reveals
+        them; a free request decoding beside it is its lone run's tokens."""
+        import anyio
+
+        from mlxkv import ComputeFailed
+        from mlxkv.actors.json_grammar import GrammarTooAmbiguous
+
+        async with CacheRuntime(model=str(ensure_model(TINY_LLAMA, model_dir)), block_size=BS) as rt:
+            alone = await run(rt, PROMPT, max_tokens=16, cache_salt="alone")
+            outcome: dict[str, Any] = {}
+
+            async def ambiguous() -> None:
+                with pytest.raises(ComputeFailed) as failed:
+                    await run(rt, PROMPT, max_tokens=16, json_schema=ALIKE)
+                outcome["cause"] = failed.value.cause
+
+            async def free() -> None:
+                outcome["free"] = await run(rt, PROMPT, max_tokens=16)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ambiguous)
+                tg.start_soon(free)
+            assert isinstance(outcome["cause"], GrammarTooAmbiguous)
+            assert outcome["free"][0] == alone[0]
+            await assert_clean(rt)
 
 
 class TestRefusals:

@@ -956,6 +956,14 @@ class TestJsonOutput:
                     response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"pattern": "a"}}},
                 )  # fmt: skip
             assert info.value.body["param"] == "response_format" and "'pattern'" in info.value.body["message"]
+            # Alternatives too alike fail as the text is read: a 400 too.
+            ambiguous = {"anyOf": [{"type": "object", "properties": {"a": {"const": i}}} for i in range(300)]}
+            with pytest.raises(openai.BadRequestError) as info:
+                await s.client.chat.completions.create(
+                    model="tiny", messages=chat("x"), max_tokens=4,
+                    response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": ambiguous}},
+                )  # fmt: skip
+            assert info.value.body["param"] == "response_format" and "ways" in info.value.body["message"]
             for response_format in (
                 {"type": "json_schema", "json_schema": {"name": "bad name!", "schema": {}}},
                 {"type": "json_schema"},

@@ -33,7 +33,7 @@ def test_stress_serve_keeps_serving(model_dir: Path, tmp_path: Path):
     stated = {
         "close": {"0"}, "top_k": {"200"}, "huge_prompt": {"400"}, "withheld": {"408"}, "trickle": {"408"},
         "bad_json": {"400"}, "long_chat": {"400"}, "many_choices": {"400"}, "many_tools": {"400"},
-        "no_key": {"401"},
+        "hostile_schema": {"200", "400"}, "no_key": {"401"},  # a doubling schema the model may never nest in
     }  # fmt: skip
     for name, counts in report["attacks"].items():
         assert set(counts) <= stated[name], (name, counts)
