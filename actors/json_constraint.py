@@ -38,8 +38,8 @@ __all__ = ["ConstrainedRow", "ConstraintBroken", "JsonConstraint", "MaskCache", 
 #: Bytes of allowed-token vectors a runtime's constraints keep together (one
 #: byte a token a state: about 440 states over 150,000 tokens).
 MASK_BYTES = 64 << 20
-#: Reasoning end markers whose tokens a vocabulary keeps read.
-MARKERS_KEPT = 8
+#: Places in reasoning end markers whose tokens a vocabulary keeps read.
+MARKERS_KEPT = 32
 
 
 class ConstraintBroken(RuntimeError):
@@ -115,30 +115,33 @@ class TokenBytes:
         closing.sort()
         self.closing_pieces = [piece for piece, _ in closing]
         self.closing_ids = [token for _, token in closing]
-        self._free_text: OrderedDict[bytes, tuple[Any, list[bytes], list[int]]] = OrderedDict()
+        self._free_text: OrderedDict[tuple[bytes, int], tuple[Any, list[bytes], list[int]]] = OrderedDict()
 
-    def free_text(self, end: bytes) -> tuple[Any, list[bytes], list[int]]:
-        """Read in free text that ends at ``end`` (a reasoning block), from no
-        part of it written: the tokens that stay in it (a vector), and the
-        rest of each token that ends it, after ``end``, sorted, beside their
-        ids. Made once a marker (on the MLX thread: one pass of
-        ``bytes.find``)."""
-        found = self._free_text.get(end)
+    def free_text(self, end: bytes, written: int) -> tuple[Any, list[bytes], list[int]]:
+        """Read in free text that ends at ``end`` (a reasoning block), where
+        the text ends with ``written`` bytes of it: the tokens that stay in it
+        (a vector), and the rest of each token that ends it, after ``end``,
+        sorted, beside their ids. Made once a place in a marker (on the MLX
+        thread: one pass of ``bytes.find``)."""
+        key = (end, written)
+        found = self._free_text.get(key)
         if found is not None:
-            self._free_text.move_to_end(end)
+            self._free_text.move_to_end(key)
         else:
             import numpy as np
 
             stays = np.zeros(self.width, dtype=bool)
             ending = []
+            before = end[:written]
             for piece, token in zip(self.sorted_pieces, self.sorted_ids):
-                at = piece.find(end)
+                text = before + piece
+                at = text.find(end)
                 if at < 0:
                     stays[token] = True
                 else:
-                    ending.append((piece[at + len(end) :], token))
+                    ending.append((text[at + len(end) :], token))
             ending.sort()
-            found = self._free_text[end] = (stays, [piece for piece, _ in ending], [token for _, token in ending])
+            found = self._free_text[key] = (stays, [piece for piece, _ in ending], [token for _, token in ending])
             if len(self._free_text) > MARKERS_KEPT:
                 self._free_text.popitem(last=False)
         return found
@@ -216,9 +219,9 @@ class JsonConstraint:
         import numpy as np
 
         tokens = self.tokens
-        end = self.grammar.in_free_text(state)
-        if end is not None:
-            mask, pieces, ids = tokens.free_text(end)
+        free = self.grammar.in_free_text(state)
+        if free is not None:
+            mask, pieces, ids = tokens.free_text(*free)
             mask = mask.copy()
             self._walk(self.grammar.after_free_text(state), pieces, ids, mask)
         elif self.grammar.in_plain_string(state):

@@ -357,12 +357,15 @@ class JsonGrammar:
         around it): it may end here."""
         return any(not stack or (len(stack) == 1 and _ended_number(stack[0])) for stack in state)
 
-    def in_free_text(self, state: State) -> Optional[bytes]:
-        """The end marker, where every way on is in a reasoning block with
-        no part of the marker just written (text without the marker leaves
-        the state as it is), else None."""
-        ends = {stack[-1][1] for stack in state if stack and stack[-1][0] == "f" and stack[-1][2] == 0}
-        return next(iter(ends)) if len(ends) == 1 and all(stack and stack[-1][0] == "f" for stack in state) else None
+    def in_free_text(self, state: State) -> Optional[tuple[bytes, int]]:
+        """Where every way on is in a reasoning block, its end marker and how
+        much of it the text ends with (what a token does there depends on
+        nothing else); else None."""
+        tops = {stack[-1] for stack in state if stack}
+        if len(tops) != 1 or not all(state):
+            return None
+        (top,) = tops
+        return (top[1], top[2]) if top[0] == "f" else None
 
     def after_free_text(self, state: State) -> State:
         """The state once the reasoning block of ``state`` (one
@@ -396,11 +399,9 @@ class JsonGrammar:
                 return [rest + (("w", top[1] + 1),)]
             return self._advance(rest, byte)
         if kind == "v":
-            _, node, spaces = top
             if byte in _WHITESPACE:
-                gap = _gap(spaces, byte)
-                return [] if gap is None else [rest + (("v", node, gap),)]
-            return self._begin(rest, node, byte)
+                return _spaced(top, rest, byte)
+            return self._begin(rest, top[1], byte)
         if kind == "e":
             _, node, low, high, at = top
             return self._in_literals(rest, node, low, high, at, byte)
@@ -491,10 +492,9 @@ class JsonGrammar:
         return [outer + (("a", node, 4, min(at + 1, _count_cap(node)), 0),)]
 
     def _in_object(self, top: tuple, rest: tuple, byte: int) -> list[tuple]:
-        _, node, phase, at, spaces = top
+        _, node, phase, at, _ = top
         if byte in _WHITESPACE:
-            gap = _gap(spaces, byte)
-            return [] if gap is None else [rest + (("o", node, phase, at, gap),)]
+            return _spaced(top, rest, byte)
         if phase in (0, 1):
             if phase == 0 and byte == ord("}") and _may_close(node, at):
                 return self._done(rest)
@@ -517,10 +517,9 @@ class JsonGrammar:
         return []
 
     def _in_array(self, top: tuple, rest: tuple, byte: int) -> list[tuple]:
-        _, node, phase, count, spaces = top
+        _, node, phase, count, _ = top
         if byte in _WHITESPACE:
-            gap = _gap(spaces, byte)
-            return [] if gap is None else [rest + (("a", node, phase, count, gap),)]
+            return _spaced(top, rest, byte)
         if phase in (0, 1):
             out = []
             if phase == 0 and byte == ord("]") and node.min_items == 0:
@@ -575,6 +574,13 @@ def _marker_step(marker: bytes, matched: int, byte: int) -> int:
         if text.endswith(marker[:length]):
             return length
     return 0
+
+
+def _spaced(top: tuple, rest: tuple, byte: int) -> list[tuple]:
+    """The stack after whitespace ``byte`` where ``top`` (a frame whose last
+    field is its gap: a value's, an object's, an array's) waits for a token."""
+    gap = _gap(top[-1], byte)
+    return [] if gap is None else [rest + (top[:-1] + (gap,),)]
 
 
 def _gap(gap: int, byte: int) -> Optional[int]:

@@ -206,14 +206,19 @@ class TestAllowed:
                 assert grammar.accepts(text)
         assert finished >= 10 and len(checked) >= 30
 
-    def test_a_random_vocabulary(self):
+    @pytest.mark.parametrize("reasoning", [False, True], ids=["schema", "after reasoning"])
+    def test_a_random_vocabulary(self, reasoning):
         """Thousands of random multi-byte tokens (quotes, escapes, digits,
-        partial UTF-8 mixed in), against the definition."""
+        partial UTF-8, pieces of the reasoning markers mixed in), against the
+        definition."""
         rng = random.Random(3)
-        alphabet = list(b'{}[]":, \n\t0123456789-+.eEtrufalsnbxyz\\/') + [0xC3, 0xA9, 0xE6, 0x9D, 0xB1, 0x1F]
+        alphabet = list(b'{}[]":, \n\t0123456789-+.eEtrufalsnbxyz\\/<>hik') + [0xC3, 0xA9, 0xE6, 0x9D, 0xB1, 0x1F]
         pieces = [bytes([b]) for b in range(256)] + [None]
         pieces += [bytes(rng.choice(alphabet) for _ in range(rng.randint(2, 6))) for _ in range(4000)]
-        constraint = JsonConstraint(JsonGrammar(SCHEMA), TokenBytes(pieces, len(pieces)), [256])
+        pieces += [THINK[1][:cut] + tail for cut in range(1, 8) for tail in (b"", b"x", b"\n{", b">{}")]
+        pieces += [THINK[1][cut:] + tail for cut in range(1, 8) for tail in (b"", b"x", b"\n{", b"{}")]
+        grammar = JsonGrammar(SCHEMA, reasoning=THINK, reasoning_opened=True) if reasoning else JsonGrammar(SCHEMA)
+        constraint = JsonConstraint(grammar, TokenBytes(pieces, len(pieces)), [256])
         checked = set()
 
         def check(state):
@@ -223,6 +228,8 @@ class TestAllowed:
 
         finished = [random_generation(constraint, rng, check, steps=300) for _ in range(30)]
         assert sum(text is not None for text in finished) >= 10
+        if reasoning:  # the places in the end marker were met
+            assert {grammar.in_free_text(state) for state in checked} >= {(THINK[1], 0), (THINK[1], 2)}
         for text in finished:
             if text is not None:
                 assert constraint.grammar.accepts(text)

@@ -242,8 +242,9 @@ class TestAround:
     def test_the_block_is_free_text_up_to_its_marker(self):
         grammar = JsonGrammar({"type": "object"}, reasoning=(b"<think>", b"</think>"), reasoning_opened=True)
         state = grammar.read(grammar.start, b"some text")
-        assert grammar.in_free_text(state) == b"</think>"
-        assert grammar.in_free_text(grammar.read(state, b"</th")) is None  # part of the marker written
+        assert grammar.in_free_text(state) == (b"</think>", 0)
+        assert grammar.in_free_text(grammar.read(state, b"a</th")) == (b"</think>", 4)  # part of the marker written
+        assert grammar.in_free_text(grammar.read(state, b"</think>")) is None
         assert grammar.read(grammar.after_free_text(state), b"{}") and grammar.complete(
             grammar.read(grammar.after_free_text(state), b"\n{}")
         )
