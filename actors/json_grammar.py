@@ -10,9 +10,10 @@ A grammar may also hold the text to fixed bytes before and after the value
 block (free text up to the block's end marker, then whitespace: a reasoning
 model thinks before it answers). A state is a frozenset of
 *stacks* (tuples of frames, the innermost last):
-every way the bytes read so far can go on. A schema's alternatives
-(``anyOf``, ``enum``, which object key comes next) each keep their own
-stack until a byte rules them out. The empty set is a dead state (the bytes
+every way the bytes read so far can go on. A schema's ``anyOf``
+alternatives each keep their own stack until a byte rules them out; an
+``enum``'s values, and the keys that may come next, are one frame each (a
+range of a sorted table of their texts). The empty set is a dead state (the bytes
 are no prefix of any allowed text); the empty stack ``()`` is a complete
 value.
 
@@ -134,7 +135,7 @@ class _Node:
     """One compiled schema (compared by identity; fields set once, at compile)."""
 
     __slots__ = ("types", "properties", "required", "additional", "items", "min_items", "max_items",
-                 "literals", "alternatives")  # fmt: skip
+                 "literals", "alternatives", "key_tables")  # fmt: skip
 
     def __init__(self) -> None:
         self.types: frozenset[str] = _TYPES
@@ -146,10 +147,12 @@ class _Node:
         self.items: Optional[_Node] = None
         self.min_items = 0
         self.max_items: Optional[int] = None
-        #: The value's allowed texts (``enum``/``const``), sorted, or None.
-        self.literals: Optional[tuple[bytes, ...]] = None
+        #: The value's allowed texts (``enum``/``const``), or None.
+        self.literals: Optional[_Table] = None
         #: ``anyOf`` alternatives, or None.
         self.alternatives: Optional[tuple[_Node, ...]] = None
+        #: The keys that may come next from each property on (made as met).
+        self.key_tables: Optional[dict[int, _Table]] = None
 
 
 def _compact(value: Any) -> bytes:
@@ -237,7 +240,7 @@ class JsonGrammar:
             if not isinstance(values, list) or not values:
                 raise SchemaNotSupported(f"{where}: enum must be a non-empty list")
             self._counted(len(values), where)
-            node.literals = tuple(sorted(set(_compact(value) for value in values)))
+            node.literals = _Table(sorted((text, -1) for text in set(_compact(value) for value in values)))
             return node
         if "object" in node.types:
             self._object(node, schema, where)
@@ -337,7 +340,7 @@ class JsonGrammar:
             if len(found) > MAX_WAYS:
                 raise GrammarTooAmbiguous(
                     f"the text can be read in more than {MAX_WAYS} ways at once: the schema's alternatives"
-                    " (anyOf, enum) are too alike"
+                    " (anyOf) are too alike"
                 )
             if len(self._steps) >= STEPS_KEPT:
                 self._steps.clear()
@@ -403,8 +406,8 @@ class JsonGrammar:
                 return _spaced(top, rest, byte)
             return self._begin(rest, top[1], byte)
         if kind == "e":
-            _, node, low, high, at = top
-            return self._in_literals(rest, node, low, high, at, byte)
+            _, table, low, high, at = top
+            return self._in_table(rest, table, low, high, at, byte)
         if kind == "l":
             _, text, at, tag = top
             if text[at] != byte:
@@ -434,11 +437,14 @@ class JsonGrammar:
             return self._done(rest)
         return [stack] if after == escape else [rest + (("s", after),)]
 
-    def _in_literals(self, rest: tuple, node: _Node, low: int, high: int, at: int, byte: int) -> list[tuple]:
-        """The stacks after ``byte`` where the value is one of
-        ``node.literals[low:high]`` (sorted), which share their first ``at``
-        bytes: one frame for them all, however many (an enum's values)."""
-        texts = node.literals
+    def _in_table(self, rest: tuple, table: _Table, low: int, high: int, at: int, byte: int) -> list[tuple]:
+        """The stacks after ``byte`` where the text is one of
+        ``table.texts[low:high]`` (sorted), which share their first ``at``
+        bytes: one frame for them all, however many (an enum's values, the
+        keys that may come next); a text written whole is done, with its tag."""
+        texts = table.texts
+        if low >= high:
+            return []
         prefix = texts[low][:at] + bytes([byte])
         first = bisect.bisect_left(texts, prefix, low, high)
         last = high if byte == 0xFF else bisect.bisect_left(texts, prefix[:-1] + bytes([byte + 1]), first, high)
@@ -446,10 +452,10 @@ class JsonGrammar:
             return []
         out = []
         if len(texts[first]) == at + 1:  # the shortest (sorted first) is whole here
-            out.extend(self._done(rest))
+            out.extend(self._done(rest, table.tags[first]))
             first += 1
         if first < last:
-            out.append(rest + (("e", node, first, last, at + 1),))
+            out.append(rest + (("e", table, first, last, at + 1),))
         return out
 
     def _begin(self, rest: tuple, node: _Node, byte: int) -> list[tuple]:
@@ -457,7 +463,7 @@ class JsonGrammar:
         if node.alternatives is not None:
             return [stack for part in node.alternatives for stack in self._begin(rest, part, byte)]
         if node.literals is not None:
-            return self._in_literals(rest, node, 0, len(node.literals), 0, byte)
+            return self._in_table(rest, node.literals, 0, len(node.literals.texts), 0, byte)
         types = node.types
         deep = len(rest) >= MAX_DEPTH
         if byte == ord("{") and "object" in types and not deep:
@@ -503,7 +509,8 @@ class JsonGrammar:
             keying = rest + (("o", node, 5, at, 0),)
             if node.properties is None:
                 return [keying + (("s", 0),)]
-            return [keying + (("l", node.properties[j][1], 1, j),) for j in _next_keys(node, at)]
+            table = _key_table(node, at)
+            return self._in_table(keying, table, 0, len(table.texts), 0, byte)
         if phase == 2:
             if byte != ord(":"):
                 return []
@@ -608,6 +615,28 @@ def _count_cap(node: _Node) -> int:
     """Where an array's item count stops being told apart: past its bounds
     every count reads the same (so states repeat, and their masks are reused)."""
     return node.max_items if node.max_items is not None else node.min_items
+
+
+class _Table:
+    """Texts one of which comes next (sorted), each with a tag (a key's
+    property index; -1 for an enum's value). Compared by identity."""
+
+    __slots__ = ("texts", "tags")
+
+    def __init__(self, entries: list[tuple[bytes, int]]) -> None:
+        self.texts = tuple(text for text, _ in entries)
+        self.tags = tuple(tag for _, tag in entries)
+
+
+def _key_table(node: _Node, at: int) -> _Table:
+    """The keys that may come next in an object of ``node``'s from property
+    ``at`` on (made once a place)."""
+    if node.key_tables is None:
+        node.key_tables = {}
+    table = node.key_tables.get(at)
+    if table is None:
+        table = node.key_tables[at] = _Table(sorted((node.properties[j][1], j) for j in _next_keys(node, at)))
+    return table
 
 
 def _next_keys(node: _Node, at: int) -> list[int]:

@@ -186,6 +186,15 @@ class TestBounds:
         assert len(grammar.read(grammar.start, b'"v1')) == 1
         assert grammar.complete(grammar.read(grammar.start, b"12")) and grammar.read(grammar.start, b"123")
 
+    def test_many_optional_keys_are_read_as_one_way(self):
+        """The keys that may come next, however many, are one reading too."""
+        many = {"type": "object", "properties": {f"key{i}": {"type": "integer"} for i in range(1000)}}
+        grammar = JsonGrammar(many)
+        assert len(grammar.read(grammar.start, b'{"key')) == 1
+        assert grammar.accepts(b'{"key5":1,"key999":2}') and grammar.accepts(b'{"key1":1,"key10":2,"key100":3}')
+        assert not grammar.accepts(b'{"key10":1,"key1":2}')  # in their order
+        assert not grammar.accepts(b'{"key1000":1}')
+
     def test_a_schema_too_large_is_refused(self):
         with pytest.raises(SchemaNotSupported, match="more than"):
             JsonGrammar({"enum": list(range(MAX_SCHEMA_PARTS + 1))})
