@@ -591,10 +591,11 @@ def _spaced(top: tuple, rest: tuple, byte: int) -> list[tuple]:
 
 
 def _gap(gap: int, byte: int) -> Optional[int]:
-    """A gap's whitespace after ``byte`` (None: not allowed): the gap is
-    ``gap % _NEWLINE`` spaces or tabs, after a newline where ``gap >= _NEWLINE``."""
+    """A gap's whitespace after ``byte`` (None: not allowed): the gap holds
+    ``gap % _NEWLINE`` spaces or tabs (at most :data:`MAX_WHITESPACE`), and
+    a newline where ``gap >= _NEWLINE``."""
     if byte == ord("\n"):
-        return None if gap >= _NEWLINE else _NEWLINE
+        return None if gap >= _NEWLINE else gap + _NEWLINE
     return gap + 1 if gap % _NEWLINE < MAX_WHITESPACE else None
 
 

@@ -91,6 +91,7 @@ class TestAgainstJson:
         assert ANY.accepts(b"[" + gap + b"1" + gap + b"]")
         assert not ANY.accepts(b"[" + gap + b" 1]")
         assert not ANY.accepts(b"[\n\n1]")
+        assert not ANY.accepts(b"[ \n" + b" " * MAX_WHITESPACE + b"1]")  # spaces before the newline count too
 
     def test_nesting_is_bounded(self):
         assert ANY.accepts(b"[" * MAX_DEPTH + b"]" * MAX_DEPTH)

@@ -892,6 +892,29 @@ class TestJsonOutput:
             assert list(value) == ["ok", "mood", "score"] and isinstance(value["ok"], bool)
             assert value["mood"] in ("calm", "tense") and value["score"] in (1, 2, 3)
 
+    async def test_the_openai_clients_parse_reads_a_pydantic_model(self, serve):
+        """The real ``openai`` client's ``chat.completions.parse``: the schema
+        it writes for a Pydantic model (strict: every key required, no others)
+        holds the answer, and the client reads it back into the model."""
+        from typing import Literal
+
+        from pydantic import BaseModel
+
+        class Verdict(BaseModel):
+            ok: bool
+            mood: Literal["calm", "tense"]
+            score: Literal[1, 2, 3]
+            note: Optional[Literal["a", "b"]]
+
+        async with serve() as s:
+            answer = await s.client.chat.completions.parse(
+                model="tiny", messages=chat("Judge this."), max_tokens=400, response_format=Verdict, **GREEDY
+            )
+            await nothing_held(s.runtime)
+        parsed = answer.choices[0].message.parsed
+        assert isinstance(parsed, Verdict) and parsed.mood in ("calm", "tense")
+        assert Verdict.model_validate_json(answer.choices[0].message.content) == parsed
+
     async def test_json_mode_and_completions(self, serve):
         """``json_object``: an object (or, cut by ``max_tokens``, the start of
         one); completions take the field too, and a free answer of the same
