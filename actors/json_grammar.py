@@ -376,9 +376,9 @@ class JsonGrammar:
         return frozenset(stack[:-1] for stack in state)
 
     def in_plain_string(self, state: State) -> bool:
-        """Whether every way on is inside a string, between characters: text
-        of whole UTF-8 characters with no ``"``, ``\\`` or control character
-        leaves the state as it is."""
+        """Whether every way on is inside a string, between characters: what
+        a token does there, up to a quote that ends the string, depends on
+        nothing else."""
         return all(stack and stack[-1] == ("s", 0) for stack in state)
 
     def accepts(self, text: bytes) -> bool:
