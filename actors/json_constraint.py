@@ -206,7 +206,9 @@ class JsonConstraint:
         self.masks = masks if masks is not None else MaskCache()
 
     def allowed(self, state: State) -> Any:
-        """The tokens ``state`` allows next, as a NumPy bool vector of the vocabulary's width.
+        """The tokens ``state`` allows next: an MLX bool vector of the
+        vocabulary's width, made once a state (found on the host, kept on
+        the device, so a step's masks are stacked there, not sent again).
 
         Raises:
             GrammarTooAmbiguous: a token's text reads more ways at once than
@@ -234,8 +236,11 @@ class JsonConstraint:
             self._walk(state, tokens.sorted_pieces, tokens.sorted_ids, mask)
         if self.grammar.complete(state):
             mask[self.end_tokens] = True
-        self.masks.put(key, mask)
-        return mask
+        import mlx.core as mx
+
+        kept = mx.array(mask)
+        self.masks.put(key, kept)
+        return kept
 
     def _walk(self, start: State, pieces: list[bytes], ids: list[int], mask: Any) -> None:
         """Mark each of ``pieces`` (sorted) the grammar reads whole from ``start``.
@@ -309,7 +314,7 @@ class ConstrainedRow:
         self.state = constraint.grammar.start
 
     def allowed(self) -> Any:
-        """The tokens allowed next (a NumPy bool vector)."""
+        """The tokens allowed next (an MLX bool vector)."""
         return self.constraint.allowed(self.state)
 
     def fed(self, token: int) -> None:
@@ -338,19 +343,27 @@ def masked(logits: Any, rows: Sequence[Optional[ConstrainedRow]]) -> tuple[Any, 
     if all(row is None for row in rows):
         return logits, []
     import mlx.core as mx
-    import numpy as np
 
     width = logits.shape[-1]
-    allowed = np.ones((len(rows), width), dtype=bool)
+    free = mx.ones((width,), dtype=mx.bool_)
+    masks = []
     failed: list[tuple[int, Exception]] = []
     for index, row in enumerate(rows):
         if row is None:
+            masks.append(free)
             continue
         try:
-            mask = row.allowed()
+            masks.append(_widened(row.allowed(), width))
         except GrammarTooAmbiguous as error:
             failed.append((index, error))
-            continue
-        allowed[index, : len(mask)] = mask[:width]
-        allowed[index, len(mask) :] = False
-    return mx.where(mx.array(allowed), logits, mx.array(-mx.inf, dtype=logits.dtype)), failed
+            masks.append(free)
+    return mx.where(mx.stack(masks), logits, mx.array(-mx.inf, dtype=logits.dtype)), failed
+
+
+def _widened(mask: Any, width: int) -> Any:
+    """``mask`` cut or padded (nothing allowed past the vocabulary) to ``width``."""
+    import mlx.core as mx
+
+    if mask.shape[0] >= width:
+        return mask[:width]
+    return mx.concatenate([mask, mx.zeros((width - mask.shape[0],), dtype=mx.bool_)])
