@@ -26,12 +26,11 @@ step there). A :class:`ConstrainedRow` belongs to its
 
 from __future__ import annotations
 
-import bisect
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any, Optional
 
-from mlxkv.actors.json_grammar import CLOSED, GrammarTooAmbiguous, JsonGrammar, State, string_step
+from mlxkv.actors.json_grammar import CLOSED, GrammarTooAmbiguous, JsonGrammar, State, past_prefix, string_step
 
 __all__ = ["ConstrainedRow", "ConstraintBroken", "JsonConstraint", "MaskCache", "TokenBytes", "masked", "token_pieces"]
 
@@ -273,7 +272,7 @@ class JsonConstraint:
                 index += 1
                 continue
             prefix = piece[:refused]
-            index = _past(pieces, piece[: refused + 1], index + 1)
+            index = past_prefix(pieces, piece[: refused + 1], index + 1, count)
 
 
 def _read_in_string(piece: bytes) -> Optional[bytes]:
@@ -288,15 +287,6 @@ def _read_in_string(piece: bytes) -> Optional[bytes]:
         if escape is CLOSED:
             return piece[index:]
     return b""
-
-
-def _past(pieces: list[bytes], prefix: bytes, start: int) -> int:
-    """The first index from ``start`` whose piece does not start with ``prefix`` (pieces sorted)."""
-    while prefix and prefix[-1] == 0xFF:
-        prefix = prefix[:-1]
-    if not prefix:
-        return len(pieces)
-    return bisect.bisect_left(pieces, prefix[:-1] + bytes([prefix[-1] + 1]), start)
 
 
 class ConstrainedRow:

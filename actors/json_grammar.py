@@ -54,12 +54,12 @@ from __future__ import annotations
 
 import bisect
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 __all__ = [
     "CLOSED", "MAX_DEPTH", "MAX_SCHEMA_PARTS", "MAX_WAYS", "MAX_WHITESPACE", "GrammarTooAmbiguous", "JsonGrammar",
-    "SchemaNotSupported", "State", "string_step",
+    "SchemaNotSupported", "State", "past_prefix", "string_step",
 ]  # fmt: skip
 
 #: Spaces or tabs allowed in one gap between tokens (after at most one newline).
@@ -447,7 +447,7 @@ class JsonGrammar:
             return []
         prefix = texts[low][:at] + bytes([byte])
         first = bisect.bisect_left(texts, prefix, low, high)
-        last = high if byte == 0xFF else bisect.bisect_left(texts, prefix[:-1] + bytes([byte + 1]), first, high)
+        last = past_prefix(texts, prefix, first, high)
         if first == last:
             return []
         out = []
@@ -581,6 +581,16 @@ def _marker_step(marker: bytes, matched: int, byte: int) -> int:
         if text.endswith(marker[:length]):
             return length
     return 0
+
+
+def past_prefix(texts: Sequence[bytes], prefix: bytes, low: int, high: int) -> int:
+    """In ``texts[low:high]`` (sorted), the first index from ``low`` whose
+    text does not start with ``prefix``, where those before it do."""
+    while prefix and prefix[-1] == 0xFF:
+        prefix = prefix[:-1]
+    if not prefix:
+        return high
+    return bisect.bisect_left(texts, prefix[:-1] + bytes([prefix[-1] + 1]), low, high)
 
 
 def _spaced(top: tuple, rest: tuple, byte: int) -> list[tuple]:

@@ -4,9 +4,10 @@
 event loop only. It compiles each schema once (kept by its JSON text, the
 most recent :data:`GRAMMARS_KEPT`), reads the model's vocabulary as bytes
 once (on a worker thread, when the first schema is asked for: a real
-vocabulary takes a fraction of a second), and gives each grammar one
-:class:`~mlxkv.actors.json_constraint.JsonConstraint`, so that every
-generation under the same schema shares what its states allow.
+vocabulary takes a fraction of a second), and keeps what every
+:class:`~mlxkv.actors.json_constraint.JsonConstraint` finds in one
+:class:`~mlxkv.actors.json_constraint.MaskCache`, so that every generation
+under the same schema shares what its states allow.
 """
 
 from __future__ import annotations
@@ -69,16 +70,16 @@ class JsonOutputs:
     """A model's JSON grammars and constraints (see the module docstring).
 
     Invariants: ``_kept`` maps a schema's JSON text (with its
-    :class:`JsonText`) to its grammar and that
-    grammar's one constraint (None until a generation asks for it); the
-    vocabulary's bytes are read at most once.
+    :class:`JsonText`) to its grammar; the vocabulary's bytes are read at
+    most once; every constraint keeps what its states allow in the one
+    ``_masks`` (by grammar and state), so constraints of one grammar share it.
     """
 
     def __init__(self, preparer: PromptPreparer, width: Optional[int], end_tokens: Iterable[int]) -> None:
         self._preparer = preparer
         self._width = width
         self._end_tokens = frozenset(end_tokens)
-        self._kept: OrderedDict[str, list[Any]] = OrderedDict()
+        self._kept: OrderedDict[str, JsonGrammar] = OrderedDict()
         self._tokens: Optional[TokenBytes] = None
         #: Every constraint's allowed tokens, within one budget.
         self._masks = MaskCache()
@@ -99,39 +100,30 @@ class JsonOutputs:
         try:
             key = json.dumps([schema, attrs.astuple(text)], ensure_ascii=False, allow_nan=False)
         except (TypeError, ValueError) as error:
-            raise InvalidInput("json_schema", _short(schema), f"must be JSON: {error}") from None
-        kept = self._kept.get(key)
-        if kept is None:
+            raise InvalidInput("json_schema", schema, f"must be JSON: {error}") from None
+        grammar = self._kept.get(key)
+        if grammar is None:
             try:
                 reasoning = None if text.reasoning is None else tuple(m.encode() for m in text.reasoning)
-                kept = [
-                    JsonGrammar(
-                        schema, before=text.before.encode(), after=text.after.encode(), reasoning=reasoning,
-                        reasoning_opened=text.reasoning_opened,
-                    ),
-                    None,
-                ]  # fmt: skip
+                grammar = JsonGrammar(
+                    schema, before=text.before.encode(), after=text.after.encode(), reasoning=reasoning,
+                    reasoning_opened=text.reasoning_opened,
+                )  # fmt: skip
             except SchemaNotSupported as error:
-                raise InvalidInput("json_schema", _short(schema), str(error)) from None
+                raise InvalidInput("json_schema", schema, str(error)) from None
             except RecursionError:
-                raise InvalidInput("json_schema", _short(schema), "is nested too deep") from None
-            self._kept[key] = kept
+                raise InvalidInput("json_schema", schema, "is nested too deep") from None
+            self._kept[key] = grammar
             if len(self._kept) > GRAMMARS_KEPT:
                 self._kept.popitem(last=False)
         else:
             self._kept.move_to_end(key)
-        return kept[0]
+        return grammar
 
     async def constraint(self, grammar: JsonGrammar) -> JsonConstraint:
-        """The constraint of ``grammar`` (one made by :meth:`grammar`) over the model's tokens."""
-        tokens = await self._vocabulary()
-        for kept in self._kept.values():
-            if kept[0] is grammar:
-                if kept[1] is None:
-                    kept[1] = JsonConstraint(grammar, tokens, self._end_tokens, self._masks)
-                return kept[1]
-        # Its schema left the kept ones meanwhile: a constraint of its own.
-        return JsonConstraint(grammar, tokens, self._end_tokens, self._masks)
+        """``grammar`` over the model's tokens, its masks kept with every other
+        constraint's (so a schema's generations share them)."""
+        return JsonConstraint(grammar, await self._vocabulary(), self._end_tokens, self._masks)
 
     async def _vocabulary(self) -> TokenBytes:
         while self._tokens is None:
@@ -150,7 +142,3 @@ class JsonOutputs:
         pieces = self._preparer.token_pieces()
         return TokenBytes(pieces, self._width if self._width is not None else len(pieces))
 
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."

@@ -688,15 +688,13 @@ class _Answering(Response):
             return text
         return attrs.evolve(text, reasoning=(syntax.start, syntax.end), reasoning_opened=syntax.opened(prompt.text))
 
-    def _with_forced_call(self, parsed: Union[ChatRequest, CompletionRequest, Any]) -> Options:
+    def _with_forced_call(self, parsed: Union[ChatRequest, CompletionRequest]) -> Options:
         """The request's options, holding the answer to its one call where
-        ``tool_choice`` forces one (in the model's syntax)."""
+        ``tool_choice`` forces one (in the model's syntax: a forced call
+        names tools, which are taken only where the model has one)."""
         if not isinstance(parsed, ChatRequest) or not parsed.forced_call:
             return parsed.options
-        syntax = self._server.chat.tool_syntax if self._server.chat is not None else None
-        if syntax is None:  # tools were taken: the model has a syntax
-            raise InvalidInput("tool_choice", list(parsed.forced_call), "cannot force a call on this model")
-        schema, text = syntax.forced(parsed.tools, parsed.forced_call)
+        schema, text = self._server.chat.tool_syntax.forced(parsed.tools, parsed.forced_call)
         self._forced = True
         return attrs.evolve(parsed.options, json_schema=schema, json_text=text)
 

@@ -33,6 +33,7 @@ from mlxkv.server.request import ChatMessage, ToolCall  # noqa: E402
 
 from device_arithmetic import LOGITS_ATOL  # noqa: E402
 from greedy import CLEAR_GAP, least_gap, reference_load  # noqa: E402
+from tool_cases import WEATHER  # noqa: E402
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
@@ -1000,14 +1001,7 @@ class TestJsonOutput:
             await nothing_held(s.runtime)
 
 
-#: A function tool, and a conversation that called it and has its result.
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather", "description": "The weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}  # fmt: skip
+#: A conversation that called the weather tool and has its result.
 CALLED = [
     {"role": "system", "content": SYSTEM},
     {"role": "user", "content": "Weather in Paris?"},

@@ -9,15 +9,7 @@ import pytest
 from mlxkv import InvalidInput
 from mlxkv.server.request import ChatMessage, parse_chat, parse_completion, parse_json
 
-
-#: A function tool as OpenAI's clients send it.
-_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather", "description": "The weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}  # fmt: skip
+from tool_cases import WEATHER as _TOOL
 
 
 def refused(parse: Any, body: dict[str, Any], **kwargs: Any) -> InvalidInput:
