@@ -39,6 +39,8 @@ __all__ = ["ConstrainedRow", "ConstraintBroken", "JsonConstraint", "MaskCache", 
 MASK_BYTES = 64 << 20
 #: Places in reasoning end markers whose tokens a vocabulary keeps read.
 MARKERS_KEPT = 32
+#: UTF-8 continuation bytes (a character's count is its other bytes').
+_CONTINUATION = bytes(range(0x80, 0xC0))
 
 
 class ConstraintBroken(RuntimeError):
@@ -114,6 +116,18 @@ class TokenBytes:
         closing.sort()
         self.closing_pieces = [piece for piece, _ in closing]
         self.closing_ids = [token for _, token in closing]
+        # For a string held to lengths alone: the characters of each piece
+        # that stays in it without an escape (-1: not such a piece), and the
+        # others read there (escapes, a quote ending it) whole, sorted.
+        self.string_chars = np.full(width, -1, dtype=np.int64)
+        counted = []
+        for piece, token in texts:
+            if self.in_string[token] and b"\\" not in piece:
+                self.string_chars[token] = len(piece.translate(None, _CONTINUATION))
+            elif self.in_string[token] or _read_in_string(piece):
+                counted.append((piece, token))
+        self.escaping_pieces = [piece for piece, _ in counted]
+        self.escaping_ids = [token for _, token in counted]
         self._free_text: OrderedDict[tuple[bytes, int], tuple[Any, list[bytes], list[int]]] = OrderedDict()
 
     def free_text(self, end: bytes, written: int) -> tuple[Any, list[bytes], list[int]]:
@@ -225,6 +239,11 @@ class JsonConstraint:
             mask, pieces, ids = tokens.free_text(*free)
             mask = mask.copy()
             self._walk(self.grammar.after_free_text(state), pieces, ids, mask)
+        elif (room := self.grammar.string_room(state)) is not None:
+            # A string held to lengths alone: pieces of plain characters are
+            # allowed while they fit; those with escapes or a quote are read.
+            mask = (tokens.string_chars >= 0) & (tokens.string_chars <= room)
+            self._walk(state, tokens.escaping_pieces, tokens.escaping_ids, mask)
         elif self.grammar.in_plain_string(state):
             # What stays in the string is allowed whatever holds it; what
             # ends it is read on from its closing quote.

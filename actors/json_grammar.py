@@ -35,12 +35,19 @@ Invariants:
 The subset: ``type`` (a name or a list), ``properties``, ``required``,
 ``additionalProperties``, ``items``, ``minItems``, ``maxItems``, ``enum``,
 ``const``, ``anyOf`` and ``oneOf`` (read as ``anyOf``: that only one
-alternative matches is not checked), ``allOf`` of one schema, and ``$ref``
-to ``#/$defs/...`` or ``#/definitions/...`` (recursion allowed).
-Annotations (``title``, ``description``, ``format``...) are read and
-ignored, ``format`` as the JSON Schema specification makes it by
-default. Any other keyword is refused (:class:`SchemaNotSupported`): a
-constraint the text would not be held to is not silently dropped.
+alternative matches is not checked), ``allOf`` of one schema, ``$ref``
+to ``#/$defs/...`` or ``#/definitions/...`` (recursion allowed); on
+strings ``pattern``, ``minLength``, ``maxLength`` and the formats of
+:data:`FORMATS` (:mod:`~mlxkv.actors.json_pattern` holds a string's
+characters to them), on numbers ``minimum``, ``maximum``,
+``exclusiveMinimum``, ``exclusiveMaximum`` (a bounded number is written
+without an exponent, compared exactly). Annotations (``title``,
+``description``, other ``format`` names...) are read and ignored, as the
+JSON Schema specification makes ``format`` by default. Any other keyword
+is refused (:class:`SchemaNotSupported`): a constraint the text would not
+be held to is not silently dropped. A string held to a rule writes a
+character past U+FFFF as itself or as a surrogate pair's two escapes,
+never a lone surrogate.
 
 Objects with ``properties`` have exactly those keys, in the order given
 (each required one present, others optional), as the text of the names
@@ -54,12 +61,15 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
+from mlxkv.actors.json_pattern import NumberBounds, PatternNotSupported, StringRule
+
 __all__ = [
-    "CLOSED", "MAX_DEPTH", "MAX_SCHEMA_PARTS", "MAX_WAYS", "MAX_WHITESPACE", "GrammarTooAmbiguous", "JsonGrammar",
-    "SchemaNotSupported", "State", "past_prefix", "string_step",
+    "CLOSED", "FORMATS", "MAX_DEPTH", "MAX_LENGTH", "MAX_SCHEMA_PARTS", "MAX_WAYS", "MAX_WHITESPACE",
+    "GrammarTooAmbiguous", "JsonGrammar", "SchemaNotSupported", "State", "past_prefix", "string_step",
 ]  # fmt: skip
 
 #: Spaces or tabs allowed in one gap between tokens (after at most one newline).
@@ -87,14 +97,40 @@ _ANNOTATIONS = frozenset(
 _SUPPORTED = frozenset(
     {
         "type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
-        "enum", "const", "anyOf", "oneOf", "allOf", "$ref",
+        "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "pattern", "minLength", "maxLength", "minimum",
+        "maximum", "exclusiveMinimum", "exclusiveMaximum",
     }
 )  # fmt: skip
+_STRING_KEYWORDS = frozenset({"pattern", "minLength", "maxLength"})
+_NUMBER_KEYWORDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
+#: The formats a string is held to (as patterns); any other ``format`` is an
+#: annotation, read and ignored. RFC 3339's full-date (Gregorian, years
+#: 0001-9999, as Python's dates), full-time and date-time (seconds 00-59, up to
+#: six digits of fraction), RFC 4122's UUID text, dotted IPv4.
+_YEAR = "([1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
+_LEAP_YEAR = "([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
+_DAY = "((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)|02-(0[1-9]|1[0-9]|2[0-8]))"
+_DATE = f"({_YEAR}-{_DAY}|{_LEAP_YEAR}-02-29)"
+_TIME = "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]{1,6})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+_OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+FORMATS = {
+    "date": f"^{_DATE}$",
+    "time": f"^{_TIME}$",
+    "date-time": f"^{_DATE}T{_TIME}$",
+    "uuid": "^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$",
+    "ipv4": f"^{_OCTET}(\\.{_OCTET}){{3}}$",
+}
+_SHORT_ESCAPES = {ord('"'): 0x22, ord("\\"): 0x5C, ord("/"): 0x2F, ord("b"): 0x08, ord("f"): 0x0C, ord("n"): 0x0A,
+                  ord("r"): 0x0D, ord("t"): 0x09}  # fmt: skip
 _WHITESPACE = frozenset(b" \t\n")
 _NEWLINE = 1 << 8
 #: A gap already full: no whitespace at all (before the top-level value).
 _NO_GAP = _NEWLINE + MAX_WHITESPACE
 _DIGITS = frozenset(b"0123456789")
+#: The parts of a number an integer's text may not have (see :data:`_NUMBER`).
+_NOT_INTEGER = frozenset({"dot", "exp"})
+#: The longest ``minLength``/``maxLength`` held to (lengths are counted per character).
+MAX_LENGTH = 1 << 16
 _HEX = frozenset(b"0123456789abcdefABCDEF")
 _ESCAPES = frozenset(b'"\\/bfnrt')
 _QUOTE, _BACKSLASH = ord('"'), ord("\\")
@@ -135,7 +171,7 @@ class _Node:
     """One compiled schema (compared by identity; fields set once, at compile)."""
 
     __slots__ = ("types", "properties", "required", "additional", "items", "min_items", "max_items",
-                 "literals", "alternatives", "key_tables")  # fmt: skip
+                 "literals", "alternatives", "key_tables", "string_rule", "bounds")  # fmt: skip
 
     def __init__(self) -> None:
         self.types: frozenset[str] = _TYPES
@@ -153,6 +189,11 @@ class _Node:
         self.alternatives: Optional[tuple[_Node, ...]] = None
         #: The keys that may come next from each property on (made as met).
         self.key_tables: Optional[dict[int, _Table]] = None
+        #: What a string's characters may be (``pattern``, lengths, a
+        #: ``format`` held to), or None: any.
+        self.string_rule: Optional[StringRule] = None
+        #: A number's bounds, or None: any number.
+        self.bounds: Optional[NumberBounds] = None
 
 
 def _compact(value: Any) -> bytes:
@@ -182,6 +223,7 @@ class JsonGrammar:
         self._root_schema = schema
         self._parts = 0
         self._refs: dict[str, _Node] = {}
+        self._rules: dict[tuple, StringRule] = {}
         self._any = _Node()
         self._any.items = self._any
         self._any.additional = self._any
@@ -235,12 +277,19 @@ class JsonGrammar:
             return self._compile(parts[0], f"{where}.allOf[0]")
         node = _Node()
         self._types(node, schema, where)
+        if "string" in node.types:
+            node.string_rule = self._string_rule(schema, where)
+        if {"number", "integer"} & node.types and _NUMBER_KEYWORDS & set(schema):
+            node.bounds = self._bounds(schema, "number" not in node.types, where)
         if "const" in schema or "enum" in schema:
             values = [schema["const"]] if "const" in schema else schema["enum"]
             if not isinstance(values, list) or not values:
                 raise SchemaNotSupported(f"{where}: enum must be a non-empty list")
             self._counted(len(values), where)
-            node.literals = _Table(sorted((text, -1) for text in set(_compact(value) for value in values)))
+            texts = {_compact(value) for value in values if _literal_held(node, value)}
+            if not texts:
+                raise SchemaNotSupported(f"{where}: no value of its enum meets its other keywords")
+            node.literals = _Table(sorted((text, -1) for text in texts))
             return node
         if "object" in node.types:
             self._object(node, schema, where)
@@ -258,10 +307,61 @@ class JsonGrammar:
             if wrong:
                 raise SchemaNotSupported(f"{where}.type: {wrong[0]!r} is not a JSON type")
             node.types = frozenset(names)
+        elif "enum" in schema or "const" in schema:
+            return  # the values say their types; each keyword applies to its own
         elif {"properties", "required", "additionalProperties"} & set(schema):
             node.types = frozenset({"object"})
         elif {"items", "minItems", "maxItems"} & set(schema):
             node.types = frozenset({"array"})
+        elif _STRING_KEYWORDS & set(schema):
+            node.types = frozenset({"string"})
+        elif _NUMBER_KEYWORDS & set(schema):
+            node.types = frozenset({"number"})
+
+    def _string_rule(self, schema: Mapping, where: str) -> Optional[StringRule]:
+        """What the strings of ``schema`` hold their characters to, or None."""
+        pattern = schema.get("pattern", FORMATS.get(schema.get("format")))
+        if pattern is None and not {"minLength", "maxLength"} & set(schema):
+            return None
+        if pattern is not None and not isinstance(pattern, str):
+            raise SchemaNotSupported(f"{where}.pattern must be a string")
+        low = _count(schema.get("minLength", 0), f"{where}.minLength")
+        high = _count(schema["maxLength"], f"{where}.maxLength") if "maxLength" in schema else None
+        if max(low, high or 0) > MAX_LENGTH:
+            raise SchemaNotSupported(f"{where}: string lengths above {MAX_LENGTH} are not supported")
+        if high is not None and high < low:
+            raise SchemaNotSupported(f"{where}: maxLength is below minLength")
+        key = (pattern, low, high)
+        if key not in self._rules:
+            try:
+                self._rules[key] = StringRule(pattern, low, high)
+            except PatternNotSupported as error:
+                raise SchemaNotSupported(f"{where}: {error}") from None
+            self._counted(self._rules[key].positions // 16, where)
+        return self._rules[key]
+
+    def _bounds(self, schema: Mapping, integer: bool, where: str) -> NumberBounds:
+        """The bounds the numbers of ``schema`` are held to (as JSON Schema
+        2020-12 writes them, or draft 4's boolean ``exclusiveMinimum``)."""
+        ends = []
+        for inclusive, exclusive in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+            value, is_open = schema.get(inclusive), False
+            other = schema.get(exclusive)
+            for name, number in ((inclusive, value), (exclusive, other)):
+                if number is not None and not (name == exclusive and isinstance(number, bool)) and not _finite(number):
+                    raise SchemaNotSupported(f"{where}.{name} must be a finite number")
+            if isinstance(other, bool):
+                is_open = other and value is not None
+            elif other is not None:
+                stricter = value is None or (other >= value if inclusive == "minimum" else other <= value)
+                if stricter:
+                    value, is_open = other, True
+            ends.append((value, is_open))
+        (low, low_open), (high, high_open) = ends
+        try:
+            return NumberBounds(low, low_open, high, high_open, integer=integer)
+        except PatternNotSupported as error:
+            raise SchemaNotSupported(f"{where}: {error}") from None
 
     def _object(self, node: _Node, schema: Mapping, where: str) -> None:
         required = schema.get("required", [])
@@ -381,6 +481,20 @@ class JsonGrammar:
         nothing else."""
         return all(stack and stack[-1] == ("s", 0) for stack in state)
 
+    def string_room(self, state: State) -> Optional[int]:
+        """Where every way on is inside one string held to lengths alone
+        (no pattern), between characters: how many more characters it may
+        take (what a token of plain characters does there depends on
+        nothing else); else None."""
+        tops = {stack[-1] for stack in state if stack}
+        if len(tops) != 1 or not all(state):
+            return None
+        (top,) = tops
+        if top[0] != "p" or top[1].pattern is not None or top[3] or top[2][0] != top[1].start[0]:
+            return None
+        rule, count = top[1], top[2][1]
+        return MAX_LENGTH if rule.max_length is None else rule.max_length - count
+
     def accepts(self, text: bytes) -> bool:
         """Whether ``text`` is, whole, a value the schema allows."""
         return self.complete(self.read(self.start, text))
@@ -393,6 +507,8 @@ class JsonGrammar:
         kind = top[0]
         if kind == "s":
             return self._string(top[1], rest, byte, stack)
+        if kind == "p":
+            return self._ruled_string(top, rest, byte)
         if kind == "f":
             _, end, matched = top
             matched = _marker_step(end, matched, byte)
@@ -416,13 +532,13 @@ class JsonGrammar:
                 return self._done(rest, tag)
             return [rest + (("l", text, at + 1, tag),)]
         if kind == "n":
-            _, where, integer = top
+            _, where, refused, bounds, text = top
             out = []
             kind_of = _number_class(byte)
             following = _NUMBER[where].get(kind_of) if kind_of else None
-            if following is not None and not (integer and following in ("dot", "exp")):
-                out.append(rest + (("n", following, integer),))
-            if where in _NUMBER_ENDS:
+            if following is not None and following not in refused:
+                out.extend(_number(rest, following, refused, bounds, text + bytes([byte])))
+            if _ended_number(top):
                 out.extend(after for done in self._done(rest) for after in self._advance(done, byte))
             return out
         if kind == "o":
@@ -436,6 +552,35 @@ class JsonGrammar:
         if after is CLOSED:
             return self._done(rest)
         return [stack] if after == escape else [rest + (("s", after),)]
+
+    def _ruled_string(self, top: tuple, rest: tuple, byte: int) -> list[tuple]:
+        """Inside a string held to a :class:`StringRule`: its JSON text is
+        read here (quote, escapes), its characters by the rule. ``pending``
+        is an escape being written (from its backslash), else empty."""
+        _, rule, state, pending = top
+        if pending or byte == _BACKSLASH:
+            return self._in_escape(rule, state, pending + bytes([byte]), rest)
+        if byte == _QUOTE:
+            return self._done(rest) if rule.complete(state) else []
+        if byte < 0x20:
+            return []
+        after = rule.step(state, byte)
+        return [] if after is None else [rest + (("p", rule, after, b""),)]
+
+    def _in_escape(self, rule: StringRule, state: Any, escape: bytes, rest: tuple) -> list[tuple]:
+        """An escape in a ruled string after its bytes ``escape``: the
+        character it writes read by the rule once whole; until then taken
+        while some character it may still write is one the rule takes."""
+        code, ranges = _escape_reading(escape)
+        if code is None:
+            if any(rule.takes_code_point(state, low, high) for low, high in ranges):
+                return [rest + (("p", rule, state, escape),)]
+            return []
+        for byte in chr(code).encode():
+            state = rule.step(state, byte)
+            if state is None:
+                return []
+        return [rest + (("p", rule, state, b""),)]
 
     def _in_table(self, rest: tuple, table: _Table, low: int, high: int, at: int, byte: int) -> list[tuple]:
         """The stacks after ``byte`` where the text is one of
@@ -471,11 +616,15 @@ class JsonGrammar:
         if byte == ord("[") and "array" in types and not deep:
             return [rest + (("a", node, 0, 0, 0),)]
         if byte == _QUOTE and "string" in types:
-            return [rest + (("s", 0),)]
+            rule = node.string_rule
+            return [rest + (("s", 0),)] if rule is None else [rest + (("p", rule, rule.start, b""),)]
         number, integer = "number" in types, "integer" in types and "number" not in types
         kind_of = _number_class(byte)
         if (number or integer) and kind_of in ("sign", "zero", "digit"):
-            return [rest + (("n", {"sign": "sign", "zero": "zero", "digit": "int"}[kind_of], integer),)]
+            where = {"sign": "sign", "zero": "zero", "digit": "int"}[kind_of]
+            bounds = node.bounds
+            refused = bounds.refused if bounds is not None else _NOT_INTEGER if integer else frozenset()
+            return _number(rest, where, refused, bounds, bytes([byte]))
         literal = {ord("t"): ("boolean", b"true"), ord("f"): ("boolean", b"false"), ord("n"): ("null", b"null")}
         if byte in literal and literal[byte][0] in types:
             return [rest + (("l", literal[byte][1], 1, -1),)]
@@ -666,7 +815,78 @@ def _may_close(node: _Node, at: int) -> bool:
 
 
 def _ended_number(frame: tuple) -> bool:
-    return frame[0] == "n" and frame[1] in _NUMBER_ENDS
+    """Whether ``frame`` is a number that may end here (whole, in its bounds)."""
+    return frame[0] == "n" and frame[1] in _NUMBER_ENDS and (frame[3] is None or frame[3].holds(frame[4]))
+
+
+def _number(rest: tuple, where: str, refused: frozenset, bounds: Optional[NumberBounds], text: bytes) -> list[tuple]:
+    """The stacks once a number's text is ``text`` (at ``where`` in
+    :data:`_NUMBER`): ``("n", where, refused, bounds, text)``, the bounds and
+    text kept only while the text's ways on are partly out of bounds."""
+    if bounds is not None:
+        reach = bounds.reach(text)
+        if reach == "none":
+            return []
+        if reach == "some":
+            return [rest + (("n", where, refused, bounds, text),)]
+    return [rest + (("n", where, refused, None, b""),)]
+
+
+def _escape_reading(escape: bytes) -> tuple[Optional[int], list[tuple[int, int]]]:
+    """A string escape being written (from its backslash): the code point it
+    writes once whole, else None and the code points it may still write
+    (none: it cannot go on). ``\\uXXXX`` writes a surrogate pair's half only
+    as the first of a pair (``\\uD83D\\uDE00``)."""
+    if len(escape) == 1:
+        return None, [(0, 0x10FFFF)]
+    if len(escape) == 2:
+        code = _SHORT_ESCAPES.get(escape[1])
+        if code is not None:
+            return code, []
+        return None, [(0, 0x10FFFF)] if escape[1] == ord("u") else []
+    if escape[-1] not in _HEX and len(escape) not in (7, 8):
+        return None, []
+    if len(escape) <= 6:
+        shift = 4 * (6 - len(escape))
+        low = int(escape[2:], 16) << shift
+        high = low | ((1 << shift) - 1)
+        if low == high and not 0xD800 <= low <= 0xDBFF:
+            return (None, []) if 0xDC00 <= low <= 0xDFFF else (low, [])
+        ranges = [(low, high)]  # its surrogates write nothing alone (no UTF-8 text holds them)
+        first, last = max(low, 0xD800), min(high, 0xDBFF)
+        if first <= last:
+            ranges.append((_paired(first, 0xDC00), _paired(last, 0xDFFF)))
+        return None, ranges
+    if escape[6:8] != b"\\u"[: len(escape) - 6]:
+        return None, []
+    digits = escape[8:]
+    shift = 4 * (4 - len(digits))
+    low = max(int(digits or b"0", 16) << shift, 0xDC00)
+    high = min((int(digits or b"0", 16) << shift) | ((1 << shift) - 1), 0xDFFF)
+    if low > high:
+        return None, []
+    lead = int(escape[2:6], 16)
+    if not shift:
+        return _paired(lead, low), []
+    return None, [(_paired(lead, low), _paired(lead, high))]
+
+
+def _paired(lead: int, trail: int) -> int:
+    """The code point a surrogate pair writes."""
+    return 0x10000 + ((lead - 0xD800) << 10) + (trail - 0xDC00)
+
+
+def _literal_held(node: _Node, value: Any) -> bool:
+    """Whether an ``enum``/``const`` value meets its schema's string rule and number bounds."""
+    if isinstance(value, str) and node.string_rule is not None:
+        return node.string_rule.matches(value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and node.bounds is not None:
+        return node.bounds.holds(_compact(value))
+    return True
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _count(value: Any, where: str) -> int:

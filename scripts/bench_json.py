@@ -48,7 +48,17 @@ METHODS = ("free", "json", "mixed")
 NUMBERS = {"type": "object", "properties": {"numbers": {"type": "array", "items": {"type": "integer"}}},
            "required": ["numbers"]}  # fmt: skip
 #: The masks' schema: an object with one string.
-NAMED = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+NAMED = {
+    "type": "object",
+    "properties": {
+        "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{4}$"},
+        "tag": {"type": "string", "maxLength": 40},
+        "day": {"type": "string", "format": "date-time"},
+        "score": {"type": "number", "minimum": 0, "maximum": 100},
+        "name": {"type": "string"},
+    },
+    "required": ["name"],
+}
 #: The states whose first walk is timed: (name, the text read to reach it).
 STATES = (
     ("value start", b""),
@@ -56,6 +66,10 @@ STATES = (
     ("after a colon", b'{"name":'),
     ("inside a string", b'{"name":"ab'),
     ("after a backslash", b'{"name":"ab\\'),
+    ("in a pattern's string", b'{"code":"AB-1'),
+    ("in a string of maxLength", b'{"tag":"abc'),
+    ("in a date-time", b'{"day":"2024-05-06T1'),
+    ("in a bounded number", b'{"score":1'),
 )
 
 

@@ -34,6 +34,17 @@ SCHEMA = {
     },
     "required": ["name", "count"],
 }
+#: Strings and numbers held to patterns, lengths, a format and bounds.
+RULED = {
+    "type": "object",
+    "properties": {
+        "code": {"type": "string", "pattern": "^[a-z]{2}\\d*$"},
+        "name": {"type": "string", "maxLength": 4},
+        "score": {"type": "number", "minimum": -1, "maximum": 2.5},
+        "day": {"type": "string", "format": "date"},
+    },
+    "required": ["code", "name", "score"],
+}
 CORPUS = [
     json.dumps({"name": "Zoë", "count": 12, "ok": True, "items": [1.5, "x", -3e2], "extra": {"k": None}}),
     json.dumps({"name": "東京 \\ \"quoted\"", "count": 0}, indent=2, ensure_ascii=False),
@@ -173,8 +184,9 @@ class TestAllowed:
             (SCHEMA, {"before": b"<tool_call>\n", "after": b"\n</tool_call>"}),
             ({"type": "object"}, {"reasoning": THINK}),
             ({"type": "object"}, {"reasoning": THINK, "reasoning_opened": True}),
+            (RULED, {}),
         ],
-        ids=["json_object", "schema", "markers", "reasoning", "inside reasoning"],
+        ids=["json_object", "schema", "markers", "reasoning", "inside reasoning", "ruled"],
     )
     def test_the_walk_finds_exactly_the_tokens_the_grammar_reads(self, tokenizers, name, schema, around):
         """On every state random generations reach, the tokens allowed are

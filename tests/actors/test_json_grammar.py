@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlxkv.actors.json_grammar import (
-    MAX_DEPTH, MAX_SCHEMA_PARTS, MAX_WAYS, MAX_WHITESPACE, GrammarTooAmbiguous, JsonGrammar, SchemaNotSupported,
+    MAX_DEPTH, MAX_LENGTH, MAX_SCHEMA_PARTS, MAX_WAYS, MAX_WHITESPACE, GrammarTooAmbiguous, JsonGrammar, SchemaNotSupported,
 )  # fmt: skip
 
 ANY = JsonGrammar({})
@@ -148,9 +148,26 @@ class TestSchemas:
     @pytest.mark.parametrize(
         ("schema", "said"),
         [
-            ({"type": "string", "pattern": "a+"}, "'pattern'"),
-            ({"type": "string", "maxLength": 3}, "'maxLength'"),
-            ({"type": "integer", "minimum": 0}, "'minimum'"),
+            ({"type": "integer", "multipleOf": 3}, "'multipleOf'"),
+            ({"type": "array", "uniqueItems": True}, "'uniqueItems'"),
+            ({"type": "string", "pattern": "a(?=b)"}, "lookaround"),
+            ({"type": "string", "pattern": "(a)\\1"}, "backreference"),
+            ({"type": "string", "pattern": "\\bword"}, "word boundar"),
+            ({"type": "string", "pattern": "a^b"}, "'\\^'"),
+            ({"type": "string", "pattern": "[a-"}, "unclosed"),
+            ({"type": "string", "pattern": "[z-a]"}, "out of order"),
+            ({"type": "string", "pattern": "a{3,2}"}, "out of order"),
+            ({"type": "string", "pattern": "*a"}, "nothing to repeat"),
+            ({"type": "string", "pattern": "[0-9]{5000}"}, "positions"),
+            ({"type": "string", "pattern": "^[a-z]{0,2000}$", "maxLength": 3000}, "too large to hold"),
+            ({"type": "string", "pattern": 5}, "must be a string"),
+            ({"type": "string", "pattern": "^a$", "minLength": 2}, "no string"),
+            ({"type": "string", "minLength": 3, "maxLength": 2}, "maxLength is below"),
+            ({"type": "string", "maxLength": MAX_LENGTH + 1}, "lengths above"),
+            ({"type": "integer", "minimum": 1.5, "maximum": 1.9}, "no number"),
+            ({"type": "number", "exclusiveMinimum": 1, "maximum": 1}, "no number"),
+            ({"type": "number", "minimum": "1"}, "finite number"),
+            ({"type": "string", "enum": ["ab", "c"], "minLength": 3}, "no value of its enum"),
             ({"type": "date"}, "'date'"),
             ({"enum": []}, "non-empty"),
             ({"$ref": "#/$defs/Nope"}, "names no definition"),

@@ -22,7 +22,8 @@ def test_bench_json_runs_every_method_and_times_the_masks(model_dir: Path, tmp_p
         env={**os.environ, "MLXKV_CACHE_DIR": str(model_dir)}, capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    for row in ("| free | warm |", "| json | cold |", "| mixed | warm |", "| inside a string |", "json / free"):
+    for row in ("| free | warm |", "| json | cold |", "| mixed | warm |", "| inside a string |", "| in a date-time |",
+                "json / free"):
         assert row in done.stdout
     report = json.loads(out.read_text())
     runs = report["throughput"]["runs"]

@@ -8,6 +8,7 @@ decoding in the same batches are untouched.
 
 from __future__ import annotations
 
+import datetime
 import json
 from typing import Any
 
@@ -32,6 +33,18 @@ CHOICES = {
         "note": {"type": "null"},
     },
     "required": ["ok", "color", "size"],
+}
+#: Strings held to a pattern, a length and a format; numbers to bounds.
+RULED = {
+    "type": "object",
+    "properties": {
+        "code": {"type": "string", "pattern": "^[A-Z]{2}-\\d{2}$"},
+        "day": {"type": "string", "format": "date"},
+        "n": {"type": "integer", "exclusiveMinimum": 0, "maximum": 9},
+        "tag": {"type": "string", "maxLength": 3},
+        "score": {"type": "number", "minimum": -1, "maximum": 1},
+    },
+    "required": ["code", "day", "n", "tag", "score"],
 }
 PROMPT = [(i * 37 + (i // 7) ** 2) % 250 for i in range(80)]
 #: Alternatives too alike: 300 readings at once after ``{``.
@@ -77,6 +90,27 @@ class TestAnswers:
                 assert report.finish_reason == "stop", (name, report.text)
                 assert grammar.accepts(report.text.encode()), report.text
                 _schema_values(json.loads(report.text))
+            await assert_clean(rt)
+
+    async def test_ruled_strings_and_bounded_numbers(self, model_path):
+        """Patterns, lengths, a date and bounds hold through the runtime:
+        each answer that ends is valid (jsonschema, and Python reads its
+        date); one cut short is a prefix of such JSON."""
+        import jsonschema
+
+        async with CacheRuntime(model=model_path, block_size=BS) as rt:
+            grammar = rt._generation.json_outputs.grammar(RULED)
+            ended = 0
+            for seed in range(4):
+                _, report = await run(rt, PROMPT, max_tokens=120, json_schema=RULED, temperature=1.0, seed=seed)
+                if report.finish_reason == "length":
+                    assert grammar.read(grammar.start, report.text.encode()), report.text
+                    continue
+                ended += 1
+                value = json.loads(report.text)
+                jsonschema.validate(value, RULED)
+                datetime.date.fromisoformat(value["day"])
+            assert ended >= 2
             await assert_clean(rt)
 
     async def test_an_answer_cut_short_is_a_prefix(self, model_path):
@@ -157,7 +191,7 @@ class TestRefusals:
     @pytest.mark.parametrize(
         ("schema", "said"),
         [
-            ({"type": "string", "pattern": "x"}, "pattern"),
+            ({"type": "string", "pattern": "(a)\\1"}, "backreference"),
             ({"type": "object", "bad": set()}, "JSON"),
             (False, "object"),
         ],
