@@ -33,7 +33,8 @@ Invariants:
       :data:`MAX_DEPTH` deep.
 
 The subset: ``type`` (a name or a list), ``properties``, ``required``,
-``additionalProperties``, ``items``, ``minItems``, ``maxItems``, ``enum``,
+``additionalProperties``, ``items`` (a schema, or false: no items past
+``prefixItems``), ``prefixItems``, ``minItems``, ``maxItems``, ``enum``,
 ``const``, ``anyOf`` and ``oneOf`` (read as ``anyOf``: that only one
 alternative matches is not checked), ``allOf`` of one schema, ``$ref``
 to ``#/$defs/...`` or ``#/definitions/...`` (recursion allowed); on
@@ -65,7 +66,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
-from mlxkv.actors.json_pattern import NumberBounds, PatternNotSupported, StringRule
+from mlxkv.actors.json_pattern import MAX_LEVEL_WORK, MAX_POSITIONS, NumberBounds, PatternNotSupported, StringRule
 
 __all__ = [
     "CLOSED", "FORMATS", "MAX_DEPTH", "MAX_LENGTH", "MAX_SCHEMA_PARTS", "MAX_WAYS", "MAX_WHITESPACE",
@@ -81,6 +82,10 @@ MAX_DEPTH = 32
 MAX_WAYS = 256
 #: Compiled subschemas and enum values a schema may have.
 MAX_SCHEMA_PARTS = 4096
+#: Automaton positions a schema's string rules may have in all (one rule
+#: at most :data:`~mlxkv.actors.json_pattern.MAX_POSITIONS`): what compiling
+#: them costs is bounded (tens of milliseconds), as is what one byte costs.
+MAX_PATTERN_POSITIONS = 2 * MAX_POSITIONS
 #: Steps a grammar remembers (cleared when full).
 STEPS_KEPT = 65_536
 
@@ -98,7 +103,7 @@ _SUPPORTED = frozenset(
     {
         "type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
         "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "pattern", "minLength", "maxLength", "minimum",
-        "maximum", "exclusiveMinimum", "exclusiveMaximum",
+        "maximum", "exclusiveMinimum", "exclusiveMaximum", "prefixItems",
     }
 )  # fmt: skip
 _STRING_KEYWORDS = frozenset({"pattern", "minLength", "maxLength"})
@@ -171,7 +176,7 @@ class _Node:
     """One compiled schema (compared by identity; fields set once, at compile)."""
 
     __slots__ = ("types", "properties", "required", "additional", "items", "min_items", "max_items",
-                 "literals", "alternatives", "key_tables", "string_rule", "bounds")  # fmt: skip
+                 "literals", "alternatives", "key_tables", "string_rule", "bounds", "prefix_items")  # fmt: skip
 
     def __init__(self) -> None:
         self.types: frozenset[str] = _TYPES
@@ -180,7 +185,10 @@ class _Node:
         self.required: frozenset[str] = frozenset()
         #: The values of keys not in ``properties`` (None: no such keys).
         self.additional: Optional[_Node] = None
+        #: The items after ``prefix_items`` (None: no more).
         self.items: Optional[_Node] = None
+        #: The first items' schemas, one each (``prefixItems``).
+        self.prefix_items: tuple[_Node, ...] = ()
         self.min_items = 0
         self.max_items: Optional[int] = None
         #: The value's allowed texts (``enum``/``const``), or None.
@@ -224,6 +232,8 @@ class JsonGrammar:
         self._parts = 0
         self._refs: dict[str, _Node] = {}
         self._rules: dict[tuple, StringRule] = {}
+        # What its string rules cost to compile, in all (bounded).
+        self._positions = self._level_work = 0
         self._any = _Node()
         self._any.items = self._any
         self._any.additional = self._any
@@ -311,7 +321,7 @@ class JsonGrammar:
             return  # the values say their types; each keyword applies to its own
         elif {"properties", "required", "additionalProperties"} & set(schema):
             node.types = frozenset({"object"})
-        elif {"items", "minItems", "maxItems"} & set(schema):
+        elif {"items", "prefixItems", "minItems", "maxItems"} & set(schema):
             node.types = frozenset({"array"})
         elif _STRING_KEYWORDS & set(schema):
             node.types = frozenset({"string"})
@@ -334,10 +344,16 @@ class JsonGrammar:
         key = (pattern, low, high)
         if key not in self._rules:
             try:
-                self._rules[key] = StringRule(pattern, low, high)
+                rule = StringRule(pattern, low, high, level_budget=MAX_LEVEL_WORK - self._level_work)
             except PatternNotSupported as error:
                 raise SchemaNotSupported(f"{where}: {error}") from None
-            self._counted(self._rules[key].positions // 16, where)
+            self._rules[key] = rule
+            self._level_work += rule.level_work
+            self._positions += rule.positions
+            if self._positions > MAX_PATTERN_POSITIONS:
+                raise SchemaNotSupported(
+                    f"{where}: the schema's patterns need more than {MAX_PATTERN_POSITIONS} automaton positions"
+                )
         return self._rules[key]
 
     def _bounds(self, schema: Mapping, integer: bool, where: str) -> NumberBounds:
@@ -389,12 +405,19 @@ class JsonGrammar:
             node.additional = self._compile(additional, f"{where}.additionalProperties")
 
     def _array(self, node: _Node, schema: Mapping, where: str) -> None:
-        node.items = self._compile(schema.get("items", True), f"{where}.items")
+        prefix = schema.get("prefixItems", [])
+        if not isinstance(prefix, list):
+            raise SchemaNotSupported(f"{where}.prefixItems must be a list of schemas")
+        node.prefix_items = tuple(self._compile(part, f"{where}.prefixItems[{i}]") for i, part in enumerate(prefix))
+        items = schema.get("items", True)
+        node.items = None if items is False else self._compile(items, f"{where}.items")
         node.min_items = _count(schema.get("minItems", 0), f"{where}.minItems")
         if "maxItems" in schema:
             node.max_items = _count(schema["maxItems"], f"{where}.maxItems")
-            if node.max_items < node.min_items:
-                raise SchemaNotSupported(f"{where}: maxItems is below minItems")
+        if node.items is None:  # the prefix's items alone
+            node.max_items = min(len(prefix), node.max_items if node.max_items is not None else len(prefix))
+        if node.max_items is not None and node.max_items < node.min_items:
+            raise SchemaNotSupported(f"{where}: maxItems is below minItems (or items beyond prefixItems are needed)")
 
     def _alternatives(self, schema: Mapping, key: str, where: str) -> _Node:
         parts = schema[key]
@@ -681,7 +704,7 @@ class JsonGrammar:
             if phase == 0 and byte == ord("]") and node.min_items == 0:
                 out.extend(self._done(rest))
             if node.max_items is None or count < node.max_items:
-                out.extend(self._begin(rest + (("a", node, 3, count, 0),), node.items, byte))
+                out.extend(self._begin(rest + (("a", node, 3, count, 0),), _item(node, count), byte))
             return out
         # phase 4: after an item
         if byte == ord(",") and (node.max_items is None or count < node.max_items):
@@ -773,8 +796,14 @@ def _utf8_following(lead: int) -> Optional[tuple[int, int, int]]:
 
 def _count_cap(node: _Node) -> int:
     """Where an array's item count stops being told apart: past its bounds
-    every count reads the same (so states repeat, and their masks are reused)."""
-    return node.max_items if node.max_items is not None else node.min_items
+    and its ``prefixItems`` every count reads the same (so states repeat,
+    and their masks are reused)."""
+    return node.max_items if node.max_items is not None else max(node.min_items, len(node.prefix_items))
+
+
+def _item(node: _Node, count: int) -> _Node:
+    """The schema of an array's item after ``count`` others (one may come there)."""
+    return node.prefix_items[count] if count < len(node.prefix_items) else node.items
 
 
 class _Table:

@@ -41,9 +41,10 @@ __all__ = ["MAX_POSITIONS", "NumberBounds", "PatternNotSupported", "StringRule",
 
 #: Automaton positions a rule may have.
 MAX_POSITIONS = 4096
-#: Positions the character counts of a rule with length bounds may take
-#: finding (summed over the counts until they repeat; see ``_reach_lengths``).
-MAX_LEVEL_WORK = 1 << 20
+#: Positions the character counts of rules with length bounds may take
+#: finding, by default (summed over the counts until they repeat; see
+#: ``_reach_lengths``): about 50 ms of work.
+MAX_LEVEL_WORK = 1 << 16
 
 _MAX_CODE_POINT = 0x10FFFF
 _SURROGATES = (0xD800, 0xDFFF)
@@ -416,7 +417,14 @@ class StringRule:
             or a rule no string satisfies.
     """
 
-    def __init__(self, pattern: Optional[str] = None, min_length: int = 0, max_length: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        pattern: Optional[str] = None,
+        min_length: int = 0,
+        max_length: Optional[int] = None,
+        *,
+        level_budget: int = MAX_LEVEL_WORK,
+    ) -> None:
         self.pattern = pattern
         self.min_length, self.max_length = min_length, max_length
         tree = _Parser(pattern).top() if pattern is not None else ("repeat", ("chars", _ANY), 0, None)
@@ -430,7 +438,9 @@ class StringRule:
         self.count_cap = max_length + 1 if max_length is not None else min_length
         closures = _closures(automaton)
         self._closures = [frozenset(p for p in closure if self._edges[p] or p == self._accept) for closure in closures]
-        self._lengths = self._reach_lengths(automaton)
+        #: The work finding the character counts took (within ``level_budget``).
+        self.level_work = 0
+        self._lengths = self._reach_lengths(automaton, level_budget)
         start = self._live(self._closures[automaton.start], 0)
         if not start:
             raise PatternNotSupported("no string satisfies the pattern and length bounds together")
@@ -499,7 +509,7 @@ class StringRule:
             wanted = ((1 << (room + 1)) - 1) & ~((1 << needed_low) - 1) if room >= needed_low else 0
         return frozenset(p for p in positions if lengths[p] & wanted)
 
-    def _reach_lengths(self, automaton: _Automaton) -> list[int]:
+    def _reach_lengths(self, automaton: _Automaton, budget: int) -> list[int]:
         """For each position, the character counts of the texts that lead
         from it to the end, as bits (bit ``n``: ``n`` characters), counts
         from ``cap`` on held at ``cap`` (with no upper bound: they read alike
@@ -509,7 +519,8 @@ class StringRule:
         the positions ``n`` characters away from it. A level equal to an
         earlier one repeats the levels since (what comes before a set of
         positions depends on the set alone), so the rest is that period
-        written on to ``cap``."""
+        written on to ``cap``. Work past ``budget`` (positions summed over
+        the levels) raises :class:`PatternNotSupported`."""
         cap = self.max_length + 1 if self.max_length is not None else self.min_length
         free: list[list[int]] = [[] for _ in automaton.edges]  # reached back on no character
         one: list[list[int]] = [[] for _ in automaton.edges]  # reached back on a character's first byte
@@ -539,11 +550,12 @@ class StringRule:
         levels: list[frozenset] = []
         first_seen: dict[frozenset, int] = {}
         level = closed({automaton.accept})
-        work = 0
-        while level and level not in first_seen:
-            work += len(level)
-            if work > MAX_LEVEL_WORK:
-                raise PatternNotSupported("the pattern is too large to hold to length bounds as well")
+        # With a bound, counts past it never matter (``cap`` means too long):
+        # the levels stop there; without one, they go on until they repeat.
+        while level and level not in first_seen and (self.max_length is None or len(levels) <= cap):
+            self.level_work += len(level)
+            if self.level_work > budget:
+                raise PatternNotSupported("the patterns are too large to hold to length bounds as well")
             first_seen[level] = len(levels)
             levels.append(level)
             level = closed({before for to in level for before in one[to]})
@@ -551,7 +563,7 @@ class StringRule:
         for count, found in enumerate(levels):
             for position in found:
                 lengths[position] |= 1 << min(count, cap)
-        if level:  # the levels from ``start`` on repeat forever
+        if level in first_seen:  # the levels from ``start`` on repeat forever
             start = first_seen[level]
             period = len(levels) - start
             blocks = [0] * len(automaton.edges)

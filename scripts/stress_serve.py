@@ -22,8 +22,9 @@ the attacks, each on its own connection:
 - ``many_tools``: 100,000 tools offered (the built-in model calls none, and
   a model that does takes at most 128);
 - ``hostile_schema``: a ``response_format`` schema whose alternatives are
-  too alike (at once, or doubling with each ``[``), too large, or with a
-  keyword the grammar does not hold text to;
+  too alike (at once, or doubling with each ``[``), too large, with a
+  keyword the grammar does not hold text to, or with patterns at or past
+  their compile budgets (many large ones, length bounds on large ones);
 - ``no_key``: /metrics, /health and a completion without the key.
 
 Then it waits for the server to settle and reports: well-formed requests
@@ -187,7 +188,13 @@ class Attacks:
                 {"anyOf": alike},  # 300 readings at once after "{"
                 {"enum": list(range(5000))},  # past the schema's size
                 {"anyOf": [{"type": "array", "items": {"$ref": "#"}}] * 2},  # doubling with each "["
-                {"type": "string", "pattern": "a+"},  # a keyword not held to
+                {"type": "integer", "multipleOf": 3},  # a keyword not held to
+                {"type": "string", "pattern": "(a)\\1"},  # a pattern outside the syntax taken
+                # Patterns at the compile budgets: many large ones, length bounds on large ones.
+                {"properties": {f"k{i}": {"pattern": f"^[a-{chr(98 + i)}]{{0,1000}}$"} for i in range(24)}},
+                {"properties": {f"k{i}": {"pattern": f"^.{{1,{4 + i}}}$", "maxLength": 99} for i in range(60)}},
+                # Held: a ruled string whose automaton is large (a random model rarely ends it).
+                {"type": "string", "pattern": f"^[a-z]{{0,{random.randrange(500, 3000)}}}$", "maxLength": 4},
             ]
         )
         body = {

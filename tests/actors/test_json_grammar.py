@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 import random
 
+import jsonschema
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlxkv.actors.json_grammar import (
-    MAX_DEPTH, MAX_LENGTH, MAX_SCHEMA_PARTS, MAX_WAYS, MAX_WHITESPACE, GrammarTooAmbiguous, JsonGrammar, SchemaNotSupported,
+    MAX_DEPTH, MAX_LENGTH, MAX_SCHEMA_PARTS, MAX_WAYS, MAX_WHITESPACE, GrammarTooAmbiguous, JsonGrammar,
+    SchemaNotSupported,
 )  # fmt: skip
 
 ANY = JsonGrammar({})
@@ -139,6 +141,25 @@ class TestSchemas:
         assert grammar.accepts(b'{"children":[{"children":[]},{"children":[{"children":[]}]}]}')
         assert not grammar.accepts(b'{"children":[{}]}')
 
+    @pytest.mark.parametrize(
+        ("schema", "taken", "refused"),
+        [
+            # Pydantic's tuple[int, str]
+            ({"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}], "minItems": 2, "maxItems": 2},
+             [[1, "a"]], [[1], [1, "a", 2], ["a", 1], []]),
+            ({"prefixItems": [{"type": "integer"}], "items": False}, [[], [3]], [[3, 4], ["x"]]),
+            ({"prefixItems": [{"type": "boolean"}], "items": {"type": "null"}, "minItems": 1},
+             [[True], [False, None, None]], [[], [None], [True, 1]]),
+            ({"prefixItems": [{"const": 1}, {"const": 2}], "minItems": 1}, [[1], [1, 2], [1, 2, "any"]], [[2], [1, 3]]),
+        ],
+    )  # fmt: skip
+    def test_tuples(self, schema, taken, refused):
+        grammar = JsonGrammar(schema)
+        for value in taken:
+            assert grammar.accepts(json.dumps(value).encode()), value
+        for value in refused:
+            assert not grammar.accepts(json.dumps(value).encode()), value
+
     def test_open_and_closed_objects(self):
         assert JsonGrammar({"type": "object", "additionalProperties": {"type": "integer"}}).accepts(b'{"a":1,"b":2}')
         assert not JsonGrammar({"type": "object", "additionalProperties": {"type": "integer"}}).accepts(b'{"a":"1"}')
@@ -160,6 +181,7 @@ class TestSchemas:
             ({"type": "string", "pattern": "*a"}, "nothing to repeat"),
             ({"type": "string", "pattern": "[0-9]{5000}"}, "positions"),
             ({"type": "string", "pattern": "^[a-z]{0,2000}$", "maxLength": 3000}, "too large to hold"),
+            ({"properties": {k: {"pattern": f"^[{k}]{{0,3000}}$"} for k in "abc"}}, "patterns need more than"),
             ({"type": "string", "pattern": 5}, "must be a string"),
             ({"type": "string", "pattern": "^a$", "minLength": 2}, "no string"),
             ({"type": "string", "minLength": 3, "maxLength": 2}, "maxLength is below"),
@@ -176,6 +198,7 @@ class TestSchemas:
             ({"properties": {"a": {}}, "required": ["b"]}, "'b'"),
             ({"allOf": [{}, {}]}, "allOf"),
             ({"type": "array", "minItems": 3, "maxItems": 2}, "maxItems"),
+            ({"prefixItems": [{}], "items": False, "minItems": 2}, "beyond prefixItems"),
             (False, "must be an object"),
             ({"properties": {"a": 5}}, "schema.a must be an object"),
         ],
@@ -279,7 +302,12 @@ class TestAround:
 
 class TestLiveness:
     @pytest.mark.parametrize(
-        "schema", [{}, {"type": "object"}, PERSON, {"type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 3}]
+        "schema",
+        [
+            {}, {"type": "object"}, PERSON,
+            {"type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 3},
+            {"prefixItems": [{"type": "string"}, {"enum": [1, 2]}], "items": {"type": "boolean"}, "minItems": 3},
+        ],
     )
     def test_every_state_reached_goes_on_or_is_whole(self, schema):
         """Random walks over the bytes each state allows: none gets stuck,
@@ -305,6 +333,7 @@ class TestLiveness:
             finished += 1
             value = json.loads(text.decode("utf-8"))
             assert grammar.accepts(text)
+            jsonschema.validate(value, schema)
             if schema is PERSON:
                 assert list(value)[:2] == ["name", "age"]
         assert finished >= 20
