@@ -37,7 +37,7 @@ import math
 from fractions import Fraction
 from typing import Optional
 
-__all__ = ["MAX_POSITIONS", "NumberBounds", "PatternNotSupported", "StringRule", "utf8_sequences"]
+__all__ = ["MAX_LEVEL_WORK", "MAX_POSITIONS", "NumberBounds", "PatternNotSupported", "StringRule", "utf8_sequences"]
 
 #: Automaton positions a rule may have.
 MAX_POSITIONS = 4096

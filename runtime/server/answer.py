@@ -98,6 +98,9 @@ class Answer:
         self.report: Optional[GenerationReport] = None
         self.finish_reason = "length"
         self.num_tokens = 0
+        #: Of them, those read inside a reasoning block (from the token that
+        #: completes its start marker to the one that completes its end).
+        self.reasoning_tokens = 0
         self.calls: list[ToolCall] = []
         self._matcher = StopMatcher(stops)
         self._reading = reading
@@ -141,8 +144,13 @@ class Answer:
             if record.logprob is not None:
                 self._logged.append(LoggedToken(record.logprob, self._offset))
             self._offset += len(record.text)
+            thoughts = self._thoughts
+            before = None if thoughts is None else (thoughts.inside, thoughts.opened)
             text = self._matcher.feed(record.text)
-            for piece in self._out(text, end=self._matcher.stopped):
+            pieces = self._out(text, end=self._matcher.stopped)
+            if before is not None and (before[0] or thoughts.inside or thoughts.opened > before[1]):
+                self.reasoning_tokens += 1
+            for piece in pieces:
                 yield piece
             if self._matcher.stopped or self._at_its_one_call:
                 self._end("stop")

@@ -19,7 +19,8 @@ the model: :mod:`mlxkv.server.reasoning`, :mod:`mlxkv.server.tools`), ``GET
 /health``, ``GET /metrics``. Streaming is
 server-sent events, with a usage chunk on ``stream_options.include_usage``;
 ``usage.prompt_tokens_details.cached_tokens`` says how many prompt tokens
-came from the cache.
+came from the cache, and a chat's ``usage.completion_tokens_details.reasoning_tokens``
+how many it generated inside reasoning blocks.
 
 A generation request's life (:class:`_Answering`): it waits for an admission
 slot (503 at once if the queue is full too), reads its body (only then: a
@@ -981,12 +982,15 @@ class _Answering(Response):
         """Each prompt counted once, every choice's tokens (OpenAI's usage for ``n``)."""
         prompt_tokens = _prompt_tokens(answers)
         completion_tokens = sum(answer.num_tokens for answer in answers)
-        return {
+        usage = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": _cached_tokens(answers)},
         }
+        if self._endpoint == "chat":  # a chat answer's reasoning is read out of it
+            usage["completion_tokens_details"] = {"reasoning_tokens": sum(a.reasoning_tokens for a in answers)}
+        return usage
 
     def _remember(self, answers: Sequence[Answer], texts: Sequence[str]) -> None:
         """Keep a whole chat answer's conversation for its next turn (a request

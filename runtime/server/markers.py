@@ -59,6 +59,13 @@ class MarkedSplitter:
         self._held = ""
         self._inside = inside
         self._searched = 0  # characters of a whole block's held text known to hold no end marker
+        #: Blocks the text fed has opened (its start markers found).
+        self.opened = 0
+
+    @property
+    def inside(self) -> bool:
+        """Whether the text fed so far ends inside a block (its start marker whole)."""
+        return self._inside
 
     def feed(self, text: str) -> list[Segment]:
         """The segments ``text`` completes, in order."""
@@ -92,6 +99,7 @@ class MarkedSplitter:
                 segments.append(self._held[:at])
             self._held = self._held[at + len(self._start) :]
             self._inside = True
+            self.opened += 1
             self._searched = 0
 
     def finish(self) -> list[Segment]:

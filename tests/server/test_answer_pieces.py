@@ -15,7 +15,8 @@ import pytest
 pytest.importorskip("starlette")
 
 from mlxkv.generation import GeneratedToken  # noqa: E402
-from mlxkv.server.answer import Answer, Prompt  # noqa: E402
+from mlxkv.server.answer import Answer, Prompt, Reading  # noqa: E402
+from mlxkv.server.reasoning import ReasoningSyntax  # noqa: E402
 
 from scripted_generation import Scripted, report, tokens  # noqa: E402
 
@@ -55,3 +56,23 @@ async def test_without_log_probabilities_no_piece_is_empty():
     pieces, _ = await _pieces([*generated, report(generated)])
     assert [piece.text for piece in pieces] == ["a", "b"]
     assert all(piece.tokens == () for piece in pieces)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "texts", "counted"),
+    [
+        # From the token that completes the start marker to the one that completes the end.
+        ("q", ("<th", "ink>", "a", "", "b", "</thi", "nk>", "x"), 6),
+        ("q", ("ab", "<think>x</think>", "y"), 1),  # one token holds the whole block
+        ("q", ("a", "<think>", "b"), 2),  # open to the last token
+        ("q<think>", ("a", "</think>", "x", "y"), 2),  # the prompt opened the block
+        ("q", ("a", "b"), 0),
+    ],
+)
+async def test_reasoning_tokens_are_those_read_inside_a_block(prompt, texts, counted):
+    generated = tokens(*texts)
+    reading = Reading(reasoning=ReasoningSyntax(start="<think>", end="</think>"))
+    answer = Answer(0, Prompt(tokens=(1,), text=prompt), Scripted([*generated, report(generated)]), (), lambda: None,
+                    reading)  # type: ignore[arg-type]  # fmt: skip
+    [piece async for piece in answer.pieces()]
+    assert answer.reasoning_tokens == counted and answer.num_tokens == len(texts)

@@ -1302,8 +1302,12 @@ class TestReasoning:
             s.server.chat = template
             content, blocks = _reference_split(text, start, end, open_runs_to_end=True)
             assert len(blocks) >= 2 and len(blocks[0]) >= 4, (text, start, end)
-            message = (await asked("whole")).choices[0].message
+            whole = await asked("whole")
+            message = whole.choices[0].message
             assert message.content == content and message.reasoning == "".join(blocks)
+            # Counted exactly in test_answer_pieces.py (a scripted generation).
+            reasoned = whole.usage.completion_tokens_details.reasoning_tokens
+            assert sum(len(block) for block in blocks) <= reasoned < whole.usage.completion_tokens
             streamed = await deltas("streamed")
             thoughts = [d.reasoning for d in streamed if getattr(d, "reasoning", None)]
             assert "".join(thoughts) == "".join(blocks) and len(thoughts) > len(blocks)  # as written
@@ -1311,10 +1315,14 @@ class TestReasoning:
             held = await deltas("held", stream_reasoning=False)
             assert [d.reasoning for d in held if getattr(d, "reasoning", None)] == [b for b in blocks if b]
             assert "".join(d.content or "" for d in held) == content
-            left_out = (await asked("left-out", include_reasoning=False)).choices[0].message
-            assert left_out.content == content and getattr(left_out, "reasoning", None) is None
-            kept_in = (await asked("kept-in", separate_reasoning=False)).choices[0].message
-            assert kept_in.content == text and getattr(kept_in, "reasoning", None) is None
+            left_out = await asked("left-out", include_reasoning=False)
+            assert left_out.choices[0].message.content == content
+            assert getattr(left_out.choices[0].message, "reasoning", None) is None
+            assert left_out.usage.completion_tokens_details.reasoning_tokens == reasoned  # read, not sent
+            kept_in = await asked("kept-in", separate_reasoning=False)
+            assert kept_in.choices[0].message.content == text
+            assert getattr(kept_in.choices[0].message, "reasoning", None) is None
+            assert kept_in.usage.completion_tokens_details.reasoning_tokens == 0
             await nothing_held(s.runtime)
 
 
