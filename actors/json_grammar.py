@@ -111,19 +111,24 @@ _NUMBER_KEYWORDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusi
 #: The formats a string is held to (as patterns); any other ``format`` is an
 #: annotation, read and ignored. RFC 3339's full-date (Gregorian, years
 #: 0001-9999, as Python's dates), full-time and date-time (seconds 00-59, up to
-#: six digits of fraction), RFC 4122's UUID text, dotted IPv4.
+#: six digits of fraction), RFC 4122's UUID text, dotted IPv4, RFC 3339's
+#: (ISO 8601) duration (parts of up to six digits).
 _YEAR = "([1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
 _LEAP_YEAR = "([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
 _DAY = "((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)|02-(0[1-9]|1[0-9]|2[0-8]))"
 _DATE = f"({_YEAR}-{_DAY}|{_LEAP_YEAR}-02-29)"
 _TIME = "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]{1,6})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
 _OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+_DURATION_PART = "[0-9]{1,6}"  # a duration's part: Python's timedelta holds up to 999,999,999 days
+_DURATION_TIME = f"T({_DURATION_PART}H({_DURATION_PART}M({_DURATION_PART}S)?)?|{_DURATION_PART}M({_DURATION_PART}S)?|{_DURATION_PART}S)"
+_DURATION_DATE = f"({_DURATION_PART}D|{_DURATION_PART}M({_DURATION_PART}D)?|{_DURATION_PART}Y({_DURATION_PART}M({_DURATION_PART}D)?)?)"
 FORMATS = {
     "date": f"^{_DATE}$",
     "time": f"^{_TIME}$",
     "date-time": f"^{_DATE}T{_TIME}$",
     "uuid": "^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$",
     "ipv4": f"^{_OCTET}(\\.{_OCTET}){{3}}$",
+    "duration": f"^P({_DURATION_DATE}({_DURATION_TIME})?|{_DURATION_TIME}|{_DURATION_PART}W)$",
 }
 _SHORT_ESCAPES = {ord('"'): 0x22, ord("\\"): 0x5C, ord("/"): 0x2F, ord("b"): 0x08, ord("f"): 0x0C, ord("n"): 0x0A,
                   ord("r"): 0x0D, ord("t"): 0x09}  # fmt: skip

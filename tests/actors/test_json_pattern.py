@@ -16,6 +16,7 @@ import uuid
 from fractions import Fraction
 
 import jsonschema
+import pydantic
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -181,6 +182,8 @@ class TestStringsInJson:
              ["a987fbc94bed3078cf079141ba07c9f3", "a987fbc9-4bed-3078-cf07-9141ba07c9f",
               "g987fbc9-4bed-3078-cf07-9141ba07c9f3"]),
             ("ipv4", ["0.0.0.0", "255.255.255.255", "10.2.30.4"], ["256.0.0.1", "01.2.3.4", "1.2.3", "1.2.3.4.5"]),
+            ("duration", ["P1D", "PT2H30M", "P1Y2M3DT4H5M6S", "P3W", "PT0S", "P1M"],
+             ["P", "PT", "P1H", "P1DT", "P1W2D", "PT1S2M", "1D", "P-1D"]),
         ],
     )  # fmt: skip
     def test_formats_are_held(self, name, good, bad):
@@ -209,6 +212,7 @@ class TestStringsInJson:
             "date-time": lambda t: datetime.datetime.fromisoformat(t.replace("Z", "+00:00")),
             "uuid": uuid.UUID,
             "ipv4": ipaddress.IPv4Address,
+            "duration": pydantic.TypeAdapter(datetime.timedelta).validate_python,
         }[name]
         rng = random.Random(0)
         for _ in range(200):
