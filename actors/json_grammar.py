@@ -119,9 +119,9 @@ _DAY = "((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]
 _DATE = f"({_YEAR}-{_DAY}|{_LEAP_YEAR}-02-29)"
 _TIME = "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]{1,6})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
 _OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
-_DURATION_PART = "[0-9]{1,6}"  # a duration's part: Python's timedelta holds up to 999,999,999 days
-_DURATION_TIME = f"T({_DURATION_PART}H({_DURATION_PART}M({_DURATION_PART}S)?)?|{_DURATION_PART}M({_DURATION_PART}S)?|{_DURATION_PART}S)"
-_DURATION_DATE = f"({_DURATION_PART}D|{_DURATION_PART}M({_DURATION_PART}D)?|{_DURATION_PART}Y({_DURATION_PART}M({_DURATION_PART}D)?)?)"
+_DURATION_PART = "[0-9]{1,6}"  # Python's timedelta holds up to 999,999,999 days
+_DURATION_TIME = "T(nH(nM(nS)?)?|nM(nS)?|nS)".replace("n", _DURATION_PART)
+_DURATION_DATE = "(nD|nM(nD)?|nY(nM(nD)?)?)".replace("n", _DURATION_PART)
 FORMATS = {
     "date": f"^{_DATE}$",
     "time": f"^{_TIME}$",
