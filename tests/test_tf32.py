@@ -84,6 +84,7 @@ class TestRounding:
 
 
 @pytest.mark.skipif(not ON_CPU or EMULATED_TF32, reason="a GPU's own arithmetic, or the whole suite emulated already")
+@pytest.mark.timeout(480)  # three test files in a subprocess: ~110 s alone, more beside the rest of the suite
 def test_paths_compared_hold_under_a_gpus_rounding(tmp_path):
     """Where the suite compares two exact paths most (warm against cold,
     batch rows against lone ones, served answers), it holds with the GPU's
