@@ -22,10 +22,16 @@ rows' alone in ``mixed``) and the host's milliseconds a call of
 **Masks over a large vocabulary.** ``--vocab`` random byte strings (2-9 of
 letters, digits, spaces and JSON's punctuation; the built-in model's
 vocabulary is its 256 bytes): how long the first walk of a state takes (at a
-value's start, after a key, inside a string, after a backslash) and a
-cached one, medians over ``--walks`` fresh constraints. A synthetic
-vocabulary: a real one (no weights can be fetched here) has more tokens
-that share long prefixes.
+value's start, after a key, inside a string, after a backslash, inside
+strings held to a pattern, a maxLength and a format, inside a bounded
+number) and a cached one, medians over ``--walks`` fresh constraints. A
+synthetic vocabulary: a real one (no weights can be fetched here) has more
+tokens that share long prefixes.
+
+**Compiling schemas.** How long :class:`JsonGrammar` takes to compile a
+realistic schema with patterns and bounds, one at the size bound, and two
+past the patterns' budgets (refused: how soon), medians over ``--walks``:
+a request's schema is compiled on the event loop.
 
     .venv/bin/python scripts/bench_json.py [--rounds 5] [--model DIR] [--vocab 150000] [--json FILE]
 """
@@ -209,6 +215,45 @@ def mask_walks(vocab: int, walks: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
+#: Schemas whose compiling is timed: (name, schema). The last two sit past
+#: the patterns' budgets, so they are refused; what matters is how soon.
+COMPILED = (
+    ("a booking: pattern, lengths, bounds, date, uuid", {
+        "type": "object",
+        "properties": {
+            "code": {"type": "string", "pattern": "^[A-Z]{3}$"},
+            "label": {"type": "string", "minLength": 1, "maxLength": 40},
+            "seats": {"type": "integer", "minimum": 1, "maximum": 9},
+            "day": {"type": "string", "format": "date"},
+            "ref": {"type": "string", "format": "uuid"},
+        },
+        "required": ["code", "label", "seats", "day", "ref"],
+    }),
+    ("4,000 integer properties", {"properties": {f"k{i}": {"type": "integer"} for i in range(4000)}}),
+    ("24 patterns of 1,000 repeats (refused)",
+     {"properties": {f"k{i}": {"pattern": f"^[a-{chr(98 + i)}]{{0,1000}}$"} for i in range(24)}}),
+    ("60 dotted patterns with maxLength (refused)",
+     {"properties": {f"k{i}": {"pattern": f"^.{{1,{4 + i}}}$", "maxLength": 99} for i in range(60)}}),
+)  # fmt: skip
+
+
+def compile_times(walks: int) -> dict[str, float]:
+    """Median milliseconds compiling each of :data:`COMPILED` (refused or not):
+    what a request's schema costs the event loop."""
+    from mlxkv.actors.json_grammar import JsonGrammar, SchemaNotSupported
+
+    times: dict[str, list[float]] = {name: [] for name, _ in COMPILED}
+    for _ in range(walks):
+        for name, schema in COMPILED:
+            start = time.perf_counter()
+            try:
+                JsonGrammar(schema)
+            except SchemaNotSupported:
+                pass
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(spent) for name, spent in times.items()}
+
+
 def table(results: dict[str, Any], args: argparse.Namespace) -> str:
     lines = []
     if "throughput" in results:
@@ -242,6 +287,8 @@ def table(results: dict[str, Any], args: argparse.Namespace) -> str:
         ]
         for name, m in masks["states"].items():
             lines.append(f"| {name} | {m['allowed']:,} | {m['first_ms']:.2f} | {m['cached_ms']:.4f} |")
+    lines += ["| schema compiled | ms |", "| --- | ---: |"]
+    lines += [f"| {name} | {ms:.1f} |" for name, ms in results["compile"].items()]
     return "\n".join(lines)
 
 
@@ -264,6 +311,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         results["throughput"] = anyio.run(throughput, args)
     if args.vocab:
         results["masks"] = mask_walks(args.vocab, args.walks)
+    results["compile"] = compile_times(args.walks)
     print(table(results, args))
     if args.json:
         with open(args.json, "w") as out:

@@ -23,6 +23,7 @@ def test_bench_json_runs_every_method_and_times_the_masks(model_dir: Path, tmp_p
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     for row in ("| free | warm |", "| json | cold |", "| mixed | warm |", "| inside a string |", "| in a date-time |",
+                "| 4,000 integer properties |",
                 "json / free"):
         assert row in done.stdout
     report = json.loads(out.read_text())
