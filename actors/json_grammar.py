@@ -335,7 +335,8 @@ class JsonGrammar:
 
     def _string_rule(self, schema: Mapping, where: str) -> Optional[StringRule]:
         """What the strings of ``schema`` hold their characters to, or None."""
-        pattern = schema.get("pattern", FORMATS.get(schema.get("format")))
+        named = schema.get("format")
+        pattern = schema.get("pattern", FORMATS.get(named) if isinstance(named, str) else None)
         if pattern is None and not {"minLength", "maxLength"} & set(schema):
             return None
         if pattern is not None and not isinstance(pattern, str):
