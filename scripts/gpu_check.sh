@@ -27,6 +27,8 @@
 #   chat       scripts/bench_chat.py: shared prefixes against copies
 #   serve      scripts/bench_serve.py --servers mlxkv,mlx-lm
 #   sampled    the same at temperature 1, OpenAI's default (not run unless named)
+#   json       scripts/bench_json.py --vocab 0: decoding held to JSON (masks found cold, then kept on
+#              the device and stacked a step) against free decoding (not run unless named)
 #   tests      the suite with pytest -n 12
 # on the 722M bfloat16 Llama of the issue (written first: --model bench-llama-722m-bf16).
 # Each step's output goes to $OUT/STEP.txt (and .json), its status and seconds to
@@ -76,6 +78,7 @@ if [ "$quick" = 1 ]; then
   attention=(--quick --repeats 2 --warmup 1 --dtype float32 --heads 4 --kv-heads 2)
   step_options=(--rows 2 --prefix 128 --groups 2 --own 8 --steps 3 --warmup 1 --compile-decode both)
   prefill_options=(--rows 2 --prefix 128 --groups 2 --own 40 --steps 2 --warmup 1)
+  json_options=(--rounds 1 --requests 2 --prompt-tokens 16 --max-tokens 6 --walks 1)
 else
   settings=(--prefix-tokens 2048 --settings 1x64,8x48,32x48 --rounds 2)
   requests=64
@@ -83,6 +86,7 @@ else
   attention=()
   step_options=(--rows 8,32 --prefix 2048 --steps 48 --ways kernel,mixed --compile-decode both)
   prefill_options=(--rows 8,32 --prefix 512 --groups 4 --own 96 --steps 8)
+  json_options=(--rounds 2)
 fi
 ways=()
 if [ "${GPU_CHECK_WAYS:-}" != none ]; then
@@ -110,6 +114,7 @@ for step in $steps; do
     chat) run "chat$suffix" 180 "$python" scripts/bench_chat.py --model "$model" --rounds 2 "${chat_way[@]}" --json "$out/chat$suffix.json" ;;
     serve) run "serve$suffix" 300 "$python" scripts/bench_serve.py --servers mlxkv,mlx-lm --model "$model" --rounds 1 "${serve_way[@]}" --json "$out/serve$suffix.json" --logs "$out/serve$suffix-logs" ;;
     sampled) run "sampled$suffix" 300 "$python" scripts/bench_serve.py --servers mlxkv,mlx-lm --model "$model" --rounds 1 --temperature 1 "${serve_way[@]}" --json "$out/sampled$suffix.json" ;;
+    json) run json 240 "$python" scripts/bench_json.py --model "$model" --vocab 0 "${json_options[@]}" --json "$out/json.json" ;;
     tests) run tests 420 "$python" -m pytest -n 12 -p no:benchmark -q --timeout 120 -p no:cacheprovider ;;
     *) echo "unknown step $step" >&2 ;;
   esac

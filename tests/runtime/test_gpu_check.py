@@ -92,7 +92,8 @@ def test_a_quick_dry_run_measures_every_way(model_dir: Path, tmp_path: Path):
 def test_the_default_way_alone(model_dir: Path, tmp_path: Path):
     """With ``GPU_CHECK_WAYS=none`` the batch step measures mlxkv's default
     alone beside mlx-lm (the must-show rows in the least device time), and
-    the settings ``GPU_CHECK_ALSO`` names beside it."""
+    the settings ``GPU_CHECK_ALSO`` names beside it; the json step (named
+    only) runs every method of ``bench_json.py``."""
     ensure_model(TINY_LLAMA, model_dir)
     env = {
         **os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "MLXKV_CACHE_DIR": str(model_dir),
@@ -100,10 +101,14 @@ def test_the_default_way_alone(model_dir: Path, tmp_path: Path):
         "GPU_CHECK_ALSO": "prefill_chunk=64,prefill_budget=128",
     }  # fmt: skip
     done = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "batch"],
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "batch", "json"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "== batch: status 0 in" in (tmp_path / "log.txt").read_text()
+    assert "== json: status 0 in" in (tmp_path / "log.txt").read_text()
+    assert {r["method"] for r in json.loads((tmp_path / "json.json").read_text())["throughput"]["runs"]} == {
+        "free", "json", "mixed",
+    }  # fmt: skip
     methods = set(json.loads((tmp_path / "batch.json").read_text())["2x4"])
     assert {m for m in methods if m.startswith("mlxkv")} == {"mlxkv", "mlxkv, prefill_chunk=64,prefill_budget=128"}
