@@ -34,7 +34,9 @@ Invariants:
 
 The subset: ``type`` (a name or a list), ``properties``, ``required``,
 ``additionalProperties``, ``items`` (a schema, or false: no items past
-``prefixItems``), ``prefixItems``, ``minItems``, ``maxItems``, ``enum``,
+``prefixItems``), ``prefixItems``, ``minItems``, ``maxItems``,
+``uniqueItems`` (over items of finitely many values: an enum's, a const,
+booleans, null; the array's frame keeps the values written), ``enum``,
 ``const``, ``anyOf`` and ``oneOf`` (read as ``anyOf``: that only one
 alternative matches is not checked), ``allOf`` of one schema, ``$ref``
 to ``#/$defs/...`` or ``#/definitions/...`` (recursion allowed); on
@@ -64,6 +66,7 @@ import bisect
 import json
 import math
 from collections.abc import Mapping, Sequence
+from fractions import Fraction
 from typing import Any, Optional
 
 from mlxkv.actors.json_pattern import MAX_LEVEL_WORK, MAX_POSITIONS, NumberBounds, PatternNotSupported, StringRule
@@ -103,7 +106,7 @@ _SUPPORTED = frozenset(
     {
         "type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
         "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "pattern", "minLength", "maxLength", "minimum",
-        "maximum", "exclusiveMinimum", "exclusiveMaximum", "prefixItems",
+        "maximum", "exclusiveMinimum", "exclusiveMaximum", "prefixItems", "uniqueItems",
     }
 )  # fmt: skip
 _STRING_KEYWORDS = frozenset({"pattern", "minLength", "maxLength"})
@@ -180,8 +183,8 @@ class GrammarTooAmbiguous(ValueError):
 class _Node:
     """One compiled schema (compared by identity; fields set once, at compile)."""
 
-    __slots__ = ("types", "properties", "required", "additional", "items", "min_items", "max_items",
-                 "literals", "alternatives", "key_tables", "string_rule", "bounds", "prefix_items")  # fmt: skip
+    __slots__ = ("types", "properties", "required", "additional", "items", "min_items", "max_items", "literals",
+                 "alternatives", "key_tables", "string_rule", "bounds", "prefix_items", "unique")  # fmt: skip
 
     def __init__(self) -> None:
         self.types: frozenset[str] = _TYPES
@@ -194,6 +197,9 @@ class _Node:
         self.items: Optional[_Node] = None
         #: The first items' schemas, one each (``prefixItems``).
         self.prefix_items: tuple[_Node, ...] = ()
+        #: For ``uniqueItems``: the values an item may be, one text each
+        #: (tagged by their index), or None: items may repeat.
+        self.unique: Optional[_Table] = None
         self.min_items = 0
         self.max_items: Optional[int] = None
         #: The value's allowed texts (``enum``/``const``), or None.
@@ -326,7 +332,7 @@ class JsonGrammar:
             return  # the values say their types; each keyword applies to its own
         elif {"properties", "required", "additionalProperties"} & set(schema):
             node.types = frozenset({"object"})
-        elif {"items", "prefixItems", "minItems", "maxItems"} & set(schema):
+        elif {"items", "prefixItems", "minItems", "maxItems", "uniqueItems"} & set(schema):
             node.types = frozenset({"array"})
         elif _STRING_KEYWORDS & set(schema):
             node.types = frozenset({"string"})
@@ -424,6 +430,11 @@ class JsonGrammar:
             node.max_items = min(len(prefix), node.max_items if node.max_items is not None else len(prefix))
         if node.max_items is not None and node.max_items < node.min_items:
             raise SchemaNotSupported(f"{where}: maxItems is below minItems (or items beyond prefixItems are needed)")
+        unique = schema.get("uniqueItems", False)
+        if not isinstance(unique, bool):
+            raise SchemaNotSupported(f"{where}.uniqueItems must be true or false")
+        if unique:
+            node.unique = _unique_values(node, where)
 
     def _alternatives(self, schema: Mapping, key: str, where: str) -> _Node:
         parts = schema[key]
@@ -551,8 +562,8 @@ class JsonGrammar:
                 return _spaced(top, rest, byte)
             return self._begin(rest, top[1], byte)
         if kind == "e":
-            _, table, low, high, at = top
-            return self._in_table(rest, table, low, high, at, byte)
+            _, table, low, high, at, used = top
+            return self._in_table(rest, table, low, high, at, byte, used)
         if kind == "l":
             _, text, at, tag = top
             if text[at] != byte:
@@ -572,6 +583,8 @@ class JsonGrammar:
             return out
         if kind == "o":
             return self._in_object(top, rest, byte)
+        if kind == "u":
+            return self._in_unique_array(top, rest, byte)
         return self._in_array(top, rest, byte)
 
     def _string(self, escape: Any, rest: tuple, byte: int, stack: tuple) -> list[tuple]:
@@ -611,25 +624,27 @@ class JsonGrammar:
                 return []
         return [rest + (("p", rule, state, b""),)]
 
-    def _in_table(self, rest: tuple, table: _Table, low: int, high: int, at: int, byte: int) -> list[tuple]:
+    def _in_table(
+        self, rest: tuple, table: _Table, low: int, high: int, at: int, byte: int, used: frozenset = frozenset()
+    ) -> list[tuple]:
         """The stacks after ``byte`` where the text is one of
         ``table.texts[low:high]`` (sorted), which share their first ``at``
-        bytes: one frame for them all, however many (an enum's values, the
+        bytes, less those whose tags are ``used`` (a unique array's items so
+        far): one frame for them all, however many (an enum's values, the
         keys that may come next); a text written whole is done, with its tag."""
-        texts = table.texts
+        texts, tags = table.texts, table.tags
         if low >= high:
             return []
         prefix = texts[low][:at] + bytes([byte])
         first = bisect.bisect_left(texts, prefix, low, high)
         last = past_prefix(texts, prefix, first, high)
-        if first == last:
-            return []
         out = []
-        if len(texts[first]) == at + 1:  # the shortest (sorted first) is whole here
-            out.extend(self._done(rest, table.tags[first]))
+        if first < last and len(texts[first]) == at + 1:  # the shortest (sorted first) is whole here
+            if tags[first] not in used:
+                out.extend(self._done(rest, tags[first]))
             first += 1
-        if first < last:
-            out.append(rest + (("e", table, first, last, at + 1),))
+        if first < last and (not used or any(tags[i] not in used for i in range(first, last))):
+            out.append(rest + (("e", table, first, last, at + 1, used),))
         return out
 
     def _begin(self, rest: tuple, node: _Node, byte: int) -> list[tuple]:
@@ -638,6 +653,8 @@ class JsonGrammar:
             return [stack for part in node.alternatives for stack in self._begin(rest, part, byte)]
         if node.literals is not None:
             return self._in_table(rest, node.literals, 0, len(node.literals.texts), 0, byte)
+        if byte == ord("[") and node.unique is not None and "array" in node.types and len(rest) < MAX_DEPTH:
+            return [rest + (("u", node, 0, frozenset(), 0),)]
         types = node.types
         deep = len(rest) >= MAX_DEPTH
         if byte == ord("{") and "object" in types and not deep:
@@ -669,6 +686,8 @@ class JsonGrammar:
             return [rest[:-1] + (("l", rest[-1][1], 0, -1),)]
         kind, node, phase, at, _ = rest[-1]
         outer = rest[:-1]
+        if kind == "u":  # an item of a unique array: ``at`` the items' tags so far
+            return [outer + (("u", node, 4, at | {tag}, 0),)]
         if kind == "o":
             if phase == 5:  # a key: ``tag`` is its property's index (closed objects)
                 return [outer + (("o", node, 2, tag if tag >= 0 else at, 0),)]
@@ -716,6 +735,28 @@ class JsonGrammar:
         if byte == ord(",") and (node.max_items is None or count < node.max_items):
             return [rest + (("a", node, 1, count, 0),)]
         if byte == ord("]") and count >= node.min_items:
+            return self._done(rest)
+        return []
+
+
+    def _in_unique_array(self, top: tuple, rest: tuple, byte: int) -> list[tuple]:
+        """In an array of unique items (``node.unique``): each item one of
+        the values not yet written (``used``, their tags)."""
+        _, node, phase, used, _ = top
+        if byte in _WHITESPACE:
+            return _spaced(top, rest, byte)
+        table = node.unique
+        if phase in (0, 1):
+            out = []
+            if phase == 0 and byte == ord("]") and node.min_items == 0:
+                out.extend(self._done(rest))
+            if phase == 1 or _more_unique(node, used):
+                out.extend(self._in_table(rest + (("u", node, 3, used, 0),), table, 0, len(table.texts), 0, byte, used))
+            return out
+        # phase 4: after an item
+        if byte == ord(",") and _more_unique(node, used):
+            return [rest + (("u", node, 1, used, 0),)]
+        if byte == ord("]") and len(used) >= node.min_items:
             return self._done(rest)
         return []
 
@@ -909,6 +950,50 @@ def _escape_reading(escape: bytes) -> tuple[Optional[int], list[tuple[int, int]]
 def _paired(lead: int, trail: int) -> int:
     """The code point a surrogate pair writes."""
     return 0x10000 + ((lead - 0xD800) << 10) + (trail - 0xDC00)
+
+
+def _unique_values(node: _Node, where: str) -> _Table:
+    """The values a unique array's items may be (its items finitely many:
+    an enum's, a const, booleans, null), one text for each JSON value (``1``
+    and ``1.0`` are one), tagged by index."""
+    items = node.items
+    if node.prefix_items or items is None or items.alternatives is not None:
+        texts: Sequence[bytes] = ()
+    elif items.literals is not None:
+        texts = items.literals.texts
+    elif items.types <= {"boolean", "null"}:
+        texts = [text for kind, text in (("boolean", b"true"), ("boolean", b"false"), ("null", b"null"))
+                 if kind in items.types]  # fmt: skip
+    else:
+        texts = ()
+    if not texts:
+        raise SchemaNotSupported(
+            f"{where}: uniqueItems is held only over items of an enum, a const, booleans or null (no prefixItems)"
+        )
+    kept: dict[Any, bytes] = {}
+    for text in texts:
+        kept.setdefault(_canonical(json.loads(text)), text)
+    if node.min_items > len(kept):
+        raise SchemaNotSupported(f"{where}: minItems is more than the distinct values its unique items may be")
+    return _Table([(text, index) for index, text in enumerate(sorted(kept.values()))])
+
+
+def _more_unique(node: _Node, used: frozenset) -> bool:
+    """Whether a unique array may take another item after ``used``."""
+    return (node.max_items is None or len(used) < node.max_items) and len(used) < len(node.unique.texts)
+
+
+def _canonical(value: Any) -> Any:
+    """A JSON value as JSON compares it: numbers by value, objects by their keys and values."""
+    if value is None or isinstance(value, bool):
+        return ("literal", value)
+    if isinstance(value, (int, float)):
+        return ("number", Fraction(repr(value)) if isinstance(value, float) else Fraction(value))
+    if isinstance(value, str):
+        return ("string", value)
+    if isinstance(value, list):
+        return ("array", tuple(_canonical(item) for item in value))
+    return ("object", frozenset((key, _canonical(item)) for key, item in value.items()))
 
 
 def _literal_held(node: _Node, value: Any) -> bool:

@@ -42,6 +42,7 @@ RULED = {
         "name": {"type": "string", "maxLength": 4},
         "score": {"type": "number", "minimum": -1, "maximum": 2.5},
         "day": {"type": "string", "format": "date"},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "uniqueItems": True},
     },
     "required": ["code", "name", "score"],
 }

@@ -160,6 +160,19 @@ class TestSchemas:
         for value in refused:
             assert not grammar.accepts(json.dumps(value).encode()), value
 
+    def test_unique_items_of_a_finite_set(self):
+        """Pydantic's ``set[Literal[...]]``: each item once (``1`` and ``1.0``
+        one value, ``true`` another); a prefix that leads only to items
+        written already is refused at once (the state stays live)."""
+        grammar = JsonGrammar({"type": "array", "items": {"enum": ["a", "ab", "b", 1, 1.0, True]}, "uniqueItems": True})
+        cases = (([], True), (["a", "ab", "b"], True), (["a", "a"], False), ([1, True], True), ([1, 1], False))
+        for value, taken in cases:
+            assert grammar.accepts(json.dumps(value).encode()) == taken, value
+        assert not grammar.accepts(b"[1,1.0]")
+        state = grammar.read(grammar.start, b'["a","b",')
+        assert grammar.read(state, b'"a') and not grammar.read(state, b'"b')  # "ab" is still to come; "b" is done
+        assert not grammar.read(grammar.start, b'["a","ab","b",1,true,')  # nothing left to write
+
     def test_open_and_closed_objects(self):
         assert JsonGrammar({"type": "object", "additionalProperties": {"type": "integer"}}).accepts(b'{"a":1,"b":2}')
         assert not JsonGrammar({"type": "object", "additionalProperties": {"type": "integer"}}).accepts(b'{"a":"1"}')
@@ -170,7 +183,11 @@ class TestSchemas:
         ("schema", "said"),
         [
             ({"type": "integer", "multipleOf": 3}, "'multipleOf'"),
-            ({"type": "array", "uniqueItems": True}, "'uniqueItems'"),
+            ({"type": "object", "minProperties": 1}, "'minProperties'"),
+            ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "uniqueItems is held only"),
+            ({"prefixItems": [{"const": 1}], "items": {"const": 2}, "uniqueItems": True}, "uniqueItems is held only"),
+            ({"items": {"enum": [1, 1.0, 2]}, "uniqueItems": True, "minItems": 3}, "distinct values"),
+            ({"items": {"enum": [1]}, "uniqueItems": "yes"}, "true or false"),
             ({"type": "string", "pattern": "a(?=b)"}, "lookaround"),
             ({"type": "string", "pattern": "(a)\\1"}, "backreference"),
             ({"type": "string", "pattern": "\\bword"}, "word boundar"),
@@ -307,6 +324,8 @@ class TestLiveness:
             {}, {"type": "object"}, PERSON,
             {"type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 3},
             {"prefixItems": [{"type": "string"}, {"enum": [1, 2]}], "items": {"type": "boolean"}, "minItems": 3},
+            {"type": "array", "items": {"enum": ["x", "xy", "y", 1, 1.0, True]}, "uniqueItems": True, "minItems": 1},
+            {"items": {"type": ["boolean", "null"]}, "uniqueItems": True, "maxItems": 2},
         ],
     )
     def test_every_state_reached_goes_on_or_is_whole(self, schema):

@@ -915,6 +915,7 @@ class TestJsonOutput:
             seats: Annotated[int, Field(ge=1, le=5)]
             day: datetime.date
             ref: uuid.UUID
+            extras: set[Literal["wifi", "meal", "bag"]]
 
         async with serve() as s:
             answer = await s.client.chat.completions.parse(
@@ -929,6 +930,8 @@ class TestJsonOutput:
         assert Verdict.model_validate_json(answer.choices[0].message.content) == parsed
         booking = booked.choices[0].message.parsed
         assert isinstance(booking, Booking) and 1 <= booking.seats <= 5 and 1 <= len(booking.label) <= 4
+        extras = json.loads(booked.choices[0].message.content)["extras"]
+        assert len(extras) == len(set(extras))  # each once: a set's items
 
     async def test_json_mode_and_completions(self, serve):
         """``json_object``: an object (or, cut by ``max_tokens``, the start of
