@@ -22,6 +22,8 @@ from mlxkv.actors.json_grammar import (
     SchemaNotSupported,
 )  # fmt: skip
 
+from json_walks import walked_texts
+
 ANY = JsonGrammar({})
 OBJECT = JsonGrammar({"type": "object"})
 
@@ -45,10 +47,6 @@ json_values = st.recursive(
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=5), children, max_size=4),
     max_leaves=12,
 )
-
-
-def allowed_bytes(grammar: JsonGrammar, state) -> list[int]:
-    return [byte for byte in range(256) if grammar.step(state, byte)]
 
 
 class TestAgainstJson:
@@ -333,22 +331,8 @@ class TestLiveness:
         and every walk that ends where the value is whole is JSON the
         schema allows (checked against the schema's own reading too)."""
         grammar = JsonGrammar(schema)
-        rng = random.Random(0)
         finished = 0
-        for _ in range(60):
-            state, text = grammar.start, b""
-            for _ in range(300):
-                nexts = allowed_bytes(grammar, state)
-                if grammar.complete(state) and (not nexts or rng.random() < 0.3):
-                    break
-                assert nexts, text
-                # Prefer closing bytes now and then, so that walks finish.
-                closing = [b for b in nexts if b in b'}]"']
-                byte = rng.choice(closing if closing and rng.random() < 0.3 else nexts)
-                state = grammar.step(state, byte)
-                text += bytes([byte])
-            else:
-                continue
+        for text in walked_texts(grammar, random.Random(0), 60, 300):
             finished += 1
             value = json.loads(text.decode("utf-8"))
             assert grammar.accepts(text)

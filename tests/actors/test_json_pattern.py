@@ -24,6 +24,8 @@ from hypothesis import strategies as st
 from mlxkv.actors.json_grammar import FORMATS, JsonGrammar
 from mlxkv.actors.json_pattern import NumberBounds, StringRule, utf8_sequences
 
+from json_walks import walked_texts
+
 ALPHABET = 'ab-_ 9Z.\n\t"\\é中😀'
 
 # Patterns Python reads as ECMAScript does (with re.ASCII, over ALPHABET).
@@ -321,20 +323,8 @@ class TestInSchemas:
         every field is ruled or bounded; each whole text jsonschema reads
         as valid (and its date as a date)."""
         grammar = JsonGrammar(SCHEMA)
-        rng = random.Random(2)
         finished = 0
-        for _ in range(40):
-            state, text = grammar.start, b""
-            for _ in range(400):
-                nexts = [byte for byte in range(256) if grammar.step(state, byte)]
-                if grammar.complete(state):
-                    break
-                assert nexts, text
-                closing = [b for b in nexts if b in b'}]"']
-                byte = rng.choice(closing if closing and rng.random() < 0.5 else nexts)
-                state, text = grammar.step(state, byte), text + bytes([byte])
-            else:
-                continue
+        for text in walked_texts(grammar, random.Random(2), 40, 400, stop=1.0, close=0.5):
             finished += 1
             value = json.loads(text)
             jsonschema.validate(value, SCHEMA)
