@@ -171,11 +171,10 @@ class _Parser:
             branches.append(("seq", items))
             if self.peek() is None:
                 return ("alt", branches)
-            if self.peek() != "|":
-                raise self.fail("'^' and '$' are taken only at the ends of the pattern's alternatives")
-            self.at += 1
+            self.at += 1  # the "|" before the next alternative
 
     def alternatives(self) -> tuple:
+        """A group's alternatives (up to its ``)``)."""
         branches = [("seq", self.sequence())]
         while self.peek() == "|":
             self.at += 1
@@ -183,6 +182,8 @@ class _Parser:
         return ("alt", branches)
 
     def sequence(self, top: bool = False) -> list:
+        """Quantified atoms up to an alternative's end (at the ``top``
+        level, a ``$`` ending it is left to the caller)."""
         items: list = []
         while True:
             char = self.peek()
