@@ -33,7 +33,9 @@ Invariants:
       :data:`MAX_DEPTH` deep.
 
 The subset: ``type`` (a name or a list), ``properties``, ``required``,
-``additionalProperties``, ``items`` (a schema, or false: no items past
+``additionalProperties`` (and on an object without ``properties``:
+``propertyNames``, ``patternProperties`` of one pattern, whose keys alone
+are then written, and ``maxProperties``), ``items`` (a schema, or false: no items past
 ``prefixItems``), ``prefixItems``, ``minItems``, ``maxItems``,
 ``uniqueItems`` (over items of finitely many values: an enum's, a const,
 booleans, null; the array's frame keeps the values written), ``enum``,
@@ -55,7 +57,8 @@ never a lone surrogate.
 Objects with ``properties`` have exactly those keys, in the order given
 (each required one present, others optional), as the text of the names
 written by ``json.dumps``; an object without ``properties`` takes any
-keys, each value per ``additionalProperties`` (any JSON value by default).
+keys (``propertyNames`` allows), each value per ``additionalProperties``
+(any JSON value by default).
 ``enum`` and ``const`` values are written compactly (``json.dumps`` with
 no spaces).
 """
@@ -106,10 +109,14 @@ _SUPPORTED = frozenset(
     {
         "type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
         "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "pattern", "minLength", "maxLength", "minimum",
-        "maximum", "exclusiveMinimum", "exclusiveMaximum", "prefixItems", "uniqueItems",
+        "maximum", "exclusiveMinimum", "exclusiveMaximum", "prefixItems", "uniqueItems", "propertyNames",
+        "maxProperties", "patternProperties",
     }
 )  # fmt: skip
 _STRING_KEYWORDS = frozenset({"pattern", "minLength", "maxLength"})
+_OBJECT_KEYWORDS = frozenset(
+    {"properties", "required", "additionalProperties", "propertyNames", "maxProperties", "patternProperties"}
+)
 _NUMBER_KEYWORDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
 #: The formats a string is held to (as patterns); any other ``format`` is an
 #: annotation, read and ignored. RFC 3339's full-date (Gregorian, years
@@ -184,7 +191,8 @@ class _Node:
     """One compiled schema (compared by identity; fields set once, at compile)."""
 
     __slots__ = ("types", "properties", "required", "additional", "items", "min_items", "max_items", "literals",
-                 "alternatives", "key_tables", "string_rule", "bounds", "prefix_items", "unique")  # fmt: skip
+                 "alternatives", "key_tables", "string_rule", "bounds", "prefix_items", "unique", "key_names",
+                 "max_keys")  # fmt: skip
 
     def __init__(self) -> None:
         self.types: frozenset[str] = _TYPES
@@ -193,6 +201,10 @@ class _Node:
         self.required: frozenset[str] = frozenset()
         #: The values of keys not in ``properties`` (None: no such keys).
         self.additional: Optional[_Node] = None
+        #: An open object's keys: what they may be (``propertyNames``; None:
+        #: any string) and how many at most (``maxProperties``; None: any).
+        self.key_names: Optional[_Node] = None
+        self.max_keys: Optional[int] = None
         #: The items after ``prefix_items`` (None: no more).
         self.items: Optional[_Node] = None
         #: The first items' schemas, one each (``prefixItems``).
@@ -330,7 +342,7 @@ class JsonGrammar:
             node.types = frozenset(names)
         elif "enum" in schema or "const" in schema:
             return  # the values say their types; each keyword applies to its own
-        elif {"properties", "required", "additionalProperties"} & set(schema):
+        elif _OBJECT_KEYWORDS & set(schema):
             node.types = frozenset({"object"})
         elif {"items", "prefixItems", "minItems", "maxItems", "uniqueItems"} & set(schema):
             node.types = frozenset({"array"})
@@ -397,6 +409,10 @@ class JsonGrammar:
             raise SchemaNotSupported(f"{where}.required must be a list of names")
         additional = schema.get("additionalProperties", True)
         if "properties" in schema:
+            if {"propertyNames", "maxProperties", "patternProperties"} & set(schema):
+                raise SchemaNotSupported(
+                    f"{where}: propertyNames, patternProperties and maxProperties are held only without properties"
+                )
             properties = schema["properties"]
             if not isinstance(properties, Mapping):
                 raise SchemaNotSupported(f"{where}.properties must be an object")
@@ -411,10 +427,26 @@ class JsonGrammar:
             return
         if required:
             raise SchemaNotSupported(f"{where}: required keys need properties naming them")
-        if additional is False:
+        patterned = schema.get("patternProperties")
+        if patterned is not None:
+            # One pattern: its keys alone are written (a key past it, which
+            # additionalProperties would hold, is never needed).
+            if not isinstance(patterned, Mapping) or len(patterned) != 1 or "propertyNames" in schema:
+                raise SchemaNotSupported(f"{where}: patternProperties is held with one pattern (and no propertyNames)")
+            ((pattern, additional),) = patterned.items()
+            names = {"type": "string", "pattern": pattern}
+        elif additional is False:
             node.properties = ()
+            return
         else:
-            node.additional = self._compile(additional, f"{where}.additionalProperties")
+            names = schema.get("propertyNames")
+        node.additional = self._compile(additional, f"{where}.additionalProperties")
+        if "maxProperties" in schema:
+            node.max_keys = _count(schema["maxProperties"], f"{where}.maxProperties")
+        if names is not None:
+            node.key_names = self._compile(names, f"{where}.propertyNames")
+            if not _takes_strings(node.key_names):
+                raise SchemaNotSupported(f"{where}.propertyNames allows no string (no key could be written)")
 
     def _array(self, node: _Node, schema: Mapping, where: str) -> None:
         prefix = schema.get("prefixItems", [])
@@ -691,7 +723,9 @@ class JsonGrammar:
         if kind == "o":
             if phase == 5:  # a key: ``tag`` is its property's index (closed objects)
                 return [outer + (("o", node, 2, tag if tag >= 0 else at, 0),)]
-            return [outer + (("o", node, 4, at + 1 if node.properties is not None else 0, 0),)]
+            # The next property's index (closed), or the keys so far, told apart up to maxProperties (open).
+            following = at + 1 if node.properties is not None else min(at + 1, node.max_keys or 0)
+            return [outer + (("o", node, 4, following, 0),)]
         return [outer + (("a", node, 4, min(at + 1, _count_cap(node)), 0),)]
 
     def _in_object(self, top: tuple, rest: tuple, byte: int) -> list[tuple]:
@@ -705,7 +739,10 @@ class JsonGrammar:
                 return []
             keying = rest + (("o", node, 5, at, 0),)
             if node.properties is None:
-                return [keying + (("s", 0),)]
+                if phase == 0 and node.max_keys == 0:
+                    return []
+                names = node.key_names
+                return [keying + (("s", 0),)] if names is None else self._begin(keying, names, byte)
             table = _key_table(node, at)
             return self._in_table(keying, table, 0, len(table.texts), 0, byte)
         if phase == 2:
@@ -714,7 +751,8 @@ class JsonGrammar:
             value = node.properties[at][2] if node.properties is not None else node.additional
             return [rest + (("o", node, 3, at, 0), ("v", value, 0))]
         # phase 4: after a value
-        if byte == ord(",") and (node.properties is None or _next_keys(node, at)):
+        more = at < node.max_keys if node.max_keys is not None else True
+        if byte == ord(",") and (_next_keys(node, at) if node.properties is not None else more):
             return [rest + (("o", node, 1, at, 0),)]
         if byte == ord("}") and _may_close(node, at):
             return self._done(rest)
@@ -994,6 +1032,15 @@ def _canonical(value: Any) -> Any:
     if isinstance(value, list):
         return ("array", tuple(_canonical(item) for item in value))
     return ("object", frozenset((key, _canonical(item)) for key, item in value.items()))
+
+
+def _takes_strings(node: _Node) -> bool:
+    """Whether some string is a value of ``node``."""
+    if node.alternatives is not None:
+        return any(_takes_strings(part) for part in node.alternatives)
+    if node.literals is not None:
+        return any(text.startswith(b'"') for text in node.literals.texts)
+    return "string" in node.types
 
 
 def _literal_held(node: _Node, value: Any) -> bool:

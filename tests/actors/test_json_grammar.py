@@ -171,6 +171,28 @@ class TestSchemas:
         assert grammar.read(state, b'"a') and not grammar.read(state, b'"b')  # "ab" is still to come; "b" is done
         assert not grammar.read(grammar.start, b'["a","ab","b",1,true,')  # nothing left to write
 
+    @pytest.mark.parametrize(
+        ("schema", "taken", "refused"),
+        [
+            # Pydantic's dict[Literal["a", "b"], int]
+            ({"type": "object", "additionalProperties": {"type": "integer"}, "propertyNames": {"enum": ["a", "b"]}},
+             [{}, {"a": 1}, {"b": 2, "a": 1}], [{"c": 1}, {"a": "1"}]),
+            # Pydantic's dict[Annotated[str, StringConstraints(pattern="^x")], int]
+            ({"type": "object", "patternProperties": {"^x": {"type": "integer"}}}, [{}, {"x": 1, "xy": 2}],
+             [{"y": 1}, {"x": None}]),
+            # Pydantic's Annotated[dict[str, int], Field(max_length=2)]
+            ({"type": "object", "additionalProperties": {"type": "integer"}, "maxProperties": 2},
+             [{}, {"a": 1, "b": 2}], [{"a": 1, "b": 2, "c": 3}]),
+            ({"propertyNames": {"maxLength": 2}, "maxProperties": 0}, [{}], [{"a": 1}]),
+        ],
+    )  # fmt: skip
+    def test_keys_of_open_objects(self, schema, taken, refused):
+        grammar = JsonGrammar(schema)
+        for value in taken:
+            assert grammar.accepts(json.dumps(value).encode()), value
+        for value in refused:
+            assert not grammar.accepts(json.dumps(value).encode()), value
+
     def test_open_and_closed_objects(self):
         assert JsonGrammar({"type": "object", "additionalProperties": {"type": "integer"}}).accepts(b'{"a":1,"b":2}')
         assert not JsonGrammar({"type": "object", "additionalProperties": {"type": "integer"}}).accepts(b'{"a":"1"}')
@@ -182,6 +204,9 @@ class TestSchemas:
         [
             ({"type": "integer", "multipleOf": 3}, "'multipleOf'"),
             ({"type": "object", "minProperties": 1}, "'minProperties'"),
+            ({"properties": {"a": {}}, "propertyNames": {"maxLength": 1}}, "held only without properties"),
+            ({"patternProperties": {"^a": {}, "^b": {}}}, "one pattern"),
+            ({"propertyNames": {"type": "integer"}}, "allows no string"),
             ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "uniqueItems is held only"),
             ({"prefixItems": [{"const": 1}], "items": {"const": 2}, "uniqueItems": True}, "uniqueItems is held only"),
             ({"items": {"enum": [1, 1.0, 2]}, "uniqueItems": True, "minItems": 3}, "distinct values"),
@@ -383,8 +408,16 @@ def schemas(depth: int = 2) -> st.SearchStrategy:
         },
         st.dictionaries(st.sampled_from(["a", "b", "ab"]), child, max_size=3), st.sets(st.sampled_from(["a", "b"])),
     )  # fmt: skip
+    mapping = st.fixed_dictionaries(
+        {"type": st.just("object"), "additionalProperties": child},
+        optional={
+            "propertyNames": st.sampled_from([{"enum": ["a", "b"]}, {"pattern": "^[ab]+$", "maxLength": 2}]),
+            "maxProperties": st.integers(0, 2),
+        },
+    )  # fmt: skip
+    patterned = st.builds(lambda value: {"type": "object", "patternProperties": {"^k": value}}, child)
     alternatives = st.builds(lambda parts: {"anyOf": parts}, st.lists(child, min_size=1, max_size=3))
-    return st.one_of(leaf, array, unique, record, alternatives)
+    return st.one_of(leaf, array, unique, record, mapping, patterned, alternatives)
 
 
 class TestRandomSchemas:
