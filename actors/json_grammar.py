@@ -45,8 +45,8 @@ to ``#/$defs/...`` or ``#/definitions/...`` (recursion allowed); on
 strings ``pattern``, ``minLength``, ``maxLength`` and the formats of
 :data:`FORMATS` (:mod:`~mlxkv.actors.json_pattern` holds a string's
 characters to them), on numbers ``minimum``, ``maximum``,
-``exclusiveMinimum``, ``exclusiveMaximum`` (a bounded number is written
-without an exponent, compared exactly). Annotations (``title``,
+``exclusiveMinimum``, ``exclusiveMaximum``, ``multipleOf`` (a bounded
+number is written without an exponent, compared exactly). Annotations (``title``,
 ``description``, other ``format`` names...) are read and ignored, as the
 JSON Schema specification makes ``format`` by default. Any other keyword
 is refused (:class:`SchemaNotSupported`): a constraint the text would not
@@ -110,14 +110,14 @@ _SUPPORTED = frozenset(
         "type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
         "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "pattern", "minLength", "maxLength", "minimum",
         "maximum", "exclusiveMinimum", "exclusiveMaximum", "prefixItems", "uniqueItems", "propertyNames",
-        "maxProperties", "patternProperties",
+        "maxProperties", "patternProperties", "multipleOf",
     }
 )  # fmt: skip
 _STRING_KEYWORDS = frozenset({"pattern", "minLength", "maxLength"})
 _OBJECT_KEYWORDS = frozenset(
     {"properties", "required", "additionalProperties", "propertyNames", "maxProperties", "patternProperties"}
 )
-_NUMBER_KEYWORDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
+_NUMBER_KEYWORDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"})
 #: The formats a string is held to (as patterns); any other ``format`` is an
 #: annotation, read and ignored. RFC 3339's full-date (Gregorian, years
 #: 0001-9999, as Python's dates), full-time and date-time (seconds 00-59, up to
@@ -398,8 +398,11 @@ class JsonGrammar:
                     value, is_open = other, True
             ends.append((value, is_open))
         (low, low_open), (high, high_open) = ends
+        multiple = schema.get("multipleOf")
+        if multiple is not None and not _finite(multiple):
+            raise SchemaNotSupported(f"{where}.multipleOf must be a finite number")
         try:
-            return NumberBounds(low, low_open, high, high_open, integer=integer)
+            return NumberBounds(low, low_open, high, high_open, integer=integer, multiple=multiple)
         except PatternNotSupported as error:
             raise SchemaNotSupported(f"{where}: {error}") from None
 

@@ -599,25 +599,36 @@ def _closures(automaton: _Automaton) -> list[frozenset]:
 # -- number bounds -------------------------------------------------------------
 
 
+def _exact(value) -> Optional[Fraction]:
+    """A JSON number as an exact fraction (a float as the decimal it is written as)."""
+    if value is None:
+        return None
+    return Fraction(repr(value)) if isinstance(value, float) else Fraction(value)
+
+
 class NumberBounds:
-    """``minimum``/``maximum`` (each may be exclusive) on a number written in
-    decimal (no exponent: a bounded number's text is its digits), compared
-    exactly. Compared by identity.
+    """``minimum``/``maximum`` (each may be exclusive) and ``multipleOf`` on a
+    number written in decimal (no exponent: a bounded number's text is its
+    digits), compared exactly. Compared by identity.
 
     Attributes:
         integer: only integers (no fraction either).
+        multiple: the value numbers are multiples of, or None.
         refused: the number's parts its text may not have (``"exp"``, and
             ``"dot"`` for an integer), as :mod:`~mlxkv.actors.json_grammar`
             names them.
     """
 
-    __slots__ = ("low", "low_open", "high", "high_open", "integer", "refused")
+    __slots__ = ("low", "low_open", "high", "high_open", "integer", "refused", "multiple")
 
-    def __init__(self, low=None, low_open=False, high=None, high_open=False, *, integer: bool = False) -> None:
-        self.low = None if low is None else Fraction(repr(low)) if isinstance(low, float) else Fraction(low)
-        self.high = None if high is None else Fraction(repr(high)) if isinstance(high, float) else Fraction(high)
+    def __init__(
+        self, low=None, low_open=False, high=None, high_open=False, *, integer: bool = False, multiple=None
+    ) -> None:
+        self.low, self.high, self.multiple = (_exact(value) for value in (low, high, multiple))
         self.low_open, self.high_open = low_open, high_open
         self.integer = integer
+        if self.multiple is not None and self.multiple <= 0:
+            raise PatternNotSupported("multipleOf must be above 0")
         self.refused = frozenset({"dot", "exp"} if integer else {"exp"})
         if integer:  # bounds on integers are integers, closed
             if self.low is not None:
@@ -627,7 +638,7 @@ class NumberBounds:
                     Fraction(math.ceil(self.high) - 1 if high_open else math.floor(self.high)), False,
                 )  # fmt: skip
         if self._empty(self.low, self.low_open, self.high, self.high_open):
-            raise PatternNotSupported("no number lies between the minimum and the maximum")
+            raise PatternNotSupported("no number lies between the minimum and the maximum (a multiple, if asked)")
 
     def holds(self, text: bytes) -> bool:
         """Whether the number written ``text`` (whole) is within bounds."""
@@ -685,7 +696,9 @@ class NumberBounds:
         clipped = self._clipped(low, low_open, high, high_open)
         if self._empty(*clipped):
             return "none"
-        return "all" if clipped == (low, low_open, high, high_open) else "some"
+        # A multiple is told only from the whole text: its bounds are never left behind.
+        inside = clipped == (low, low_open, high, high_open) and self.multiple is None
+        return "all" if inside else "some"
 
     def _clipped(self, low, low_open, high, high_open):
         """An interval cut to the bounds."""
@@ -696,11 +709,19 @@ class NumberBounds:
         return low, low_open, high, high_open
 
     def _empty(self, low, low_open, high, high_open) -> bool:
-        if low is None or high is None:
-            return False
+        """Whether no number the bounds take (an integer, a multiple, where
+        asked) lies in the interval (an end None: unbounded)."""
+        step = self.multiple
         if self.integer:
-            first = math.floor(low) + 1 if low_open else math.ceil(low)
-            last = math.ceil(high) - 1 if high_open else math.floor(high)
-            return first > last
-        return low > high or (low == high and (low_open or high_open))
+            step = Fraction(1) if step is None else Fraction(step.numerator)  # integers that are multiples of p/q: of p
+        if step is None:
+            if low is None or high is None:
+                return False
+            return low > high or (low == high and (low_open or high_open))
+        if low is None or high is None:
+            return False  # multiples run on without end either way
+        first = math.ceil(low / step) * step
+        if low_open and first == low:
+            first += step
+        return first > high or (first == high and high_open)
 

@@ -188,7 +188,7 @@ class Attacks:
                 {"anyOf": alike},  # 300 readings at once after "{"
                 {"enum": list(range(5000))},  # past the schema's size
                 {"anyOf": [{"type": "array", "items": {"$ref": "#"}}] * 2},  # doubling with each "["
-                {"type": "integer", "multipleOf": 3},  # a keyword not held to
+                {"not": {"type": "integer"}},  # a keyword not held to
                 {"type": "string", "pattern": "(a)\\1"},  # a pattern outside the syntax taken
                 # Patterns at the compile budgets: many large ones, length bounds on large ones.
                 {"properties": {f"k{i}": {"pattern": f"^[a-{chr(98 + i)}]{{0,1000}}$"} for i in range(24)}},

@@ -202,7 +202,9 @@ class TestSchemas:
     @pytest.mark.parametrize(
         ("schema", "said"),
         [
-            ({"type": "integer", "multipleOf": 3}, "'multipleOf'"),
+            ({"not": {"type": "integer"}}, "'not'"),
+            ({"type": "integer", "multipleOf": 0}, "above 0"),
+            ({"type": "integer", "multipleOf": 4, "minimum": 1, "maximum": 3}, "a multiple"),
             ({"type": "object", "minProperties": 1}, "'minProperties'"),
             ({"properties": {"a": {}}, "propertyNames": {"maxLength": 1}}, "held only without properties"),
             ({"patternProperties": {"^a": {}, "^b": {}}}, "one pattern"),
@@ -382,6 +384,7 @@ def schemas(depth: int = 2) -> st.SearchStrategy:
         optional={
             "minimum": st.sampled_from([-3, 0, 0.5, 10]), "maximum": st.sampled_from([1, 2.5, 12, 100]),
             "exclusiveMinimum": st.sampled_from([-1, 0]), "exclusiveMaximum": st.sampled_from([5, 200]),
+            "multipleOf": st.sampled_from([2, 0.5, 3]),
         },
     )  # fmt: skip
     leaf = st.one_of(
