@@ -32,7 +32,10 @@ from typing import Any, Optional
 
 from mlxkv.actors.json_grammar import CLOSED, GrammarTooAmbiguous, JsonGrammar, State, past_prefix, string_step
 
-__all__ = ["ConstrainedRow", "ConstraintBroken", "JsonConstraint", "MaskCache", "TokenBytes", "masked", "token_pieces"]
+__all__ = [
+    "ConstrainedRow", "ConstraintBroken", "JsonConstraint", "MaskCache", "NoTokenAllowed", "TokenBytes", "masked",
+    "token_pieces",
+]  # fmt: skip
 
 #: Bytes of allowed-token vectors a runtime's constraints keep together (one
 #: byte a token a state: about 440 states over 150,000 tokens).
@@ -45,6 +48,12 @@ _CONTINUATION = bytes(range(0x80, 0xC0))
 
 class ConstraintBroken(RuntimeError):
     """A row's token was not one its constraint allowed (a bug, not bad input)."""
+
+
+class NoTokenAllowed(ValueError):
+    """A state the text may go on from where no token of the vocabulary can
+    (the schema asks for bytes the vocabulary has no token for, such as a
+    vocabulary without single-byte tokens)."""
 
 
 class MaskCache:
@@ -226,6 +235,7 @@ class JsonConstraint:
         Raises:
             GrammarTooAmbiguous: a token's text reads more ways at once than
                 the grammar takes.
+            NoTokenAllowed: no token can come next (nothing is kept).
         """
         key = (self.grammar, state)
         found = self.masks.get(key)
@@ -254,6 +264,8 @@ class JsonConstraint:
             self._walk(state, tokens.sorted_pieces, tokens.sorted_ids, mask)
         if self.grammar.complete(state):
             mask[self.end_tokens] = True
+        if not mask.any():
+            raise NoTokenAllowed("no token of the model's vocabulary can continue the JSON text here")
         import mlx.core as mx
 
         kept = mx.array(mask)
@@ -363,7 +375,7 @@ def masked(logits: Any, rows: Sequence[Optional[ConstrainedRow]]) -> tuple[Any, 
             continue
         try:
             masks.append(_widened(row.allowed(), width))
-        except GrammarTooAmbiguous as error:
+        except (GrammarTooAmbiguous, NoTokenAllowed) as error:
             failed.append((index, error))
             masks.append(free)
     return mx.where(mx.stack(masks), logits, mx.array(-mx.inf, dtype=logits.dtype)), failed

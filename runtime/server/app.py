@@ -65,6 +65,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from mlxkv.actors.event_log import EventLog
+from mlxkv.actors.json_constraint import NoTokenAllowed
 from mlxkv.actors.json_grammar import GrammarTooAmbiguous
 from mlxkv.cache.errors import Shown
 from mlxkv.cache.validators import int_at_least
@@ -624,7 +625,7 @@ class _Answering(Response):
         except InvalidInput as invalid:
             error = ApiError.from_error(self._in_request_terms(invalid))
         except ComputeFailed as failure:
-            if isinstance(failure.cause, GrammarTooAmbiguous):  # the request's schema, not the server
+            if isinstance(failure.cause, (GrammarTooAmbiguous, NoTokenAllowed)):  # the request's schema, not the server
                 error = ApiError.from_error(InvalidInput(self._schema_field(), Shown("<schema>"), str(failure.cause)))
             else:
                 _LOG.error("server.compute_failed", request_id=self._id, error=repr(failure.cause))

@@ -19,7 +19,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from mlxkv.actors.json_constraint import ConstrainedRow, ConstraintBroken, JsonConstraint, TokenBytes, masked
+from mlxkv.actors.json_constraint import ConstrainedRow, ConstraintBroken, JsonConstraint, NoTokenAllowed, TokenBytes
+from mlxkv.actors.json_constraint import masked
 from mlxkv.actors.json_constraint import token_pieces
 from mlxkv.actors.json_grammar import JsonGrammar
 
@@ -285,6 +286,27 @@ class TestAllowed:
         out, failed = masked(logits, [ConstrainedRow(alike), ConstrainedRow(fine)])
         assert [row for row, _ in failed] == [0] and mx.array_equal(out[0], logits[0]).item()
         assert np.array_equal(np.isfinite(np.array(out[1])), fine.allowed(fine.grammar.start))
+
+    def test_a_row_no_token_can_continue_fails_alone(self, tokenizers):
+        """A vocabulary without the byte a schema needs next (here ``"``,
+        for a required key): the state is live, no token is; ``allowed``
+        says so (and keeps nothing), ``masked`` names the row, and the
+        other rows are masked."""
+        import mlx.core as mx
+
+        tokens = TokenBytes([b"{", b"}", b"a", b":", b"1", None], 6)
+        keyed = JsonConstraint(JsonGrammar({"properties": {"a": {}}, "required": ["a"]}), tokens, [5])
+        row = ConstrainedRow(keyed)
+        assert np.array(row.allowed()).tolist() == [True, False, False, False, False, False]
+        row.fed(0)
+        with pytest.raises(NoTokenAllowed):
+            row.allowed()
+        assert len(keyed.masks) == 1  # the start's mask alone
+        fine = ConstrainedRow(JsonConstraint(JsonGrammar({"type": "object"}), tokens, [5]))
+        logits = mx.random.normal((2, 6))
+        out, failed = masked(logits, [row, fine])
+        assert [index for index, _ in failed] == [0] and isinstance(failed[0][1], NoTokenAllowed)
+        assert np.isfinite(np.array(out[1])).tolist() == [True, False, False, False, False, False]
 
     def test_masked_leaves_free_rows_alone(self, tokenizers):
         import mlx.core as mx
