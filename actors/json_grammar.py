@@ -228,7 +228,15 @@ class _Node:
 
 
 def _compact(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+    """``value``'s JSON text, with no spaces (an enum's value as it is written).
+
+    Raises:
+        SchemaNotSupported: a value JSON cannot write (NaN, an infinity, an object).
+    """
+    try:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    except (TypeError, ValueError) as error:
+        raise SchemaNotSupported(f"enum and const values must be JSON: {error}") from None
 
 
 class JsonGrammar:

@@ -234,6 +234,8 @@ class TestSchemas:
             ({"type": "string", "enum": ["ab", "c"], "minLength": 3}, "no value of its enum"),
             ({"type": "date"}, "'date'"),
             ({"enum": []}, "non-empty"),
+            ({"items": {"enum": [float("inf")]}, "uniqueItems": True}, "must be JSON"),
+            ({"const": {1, 2}}, "must be JSON"),
             ({"$ref": "#/$defs/Nope"}, "names no definition"),
             ({"$ref": "http://example.com/schema"}, "must be"),
             ({"type": "object", "required": ["a"]}, "need properties"),
