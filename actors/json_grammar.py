@@ -45,8 +45,9 @@ to ``#/$defs/...`` or ``#/definitions/...`` (recursion allowed); on
 strings ``pattern``, ``minLength``, ``maxLength`` and the formats of
 :data:`FORMATS` (:mod:`~mlxkv.actors.json_pattern` holds a string's
 characters to them), on numbers ``minimum``, ``maximum``,
-``exclusiveMinimum``, ``exclusiveMaximum``, ``multipleOf`` (a bounded
-number is written without an exponent, compared exactly). Annotations (``title``,
+``exclusiveMinimum``, ``exclusiveMaximum``, ``multipleOf``
+(:mod:`~mlxkv.actors.json_bounds`: a bounded number is written without an
+exponent, compared exactly). Annotations (``title``,
 ``description``, other ``format`` names...) are read and ignored, as the
 JSON Schema specification makes ``format`` by default. Any other keyword
 is refused (:class:`SchemaNotSupported`): a constraint the text would not
@@ -72,7 +73,8 @@ from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from typing import Any, Optional
 
-from mlxkv.actors.json_pattern import MAX_LEVEL_WORK, MAX_POSITIONS, NumberBounds, PatternNotSupported, StringRule
+from mlxkv.actors.json_bounds import BoundsNotSupported, NumberBounds
+from mlxkv.actors.json_pattern import MAX_LEVEL_WORK, MAX_POSITIONS, PatternNotSupported, StringRule
 
 __all__ = [
     "CLOSED", "FORMATS", "MAX_DEPTH", "MAX_LENGTH", "MAX_SCHEMA_PARTS", "MAX_WAYS", "MAX_WHITESPACE",
@@ -411,7 +413,7 @@ class JsonGrammar:
             raise SchemaNotSupported(f"{where}.multipleOf must be a finite number")
         try:
             return NumberBounds(low, low_open, high, high_open, integer=integer, multiple=multiple)
-        except PatternNotSupported as error:
+        except BoundsNotSupported as error:
             raise SchemaNotSupported(f"{where}: {error}") from None
 
     def _object(self, node: _Node, schema: Mapping, where: str) -> None:
