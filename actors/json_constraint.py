@@ -14,9 +14,11 @@ of them, outside strings). Inside a string, between characters, whether a
 token stays in the string (validly) does not depend on what holds the
 string: those tokens are a vector read once a vocabulary, and only the
 tokens that end the string are walked, from their closing quote on (and
-the same in a reasoning block: tokens without its end marker stay in it). What a
-state allows is cached per constraint (a bounded LRU), so a schema's
-repeated places cost one walk.
+the same in a reasoning block: tokens without its end marker stay in it).
+Inside a string held to a rule, the short tokens of plain characters go
+through the rule's states a byte column at a time, all at once
+(``_plain_taken``); the others are walked. What a state allows is cached
+(a runtime's bounded LRU), so a schema's repeated places cost one walk.
 
 Ownership: a constraint is made on the event loop; from then on its caches
 are read and written on the MLX thread only (every generation's rows
@@ -30,7 +32,9 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any, Optional
 
-from mlxkv.actors.json_grammar import CLOSED, GrammarTooAmbiguous, JsonGrammar, State, past_prefix, string_step
+from mlxkv.actors.json_grammar import (
+    CLOSED, MAX_LENGTH, GrammarTooAmbiguous, JsonGrammar, State, past_prefix, string_step,
+)  # fmt: skip
 
 __all__ = [
     "ConstrainedRow", "ConstraintBroken", "JsonConstraint", "MaskCache", "NoTokenAllowed", "TokenBytes", "masked",
@@ -42,6 +46,8 @@ __all__ = [
 MASK_BYTES = 64 << 20
 #: Places in reasoning end markers whose tokens a vocabulary keeps read.
 MARKERS_KEPT = 32
+#: The longest piece read a column at a time inside a ruled string (longer ones are walked).
+PLAIN_BYTES = 16
 #: UTF-8 continuation bytes (a character's count is its other bytes').
 _CONTINUATION = bytes(range(0x80, 0xC0))
 
@@ -125,18 +131,27 @@ class TokenBytes:
         closing.sort()
         self.closing_pieces = [piece for piece, _ in closing]
         self.closing_ids = [token for _, token in closing]
-        # For a string held to lengths alone: the characters of each piece
-        # that stays in it without an escape (-1: not such a piece), and the
-        # others read there (escapes, a quote ending it) whole, sorted.
-        self.string_chars = np.full(width, -1, dtype=np.int64)
-        counted = []
-        for piece, token in texts:
-            if self.in_string[token] and b"\\" not in piece:
-                self.string_chars[token] = len(piece.translate(None, _CONTINUATION))
-            elif self.in_string[token] or _read_in_string(piece):
-                counted.append((piece, token))
-        self.escaping_pieces = [piece for piece, _ in counted]
-        self.escaping_ids = [token for _, token in counted]
+        # For a string held to a rule: the pieces of plain characters (in the
+        # string, no escape, short), whose every byte goes to the rule, as a
+        # byte matrix (zero-padded) beside their lengths and ids; the other
+        # pieces that may come there (escapes, a quote ending it, long ones,
+        # the rest of a character), read through the grammar, sorted.
+        plain = [(piece, token) for piece, token in texts
+                 if self.in_string[token] and b"\\" not in piece and len(piece) <= PLAIN_BYTES]  # fmt: skip
+        self.plain_bytes = np.frombuffer(
+            b"".join(piece.ljust(PLAIN_BYTES, b"\0") for piece, _ in plain), dtype=np.uint8
+        ).reshape(len(plain), PLAIN_BYTES)
+        self.plain_lengths = np.array([len(piece) for piece, _ in plain], dtype=np.int64)
+        self.plain_ids = np.array([token for _, token in plain], dtype=np.int64)
+        #: Each plain piece's characters (its bytes but UTF-8 continuation bytes).
+        self.plain_chars = np.array([len(piece.translate(None, _CONTINUATION)) for piece, _ in plain], dtype=np.int64)
+        plain_set = {token for _, token in plain}
+        others = [
+            (piece, token) for piece, token in texts
+            if token not in plain_set and (0x80 <= piece[0] <= 0xBF or _read_in_string(piece) is not None)
+        ]  # fmt: skip
+        self.other_pieces = [piece for piece, _ in others]
+        self.other_ids = [token for _, token in others]
         self._free_text: OrderedDict[tuple[bytes, int], tuple[Any, list[bytes], list[int]]] = OrderedDict()
 
     def free_text(self, end: bytes, written: int) -> tuple[Any, list[bytes], list[int]]:
@@ -249,11 +264,18 @@ class JsonConstraint:
             mask, pieces, ids = tokens.free_text(*free)
             mask = mask.copy()
             self._walk(self.grammar.after_free_text(state), pieces, ids, mask)
-        elif (room := self.grammar.string_room(state)) is not None:
-            # A string held to lengths alone: pieces of plain characters are
-            # allowed while they fit; those with escapes or a quote are read.
-            mask = (tokens.string_chars >= 0) & (tokens.string_chars <= room)
-            self._walk(state, tokens.escaping_pieces, tokens.escaping_ids, mask)
+        elif (ruled := self.grammar.in_ruled_string(state)) is not None:
+            # A string held to a rule: its plain pieces are taken while they
+            # fit (lengths alone, between characters), or go through the rule
+            # a byte column at a time, all of them at once; the others are read.
+            rule, at = ruled
+            mask = np.zeros(tokens.width, dtype=bool)
+            if rule.pattern is None and at[0] == rule.start[0]:
+                room = MAX_LENGTH if rule.max_length is None else rule.max_length - at[1]
+                mask[tokens.plain_ids[tokens.plain_chars <= room]] = True
+            else:
+                mask[tokens.plain_ids[_plain_taken(rule, at, tokens)]] = True
+            self._walk(state, tokens.other_pieces, tokens.other_ids, mask)
         elif self.grammar.in_plain_string(state):
             # What stays in the string is allowed whatever holds it; what
             # ends it is read on from its closing quote.
@@ -304,6 +326,46 @@ class JsonConstraint:
                 continue
             prefix = piece[:refused]
             index = past_prefix(pieces, piece[: refused + 1], index + 1, count)
+
+
+def _plain_taken(rule: Any, start: Any, tokens: TokenBytes) -> Any:
+    """Which of ``tokens``' plain pieces ``rule`` reads whole from its state
+    ``start`` (a bool vector over them). The pieces' bytes go through the
+    rule column by column, all pieces at once: the rule's states are
+    numbered as they are met, and each one met gets its row of 256 steps
+    (-1 where a byte cannot come), found once."""
+    import numpy as np
+
+    numbered = {start: 0}
+    states = [start]
+
+    def number(state: Any) -> int:
+        if state is None:
+            return -1
+        if state not in numbered:
+            numbered[state] = len(states)
+            states.append(state)
+        return numbered[state]
+
+    at = np.zeros(len(tokens.plain_ids), dtype=np.int64)
+    table = np.full((1, 256), -1, dtype=np.int64)
+    found = np.zeros(1, dtype=bool)  # whether a state's row is in ``table``
+    going = np.arange(len(at))
+    for column in range(tokens.plain_bytes.shape[1]):
+        going = going[(at[going] >= 0) & (tokens.plain_lengths[going] > column)]
+        if not going.size:
+            break
+        here = at[going]
+        needed = np.unique(here)
+        for index in needed[~found[needed]].tolist():
+            row = [number(rule.step(states[index], byte)) for byte in range(256)]
+            if len(states) > len(table):  # room for the states numbered since
+                grown = max(len(states), 2 * len(table))
+                table = np.concatenate([table, np.full((grown - len(table), 256), -1, dtype=np.int64)])
+                found = np.concatenate([found, np.zeros(grown - len(found), dtype=bool)])
+            table[index], found[index] = row, True
+        at[going] = table[here, tokens.plain_bytes[going, column]]
+    return at >= 0
 
 
 def _read_in_string(piece: bytes) -> Optional[bytes]:

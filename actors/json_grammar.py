@@ -566,19 +566,18 @@ class JsonGrammar:
         nothing else."""
         return all(stack and stack[-1] == ("s", 0) for stack in state)
 
-    def string_room(self, state: State) -> Optional[int]:
-        """Where every way on is inside one string held to lengths alone
-        (no pattern), between characters: how many more characters it may
-        take (what a token of plain characters does there depends on
-        nothing else); else None."""
+    def in_ruled_string(self, state: State) -> Optional[tuple[StringRule, Any]]:
+        """Where every way on is inside one string held to a rule, no escape
+        begun: the rule and its state (what a token of plain characters
+        does there depends on nothing else: each byte goes to the rule);
+        else None."""
         tops = {stack[-1] for stack in state if stack}
         if len(tops) != 1 or not all(state):
             return None
         (top,) = tops
-        if top[0] != "p" or top[1].pattern is not None or top[3] or top[2][0] != top[1].start[0]:
+        if top[0] != "p" or top[3]:
             return None
-        rule, count = top[1], top[2][1]
-        return MAX_LENGTH if rule.max_length is None else rule.max_length - count
+        return top[1], top[2]
 
     def accepts(self, text: bytes) -> bool:
         """Whether ``text`` is, whole, a value the schema allows."""

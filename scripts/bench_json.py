@@ -61,6 +61,7 @@ NAMED = {
         "tag": {"type": "string", "maxLength": 40},
         "day": {"type": "string", "format": "date-time"},
         "score": {"type": "number", "minimum": 0, "maximum": 100},
+        "note": {"type": "string", "pattern": "^(.*x){8}$"},
         "name": {"type": "string"},
     },
     "required": ["name"],
@@ -76,6 +77,7 @@ STATES = (
     ("in a string of maxLength", b'{"tag":"abc'),
     ("in a date-time", b'{"day":"2024-05-06T1'),
     ("in a bounded number", b'{"score":1'),
+    ("in a permissive pattern's string", b'{"note":"axbx'),
 )
 
 

@@ -220,18 +220,23 @@ class TestAllowed:
                 assert grammar.accepts(text)
         assert finished >= 10 and len(checked) >= 30
 
-    @pytest.mark.parametrize("reasoning", [False, True], ids=["schema", "after reasoning"])
-    def test_a_random_vocabulary(self, reasoning):
+    @pytest.mark.parametrize(
+        ("reasoning", "schema"),
+        [(False, SCHEMA), (True, SCHEMA), (False, RULED)],
+        ids=["schema", "after reasoning", "ruled"],
+    )
+    def test_a_random_vocabulary(self, reasoning, schema):
         """Thousands of random multi-byte tokens (quotes, escapes, digits,
-        partial UTF-8, pieces of the reasoning markers mixed in), against the
-        definition."""
+        partial UTF-8, pieces of the reasoning markers mixed in, some longer
+        than a ruled string reads a column at a time), against the definition."""
         rng = random.Random(3)
         alphabet = list(b'{}[]":, \n\t0123456789-+.eEtrufalsnbxyz\\/<>hik') + [0xC3, 0xA9, 0xE6, 0x9D, 0xB1, 0x1F]
         pieces = [bytes([b]) for b in range(256)] + [None]
         pieces += [bytes(rng.choice(alphabet) for _ in range(rng.randint(2, 6))) for _ in range(4000)]
         pieces += [THINK[1][:cut] + tail for cut in range(1, 8) for tail in (b"", b"x", b"\n{", b">{}")]
         pieces += [THINK[1][cut:] + tail for cut in range(1, 8) for tail in (b"", b"x", b"\n{", b"{}")]
-        grammar = JsonGrammar(SCHEMA, reasoning=THINK, reasoning_opened=True) if reasoning else JsonGrammar(SCHEMA)
+        pieces += [bytes(rng.choice(b"abcxyz0123-") for _ in range(rng.randint(17, 24))) for _ in range(50)]
+        grammar = JsonGrammar(schema, reasoning=THINK, reasoning_opened=True) if reasoning else JsonGrammar(schema)
         constraint = JsonConstraint(grammar, TokenBytes(pieces, len(pieces)), [256])
         checked = set()
 
@@ -242,6 +247,9 @@ class TestAllowed:
 
         finished = [random_generation(constraint, rng, check, steps=300) for _ in range(30)]
         assert sum(text is not None for text in finished) >= 10
+        if schema is RULED:  # ruled strings were met, patterned and held to lengths alone
+            rules = {ruled[0] for state in checked if (ruled := grammar.in_ruled_string(state))}
+            assert {rule.pattern is None for rule in rules} == {False, True}
         if reasoning:  # the places in the end marker were met
             assert {grammar.in_free_text(state) for state in checked} >= {(THINK[1], 0), (THINK[1], 2)}
         for text in finished:
