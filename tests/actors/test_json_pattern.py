@@ -264,3 +264,31 @@ class TestInSchemas:
     def test_an_enum_keeps_the_values_its_other_keywords_allow(self):
         grammar = JsonGrammar(SCHEMA["properties"]["level"])
         assert [grammar.accepts(json.dumps(v).encode()) for v in ("low", "high", 3, 40)] == [True, False, True, False]
+
+
+def _regexes(depth: int = 2) -> st.SearchStrategy:
+    """Random patterns of the syntax ECMAScript and Python (``re.ASCII``) read alike over ALPHABET."""
+    atom = st.sampled_from(["a", "b", "-", "é", "中", "\\.", "\\d", "\\w", "\\s", "\\W", ".", "[ab]", "[^a]",
+                            "[a-c9]", "[\\d-]", "[^\\s]", "\\u4e2d", "\\x61"])  # fmt: skip
+    if depth:
+        inner = _regexes(depth - 1)
+        atom = atom | inner.map(lambda p: f"({p})") | inner.map(lambda p: f"(?:{p})")
+    quantifier = st.sampled_from(["", "", "*", "+", "?", "{2}", "{1,2}", "{0,}", "*?", "+?"])
+    piece = st.builds(lambda a, q: a + q, atom, quantifier)
+    branch = st.lists(piece, min_size=1, max_size=3).map("".join)
+    return st.lists(branch, min_size=1, max_size=2).map("|".join)
+
+
+# One level of groups: deeper ones can make Python's backtracking ``re`` (the oracle) take minutes.
+anchored = st.builds(lambda start, body, end: start + body + end, st.sampled_from(["", "^"]), _regexes(1),
+                     st.sampled_from(["", "$"]))  # fmt: skip
+
+
+class TestRandomPatterns:
+    @given(anchored, st.lists(texts, min_size=4, max_size=4))
+    @settings(max_examples=300, deadline=None)
+    def test_a_random_pattern_matches_as_ecmascript_does(self, pattern, samples):
+        rule = StringRule(pattern)
+        for text in samples:
+            expected = re.search(python_pattern(pattern), text, re.ASCII) is not None
+            assert rule.matches(text) == expected, (pattern, text)
