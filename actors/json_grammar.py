@@ -697,14 +697,12 @@ class JsonGrammar:
             return [stack for part in node.alternatives for stack in self._begin(rest, part, byte)]
         if node.literals is not None:
             return self._in_table(rest, node.literals, 0, len(node.literals.texts), 0, byte)
-        if byte == ord("[") and node.unique is not None and "array" in node.types and len(rest) < MAX_DEPTH:
-            return [rest + (("u", node, 0, frozenset(), 0),)]
         types = node.types
         deep = len(rest) >= MAX_DEPTH
         if byte == ord("{") and "object" in types and not deep:
             return [rest + (("o", node, 0, 0, 0),)]
-        if byte == ord("[") and "array" in types and not deep:
-            return [rest + (("a", node, 0, 0, 0),)]
+        if byte == ord("[") and "array" in types and not deep:  # unique items: the values written kept
+            return [rest + (("a", node, 0, 0, 0) if node.unique is None else ("u", node, 0, frozenset(), 0),)]
         if byte == _QUOTE and "string" in types:
             rule = node.string_rule
             return [rest + (("s", 0),)] if rule is None else [rest + (("p", rule, rule.start, b""),)]
@@ -763,8 +761,7 @@ class JsonGrammar:
             value = node.properties[at][2] if node.properties is not None else node.additional
             return [rest + (("o", node, 3, at, 0), ("v", value, 0))]
         # phase 4: after a value
-        more = at < node.max_keys if node.max_keys is not None else True
-        if byte == ord(",") and (_next_keys(node, at) if node.properties is not None else more):
+        if byte == ord(",") and _key_may_follow(node, at):
             return [rest + (("o", node, 1, at, 0),)]
         if byte == ord("}") and _may_close(node, at):
             return self._done(rest)
@@ -936,6 +933,14 @@ def _next_keys(node: _Node, at: int) -> list[int]:
     return keys
 
 
+def _key_may_follow(node: _Node, at: int) -> bool:
+    """Whether another key may come after a value: ``at`` is a closed
+    object's property index, an open object's key count (up to ``maxProperties``)."""
+    if node.properties is not None:
+        return bool(_next_keys(node, at))
+    return node.max_keys is None or at < node.max_keys
+
+
 def _may_close(node: _Node, at: int) -> bool:
     return node.properties is None or not any(name in node.required for name, _, _ in node.properties[at:])
 
@@ -961,8 +966,9 @@ def _number(rest: tuple, where: str, refused: frozenset, bounds: Optional[Number
 def _escape_reading(escape: bytes) -> tuple[Optional[int], list[tuple[int, int]]]:
     """A string escape being written (from its backslash): the code point it
     writes once whole, else None and the code points it may still write
-    (none: it cannot go on). ``\\uXXXX`` writes a surrogate pair's half only
-    as the first of a pair (``\\uD83D\\uDE00``)."""
+    (none: it cannot go on). A ``\\u`` escape of a surrogate pair's first
+    half writes nothing alone: the pair's second escape must follow, and the
+    two write one code point past U+FFFF (``\\uD83D\\uDE00``)."""
     if len(escape) == 1:
         return None, [(0, 0x10FFFF)]
     if len(escape) == 2:
